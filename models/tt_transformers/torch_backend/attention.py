@@ -1,0 +1,62 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Grouped-query attention over a static, preallocated KV cache."""
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .model_config import ModelArgs
+from .rope import apply_rope
+
+
+@dataclass
+class StepInputs:
+    """Everything a forward step shares across layers, computed once per step (not per layer)."""
+
+    cos: torch.Tensor  # [B, T, 1, D] rotary tables at each token's position
+    sin: torch.Tensor
+    rows: torch.Tensor  # [B, 1] cache row (user) of each batch entry
+    positions: torch.Tensor  # [B, T] cache slot each token writes
+    read_rows: Union[slice, torch.Tensor]  # cache rows attention reads: a slice when it is a view
+    kv_len: int  # attention reads cache slots [0, kv_len)
+    mask: Optional[torch.Tensor]  # [B, 1, G*T, kv_len] bool, None when every slot < kv_len is visible
+    # Exact mode: (batch index, token index, cache row, first key, end key) of every real token, each attended by its
+    # own SDPA call over exactly its visible keys. A token's result then never depends on what else shares
+    # the step (CPU flash attention is not row-invariant), so verifying n drafts reproduces n one-token
+    # decodes bit for bit. None: one batched, masked call (prefill).
+    exact_tokens: Optional[list[tuple[int, int, int, int, int]]] = None
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, dtype: torch.dtype):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        qkv_dim = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
+        self.wqkv = nn.Linear(args.dim, qkv_dim, bias=False, dtype=dtype)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, step: StepInputs, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        H, Hk, D = self.n_heads, self.n_kv_heads, self.head_dim
+        qkv = self.wqkv(x).view(B, T, H + 2 * Hk, D)
+        qk = apply_rope(qkv[:, :, : H + Hk], step.cos, step.sin)  # one rotary pass for q and k heads
+        q, k, v = qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + Hk :]
+        # Cache layout [users, Hk, slots, D]; rollback after a rejected draft is by position only.
+        k_cache[step.rows, :, step.positions] = k
+        v_cache[step.rows, :, step.positions] = v
+        G = H // Hk
+        if step.exact_tokens is not None:
+            out = torch.zeros(B, T, H, D, dtype=x.dtype, device=x.device)  # padding tokens attend to nothing
+            for b, t, row, first, end in step.exact_tokens:
+                out[b, t] = F.scaled_dot_product_attention(
+                    q[b, t].view(1, Hk, G, D), k_cache[row, :, first:end].unsqueeze(0),
+                    v_cache[row, :, first:end].unsqueeze(0)).view(H, D)
+            return self.wo(out.view(B, T, H * D))
+        keys = k_cache[step.read_rows, :, : step.kv_len]
+        values = v_cache[step.read_rows, :, : step.kv_len]
+        # Fold each KV group's query heads into the query axis: one SDPA call without repeating K/V.
+        q = q.transpose(1, 2).reshape(B, Hk, G * T, D)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=step.mask)
+        return self.wo(out.view(B, H, T, D).transpose(1, 2).reshape(B, T, H * D))
