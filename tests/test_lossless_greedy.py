@@ -1,0 +1,94 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Greedy speculative decoding is token-identical to plain greedy decoding of the same target (bf16 and fp32)."""
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from models.tt_transformers.speculative.drafters import ModelDrafter
+from models.tt_transformers.speculative.verification import verify_greedy
+from models.tt_transformers.torch_backend.generator import TorchCausalLM
+from models.tt_transformers.torch_backend.model import Transformer
+from models.tt_transformers.torch_backend.model_config import ModelArgs
+from models.tt_transformers.demo.speculative_decoding.speculative_generator import SpeculativeGenerator
+
+N_TOKENS = 32
+
+
+def run(model, prompts, n_draft, draft_layers, max_tokens=N_TOKENS, eos=(), batch=None):
+    target = TorchCausalLM(model, model.args.n_layers, batch or len(prompts))
+    drafter = ModelDrafter(TorchCausalLM(model, draft_layers, batch or len(prompts))) if n_draft else None
+    return [r.output_tokens for r in SpeculativeGenerator(target, drafter, n_draft, eos).generate(prompts, max_tokens)]
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(embedded_bf16, sample_prompt_tokens, embedded_tokenizer):
+    eos = [embedded_tokenizer.eos_token_id]
+    return [run(embedded_bf16, [p], 0, 0, eos=eos)[0] for p in sample_prompt_tokens]
+
+
+@pytest.mark.parametrize("n_draft", [1, 2, 4, 8])
+@pytest.mark.parametrize("draft_layers", [4, 15, 28])
+def test_sample_prompts_identical_to_plain(embedded_bf16, sample_prompt_tokens, embedded_tokenizer, plain_outputs,
+                                           n_draft, draft_layers):
+    """All sample prompts in one batch: each user's speculative output equals its own batch-1 plain output."""
+    outs = run(embedded_bf16, sample_prompt_tokens, n_draft, draft_layers, eos=[embedded_tokenizer.eos_token_id])
+    assert outs == plain_outputs
+
+
+def test_batch1_speculative_identical_to_plain(embedded_bf16, sample_prompt_tokens, embedded_tokenizer, plain_outputs):
+    for prompt, expected in zip(sample_prompt_tokens, plain_outputs):
+        assert run(embedded_bf16, [prompt], 4, 20, eos=[embedded_tokenizer.eos_token_id])[0] == expected
+
+
+@st.composite
+def tiny_models(draw):
+    n_kv = draw(st.sampled_from([1, 2, 4]))
+    args = ModelArgs(dim=32, n_layers=draw(st.integers(2, 4)), n_heads=4, n_kv_heads=n_kv, head_dim=8,
+                     hidden_dim=48, vocab_size=draw(st.sampled_from([7, 64])), norm_eps=1e-5,
+                     rope_theta=10000.0, rope_scaling=None, tie_word_embeddings=draw(st.booleans()),
+                     sliding_window=draw(st.sampled_from([None, 3, 8])), max_position_embeddings=128,
+                     model_type="llama")
+    torch.manual_seed(draw(st.integers(0, 2**16)))
+    model = Transformer(args, draw(st.sampled_from([torch.bfloat16, torch.float32])), max_seq_len=64).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.5)  # peaked distributions, so small drafts agree sometimes
+    return model
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(model=tiny_models(), data=st.data())
+def test_generated_cases_identical_to_plain(model, data):
+    """Random small models, prompts, draft lengths, draft depths, batch sizes, EOS and cache limits."""
+    vocab = model.args.vocab_size
+    n_users = data.draw(st.integers(1, 3))
+    prompts = [data.draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=20)) for _ in range(n_users)]
+    n_draft = data.draw(st.integers(1, 8))
+    draft_layers = data.draw(st.integers(1, model.args.n_layers - 1))
+    max_tokens = data.draw(st.integers(1, 60))  # up to past max_seq_len=64: must stop cleanly at the cache end
+    eos = data.draw(st.sampled_from([(), (0,)]))
+    plain = [run(model, [p], 0, 0, max_tokens, eos)[0] for p in prompts]
+    assert run(model, prompts, n_draft, draft_layers, max_tokens, eos) == plain
+    for p, out in zip(prompts, plain):
+        assert len(p) + len(out) <= model.max_seq_len
+        assert len(out) <= max_tokens
+
+
+def test_verify_greedy():
+    assert verify_greedy([5, 6, 7], [5, 6, 7, 8]) == [5, 6, 7, 8]  # all accepted + bonus token
+    assert verify_greedy([5, 6, 7], [5, 9, 7, 8]) == [5, 9]  # first mismatch: the target's correction
+    assert verify_greedy([5], [4, 1]) == [4]
+    assert verify_greedy([], [3]) == [3]  # no draft: plain decoding
+    with pytest.raises(AssertionError):
+        verify_greedy([1, 2], [1, 2])
+
+
+def test_eos_inside_accepted_draft_stops(embedded_bf16):
+    """An EOS inside an accepted run of drafts ends generation at the EOS, as plain decoding would."""
+    prompt = [1, 504, 3575, 282]
+    plain = run(embedded_bf16, [prompt], 0, 0, 40)[0]
+    eos = plain[5]  # a token plain decoding emits mid-sequence, used as EOS: plain stops there
+    expected = plain[: plain.index(eos) + 1]
+    assert run(embedded_bf16, [prompt], 0, 0, 40, eos=[eos])[0] == expected
+    assert run(embedded_bf16, [prompt], 8, 29, 40, eos=[eos])[0] == expected
