@@ -1,0 +1,138 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Benchmark on the embedded default model: plain decoding vs speculative decoding, vs HF, vs the bandwidth floor.
+
+    make bench                       # or: python benchmarks/bench_speculative.py --max_generated_tokens 64
+
+Everything is measured in this one run on this machine: our plain decode (bf16 and float32), Hugging Face
+greedy `generate` on the same weights, the memory-bandwidth floor (weight bytes read per token / measured read
+bandwidth), and speculative decoding with layer-truncated drafts (acceptance, tokens per target forward,
+speedup over our plain path). Prints a table and writes JSON.
+"""
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+from loguru import logger
+
+from models.tt_transformers.demo.speculative_decoding.speculative_demo import encode, load_prompts, write_json_atomic
+from models.tt_transformers.demo.speculative_decoding.speculative_generator import SpeculativeGenerator
+from models.tt_transformers.speculative.drafters import ModelDrafter
+from models.tt_transformers.torch_backend.checkpoint import load_model, load_tokenizer, resolve_checkpoint
+from models.tt_transformers.torch_backend.generator import TorchCausalLM
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def read_bandwidth_gb_s() -> float:
+    x = torch.ones(256 * 1024 * 1024 // 4)  # 256 MiB, far beyond the caches
+    x.sum()
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - start)
+    return x.numel() * 4 / best / 1e9
+
+
+def run_ours(model, prompts, n_draft, draft_layers, n_tokens):
+    target = TorchCausalLM(model, model.args.n_layers, 1)
+    drafter = ModelDrafter(TorchCausalLM(model, draft_layers, 1)) if n_draft else None
+    gen = SpeculativeGenerator(target, drafter, n_draft)
+    gen.generate(prompts[:1], 4, stop_at_eos=False)  # warm-up
+    results = [gen.generate([p], n_tokens, stop_at_eos=False)[0] for p in prompts]
+    produced = sum(len(r.output_tokens) - 1 for r in results)
+    decode_s = sum(r.decode_s for r in results)
+    drafted = sum(it.drafted for r in results for it in r.iterations)
+    accepted = sum(it.accepted for r in results for it in r.iterations)
+    steps = sum(len(r.iterations) for r in results)
+    return {"ms_per_token": 1e3 * decode_s / produced, "tok_s": produced / decode_s,
+            "acceptance_rate": accepted / drafted if drafted else 0.0, "tokens_per_step": produced / steps,
+            "outputs": [r.output_tokens for r in results]}
+
+
+def hf_ms_per_token(folder, dtype, prompts, n_tokens) -> float:
+    """Decode-only ms/token of HF greedy generate: (time for n tokens - time for 1 token) / (n - 1)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+
+    def timed(p, n):
+        ids = torch.tensor([p])
+        start = time.perf_counter()
+        hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        return time.perf_counter() - start
+
+    timed(prompts[0], 4)
+    total = sum(timed(p, n_tokens) - timed(p, 1) for p in prompts)
+    return 1e3 * total / (len(prompts) * (n_tokens - 1))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--input_prompts", default=str(REPO / "sample_prompts.json"))
+    ap.add_argument("--max_generated_tokens", type=int, default=64)
+    ap.add_argument("--draft_layers", type=int, nargs="+", default=[8, 20, 25])
+    ap.add_argument("--n_draft_tokens", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--output_json", default=str(REPO / "bench_results" / "bench_speculative.json"))
+    args = ap.parse_args()
+    logger.remove()
+    logger.add(sys.stderr, level="WARNING")
+
+    ckpt = resolve_checkpoint(None)
+    tok = load_tokenizer(ckpt)
+    prompts = [encode(tok, p, True) for p in load_prompts(args.input_prompts)]
+    n = args.max_generated_tokens
+    report = {"machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+                          "torch": torch.__version__},
+              "model": ckpt.name, "prompts": len(prompts), "max_generated_tokens": n}
+
+    bw = read_bandwidth_gb_s()
+    bf16 = load_model(ckpt, torch.bfloat16, 1024)
+    floor_ms = bf16.args.weight_bytes_per_token(bf16.args.n_layers, 2) / (bw * 1e9) * 1e3
+    plain = {"bfloat16": run_ours(bf16, prompts, 0, 0, n)}
+    plain["float32"] = run_ours(load_model(ckpt, torch.float32, 1024), prompts, 0, 0, n)
+    hf = {name: hf_ms_per_token(ckpt.folder, dt, prompts, n) for name, dt in
+          [("bfloat16", torch.bfloat16), ("float32", torch.float32)]}
+    report["plain"] = {"read_bandwidth_gb_s": bw, "floor_ms_per_token_bf16": floor_ms,
+                       **{f"ours_{k}_ms_per_token": v["ms_per_token"] for k, v in plain.items()},
+                       **{f"hf_{k}_ms_per_token": v for k, v in hf.items()}}
+
+    print(f"\nPlain greedy decode, {ckpt.name}, {len(prompts)} prompts x {n} tokens, {torch.get_num_threads()} threads")
+    print("| decoder | ms/token | vs HF same dtype | vs bandwidth floor |")
+    print("|---|---|---|---|")
+    for k in ("bfloat16", "float32"):
+        ours = plain[k]["ms_per_token"]
+        print(f"| ours {k} | {ours:.1f} | {hf[k] / ours:.2f}x faster | {ours / floor_ms:.2f}x floor |")
+        print(f"| HF generate {k} | {hf[k]:.1f} | 1.00x | {hf[k] / floor_ms:.2f}x floor |")
+    print(f"| floor (bf16 weights {bf16.args.weight_bytes_per_token(bf16.args.n_layers, 2) / 1e6:.0f} MB / "
+          f"{bw:.1f} GB/s) | {floor_ms:.1f} | | 1.00x |")
+
+    rows = []
+    base = plain["bfloat16"]
+    for layers in args.draft_layers:
+        for k in args.n_draft_tokens:
+            r = run_ours(bf16, prompts, k, layers, n)
+            rows.append({"draft_layers": layers, "n_draft_tokens": k, "acceptance_rate": r["acceptance_rate"],
+                         "tokens_per_step": r["tokens_per_step"], "ms_per_token": r["ms_per_token"],
+                         "speedup": base["ms_per_token"] / r["ms_per_token"],
+                         "identical_to_plain": r["outputs"] == base["outputs"]})
+    report["speculative_layer_draft"] = rows
+    print(f"\nSpeculative decoding with the target's first N layers as draft (bf16, plain = "
+          f"{base['ms_per_token']:.1f} ms/token)")
+    print("| draft_layers | n_draft | acceptance | tokens/target forward | ms/token | speedup vs plain | identical |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['draft_layers']} | {r['n_draft_tokens']} | {100 * r['acceptance_rate']:.1f}% | "
+              f"{r['tokens_per_step']:.2f} | {r['ms_per_token']:.1f} | {r['speedup']:.2f}x | {r['identical_to_plain']} |")
+    write_json_atomic(Path(args.output_json), report)
+    print(f"\nJSON: {args.output_json}")
+
+
+if __name__ == "__main__":
+    main()
