@@ -20,7 +20,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 from loguru import logger
 
-from models.tt_transformers.demo.speculative_decoding.speculative_demo import encode, load_prompts, write_json_atomic
+from models.tt_transformers.demo.speculative_decoding.speculative_demo import (
+    encode,
+    load_prompts,
+    summarize,
+    write_json_atomic,
+)
 from models.tt_transformers.demo.speculative_decoding.speculative_generator import SpeculativeGenerator
 from models.tt_transformers.speculative.drafters import ModelDrafter
 from models.tt_transformers.torch_backend.checkpoint import load_model, load_tokenizer, resolve_checkpoint
@@ -46,13 +51,9 @@ def run_ours(model, prompts, n_draft, draft_layers, n_tokens):
     gen = SpeculativeGenerator(target, drafter, n_draft)
     gen.generate(prompts[:1], 4, stop_at_eos=False)  # warm-up
     results = [gen.generate([p], n_tokens, stop_at_eos=False)[0] for p in prompts]
-    produced = sum(len(r.output_tokens) - 1 for r in results)
-    decode_s = sum(r.decode_s for r in results)
-    drafted = sum(it.drafted for r in results for it in r.iterations)
-    accepted = sum(it.accepted for r in results for it in r.iterations)
-    steps = sum(len(r.iterations) for r in results)
-    return {"ms_per_token": 1e3 * decode_s / produced, "tok_s": produced / decode_s,
-            "acceptance_rate": accepted / drafted if drafted else 0.0, "tokens_per_step": produced / steps,
+    s = summarize([[r] for r in results])  # each prompt is its own batch of one
+    return {"ms_per_token": 1e3 / s["decode_tok_s"], "tok_s": s["decode_tok_s"],
+            "acceptance_rate": s["acceptance_rate"], "tokens_per_step": s["mean_tokens_per_step"],
             "outputs": [r.output_tokens for r in results]}
 
 

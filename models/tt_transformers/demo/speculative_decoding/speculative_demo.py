@@ -12,7 +12,7 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import field, make_dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -22,9 +22,9 @@ if __name__ == "__main__":  # `python path/to/speculative_demo.py` from anywhere
 from loguru import logger
 
 from models.tt_transformers.demo.speculative_decoding.speculative_generator import (
-    MAX_DRAFT_TOKENS,
     SpeculativeGenerator,
     UserResult,
+    check_n_draft_tokens,
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[4]
@@ -54,22 +54,9 @@ class DemoInputError(ValueError):
     """Bad demo input; the message names the problem and the fix."""
 
 
-@dataclass
-class DemoConfig:
-    input_prompts: str = str(DEFAULT_PROMPTS)
-    instruct: int = 1
-    max_seq_len: int = 1024
-    batch_size: int = 1
-    max_generated_tokens: int = 128
-    stop_at_eos: int = 1
-    n_draft_tokens: int = 4
-    draft_layers: int = 8
-    target_layers: Optional[int] = None
-    draft_model: Optional[str] = None
-    compare_baseline: int = 1
-    output_json: Optional[str] = None
-    model: Optional[str] = None
-    dtype: str = "bfloat16"
+# The demo's settings, one field per option, with the same defaults.
+DemoConfig = make_dataclass("DemoConfig", [(name, Optional[type_], field(default=default))
+                                           for name, type_, default, _ in DEMO_OPTIONS])
 
 
 def load_prompts(path: str) -> list[str]:
@@ -130,8 +117,7 @@ def build(config: DemoConfig):
     dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32}
     if config.dtype not in dtypes:
         raise DemoInputError(f"--dtype {config.dtype!r} is not supported; use bfloat16 or float32")
-    if not 0 <= config.n_draft_tokens <= MAX_DRAFT_TOKENS:
-        raise DemoInputError(f"--n_draft_tokens must be between 0 and {MAX_DRAFT_TOKENS}, got {config.n_draft_tokens}")
+    check_n_draft_tokens(config.n_draft_tokens)  # before any loading
     if config.max_generated_tokens < 1:
         raise DemoInputError(f"--max_generated_tokens must be >= 1, got {config.max_generated_tokens}")
     if config.max_seq_len < 2:

@@ -41,11 +41,15 @@ class UserResult:
         return (len(self.output_tokens) - 1) / self.decode_s if self.decode_s > 0 else 0.0
 
 
+def check_n_draft_tokens(n_draft_tokens: int) -> None:
+    if not 0 <= n_draft_tokens <= MAX_DRAFT_TOKENS:
+        raise ValueError(f"--n_draft_tokens must be between 0 and {MAX_DRAFT_TOKENS}, got {n_draft_tokens}")
+
+
 class SpeculativeGenerator:
     def __init__(self, target: CausalLM, drafter: Optional[Drafter], n_draft_tokens: int,
                  eos_token_ids: Sequence[int] = ()):
-        if not 0 <= n_draft_tokens <= MAX_DRAFT_TOKENS:
-            raise ValueError(f"n_draft_tokens must be between 0 and {MAX_DRAFT_TOKENS}, got {n_draft_tokens}")
+        check_n_draft_tokens(n_draft_tokens)
         if n_draft_tokens > 0 and drafter is None:
             raise ValueError("n_draft_tokens > 0 needs a drafter")
         self.target, self.n_draft_tokens = target, n_draft_tokens
