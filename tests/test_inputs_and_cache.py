@@ -94,6 +94,8 @@ def demo(tmp_path, **kw):
     ({"max_seq_len": 8}, "leaves no room to generate within max_seq_len=8"),
     ({"batch_size": 5}, "--batch_size 5 is not supported"),
     ({"dtype": "int4"}, "--dtype 'int4' is not supported"),
+    ({"draft_mode": "ngram"}, "--draft_mode 'ngram' is not one of model, suffix, hybrid"),
+    ({"sa_threshold": 0}, "--sa_threshold must be >= 1"),
 ])
 def test_demo_rejects_bad_flags(tmp_path, embedded_checkpoint, overrides, message):
     with pytest.raises(ValueError, match=message):
@@ -128,3 +130,10 @@ def test_gguf_conversion_is_cached_and_atomic(tmp_path, monkeypatch):
     assert time.perf_counter() - start < 1.0 and first == second and len(calls) == 1
     assert json.loads((first.folder / "source.json").read_text())["gguf"].endswith(checkpoint.EMBEDDED_GGUF)
     assert [p.name for p in first.folder.parent.iterdir()] == ["hf"]
+
+
+def test_suffix_mode_needs_no_draft_layers(tmp_path, embedded_checkpoint):
+    """--draft_mode suffix builds no draft model, so an out-of-range --draft_layers does not matter."""
+    report = run_demo(demo(tmp_path, draft_mode="suffix", draft_layers=99, compare_baseline=1))
+    assert report["summary"]["identical_to_baseline"]
+    assert {it["draft_source"] for p in report["prompts"] for it in p["iterations"]} <= {"suffix", "none"}

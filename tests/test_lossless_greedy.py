@@ -5,20 +5,37 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from models.tt_transformers.speculative.drafters import ModelDrafter
+from models.tt_transformers.speculative.drafters import HybridDrafter, ModelDrafter, SuffixDrafter
 from models.tt_transformers.speculative.verification import verify_greedy
 from models.tt_transformers.torch_backend.generator import TorchCausalLM
 from models.tt_transformers.torch_backend.model import Transformer
 from models.tt_transformers.torch_backend.model_config import ModelArgs
+from models.tt_transformers.demo.speculative_decoding.speculative_demo import encode
 from models.tt_transformers.demo.speculative_decoding.speculative_generator import SpeculativeGenerator
 
 N_TOKENS = 32
 
 
-def run(model, prompts, n_draft, draft_layers, max_tokens=N_TOKENS, eos=(), batch=None):
-    target = TorchCausalLM(model, model.args.n_layers, batch or len(prompts))
-    drafter = ModelDrafter(TorchCausalLM(model, draft_layers, batch or len(prompts))) if n_draft else None
-    return [r.output_tokens for r in SpeculativeGenerator(target, drafter, n_draft, eos).generate(prompts, max_tokens)]
+def make_drafter(model, mode, draft_layers, batch, sa_threshold=4):
+    """The drafter the demo builds for --draft_mode (hybrid with an adaptive model draft)."""
+    if mode == "suffix":
+        return SuffixDrafter(sa_threshold)
+    lm = TorchCausalLM(model, draft_layers, batch)
+    if mode == "model":
+        return ModelDrafter(lm)
+    return HybridDrafter(SuffixDrafter(sa_threshold), ModelDrafter(lm, draft_cost=draft_layers / model.args.n_layers))
+
+
+def run_results(model, prompts, n_draft, draft_layers, max_tokens=N_TOKENS, eos=(), batch=None, mode="model",
+                sa_threshold=4):
+    batch = batch or len(prompts)
+    target = TorchCausalLM(model, model.args.n_layers, batch)
+    drafter = make_drafter(model, mode, draft_layers, batch, sa_threshold) if n_draft else None
+    return SpeculativeGenerator(target, drafter, n_draft, eos).generate(prompts, max_tokens)
+
+
+def run(*args, **kwargs):
+    return [r.output_tokens for r in run_results(*args, **kwargs)]
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +58,22 @@ def test_batch1_speculative_identical_to_plain(embedded_bf16, sample_prompt_toke
         assert run(embedded_bf16, [prompt], 4, 20, eos=[embedded_tokenizer.eos_token_id])[0] == expected
 
 
+@pytest.mark.parametrize("mode", ["suffix", "hybrid"])
+@pytest.mark.parametrize("n_draft", [4, 16])
+def test_suffix_and_hybrid_identical_to_plain(embedded_bf16, embedded_tokenizer, sample_prompt_tokens, mode, n_draft):
+    """Sample prompts plus a copy-heavy one, batched; suffix drafts must actually be made and accepted."""
+    eos = [embedded_tokenizer.eos_token_id]
+    code = "def area(w, h):\n    return w * h\n\ndef perimeter(w, h):\n    return 2 * (w + h)\n"
+    copy = encode(embedded_tokenizer, f"Rename w to width and h to height in this code:\n{code}", True)
+    prompts = sample_prompt_tokens[:3] + [copy]
+    plain = [run(embedded_bf16, [p], 0, 0, 48, eos=eos)[0] for p in prompts]
+    results = run_results(embedded_bf16, prompts, n_draft, 8, 48, eos=eos, mode=mode)
+    assert [r.output_tokens for r in results] == plain
+    suffix_iters = [it for it in results[-1].iterations if it.draft_source == "suffix"]
+    assert suffix_iters and sum(it.accepted for it in suffix_iters) > 0
+    assert all(it.match_len >= 4 for it in suffix_iters)
+
+
 @st.composite
 def tiny_models(draw):
     n_kv = draw(st.sampled_from([1, 2, 4]))
@@ -57,10 +90,10 @@ def tiny_models(draw):
     return model
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(model=tiny_models(), data=st.data())
 def test_generated_cases_identical_to_plain(model, data):
-    """Random small models, prompts, draft lengths, draft depths, batch sizes, EOS and cache limits."""
+    """Random small models, prompts, draft modes, draft lengths and depths, batch sizes, EOS and cache limits."""
     vocab = model.args.vocab_size
     n_users = data.draw(st.integers(1, 3))
     prompts = [data.draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=20)) for _ in range(n_users)]
@@ -68,8 +101,10 @@ def test_generated_cases_identical_to_plain(model, data):
     draft_layers = data.draw(st.integers(1, model.args.n_layers - 1))
     max_tokens = data.draw(st.integers(1, 60))  # up to past max_seq_len=64: must stop cleanly at the cache end
     eos = data.draw(st.sampled_from([(), (0,)]))
+    mode = data.draw(st.sampled_from(["model", "suffix", "hybrid"]))
+    sa_threshold = data.draw(st.integers(1, 4))
     plain = [run(model, [p], 0, 0, max_tokens, eos)[0] for p in prompts]
-    assert run(model, prompts, n_draft, draft_layers, max_tokens, eos) == plain
+    assert run(model, prompts, n_draft, draft_layers, max_tokens, eos, mode=mode, sa_threshold=sa_threshold) == plain
     for p, out in zip(prompts, plain):
         assert len(p) + len(out) <= model.max_seq_len
         assert len(out) <= max_tokens

@@ -1,9 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """Draft sources behind one small interface, so the generation loop never knows what drafted."""
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Optional, Protocol, Sequence
 
 from .backend import CausalLM
+from .draft_length import CPU_VERIFY_COST, DraftLengthPolicy, suffix_cap
+from .suffix_automaton import SuffixAutomaton
+
+DEFAULT_SA_THRESHOLD = 4  # minimum match length for a suffix draft (TensorRT-LLM's default)
 
 
 @dataclass
@@ -32,19 +36,29 @@ class ModelDrafter:
     The draft cache holds a prefix of the user's context. Each proposal first feeds the tokens it has not seen
     (one or two normally, more after iterations in which another source drafted), then one token per step. The
     drafts it fed stay valid as far as the target accepted them; everything after is overwritten later.
+
+    draft_cost: one draft token's cost in target forwards (about draft layers / target layers). When given, the
+    draft length adapts to recent acceptance (DraftLengthPolicy) and drafting pauses while it does not pay;
+    when None every draft has the full requested length.
     """
 
-    def __init__(self, lm: CausalLM):
+    def __init__(self, lm: CausalLM, draft_cost: Optional[float] = None, verify_cost: float = CPU_VERIFY_COST):
         self.lm = lm
+        self.draft_cost, self.verify_cost = draft_cost, verify_cost
         self.cache_len: dict[int, int] = {}
         self.fed: dict[int, tuple[int, int]] = {}  # user -> (context length at proposal, drafts fed)
+        self.policies: dict[int, DraftLengthPolicy] = {}
 
     def start(self, users, prompts):
         self.lm.argmax([list(p) for p in prompts], [0] * len(users), list(users), last_only=True)
         self.cache_len = {u: len(p) for u, p in zip(users, prompts)}
         self.fed = {}
+        if self.draft_cost is not None:
+            self.policies = {u: DraftLengthPolicy(self.draft_cost, self.verify_cost) for u in users}
 
     def propose(self, users, contexts, max_tokens):
+        if self.policies:
+            max_tokens = [self.policies[u].next_length(n) if n > 0 else 0 for u, n in zip(users, max_tokens)]
         drafts = {u: [] for u in users}
         live = [(u, ctx) for u, ctx, n in zip(users, contexts, max_tokens) if n > 0]
         if live:
@@ -70,3 +84,71 @@ class ModelDrafter:
         if user in self.fed:
             context_len, n_fed = self.fed.pop(user)
             self.cache_len[user] = context_len + min(n_accepted, n_fed)
+            if self.policies:
+                self.policies[user].update(n_fed + 1, n_accepted)
+
+
+class SuffixDrafter:
+    """Model-free drafts: the continuation of the longest earlier match in the user's own text.
+
+    One `SuffixAutomaton` per user over prompt + generated tokens, extended with every new token. A user whose
+    longest earlier match is shorter than `threshold` gets no draft, so the target decodes one token exactly as
+    plain decoding does. A draft is at most max_spec_factor * match_len tokens and at most what the user's
+    DraftLengthPolicy (draft cost 0) finds worth verifying.
+    """
+
+    def __init__(self, threshold: int = DEFAULT_SA_THRESHOLD, max_spec_factor: float = 1.0,
+                 verify_cost: float = CPU_VERIFY_COST):
+        if threshold < 1:
+            raise ValueError(f"sa_threshold must be >= 1, got {threshold}")
+        self.threshold, self.max_spec_factor, self.verify_cost = threshold, max_spec_factor, verify_cost
+        self.automata: dict[int, SuffixAutomaton] = {}
+        self.policies: dict[int, DraftLengthPolicy] = {}
+        self.drafted: dict[int, int] = {}
+
+    def start(self, users, prompts):
+        self.automata = {u: SuffixAutomaton(p) for u, p in zip(users, prompts)}
+        self.policies = {u: DraftLengthPolicy(0.0, self.verify_cost) for u in users}
+        self.drafted = {}
+
+    def propose(self, users, contexts, max_tokens):
+        drafts = []
+        for u, ctx, n in zip(users, contexts, max_tokens):
+            sam = self.automata[u]
+            for t in ctx[len(sam.tokens):]:
+                sam.extend(t)
+            tokens, match_len = [], 0
+            if n > 0 and sam.match_len >= self.threshold:
+                n = min(n, suffix_cap(sam.match_len, self.max_spec_factor), self.policies[u].next_length(n))
+                tokens, match_len = sam.propose(n, self.threshold)
+            self.drafted[u] = len(tokens)
+            drafts.append(Draft(tokens, "suffix" if tokens else "none", match_len))
+        return drafts
+
+    def accept(self, user, new_tokens, n_accepted):
+        self.policies[user].update(self.drafted.pop(user, 0), n_accepted)
+
+
+class HybridDrafter:
+    """Per user and iteration: the suffix draft when its match reaches the threshold, else the draft model."""
+
+    def __init__(self, suffix: SuffixDrafter, model: ModelDrafter):
+        self.suffix, self.model = suffix, model
+
+    def start(self, users, prompts):
+        self.suffix.start(users, prompts)
+        self.model.start(users, prompts)
+
+    def propose(self, users, contexts, max_tokens):
+        drafts = self.suffix.propose(users, contexts, max_tokens)
+        fallback = [i for i, d in enumerate(drafts) if not d.tokens and max_tokens[i] > 0]
+        if fallback:
+            model_drafts = self.model.propose([users[i] for i in fallback], [contexts[i] for i in fallback],
+                                              [max_tokens[i] for i in fallback])
+            for i, d in zip(fallback, model_drafts):
+                drafts[i] = d
+        return drafts
+
+    def accept(self, user, new_tokens, n_accepted):
+        self.suffix.accept(user, new_tokens, n_accepted)  # each source learns only from its own drafts
+        self.model.accept(user, new_tokens, n_accepted)

@@ -26,10 +26,12 @@ from models.tt_transformers.demo.speculative_decoding.speculative_generator impo
     UserResult,
     check_n_draft_tokens,
 )
+from models.tt_transformers.speculative.drafters import DEFAULT_SA_THRESHOLD
 
 REPO_ROOT = Path(__file__).resolve().parents[4]
 DEFAULT_PROMPTS = REPO_ROOT / "sample_prompts.json"
 SUPPORTED_BATCH_SIZES = (1, 2, 4, 8, 16, 32)  # as TT-Transformers demos
+DRAFT_MODES = ("model", "suffix", "hybrid")
 
 # (name, type, default, help): the pytest options (root conftest.py) and the CLI flags come from this one table.
 DEMO_OPTIONS = [
@@ -40,6 +42,9 @@ DEMO_OPTIONS = [
     ("max_generated_tokens", int, 128, "tokens to generate per user"),
     ("stop_at_eos", int, 1, "1: stop a user at the end-of-sequence token"),
     ("n_draft_tokens", int, 4, "draft tokens verified per target forward; 0 = plain decoding"),
+    ("draft_mode", str, "hybrid", "model: draft model only; suffix: suffix automaton only (no draft model); "
+                                  "hybrid: suffix draft when its match is long enough, else the draft model"),
+    ("sa_threshold", int, DEFAULT_SA_THRESHOLD, "minimum suffix match length (tokens) for a suffix draft"),
     ("draft_layers", int, 8, "layers of the target used as the draft model (weights shared)"),
     ("target_layers", int, None, "truncate the target to its first N layers (default: all)"),
     ("draft_model", str, None, "separate draft checkpoint (folder or .gguf) with the same tokenizer"),
@@ -110,7 +115,7 @@ def build(config: DemoConfig):
     """Load target, draft and tokenizer on the torch backend; validate every flag first."""
     import torch
 
-    from models.tt_transformers.speculative.drafters import ModelDrafter
+    from models.tt_transformers.speculative.drafters import HybridDrafter, ModelDrafter, SuffixDrafter
     from models.tt_transformers.torch_backend.checkpoint import load_model, load_tokenizer, resolve_checkpoint
     from models.tt_transformers.torch_backend.generator import TorchCausalLM
 
@@ -118,6 +123,10 @@ def build(config: DemoConfig):
     if config.dtype not in dtypes:
         raise DemoInputError(f"--dtype {config.dtype!r} is not supported; use bfloat16 or float32")
     check_n_draft_tokens(config.n_draft_tokens)  # before any loading
+    if config.draft_mode not in DRAFT_MODES:
+        raise DemoInputError(f"--draft_mode {config.draft_mode!r} is not one of {', '.join(DRAFT_MODES)}")
+    if config.sa_threshold < 1:
+        raise DemoInputError(f"--sa_threshold must be >= 1 (tokens of matched suffix), got {config.sa_threshold}")
     if config.max_generated_tokens < 1:
         raise DemoInputError(f"--max_generated_tokens must be >= 1, got {config.max_generated_tokens}")
     if config.max_seq_len < 2:
@@ -138,19 +147,38 @@ def build(config: DemoConfig):
 
     drafter = None
     if config.n_draft_tokens > 0:
-        if config.draft_model:
+        draft_lm = None
+        if config.draft_mode != "suffix" and config.draft_model:
             draft_ckpt = resolve_checkpoint(config.draft_model)
             check_same_tokenizer(tokenizer, load_tokenizer(draft_ckpt), config.draft_model)
             draft_model = load_model(draft_ckpt, dtype, config.max_seq_len, device)
-            drafter = ModelDrafter(TorchCausalLM(draft_model, draft_model.args.n_layers, config.batch_size))
-        else:
+            draft_lm = TorchCausalLM(draft_model, draft_model.args.n_layers, config.batch_size)
+        elif config.draft_mode != "suffix":
             if not 1 <= config.draft_layers < target_layers:
                 raise DemoInputError(f"--draft_layers {config.draft_layers} must be between 1 and {target_layers - 1} "
                                      f"(the target runs {target_layers} layers); lower --draft_layers")
-            drafter = ModelDrafter(TorchCausalLM(model, config.draft_layers, config.batch_size))
+            draft_lm = TorchCausalLM(model, config.draft_layers, config.batch_size)
+        suffix = SuffixDrafter(config.sa_threshold)
+        if config.draft_mode == "model":
+            drafter = ModelDrafter(draft_lm)  # every draft has the full n_draft_tokens
+        elif config.draft_mode == "suffix":
+            drafter = suffix
+        else:  # hybrid: the model drafts only while its acceptance pays for its cost
+            draft_cost = (draft_lm.model.args.weight_bytes_per_token(draft_lm.n_layers, 1)
+                          / model.args.weight_bytes_per_token(target_layers, 1))
+            drafter = HybridDrafter(suffix, ModelDrafter(draft_lm, draft_cost))
     eos = sorted(set(ckpt.eos_token_ids) | {tokenizer.eos_token_id} - {None})
     tokens = [encode(tokenizer, p, bool(config.instruct)) for p in prompts]
     return ckpt, tokenizer, target, drafter, prompts, tokens, eos
+
+
+def describe_drafter(config: DemoConfig) -> str:
+    if config.n_draft_tokens == 0:
+        return "plain decoding"
+    model = config.draft_model or f"first {config.draft_layers} layers"
+    suffix = f"suffix automaton (threshold {config.sa_threshold})"
+    return {"model": f"draft model {model}", "suffix": suffix,
+            "hybrid": f"hybrid: {suffix}, else draft model {model}"}[config.draft_mode]
 
 
 def summarize(batches: list[list[UserResult]]) -> dict:
@@ -195,8 +223,7 @@ def run_demo(config: DemoConfig) -> dict:
     spec.generate(tokens[:1], 4, bool(config.stop_at_eos))  # warm-up (first-call kernel set-up), not timed
 
     logger.info(f"Speculative decoding: {ckpt.name}, {target.n_layers} target layers, batch {config.batch_size}, "
-                f"n_draft_tokens={config.n_draft_tokens}, "
-                f"draft={'none' if drafter is None else (config.draft_model or f'first {config.draft_layers} layers')}")
+                f"n_draft_tokens={config.n_draft_tokens}, {describe_drafter(config)}")
     results = generate_all(spec, tokens, batches, config)
     summary = summarize(results)
     log_performance("speculative", summary)

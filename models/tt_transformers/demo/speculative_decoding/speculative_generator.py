@@ -6,6 +6,7 @@ torch backend here and a ttnn backend on a Tenstorrent device. With no drafter (
 plain autoregressive decoding on the same backend, which is what speed is compared against.
 """
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -44,6 +45,15 @@ class UserResult:
 def check_n_draft_tokens(n_draft_tokens: int) -> None:
     if not 0 <= n_draft_tokens <= MAX_DRAFT_TOKENS:
         raise ValueError(f"--n_draft_tokens must be between 0 and {MAX_DRAFT_TOKENS}, got {n_draft_tokens}")
+
+
+def describe_sources(drafts: Sequence[Draft]) -> str:
+    """Which source drafted: ', draft: suffix (match 12)' for one user, ', drafts: suffix 3, model 1' for a batch."""
+    if len(drafts) == 1:
+        d = drafts[0]
+        return f", draft: {d.source}" + (f" (match {d.match_len})" if d.source == "suffix" else "")
+    counts = Counter(d.source for d in drafts)
+    return ", drafts: " + ", ".join(f"{source} {n}" for source, n in sorted(counts.items()))
 
 
 class SpeculativeGenerator:
@@ -117,7 +127,8 @@ class SpeculativeGenerator:
             drafted = sum(len(d.tokens) for d in drafts)
             tok_s = produced / (ms / 1e3)
             logger.info(f"Iteration {iteration}: {ms:.0f}ms @ {tok_s / len(active):.1f} tok/s/user "
-                        f"({tok_s:.1f} tok/s throughput), accepted {accepted}/{drafted} draft tokens")
+                        f"({tok_s:.1f} tok/s throughput), accepted {accepted}/{drafted} draft tokens"
+                        f"{describe_sources(drafts)}")
             iteration += 1
             active = [u for u in active if not self._finished(results[u], contexts[u], max_generated_tokens, stop_at_eos)]
         return results

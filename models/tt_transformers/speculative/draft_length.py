@@ -1,0 +1,66 @@
+# SPDX-License-Identifier: Apache-2.0
+"""How many tokens to draft: the length that maximises expected tokens per unit of work, from recent acceptance.
+
+With per-token acceptance a, a draft of k tokens yields (1 - a^(k+1)) / (1 - a) tokens per target forward
+(see ../shared/notes/speculative-decoding.md) and costs 1 + k * (draft_cost + verify_cost) target forwards,
+where draft_cost is one draft token (0 for the suffix automaton, about draft_layers / target_layers for a
+truncated model) and verify_cost is one more token in the verification forward. The policy keeps a decayed
+count of accepted and rejected draft tokens, estimates a, and picks the best k up to the iteration's maximum. When drafting
+does not pay (k = 0) it still drafts one token every `probe_every` iterations, so the estimate can recover.
+
+A suffix draft is further capped at max_spec_factor * match_len tokens (SuffixDecoding's rule): a short match
+predicts a short continuation, and long rejected drafts eat the gain.
+"""
+import math
+from dataclasses import dataclass
+
+# Extra cost of one more verified token, in target forwards. Measured on the 2-core CPU for SmolLM2-135M in bf16
+# (30 ms for 1 token, 47 ms for 9 tokens). On a Tenstorrent device up to 32 tokens fill one tile: close to 0.
+CPU_VERIFY_COST = 0.07
+
+
+@dataclass
+class DraftLengthPolicy:
+    draft_cost: float = 0.0
+    verify_cost: float = CPU_VERIFY_COST
+    decay: float = 0.9  # weight of the past per iteration
+    prior_accepted: float = 1.0  # pseudo-counts: start at a = 0.5 with the weight of two tokens
+    prior_rejected: float = 1.0
+    probe_every: int = 8
+
+    def __post_init__(self):
+        self.accepted, self.rejected, self.idle = self.prior_accepted, self.prior_rejected, 0
+
+    @property
+    def acceptance(self) -> float:
+        """Estimated probability that the next draft token is accepted."""
+        return self.accepted / (self.accepted + self.rejected)
+
+    def next_length(self, max_tokens: int) -> int:
+        """Draft length for the next iteration, at most max_tokens (counts iterations without drafting)."""
+        a = min(self.acceptance, 0.999)
+        step_cost = self.draft_cost + self.verify_cost
+        best_k, best = 0, 1.0  # k = 0: one token per forward of cost 1
+        for k in range(1, max_tokens + 1):
+            value = (1 - a ** (k + 1)) / (1 - a) / (1 + k * step_cost)
+            if value <= best:  # the ratio is unimodal in k: stop at the peak
+                break
+            best_k, best = k, value
+        if best_k == 0:
+            self.idle += 1
+            if self.idle >= self.probe_every:
+                self.idle = 0
+                return min(1, max_tokens)
+        return best_k
+
+    def update(self, drafted: int, accepted: int) -> None:
+        """Record one verified draft: `accepted` tokens passed, and the next one failed unless all passed."""
+        if drafted == 0:
+            return
+        self.accepted = self.decay * self.accepted + accepted
+        self.rejected = self.decay * self.rejected + (1 if accepted < drafted else 0)
+
+
+def suffix_cap(match_len: int, max_spec_factor: float) -> int:
+    """At most max_spec_factor tokens per matched token (at least one)."""
+    return max(1, math.floor(max_spec_factor * match_len))

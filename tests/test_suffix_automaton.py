@@ -1,0 +1,118 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The suffix automaton against a brute-force longest-earlier-suffix search, and the draft-length policy."""
+import random
+import sys
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from models.tt_transformers.speculative.draft_length import DraftLengthPolicy, suffix_cap
+from models.tt_transformers.speculative.suffix_automaton import SuffixAutomaton
+
+
+def longest_earlier_suffix(seq: list[int]) -> tuple[int, list[int]]:
+    """Brute force: the longest L such that seq[-L:] also ends at an earlier position, and all those positions."""
+    n = len(seq)
+    for length in range(n - 1, 0, -1):
+        suffix = seq[n - length:]
+        ends = [e for e in range(length - 1, n - 1) if seq[e - length + 1 : e + 1] == suffix]
+        if ends:
+            return length, ends
+    return 0, []
+
+
+def check_against_brute_force(seq: list[int], max_tokens: int, min_match: int) -> None:
+    sam = SuffixAutomaton()
+    for i, token in enumerate(seq):
+        sam.extend(token)
+        prefix = seq[: i + 1]
+        length, ends = longest_earlier_suffix(prefix)
+        assert sam.match_len == length, (prefix, sam.match_len, length)
+        if length:
+            assert sam.match_end in ends
+        draft, match_len = sam.propose(max_tokens, min_match)
+        if length < max(min_match, 1):
+            assert (draft, match_len) == ([], 0)
+            continue
+        assert min_match <= match_len <= length
+        # The draft is what followed some earlier occurrence of the matched suffix.
+        suffix = prefix[len(prefix) - match_len:]
+        assert any(prefix[e - match_len + 1 : e + 1] == suffix and prefix[e + 1 : e + 1 + len(draft)] == draft
+                   for e in range(match_len - 1, len(prefix) - 1))
+        assert 1 <= len(draft) <= max_tokens
+
+
+def test_matches_brute_force_on_random_and_repetitive_sequences():
+    rng = random.Random(0)
+    cases = [[rng.randrange(3) for _ in range(150)],  # small alphabet: many repeats and clones
+             [rng.randrange(50) for _ in range(150)],  # few repeats
+             [1] * 60,  # one run
+             ([1, 2, 3, 4, 5] * 12)[:57] + [9] + [1, 2, 3, 4, 5] * 6,  # a period broken once
+             [t for w in ["the", "cat", "the", "dog", "the", "cat", "sat"] * 8 for t in map(ord, w)]]
+    for seq in cases:
+        for max_tokens, min_match in [(8, 1), (3, 4), (16, 2)]:
+            check_against_brute_force(seq, max_tokens, min_match)
+
+
+@settings(max_examples=200, deadline=None)
+@given(seq=st.lists(st.integers(0, 4), min_size=1, max_size=80), max_tokens=st.integers(1, 12),
+       min_match=st.integers(1, 6))
+def test_matches_brute_force_generated(seq, max_tokens, min_match):
+    check_against_brute_force(seq, max_tokens, min_match)
+
+
+def test_draft_continues_the_most_recent_occurrence():
+    # "1 2 3" occurs twice before the end, followed by 9 then by 8: an edit continues from the latest.
+    sam = SuffixAutomaton([1, 2, 3, 9, 7, 7, 1, 2, 3, 8, 6, 6, 1, 2, 3])
+    assert sam.propose(4) == ([8, 6, 6, 1], 3)
+
+
+def test_short_continuation_walks_up_to_a_shorter_suffix():
+    # The longest earlier match "2 2 2" last ended one token before the end: one token follows it there. The
+    # shorter suffix "2" has an occurrence further back (position 2) with two tokens after it.
+    sam = SuffixAutomaton([1, 2, 2, 2, 2])
+    assert (sam.match_len, sam.match_end) == (3, 3)
+    assert sam.propose(4, min_match=1) == ([2, 2], 1)
+    assert sam.propose(4, min_match=3) == ([2], 3)  # no walk below the minimum match
+
+
+def test_size_bounds():
+    rng = random.Random(1)
+    for seq in ([rng.randrange(2) for _ in range(3000)], [rng.randrange(30000) for _ in range(3000)]):
+        sam = SuffixAutomaton(seq)
+        n = len(seq)
+        assert sam.n_states <= 2 * n - 1
+        assert sum(len(t) for t in sam.next) <= 3 * n - 4
+        # Memory: lists of ints plus one small dict per state; bound it per token.
+        size = sum(sys.getsizeof(t) for t in sam.next) + sum(
+            sys.getsizeof(x) for x in (sam.link, sam.length, sam.recent, sam.tokens))
+        assert size / n < 1200, f"{size / n:.0f} bytes per token"
+
+
+def test_policy_drafts_long_when_accepted_and_pauses_when_rejected():
+    policy = DraftLengthPolicy(draft_cost=0.0, verify_cost=0.07)
+    start = policy.next_length(16)
+    assert 1 <= start < 16
+    for _ in range(20):
+        policy.update(drafted=8, accepted=8)
+    assert policy.next_length(16) == 16
+    assert policy.next_length(5) == 5
+    for _ in range(60):
+        policy.update(drafted=4, accepted=0)
+    assert policy.acceptance < 0.1
+    lengths = [policy.next_length(16) for _ in range(16)]
+    assert lengths.count(0) == 14 and lengths.count(1) == 2  # paused, with a one-token probe every 8
+
+
+def test_policy_costlier_drafts_are_shorter():
+    cheap, costly = DraftLengthPolicy(draft_cost=0.0), DraftLengthPolicy(draft_cost=0.4)
+    for p in (cheap, costly):
+        for _ in range(10):
+            p.update(drafted=4, accepted=2)  # per-token acceptance about 2/3
+    assert cheap.next_length(16) > costly.next_length(16) >= 1
+
+
+def test_suffix_cap():
+    assert suffix_cap(4, 1.0) == 4
+    assert suffix_cap(10, 0.5) == 5
+    assert suffix_cap(1, 0.3) == 1
