@@ -8,7 +8,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEMO := models/tt_transformers/demo/speculative_decoding/speculative_demo.py
 
-.PHONY: demo test bench install
+ARCTIC := $(VENV)/.arctic-installed
+
+.PHONY: demo test bench bench-suffix bench-batch install
 install: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
@@ -26,5 +28,16 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest tests $(DEMO) -m "not slow and not tt_hardware" --max_generated_tokens 32 -q $(ARGS)
 
+# Snowflake's arctic-inference (a peer in bench-suffix) builds from source against the venv's torch.
+$(ARCTIC): $(STAMP)
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pip install -q --no-build-isolation arctic-inference==0.3.0
+	touch $@
+
 bench: $(STAMP)
 	$(PY) benchmarks/bench_speculative.py $(ARGS)
+
+bench-suffix: $(ARCTIC)
+	$(PY) benchmarks/bench_suffix.py $(ARGS)
+
+bench-batch: $(STAMP)
+	$(PY) benchmarks/bench_batch.py $(ARGS)

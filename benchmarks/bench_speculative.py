@@ -9,69 +9,36 @@ bandwidth), and speculative decoding with layer-truncated drafts (acceptance, to
 speedup over our plain path). Prints a table and writes JSON.
 """
 import argparse
-import json
-import platform
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import REPO, hf_ms_per_token, load_hf, machine_info, quiet_logs, run_ours
 
 import torch
-from loguru import logger
 
-from models.tt_transformers.demo.speculative_decoding.speculative_demo import (
-    encode,
-    load_prompts,
-    summarize,
-    write_json_atomic,
-)
+from models.tt_transformers.demo.speculative_decoding.speculative_demo import encode, load_prompts, write_json_atomic
 from models.tt_transformers.demo.speculative_decoding.speculative_generator import SpeculativeGenerator
 from models.tt_transformers.speculative.drafters import ModelDrafter
 from models.tt_transformers.torch_backend.checkpoint import load_model, load_tokenizer, resolve_checkpoint
 from models.tt_transformers.torch_backend.generator import TorchCausalLM
 
-REPO = Path(__file__).resolve().parents[1]
-
 
 def read_bandwidth_gb_s() -> float:
-    x = torch.ones(256 * 1024 * 1024 // 4)  # 256 MiB, far beyond the caches
+    """Median of 7 sums over 256 MiB, far beyond the caches."""
+    x = torch.ones(256 * 1024 * 1024 // 4)
     x.sum()
-    best = float("inf")
-    for _ in range(5):
+    times = []
+    for _ in range(7):
         start = time.perf_counter()
         x.sum()
-        best = min(best, time.perf_counter() - start)
-    return x.numel() * 4 / best / 1e9
+        times.append(time.perf_counter() - start)
+    return x.numel() * 4 / sorted(times)[3] / 1e9
 
 
-def run_ours(model, prompts, n_draft, draft_layers, n_tokens):
+def layer_draft_generator(model, n_draft, draft_layers):
     target = TorchCausalLM(model, model.args.n_layers, 1)
     drafter = ModelDrafter(TorchCausalLM(model, draft_layers, 1)) if n_draft else None
-    gen = SpeculativeGenerator(target, drafter, n_draft)
-    gen.generate(prompts[:1], 4, stop_at_eos=False)  # warm-up
-    results = [gen.generate([p], n_tokens, stop_at_eos=False)[0] for p in prompts]
-    s = summarize([[r] for r in results])  # each prompt is its own batch of one
-    return {"ms_per_token": 1e3 / s["decode_tok_s"], "tok_s": s["decode_tok_s"],
-            "acceptance_rate": s["acceptance_rate"], "tokens_per_step": s["mean_tokens_per_step"],
-            "outputs": [r.output_tokens for r in results]}
-
-
-def hf_ms_per_token(folder, dtype, prompts, n_tokens) -> float:
-    """Decode-only ms/token of HF greedy generate: (time for n tokens - time for 1 token) / (n - 1)."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
-
-    def timed(p, n):
-        ids = torch.tensor([p])
-        start = time.perf_counter()
-        hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
-        return time.perf_counter() - start
-
-    timed(prompts[0], 4)
-    total = sum(timed(p, n_tokens) - timed(p, 1) for p in prompts)
-    return 1e3 * total / (len(prompts) * (n_tokens - 1))
+    return SpeculativeGenerator(target, drafter, n_draft)
 
 
 def main():
@@ -82,23 +49,20 @@ def main():
     ap.add_argument("--n_draft_tokens", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--output_json", default=str(REPO / "bench_results" / "bench_speculative.json"))
     args = ap.parse_args()
-    logger.remove()
-    logger.add(sys.stderr, level="WARNING")
+    quiet_logs()
 
     ckpt = resolve_checkpoint(None)
     tok = load_tokenizer(ckpt)
     prompts = [encode(tok, p, True) for p in load_prompts(args.input_prompts)]
     n = args.max_generated_tokens
-    report = {"machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-                          "torch": torch.__version__},
-              "model": ckpt.name, "prompts": len(prompts), "max_generated_tokens": n}
+    report = {"machine": machine_info(), "model": ckpt.name, "prompts": len(prompts), "max_generated_tokens": n}
 
     bw = read_bandwidth_gb_s()
     bf16 = load_model(ckpt, torch.bfloat16, 1024)
     floor_ms = bf16.args.weight_bytes_per_token(bf16.args.n_layers, 2) / (bw * 1e9) * 1e3
-    plain = {"bfloat16": run_ours(bf16, prompts, 0, 0, n)}
-    plain["float32"] = run_ours(load_model(ckpt, torch.float32, 1024), prompts, 0, 0, n)
-    hf = {name: hf_ms_per_token(ckpt.folder, dt, prompts, n) for name, dt in
+    plain = {"bfloat16": run_ours(layer_draft_generator(bf16, 0, 0), prompts, n)}
+    plain["float32"] = run_ours(layer_draft_generator(load_model(ckpt, torch.float32, 1024), 0, 0), prompts, n)
+    hf = {name: hf_ms_per_token(load_hf(ckpt.folder, dt), prompts, n) for name, dt in
           [("bfloat16", torch.bfloat16), ("float32", torch.float32)]}
     report["plain"] = {"read_bandwidth_gb_s": bw, "floor_ms_per_token_bf16": floor_ms,
                        **{f"ours_{k}_ms_per_token": v["ms_per_token"] for k, v in plain.items()},
@@ -118,7 +82,7 @@ def main():
     base = plain["bfloat16"]
     for layers in args.draft_layers:
         for k in args.n_draft_tokens:
-            r = run_ours(bf16, prompts, k, layers, n)
+            r = run_ours(layer_draft_generator(bf16, k, layers), prompts, n)
             rows.append({"draft_layers": layers, "n_draft_tokens": k, "acceptance_rate": r["acceptance_rate"],
                          "tokens_per_step": r["tokens_per_step"], "ms_per_token": r["ms_per_token"],
                          "speedup": base["ms_per_token"] / r["ms_per_token"],

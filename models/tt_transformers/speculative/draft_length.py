@@ -23,8 +23,8 @@ CPU_VERIFY_COST = 0.07
 class DraftLengthPolicy:
     draft_cost: float = 0.0
     verify_cost: float = CPU_VERIFY_COST
-    decay: float = 0.9  # weight of the past per iteration
-    prior_accepted: float = 1.0  # pseudo-counts: start at a = 0.5 with the weight of two tokens
+    decay: float = 0.8  # weight of the past per iteration
+    prior_accepted: float = 3.0  # pseudo-counts: start at a = 0.75 with the weight of four tokens
     prior_rejected: float = 1.0
     probe_every: int = 8
 

@@ -3,11 +3,15 @@
 from dataclasses import dataclass
 from typing import Optional, Protocol, Sequence
 
+import torch
+
 from .backend import CausalLM
 from .draft_length import CPU_VERIFY_COST, DraftLengthPolicy, suffix_cap
+from .sampling import SamplingParams, probabilities, sample
 from .suffix_automaton import SuffixAutomaton
 
-DEFAULT_SA_THRESHOLD = 4  # minimum match length for a suffix draft (TensorRT-LLM's default)
+DEFAULT_SA_THRESHOLD = 3  # minimum match length for a suffix draft (TensorRT-LLM uses 4, SAM-Decoding 5)
+DRAFT_RNG_STREAM = 1 << 20  # the draft model samples from streams of its own, apart from the target's
 
 
 @dataclass
@@ -15,11 +19,13 @@ class Draft:
     tokens: list[int]
     source: str  # "model", "suffix" or "none"
     match_len: int = 0  # length of the suffix match behind a suffix draft
+    probs: Optional[list[torch.Tensor]] = None  # when sampling: the draft model's q for each token; None = point mass
 
 
 class Drafter(Protocol):
-    def start(self, users: Sequence[int], prompts: Sequence[Sequence[int]]) -> None:
-        """A new request per user; the prompts are what the target was prefilled with."""
+    def start(self, users: Sequence[int], prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> None:
+        """A new request per user; the prompts are what the target was prefilled with. A model drafter samples
+        its drafts with the same settings (and returns q with them) unless they are greedy."""
 
     def propose(self, users: Sequence[int], contexts: Sequence[Sequence[int]],
                 max_tokens: Sequence[int]) -> list[Draft]:
@@ -48,37 +54,47 @@ class ModelDrafter:
         self.cache_len: dict[int, int] = {}
         self.fed: dict[int, tuple[int, int]] = {}  # user -> (context length at proposal, drafts fed)
         self.policies: dict[int, DraftLengthPolicy] = {}
+        self.sampling, self.rngs = SamplingParams(), {}
 
-    def start(self, users, prompts):
+    def start(self, users, prompts, sampling):
         self.lm.argmax([list(p) for p in prompts], [0] * len(users), list(users), last_only=True)
         self.cache_len = {u: len(p) for u, p in zip(users, prompts)}
         self.fed = {}
         if self.draft_cost is not None:
             self.policies = {u: DraftLengthPolicy(self.draft_cost, self.verify_cost) for u in users}
+        self.sampling = sampling
+        self.rngs = {} if sampling.greedy else {u: sampling.rng(DRAFT_RNG_STREAM + u) for u in users}
+
+    def _next_tokens(self, users, tokens, start_pos, last_only) -> list[tuple[int, Optional[torch.Tensor]]]:
+        """One draft token per user after the fed tokens: greedy, or sampled from the draft's q (returned too)."""
+        if self.sampling.greedy:
+            return [(row[-1], None) for row in self.lm.argmax(tokens, start_pos, users, last_only)]
+        out = []
+        for u, logits in zip(users, self.lm.logits(tokens, start_pos, users, last_only)):
+            q = probabilities(logits[-1], self.sampling)
+            out.append((sample(q, self.rngs[u]), q))
+        return out
 
     def propose(self, users, contexts, max_tokens):
         if self.policies:
             max_tokens = [self.policies[u].next_length(n) if n > 0 else 0 for u, n in zip(users, max_tokens)]
         drafts = {u: [] for u in users}
+        probs = {u: [] for u in users}
         live = [(u, ctx) for u, ctx, n in zip(users, contexts, max_tokens) if n > 0]
-        if live:
-            first = self.lm.argmax([ctx[self.cache_len[u]:] for u, ctx in live],
-                                   [self.cache_len[u] for u, _ in live], [u for u, _ in live], last_only=True)
-            for (u, _), tok in zip(live, first):
-                drafts[u].append(tok[0])
+        # First step: feed what the draft cache has not seen yet; then one token per step.
+        step = ([ctx[self.cache_len[u]:] for u, ctx in live], [self.cache_len[u] for u, _ in live], True)
         wanted = dict(zip(users, max_tokens))
-        while True:
+        while live:
+            for (u, _), (tok, q) in zip(live, self._next_tokens([u for u, _ in live], *step)):
+                drafts[u].append(tok)
+                probs[u].append(q)
             live = [(u, ctx) for u, ctx in live if len(drafts[u]) < wanted[u]]
-            if not live:
-                break
-            nxt = self.lm.argmax([[drafts[u][-1]] for u, _ in live],
-                                 [len(ctx) + len(drafts[u]) - 1 for u, ctx in live], [u for u, _ in live])
-            for (u, _), tok in zip(live, nxt):
-                drafts[u].append(tok[0])
+            step = ([[drafts[u][-1]] for u, _ in live], [len(ctx) + len(drafts[u]) - 1 for u, ctx in live], False)
         for u, ctx in zip(users, contexts):
             if drafts[u]:
                 self.fed[u] = (len(ctx), len(drafts[u]) - 1)
-        return [Draft(drafts[u], "model" if drafts[u] else "none") for u in users]
+        return [Draft(drafts[u], "model" if drafts[u] else "none",
+                      probs=None if self.sampling.greedy else probs[u]) for u in users]
 
     def accept(self, user, new_tokens, n_accepted):
         if user in self.fed:
@@ -106,7 +122,7 @@ class SuffixDrafter:
         self.policies: dict[int, DraftLengthPolicy] = {}
         self.drafted: dict[int, int] = {}
 
-    def start(self, users, prompts):
+    def start(self, users, prompts, sampling):
         self.automata = {u: SuffixAutomaton(p) for u, p in zip(users, prompts)}
         self.policies = {u: DraftLengthPolicy(0.0, self.verify_cost) for u in users}
         self.drafted = {}
@@ -135,9 +151,9 @@ class HybridDrafter:
     def __init__(self, suffix: SuffixDrafter, model: ModelDrafter):
         self.suffix, self.model = suffix, model
 
-    def start(self, users, prompts):
-        self.suffix.start(users, prompts)
-        self.model.start(users, prompts)
+    def start(self, users, prompts, sampling):
+        self.suffix.start(users, prompts, sampling)
+        self.model.start(users, prompts, sampling)
 
     def propose(self, users, contexts, max_tokens):
         drafts = self.suffix.propose(users, contexts, max_tokens)

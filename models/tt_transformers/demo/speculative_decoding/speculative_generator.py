@@ -3,7 +3,9 @@
 
 It speaks only to the `CausalLM` backend interface and the `Drafter` interface: the same loop runs the
 torch backend here and a ttnn backend on a Tenstorrent device. With no drafter (or n_draft_tokens 0) it is
-plain autoregressive decoding on the same backend, which is what speed is compared against.
+plain autoregressive decoding on the same backend, which is what speed is compared against. Greedy settings
+verify by exact match on the target's argmax (what a device sends back); sampling settings verify by rejection
+sampling on the target's logits, so both paths are lossless.
 """
 import time
 from collections import Counter
@@ -14,6 +16,7 @@ from loguru import logger
 
 from models.tt_transformers.speculative.backend import CausalLM
 from models.tt_transformers.speculative.drafters import Draft, Drafter
+from models.tt_transformers.speculative.sampling import SamplingParams, probabilities, verify_rejection
 from models.tt_transformers.speculative.verification import verify_greedy
 
 MAX_DRAFT_TOKENS = 64
@@ -58,13 +61,15 @@ def describe_sources(drafts: Sequence[Draft]) -> str:
 
 class SpeculativeGenerator:
     def __init__(self, target: CausalLM, drafter: Optional[Drafter], n_draft_tokens: int,
-                 eos_token_ids: Sequence[int] = ()):
+                 eos_token_ids: Sequence[int] = (), sampling_params: Optional[SamplingParams] = None):
         check_n_draft_tokens(n_draft_tokens)
         if n_draft_tokens > 0 and drafter is None:
             raise ValueError("n_draft_tokens > 0 needs a drafter")
         self.target, self.n_draft_tokens = target, n_draft_tokens
         self.drafter = drafter if n_draft_tokens > 0 else None
         self.eos_token_ids = set(eos_token_ids)
+        self.sampling = sampling_params or SamplingParams()
+        self.rngs = {}
 
     def check_prompts(self, prompts: Sequence[Sequence[int]]) -> None:
         if not prompts:
@@ -88,15 +93,16 @@ class SpeculativeGenerator:
         results = [UserResult(list(p)) for p in prompts]
         contexts = [list(p) for p in prompts]
 
+        self.rngs = {} if self.sampling.greedy else {u: self.sampling.rng(u) for u in users}
         # Prefill one user at a time, as TT-Transformers does; the first token comes from the prefill.
         for u in users:
             start = time.perf_counter()
-            first = self.target.argmax([contexts[u]], [0], [u], last_only=True)[0][0]
+            first = self._verify([u], [Draft([], "none")], [contexts[u]], prefill=True)[0][0]
             results[u].ttft_ms = (time.perf_counter() - start) * 1e3
             contexts[u].append(first)
             results[u].output_tokens.append(first)
         if self.drafter is not None:
-            self.drafter.start(users, prompts)
+            self.drafter.start(users, prompts, self.sampling)
         active = [u for u in users if not self._finished(results[u], contexts[u], max_generated_tokens, stop_at_eos)]
 
         iteration = 0
@@ -107,12 +113,10 @@ class SpeculativeGenerator:
                 drafts = self.drafter.propose(active, [contexts[u] for u in active], caps)
             else:
                 drafts = [Draft([], "none") for _ in active]
-            scores = self.target.argmax([[contexts[u][-1]] + d.tokens for u, d in zip(active, drafts)],
-                                        [len(contexts[u]) - 1 for u in active], active)
+            appended = self._verify(active, drafts, [contexts[u] for u in active])
             ms = (time.perf_counter() - start) * 1e3
             produced = accepted = 0
-            for u, draft, score in zip(active, drafts, scores):
-                new = verify_greedy(draft.tokens, score)
+            for u, draft, new in zip(active, drafts, appended):
                 n_accepted = len(new) - 1
                 if self.drafter is not None:
                     self.drafter.accept(u, new, n_accepted)
@@ -132,6 +136,22 @@ class SpeculativeGenerator:
             iteration += 1
             active = [u for u in active if not self._finished(results[u], contexts[u], max_generated_tokens, stop_at_eos)]
         return results
+
+    def _verify(self, users: list[int], drafts: list[Draft], contexts: list[list[int]],
+                prefill: bool = False) -> list[list[int]]:
+        """One target forward over [last token, drafts...] per user (the whole prompt at prefill); the tokens each
+        user appends: accepted drafts plus one from the target."""
+        if prefill:
+            fed, start_pos = contexts, [0] * len(users)
+        else:
+            fed = [[ctx[-1]] + d.tokens for ctx, d in zip(contexts, drafts)]
+            start_pos = [len(ctx) - 1 for ctx in contexts]
+        if self.sampling.greedy:
+            scores = self.target.argmax(fed, start_pos, users, last_only=prefill)
+            return [verify_greedy(d.tokens, s) for d, s in zip(drafts, scores)]
+        logits = self.target.logits(fed, start_pos, users, last_only=prefill)
+        return [verify_rejection(d.tokens, d.probs, probabilities(lg, self.sampling), self.rngs[u])
+                for u, d, lg in zip(users, drafts, logits)]
 
     def _draft_cap(self, result: UserResult, context: list[int], max_generated_tokens: int) -> int:
         """Drafts this iteration: never more than could be kept, nor past the end of the KV cache."""

@@ -1,0 +1,91 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Batched speculative decoding, greedy and sampled, vs plain decoding on the same backend in one run.
+
+    make bench-batch         # or: python benchmarks/bench_batch.py --batch_sizes 1 4 8 --temperatures 0 0.7
+
+On the embedded model (bf16): 8 prompts from benchmarks/prompt_sets (code edits, summaries, chat), split into
+batches as the demo does, decoded with the suffix-automaton drafter and plainly, for each batch size and
+temperature. Reports tokens per target forward, acceptance and throughput (tokens/s over all users), and for
+greedy whether every user's output equals its batch-1 plain output. Prints a table and writes JSON.
+"""
+import argparse
+from pathlib import Path
+
+from common import REPO, machine_info, quiet_logs
+
+import torch
+
+from models.tt_transformers.demo.speculative_decoding.speculative_demo import (
+    encode,
+    load_prompts,
+    split_batches,
+    summarize,
+    write_json_atomic,
+)
+from models.tt_transformers.demo.speculative_decoding.speculative_generator import SpeculativeGenerator
+from models.tt_transformers.speculative.drafters import SuffixDrafter
+from models.tt_transformers.speculative.sampling import SamplingParams
+from models.tt_transformers.torch_backend.checkpoint import load_model, load_tokenizer, resolve_checkpoint
+from models.tt_transformers.torch_backend.generator import TorchCausalLM
+
+PROMPT_SETS = REPO / "benchmarks" / "prompt_sets"
+PROMPTS = [("code_edit", 3), ("summarization", 3), ("chat", 2)]
+
+
+def run_batched(target, drafter, n_draft, prompts, batch_size, n_tokens, sampling, eos):
+    gen = SpeculativeGenerator(target, drafter, n_draft, eos, sampling)
+    gen.generate(prompts[:1], 4)  # warm-up
+    batches = split_batches(len(prompts), batch_size)
+    results = [gen.generate([prompts[i] for i in b], n_tokens) for b in batches]
+    return summarize(results), [r.output_tokens for rb in results for r in rb]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch_sizes", type=int, nargs="+", default=[1, 4, 8])
+    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
+    ap.add_argument("--max_generated_tokens", type=int, default=64)
+    ap.add_argument("--n_draft_tokens", type=int, default=8)
+    ap.add_argument("--output_json", default=str(REPO / "bench_results" / "bench_batch.json"))
+    args = ap.parse_args()
+    quiet_logs()
+
+    ckpt = resolve_checkpoint(None)
+    tok = load_tokenizer(ckpt)
+    prompts = [encode(tok, p, True) for name, k in PROMPTS for p in load_prompts(str(PROMPT_SETS / f"{name}.json"))[:k]]
+    eos = [tok.eos_token_id]
+    model = load_model(ckpt, torch.bfloat16, 1024)
+    n = args.max_generated_tokens
+    rows, batch1_plain = [], None
+    for temperature in args.temperatures:
+        for b in args.batch_sizes:
+            target = TorchCausalLM(model, model.args.n_layers, b)
+            sampling = SamplingParams(temperature, seed=0)
+            plain, plain_out = run_batched(target, None, 0, prompts, b, n, sampling, eos)
+            spec, spec_out = run_batched(target, SuffixDrafter(), args.n_draft_tokens, prompts, b, n, sampling, eos)
+            if temperature == 0 and batch1_plain is None:
+                batch1_plain = run_batched(TorchCausalLM(model, model.args.n_layers, 1), None, 0, prompts, 1, n,
+                                           sampling, eos)[1]
+            rows.append({"batch_size": b, "temperature": temperature,
+                         "tokens_per_step": spec["mean_tokens_per_step"], "acceptance_rate": spec["acceptance_rate"],
+                         "plain_tok_s": plain["decode_tok_s"], "speculative_tok_s": spec["decode_tok_s"],
+                         "speedup": spec["decode_tok_s"] / plain["decode_tok_s"],
+                         "identical_to_batch1_plain": (spec_out == batch1_plain == plain_out) if temperature == 0 else None})
+            print(f"batch {b}, temperature {temperature}: done", flush=True)
+
+    print(f"\nSuffix drafting (n_draft_tokens={args.n_draft_tokens}) vs plain decoding, {ckpt.name} bf16, "
+          f"{len(prompts)} prompts x up to {n} tokens; {machine_info()}")
+    print("| batch | temperature | tokens/target forward | acceptance | plain tok/s | speculative tok/s | speedup | "
+          "greedy = batch-1 plain |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        same = "" if r["identical_to_batch1_plain"] is None else str(r["identical_to_batch1_plain"])
+        print(f"| {r['batch_size']} | {r['temperature']} | {r['tokens_per_step']:.2f} | {100 * r['acceptance_rate']:.0f}% | "
+              f"{r['plain_tok_s']:.1f} | {r['speculative_tok_s']:.1f} | {r['speedup']:.2f}x | {same} |")
+    write_json_atomic(Path(args.output_json), {"machine": machine_info(), "model": ckpt.name, "rows": rows,
+                                               "n_draft_tokens": args.n_draft_tokens, "max_generated_tokens": n})
+    print(f"JSON: {args.output_json}")
+
+
+if __name__ == "__main__":
+    main()

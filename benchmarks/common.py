@@ -1,0 +1,63 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What the benchmarks share: the embedded model, our loop's figures, Hugging Face `generate` timing."""
+import platform
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+from loguru import logger  # noqa: E402
+
+from models.tt_transformers.demo.speculative_decoding.speculative_demo import summarize  # noqa: E402
+from models.tt_transformers.demo.speculative_decoding.speculative_generator import SpeculativeGenerator  # noqa: E402
+
+
+def quiet_logs() -> None:
+    logger.remove()
+    logger.add(sys.stderr, level="WARNING")
+
+
+def machine_info() -> dict:
+    return {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+            "torch": torch.__version__}
+
+
+def run_ours(generator: SpeculativeGenerator, prompts, n_tokens: int, stop_at_eos: bool = False) -> dict:
+    """Each prompt as its own batch of one (after a warm-up); figures from the demo's summarize()."""
+    generator.generate(prompts[:1], 4, stop_at_eos=False)
+    results = [generator.generate([p], n_tokens, stop_at_eos=stop_at_eos)[0] for p in prompts]
+    s = summarize([[r] for r in results])
+    return {"ms_per_token": 1e3 / s["decode_tok_s"], "tok_s": s["decode_tok_s"],
+            "acceptance_rate": s["acceptance_rate"], "tokens_per_step": s["mean_tokens_per_step"],
+            "outputs": [r.output_tokens for r in results], "results": results}
+
+
+def load_hf(folder, dtype):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+
+
+def hf_ms_per_token(hf, prompts, n_tokens: int, stop_at_eos: bool = False, **generate_kwargs) -> float:
+    """Decode-only ms/token of greedy `generate`: (time for the whole output - time for its first token) over the
+    tokens after the first one, summed over prompts."""
+    def timed(p, n, exact):
+        ids = torch.tensor([p])
+        kwargs = dict(max_new_tokens=n, do_sample=False, **generate_kwargs)
+        if exact:
+            kwargs["min_new_tokens"] = n
+        start = time.perf_counter()
+        out = hf.generate(ids, **kwargs)
+        return time.perf_counter() - start, out.shape[1] - len(p)
+
+    timed(prompts[0], 4, True)
+    total_s = total_tokens = 0
+    for p in prompts:
+        full_s, n = timed(p, n_tokens, not stop_at_eos)
+        first_s, _ = timed(p, 1, True)
+        total_s += full_s - first_s
+        total_tokens += n - 1
+    return 1e3 * total_s / total_tokens

@@ -1,0 +1,89 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Sampling settings, the target distribution they define, and lossless verification by rejection sampling.
+
+Verification follows Leviathan et al. 2023 / Chen et al. 2023: draft token x (drawn from the draft's distribution
+q) is accepted with probability min(1, p(x) / q(x)); the first rejection is replaced by a sample from
+norm(max(0, p - q)) and ends the iteration; when every draft passes, a bonus token is sampled from the target's
+next distribution. A suffix-automaton draft is a point mass (q(x) = 1): accept with probability p(x), else sample
+from p with x removed. Either way every appended token is distributed exactly as sampling the target alone.
+"""
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """In the spirit of TT-Transformers' SamplingParams. temperature 0 is greedy; top_k 0 and top_p 1 are off."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: Optional[int] = None
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def rng(self, stream: int) -> torch.Generator:
+        """A generator per user (and per drafter): a user's samples do not depend on who else is in the batch."""
+        g = torch.Generator()
+        g.manual_seed((self.seed if self.seed is not None else torch.seed()) * 1000003 + stream)
+        return g
+
+
+def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits [..., V] -> float32 probabilities after temperature, top-k and top-p: the distribution to preserve."""
+    logits = logits.float() / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1:
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        # Keep the smallest set of most likely tokens whose mass reaches top_p (the first token always stays).
+        drop = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p
+        probs = probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, rng: torch.Generator) -> int:
+    return int(torch.multinomial(probs, 1, generator=rng))
+
+
+def verify_rejection(draft: Sequence[int], draft_probs: Optional[Sequence[torch.Tensor]], target_probs: torch.Tensor,
+                     rng: torch.Generator) -> list[int]:
+    """Tokens to append: the accepted draft prefix plus one token from the target (residual or bonus).
+
+    target_probs [len(draft) + 1, V]: the target's distribution after the last accepted token and after each draft.
+    draft_probs: the draft model's distribution q for each draft token, or None for a point-mass (suffix) draft.
+    """
+    assert target_probs.shape[0] == len(draft) + 1, "the target must score the last accepted token and every draft"
+    out = []
+    for i, x in enumerate(draft):
+        p = target_probs[i]
+        q = draft_probs[i] if draft_probs is not None else None
+        q_x = float(q[x]) if q is not None else 1.0
+        if float(torch.rand((), generator=rng)) * q_x < float(p[x]):  # u < p(x) / q(x), without dividing
+            out.append(x)
+            continue
+        if q is None:
+            residual = p.clone()
+            residual[x] = 0.0
+        else:
+            residual = torch.clamp(p - q, min=0.0)
+        total = float(residual.sum())
+        out.append(sample(residual / total if total > 0 else p, rng))
+        return out
+    out.append(sample(target_probs[len(draft)], rng))
+    return out

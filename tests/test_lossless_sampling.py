@@ -1,0 +1,186 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Speculative sampling follows the target's distribution exactly (rejection sampling), for model and suffix drafts.
+
+Each statistical test is a chi-square goodness-of-fit test at significance ALPHA against probabilities computed
+exactly from the target, with enough samples that a plainly wrong verifier (one that accepts every draft token)
+fails the same test: the negative controls below prove the tests can fail.
+"""
+import pytest
+import torch
+
+from models.tt_transformers.demo.speculative_decoding.speculative_generator import SpeculativeGenerator
+from models.tt_transformers.speculative import sampling as sampling_module
+from models.tt_transformers.speculative.drafters import ModelDrafter, SuffixDrafter
+from models.tt_transformers.speculative.sampling import SamplingParams, probabilities, verify_rejection
+from models.tt_transformers.torch_backend.generator import TorchCausalLM
+from models.tt_transformers.torch_backend.model import Transformer
+from models.tt_transformers.torch_backend.model_config import ModelArgs
+
+ALPHA = 1e-3
+
+
+def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Goodness of fit of observed counts to probabilities; cells expected below 5 are pooled into one."""
+    n = counts.sum()
+    expected = probs.double() * n
+    big = expected >= 5
+    obs = torch.cat([counts[big].double(), counts[~big].double().sum().view(1)])
+    exp = torch.cat([expected[big], expected[~big].sum().view(1)])
+    keep = exp > 0
+    if (~keep & (obs > 0)).any():
+        return 0.0  # a sample where the target has no probability at all
+    obs, exp = obs[keep], exp[keep]
+    stat = ((obs - exp) ** 2 / exp).sum()
+    dof = len(obs) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat / 2))
+
+
+# ---- the acceptance / residual maths on hand-made distributions ----
+
+P = torch.tensor([0.5, 0.2, 0.2, 0.1, 0.0])
+Q = torch.tensor([0.1, 0.6, 0.1, 0.1, 0.1])  # very unlike P, and puts mass where P has none
+
+
+def first_tokens(draft_fn, n=20000, seed=0):
+    rng = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(len(P))
+    target = torch.stack([P, P])  # after the last token and after the draft
+    for _ in range(n):
+        draft, q = draft_fn(rng)
+        counts[verify_rejection(draft, q, target, rng)[0]] += 1
+    return counts
+
+
+def model_draft(rng):
+    return [int(torch.multinomial(Q, 1, generator=rng))], [Q]
+
+
+def test_rejection_sampling_with_model_drafts_preserves_p():
+    assert chi_square_p_value(first_tokens(model_draft), P) > ALPHA
+
+
+@pytest.mark.parametrize("token", [0, 1, 3, 4])
+def test_rejection_sampling_with_point_mass_drafts_preserves_p(token):
+    """A suffix draft always proposes the same token, likely or not (4 has target probability 0)."""
+    assert chi_square_p_value(first_tokens(lambda rng: ([token], None)), P) > ALPHA
+
+
+def test_negative_control_accepting_every_draft_is_detected(monkeypatch):
+    """With the acceptance test removed (keep every draft), the same check must fail."""
+    def accept_all(draft, draft_probs, target_probs, rng):
+        return list(draft) + [int(torch.multinomial(target_probs[len(draft)], 1, generator=rng))]
+    counts = torch.zeros(len(P))
+    rng = torch.Generator().manual_seed(0)
+    for _ in range(20000):
+        draft, q = model_draft(rng)
+        counts[accept_all(draft, q, torch.stack([P, P]), rng)[0]] += 1
+    assert chi_square_p_value(counts, P) < ALPHA
+
+
+def test_all_accepted_gives_bonus_token_and_rejection_stops():
+    rng = torch.Generator().manual_seed(0)
+    certain = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0], [1.0, 0.0, 0.0]])
+    assert verify_rejection([1, 2], None, certain, rng) == [1, 2, 0]  # both accepted + bonus from the last row
+    assert verify_rejection([2, 2], None, certain, rng) == [1]  # rejected at once: residual of row 0 is token 1
+
+
+def test_probabilities_temperature_top_k_top_p():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    assert torch.allclose(probabilities(logits, SamplingParams(1.0)), torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    assert torch.allclose(probabilities(logits, SamplingParams(1.0, top_k=2)), torch.tensor([0.625, 0.375, 0, 0]))
+    assert torch.allclose(probabilities(logits, SamplingParams(1.0, top_p=0.8)), torch.tensor([0.625, 0.375, 0, 0]))
+    assert torch.allclose(probabilities(logits, SamplingParams(1.0, top_p=0.81)),
+                          torch.tensor([0.5, 0.3, 0.15, 0]) / 0.95)
+    cold = probabilities(logits, SamplingParams(0.5))
+    assert torch.allclose(cold, torch.tensor([0.25, 0.09, 0.0225, 0.0025]) / 0.365)
+    for bad in (dict(temperature=-1.0), dict(top_k=-1), dict(top_p=0.0), dict(top_p=1.5)):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)
+
+
+# ---- end to end: the first generated tokens of a small model ----
+
+VOCAB, BATCH, N_TOKENS = 6, 32, 3
+PROMPT = [1, 2, 3, 1, 2, 3, 1, 2]  # repetitive, so the suffix automaton drafts "3 1 2 ..." from the start
+SETTINGS = SamplingParams(temperature=0.9, top_k=5)
+
+
+def make_tiny_model():
+    args = ModelArgs(dim=32, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8, hidden_dim=48, vocab_size=VOCAB,
+                     norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None, tie_word_embeddings=False,
+                     sliding_window=None, max_position_embeddings=64, model_type="llama")
+    torch.manual_seed(3)
+    model = Transformer(args, torch.float32, max_seq_len=32).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.4)
+    return model
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    return make_tiny_model()
+
+
+def exact_joint(model, params) -> torch.Tensor:
+    """P(first N_TOKENS tokens) under target-only sampling, by enumerating every prefix: [VOCAB ** N_TOKENS]."""
+    lm = TorchCausalLM(model, model.args.n_layers, 1)
+    joint = torch.ones(1, dtype=torch.float64)
+    prefixes = [[]]
+    for _ in range(N_TOKENS):
+        rows = []
+        for prefix in prefixes:
+            logits = lm.logits([PROMPT + prefix], [0], [0], last_only=True)[0][0]
+            rows.append(probabilities(logits, params).double())
+        joint = (joint.view(-1, 1) * torch.stack(rows)).view(-1)
+        prefixes = [p + [t] for p in prefixes for t in range(VOCAB)]
+    return joint
+
+
+def sampled_counts(model, drafter, n_draft, params, n_batches) -> torch.Tensor:
+    target = TorchCausalLM(model, model.args.n_layers, BATCH)
+    counts = torch.zeros(VOCAB ** N_TOKENS)
+    for b in range(n_batches):
+        gen = SpeculativeGenerator(target, drafter, n_draft, (), SamplingParams(
+            params.temperature, params.top_k, params.top_p, seed=b))
+        for r in gen.generate([PROMPT] * BATCH, N_TOKENS, stop_at_eos=False):
+            t = r.output_tokens
+            counts[(t[0] * VOCAB + t[1]) * VOCAB + t[2]] += 1
+    return counts
+
+
+def draft_sources(model, kind):
+    if kind == "model":
+        return ModelDrafter(TorchCausalLM(model, 1, BATCH))
+    return SuffixDrafter(threshold=1)
+
+
+@pytest.mark.parametrize("kind", ["model", "suffix", "plain"])
+def test_speculative_sampling_matches_target_distribution(tiny_model, kind):
+    expected = exact_joint(tiny_model, SETTINGS)
+    drafter = None if kind == "plain" else draft_sources(tiny_model, kind)
+    counts = sampled_counts(tiny_model, drafter, 0 if kind == "plain" else 3, SETTINGS, n_batches=100)
+    assert chi_square_p_value(counts, expected) > ALPHA
+
+
+@pytest.mark.parametrize("kind", ["model", "suffix"])
+def test_negative_control_end_to_end(tiny_model, kind, monkeypatch):
+    """The same end-to-end test with a verifier that accepts every draft token must fail: the test has power."""
+    from models.tt_transformers.demo.speculative_decoding import speculative_generator
+
+    def accept_all(draft, draft_probs, target_probs, rng):
+        return list(draft) + [sampling_module.sample(target_probs[len(draft)], rng)]
+    monkeypatch.setattr(speculative_generator, "verify_rejection", accept_all)
+    counts = sampled_counts(tiny_model, draft_sources(tiny_model, kind), 3, SETTINGS, n_batches=100)
+    assert chi_square_p_value(counts, exact_joint(tiny_model, SETTINGS)) < ALPHA
+
+
+def test_seeded_run_is_reproducible(tiny_model):
+    target = TorchCausalLM(tiny_model, tiny_model.args.n_layers, 4)
+    drafter = ModelDrafter(TorchCausalLM(tiny_model, 1, 4))
+
+    def run(seed):
+        gen = SpeculativeGenerator(target, drafter, 3, (), SamplingParams(0.9, seed=seed))
+        return [r.output_tokens for r in gen.generate([PROMPT, [4, 5], [0], PROMPT[:3]], 12)]
+    assert run(7) == run(7)
+    assert run(7) != run(8)
