@@ -17,9 +17,9 @@ class StepInputs:
 
     cos: torch.Tensor  # [B, T, 1, D] rotary tables at each token's position
     sin: torch.Tensor
-    rows: torch.Tensor  # [B, 1] cache row (user) of each batch entry
+    rows: torch.Tensor  # [B, 1] cache row (user) of each batch entry, or [B, T] per token in a packed step
     positions: torch.Tensor  # [B, T] cache slot each token writes
-    read_rows: Union[slice, torch.Tensor]  # cache rows attention reads: a slice when it is a view
+    read_rows: Union[slice, torch.Tensor, None]  # rows the masked path reads: a slice when it is a view
     kv_len: int  # attention reads cache slots [0, kv_len)
     mask: Optional[torch.Tensor]  # [B, 1, G*T, kv_len] bool, None when every slot < kv_len is visible
     # Exact mode: (batch index, token index, cache row, first key, end key) of every real token, each attended by its

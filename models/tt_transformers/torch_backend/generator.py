@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """Torch implementation of the `CausalLM` backend interface over a `Transformer` and a KV cache."""
+from itertools import accumulate
 from typing import Sequence
 
 import torch
@@ -7,8 +8,8 @@ import torch
 from .model import Transformer
 
 
-# Steps of up to this many tokens per user (decode, verification, draft catch-up) attend token by token, so a
-# token's result is bit-identical whatever else shares the step; longer ones (prefill) take one masked call.
+# Steps of up to this many tokens per user (decode, verification, draft catch-up) are packed and attend token by
+# token, so a token's result is bit-identical whatever else shares the step; longer ones (prefill) are padded.
 EXACT_ATTENTION_MAX_TOKENS = 65
 
 
@@ -29,41 +30,68 @@ class TorchCausalLM:
         self.device = model.output.weight.device
 
     def _forward(self, tokens: Sequence[Sequence[int]], start_pos: Sequence[int], users: Sequence[int],
-                 last_only: bool) -> torch.Tensor:
+                 last_only: bool) -> list[torch.Tensor]:
+        """Logits [len(tokens[u]) or 1, V] per user."""
         lengths = [len(t) for t in tokens]
         kv_len = max(p + n for p, n in zip(start_pos, lengths))
         if kv_len > self.max_seq_len:
             raise ValueError(f"forward would write position {kv_len - 1} past max_seq_len {self.max_seq_len}")
-        # Lossless bf16 needs every token's result to be independent of how many tokens share the step.
-        # oneDNN's bf16 matmul is row-invariant for M >= 2 but takes another kernel for M == 1, so a lone
-        # token gets a padding partner (tests/test_row_invariance.py checks this on the installed torch).
-        width = max(max(lengths), 2 if sum(lengths) == 1 else 1)
+        if max(lengths) <= EXACT_ATTENTION_MAX_TOKENS:
+            logits = self._packed_step(tokens, start_pos, users, lengths, last_only)
+        else:
+            logits = self._padded_step(tokens, start_pos, users, lengths, kv_len, last_only)
+        if last_only:
+            return list(logits)  # [1, V] each
+        ends = list(accumulate(lengths))
+        return [logits[end - n : end] for n, end in zip(lengths, ends)]
+
+    def _packed_step(self, tokens, start_pos, users, lengths, last_only) -> torch.Tensor:
+        """Decode, verification and draft catch-up: every user's tokens packed into one row, each with its own
+        cache row and slot, and each attending through its own call over exactly its visible keys. A token's
+        result is then bit-identical whatever else shares the step, with no padding between ragged users."""
+        flat = [t for seq in tokens for t in seq]
+        rows = [u for u, n in zip(users, lengths) for _ in range(n)]
+        slots = [p + i for p, n in zip(start_pos, lengths) for i in range(n)]
+        window = self.model.args.sliding_window or self.max_seq_len
+        exact = [(0, j, row, max(0, slot + 1 - window), slot + 1) for j, (row, slot) in enumerate(zip(rows, slots))]
+        if len(flat) == 1:
+            # oneDNN's bf16 matmul is row-invariant for M >= 2 but takes another kernel for M == 1, so a lone token
+            # gets a padding partner that writes the scratch slot and attends to nothing
+            # (tests/test_row_invariance.py checks this on the installed torch).
+            flat, rows, slots = flat + [0], rows + rows, slots + [self.cache.scratch_slot]
+        dev = self.device
+        step = self.model.step_inputs(positions=torch.tensor([slots], device=dev), query_pos=None,
+                                      rows=torch.tensor([rows], device=dev), kv_len=0, all_rows=False,
+                                      exact_tokens=exact)
+        last = torch.tensor([end - 1 for end in accumulate(lengths)], device=dev) if last_only else None
+        out = self.model(torch.tensor([flat], device=dev), step, self.cache, output_index=last)
+        return out if last_only else out[0, : len(exact)]
+
+    def _padded_step(self, tokens, start_pos, users, lengths, kv_len, last_only) -> torch.Tensor:
+        """Prefill: users right-padded to one width and one masked attention call per layer. Padding writes the
+        scratch slot and attends like the last real token."""
+        width = max(lengths)
         scratch = self.cache.scratch_slot
-        # Right-pad ragged users; padding writes the scratch slot and attends like the last real token.
         padded = [list(t) + [0] * (width - len(t)) for t in tokens]
         slots = [[p + i if i < n else scratch for i in range(width)] for p, n in zip(start_pos, lengths)]
         query = [[p + i if i < n else kv_len - 1 for i in range(width)] for p, n in zip(start_pos, lengths)]
         dev = self.device
-        exact = None
-        if max(lengths) <= EXACT_ATTENTION_MAX_TOKENS:
-            window = self.model.args.sliding_window or self.max_seq_len
-            exact = [(b, i, u, max(0, p + i + 1 - window), p + i + 1)
-                     for b, (u, p, n) in enumerate(zip(users, start_pos, lengths)) for i in range(n)]
         step = self.model.step_inputs(
             positions=torch.tensor(slots, device=dev),
             query_pos=torch.tensor(query, device=dev),
             rows=torch.tensor(users, device=dev).view(-1, 1),
             kv_len=kv_len,
             all_rows=list(users) == list(range(self.max_batch_size)),
-            exact_tokens=exact,
+            exact_tokens=None,
         )
-        last = torch.tensor([n - 1 for n in lengths], device=dev) if last_only else None
-        return self.model(torch.tensor(padded, device=dev), step, self.cache, output_index=last)
+        last = torch.tensor([b * width + n - 1 for b, n in enumerate(lengths)], device=dev) if last_only else None
+        out = self.model(torch.tensor(padded, device=dev), step, self.cache, output_index=last)
+        if last_only:
+            return out
+        return torch.cat([out[b, :n] for b, n in enumerate(lengths)])
 
     def argmax(self, tokens, start_pos, users, last_only=False) -> list[list[int]]:
-        ids = self._forward(tokens, start_pos, users, last_only).argmax(dim=-1).tolist()
-        return [row[:1] if last_only else row[: len(t)] for row, t in zip(ids, tokens)]
+        return [row.argmax(dim=-1).tolist() for row in self._forward(tokens, start_pos, users, last_only)]
 
     def logits(self, tokens, start_pos, users, last_only=False) -> list[torch.Tensor]:
-        out = self._forward(tokens, start_pos, users, last_only).float()
-        return [out[i, :1] if last_only else out[i, : len(t)] for i, t in enumerate(tokens)]
+        return [row.float() for row in self._forward(tokens, start_pos, users, last_only)]

@@ -82,14 +82,15 @@ class Transformer(nn.Module):
                     all_rows: bool, exact_tokens: Optional[list[tuple[int, int, int, int, int]]]) -> StepInputs:
         """Per-step tensors shared by all layers.
 
-        positions [B, T]: the cache slot each token writes; query_pos [B, T]: the position it attends from
-        (padding tokens write the scratch slot and attend like the last real token). all_rows: the batch is
-        every cache row in order, so attention reads a view. exact_tokens: see StepInputs; when given, no mask
-        is built. The caller decides these from host-side ints, so nothing here syncs a device.
+        positions [B, T]: the cache slot each token writes; rows [B, 1] (or [B, T]): its cache row; query_pos
+        [B, T]: the position it attends from (padding tokens write the scratch slot and attend like the last real
+        token). all_rows: the batch is every cache row in order, so attention reads a view. exact_tokens: see
+        StepInputs; when given, no mask is built and rows may differ per token (a packed step). The caller decides
+        these from host-side ints, so nothing here syncs a device.
         """
         cos = self.rope_cos[positions].unsqueeze(2)
         sin = self.rope_sin[positions].unsqueeze(2)
-        mask = None
+        mask, read_rows = None, None
         if exact_tokens is None:
             key_pos = torch.arange(kv_len, device=positions.device)
             visible = key_pos <= query_pos.unsqueeze(-1)  # [B, T, kv_len]
@@ -97,7 +98,7 @@ class Transformer(nn.Module):
                 visible &= key_pos > query_pos.unsqueeze(-1) - self.args.sliding_window
             groups = self.args.n_heads // self.args.n_kv_heads
             mask = visible.unsqueeze(1).repeat(1, 1, groups, 1)  # [B, 1, G*T, kv_len], rows ordered g*T + t
-        read_rows = slice(None) if all_rows else rows.view(-1)
+            read_rows = slice(None) if all_rows else rows.view(-1)
         return StepInputs(cos, sin, rows, positions, read_rows, kv_len, mask, exact_tokens)
 
     @torch.inference_mode()
@@ -105,11 +106,12 @@ class Transformer(nn.Module):
                 output_index: Optional[torch.Tensor] = None) -> torch.Tensor:
         """tokens [B, T] -> logits [B, T, V] through the first `cache.n_layers` layers.
 
-        output_index [B] keeps one token per user (prefill and drafting need only the last one).
+        output_index [K]: keep only these tokens (flat indices b * T + t), as logits [K, 1, V]; prefill and
+        drafting need only each user's last one.
         """
         x = self.tok_embeddings(tokens)
         for i in range(cache.n_layers):
             x = self.layers[i](x, step, cache.k[i], cache.v[i])
         if output_index is not None:
-            x = x[torch.arange(x.shape[0], device=x.device), output_index].unsqueeze(1)
+            x = x.flatten(0, 1)[output_index].unsqueeze(1)
         return self.output(self.norm(x))
