@@ -96,6 +96,9 @@ def demo(tmp_path, **kw):
     ({"dtype": "int4"}, "--dtype 'int4' is not supported"),
     ({"draft_mode": "ngram"}, "--draft_mode 'ngram' is not one of model, suffix, hybrid"),
     ({"sa_threshold": 0}, "--sa_threshold must be >= 1"),
+    ({"temperature": -0.5}, "bad sampling flags: temperature must be >= 0"),
+    ({"top_p": 0.0}, "bad sampling flags: top_p must be in"),
+    ({"top_k": -3}, "bad sampling flags: top_k must be >= 0"),
 ])
 def test_demo_rejects_bad_flags(tmp_path, embedded_checkpoint, overrides, message):
     with pytest.raises(ValueError, match=message):
@@ -137,3 +140,15 @@ def test_suffix_mode_needs_no_draft_layers(tmp_path, embedded_checkpoint):
     report = run_demo(demo(tmp_path, draft_mode="suffix", draft_layers=99, compare_baseline=1))
     assert report["summary"]["identical_to_baseline"]
     assert {it["draft_source"] for p in report["prompts"] for it in p["iterations"]} <= {"suffix", "none"}
+
+
+def test_demo_batch_4_sampling(tmp_path, embedded_checkpoint):
+    """--batch_size 4 --temperature 0.7: one prompt fills the batch by repetition and is reported once; a seeded
+    run repeats itself exactly."""
+    cfg = dict(batch_size=4, temperature=0.7, seed=0, max_generated_tokens=12, draft_mode="suffix",
+               stop_at_eos=0, compare_baseline=1)
+    first = run_demo(demo(tmp_path, **cfg, output_json=str(tmp_path / "r.json")))
+    assert len(first["prompts"]) == 1 and len(first["prompts"][0]["output_tokens"]) == 12
+    assert "identical_to_baseline" not in first["summary"] and first["summary"]["speedup"] > 0
+    assert json.loads((tmp_path / "r.json").read_text())["config"]["temperature"] == 0.7
+    assert run_demo(demo(tmp_path, **cfg))["prompts"][0]["output_tokens"] == first["prompts"][0]["output_tokens"]
