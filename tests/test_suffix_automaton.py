@@ -100,8 +100,12 @@ def test_policy_drafts_long_when_accepted_and_pauses_when_rejected():
     for _ in range(60):
         policy.update(drafted=4, accepted=0)
     assert policy.acceptance < 0.1
-    lengths = [policy.next_length(16) for _ in range(16)]
-    assert lengths.count(0) == 14 and lengths.count(1) == 2  # paused, with a one-token probe every 8
+    lengths = [policy.next_length(16) for _ in range(60)]
+    probes = [i for i, k in enumerate(lengths) if k]
+    assert probes == [7, 23, 55] and lengths[7] == 1  # paused; one-token probes after 8, then 16, then 32 idle
+    for _ in range(10):
+        policy.update(drafted=1, accepted=1)  # a probe that passes: drafting resumes, the wait resets
+    assert policy.next_length(16) >= 1 and policy.wait == policy.probe_every
 
 
 def test_policy_costlier_drafts_are_shorter():

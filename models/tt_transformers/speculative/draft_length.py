@@ -5,8 +5,10 @@ With per-token acceptance a, a draft of k tokens yields (1 - a^(k+1)) / (1 - a) 
 (see ../shared/notes/speculative-decoding.md) and costs 1 + k * (draft_cost + verify_cost) target forwards,
 where draft_cost is one draft token (0 for the suffix automaton, about draft_layers / target_layers for a
 truncated model) and verify_cost is one more token in the verification forward. The policy keeps a decayed
-count of accepted and rejected draft tokens, estimates a, and picks the best k up to the iteration's maximum. When drafting
-does not pay (k = 0) it still drafts one token every `probe_every` iterations, so the estimate can recover.
+count of accepted and rejected draft tokens, estimates a, and picks the best k up to the iteration's maximum.
+When drafting does not pay (k = 0) it still drafts one token after `probe_every` idle iterations, so the estimate
+can recover; the wait doubles after each probe that does not bring drafting back (up to `max_probe_every`), so a
+draft source that never agrees costs almost nothing.
 
 A suffix draft is further capped at max_spec_factor * match_len tokens (SuffixDecoding's rule): a short match
 predicts a short continuation, and long rejected drafts eat the gain.
@@ -27,9 +29,11 @@ class DraftLengthPolicy:
     prior_accepted: float = 3.0  # pseudo-counts: start at a = 0.75 with the weight of four tokens
     prior_rejected: float = 1.0
     probe_every: int = 8
+    max_probe_every: int = 64
 
     def __post_init__(self):
         self.accepted, self.rejected, self.idle = self.prior_accepted, self.prior_rejected, 0
+        self.wait = self.probe_every
 
     @property
     def acceptance(self) -> float:
@@ -48,9 +52,11 @@ class DraftLengthPolicy:
             best_k, best = k, value
         if best_k == 0:
             self.idle += 1
-            if self.idle >= self.probe_every:
-                self.idle = 0
+            if self.idle >= self.wait:
+                self.idle, self.wait = 0, min(2 * self.wait, self.max_probe_every)
                 return min(1, max_tokens)
+        else:
+            self.idle, self.wait = 0, self.probe_every
         return best_k
 
     def update(self, drafted: int, accepted: int) -> None:
