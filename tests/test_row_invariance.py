@@ -1,17 +1,37 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The kernel property lossless bf16 verification rests on (see TorchCausalLM._forward).
+"""The kernel properties lossless bf16 verification rests on (see TorchCausalLM._packed_step and PackedLinear).
 
-If a torch upgrade breaks it, this fails before any speculative output silently drifts from plain decoding.
+If a torch upgrade breaks them, this fails before any speculative output silently drifts from plain decoding.
 """
+import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+from models.tt_transformers.torch_backend.model import PackedLinear, can_prepack
+
+SHAPES = [(960, 576), (3072, 576), (576, 1536), (49152, 576)]  # SmolLM2-135M's shapes
 
 
 def test_bf16_linear_rows_do_not_depend_on_batch_rows():
     torch.manual_seed(0)
-    for out_f, in_f in [(960, 576), (3072, 576), (576, 1536), (49152, 576)]:  # SmolLM2-135M's shapes
+    for out_f, in_f in SHAPES:
         w = torch.randn(out_f, in_f, dtype=torch.bfloat16)
         x = torch.randn(17, in_f, dtype=torch.bfloat16)
         alone = torch.cat([F.linear(x[i : i + 1].expand(2, -1), w)[:1] for i in range(17)])
         for m in (2, 3, 5, 9, 17):
             assert torch.equal(F.linear(x[:m], w), alone[:m]), (out_f, in_f, m)
+
+
+@pytest.mark.skipif(not can_prepack(torch.bfloat16, "cpu"), reason="this torch build has no oneDNN weight prepacking")
+def test_packed_linear_equals_f_linear_and_is_row_invariant():
+    torch.manual_seed(0)
+    for out_f, in_f in SHAPES[:3]:
+        linear = nn.Linear(in_f, out_f, bias=False, dtype=torch.bfloat16)
+        packed = PackedLinear(linear)
+        x = torch.randn(1, 17, in_f, dtype=torch.bfloat16)
+        with torch.no_grad():
+            out = packed(x)
+            assert torch.equal(out, F.linear(x, linear.weight))
+            for m in (1, 2, 3, 5, 9):
+                assert torch.equal(packed(x[:, :m]), out[:, :m]), (out_f, in_f, m)

