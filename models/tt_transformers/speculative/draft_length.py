@@ -16,8 +16,9 @@ predicts a short continuation, and long rejected drafts eat the gain.
 import math
 from dataclasses import dataclass
 
-# Extra cost of one more verified token, in target forwards. Measured on the 2-core CPU for SmolLM2-135M in bf16
-# (30 ms for 1 token, 47 ms for 9 tokens). On a Tenstorrent device up to 32 tokens fill one tile: close to 0.
+# Extra cost of one more verified token, in target forwards. Measured on the 2-core CPU for SmolLM2-135M in bf16 at
+# batch 1 before the weights were prepacked (30 ms for 1 token, 47 ms for 9); prepacked it is lower (~29 ms for 1,
+# ~43-49 ms for 9 in noisy runs). On a Tenstorrent device up to 32 tokens fill one tile: close to 0.
 CPU_VERIFY_COST = 0.07
 
 
