@@ -11,7 +11,7 @@ greedy whether every user's output equals its batch-1 plain output. Prints a tab
 import argparse
 from pathlib import Path
 
-from common import REPO, machine_info, quiet_logs
+from common import REPO, machine_info, print_table, quiet_logs
 
 import torch
 
@@ -75,13 +75,11 @@ def main():
 
     print(f"\nSuffix drafting (n_draft_tokens={args.n_draft_tokens}) vs plain decoding, {ckpt.name} bf16, "
           f"{len(prompts)} prompts x up to {n} tokens; {machine_info()}")
-    print("| batch | temperature | tokens/target forward | acceptance | plain tok/s | speculative tok/s | speedup | "
-          "greedy = batch-1 plain |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        same = "" if r["identical_to_batch1_plain"] is None else str(r["identical_to_batch1_plain"])
-        print(f"| {r['batch_size']} | {r['temperature']} | {r['tokens_per_step']:.2f} | {100 * r['acceptance_rate']:.0f}% | "
-              f"{r['plain_tok_s']:.1f} | {r['speculative_tok_s']:.1f} | {r['speedup']:.2f}x | {same} |")
+    print_table(["batch", "temperature", "tokens/target forward", "acceptance", "plain tok/s", "speculative tok/s",
+                 "speedup", "greedy = batch-1 plain"],
+                [[r["batch_size"], r["temperature"], f"{r['tokens_per_step']:.2f}", f"{100 * r['acceptance_rate']:.0f}%",
+                  f"{r['plain_tok_s']:.1f}", f"{r['speculative_tok_s']:.1f}", f"{r['speedup']:.2f}x",
+                  "" if r["identical_to_batch1_plain"] is None else r["identical_to_batch1_plain"]] for r in rows])
     write_json_atomic(Path(args.output_json), {"machine": machine_info(), "model": ckpt.name, "rows": rows,
                                                "n_draft_tokens": args.n_draft_tokens, "max_generated_tokens": n})
     print(f"JSON: {args.output_json}")

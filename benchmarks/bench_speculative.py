@@ -12,7 +12,7 @@ import argparse
 import time
 from pathlib import Path
 
-from common import REPO, hf_ms_per_token, load_hf, machine_info, quiet_logs, run_ours
+from common import REPO, hf_ms_per_token, load_hf, machine_info, print_table, quiet_logs, run_ours
 
 import torch
 
@@ -69,14 +69,14 @@ def main():
                        **{f"hf_{k}_ms_per_token": v for k, v in hf.items()}}
 
     print(f"\nPlain greedy decode, {ckpt.name}, {len(prompts)} prompts x {n} tokens, {torch.get_num_threads()} threads")
-    print("| decoder | ms/token | speed vs HF same dtype | vs bandwidth floor |")
-    print("|---|---|---|---|")
+    table = []
     for k in ("bfloat16", "float32"):
         ours = plain[k]["ms_per_token"]
-        print(f"| ours {k} | {ours:.1f} | {hf[k] / ours:.2f}x | {ours / floor_ms:.2f}x floor |")
-        print(f"| HF generate {k} | {hf[k]:.1f} | 1.00x | {hf[k] / floor_ms:.2f}x floor |")
-    print(f"| floor (bf16 weights {bf16.args.weight_bytes_per_token(bf16.args.n_layers, 2) / 1e6:.0f} MB / "
-          f"{bw:.1f} GB/s) | {floor_ms:.1f} | | 1.00x |")
+        table.append([f"ours {k}", f"{ours:.1f}", f"{hf[k] / ours:.2f}x", f"{ours / floor_ms:.2f}x floor"])
+        table.append([f"HF generate {k}", f"{hf[k]:.1f}", "1.00x", f"{hf[k] / floor_ms:.2f}x floor"])
+    table.append([f"floor (bf16 weights {bf16.args.weight_bytes_per_token(bf16.args.n_layers, 2) / 1e6:.0f} MB / "
+                  f"{bw:.1f} GB/s)", f"{floor_ms:.1f}", "", "1.00x"])
+    print_table(["decoder", "ms/token", "speed vs HF same dtype", "vs bandwidth floor"], table)
 
     rows = []
     base = plain["bfloat16"]
@@ -90,11 +90,11 @@ def main():
     report["speculative_layer_draft"] = rows
     print(f"\nSpeculative decoding with the target's first N layers as draft (bf16, plain = "
           f"{base['ms_per_token']:.1f} ms/token)")
-    print("| draft_layers | n_draft | acceptance | tokens/target forward | ms/token | speedup vs plain | identical |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['draft_layers']} | {r['n_draft_tokens']} | {100 * r['acceptance_rate']:.1f}% | "
-              f"{r['tokens_per_step']:.2f} | {r['ms_per_token']:.1f} | {r['speedup']:.2f}x | {r['identical_to_plain']} |")
+    print_table(["draft_layers", "n_draft", "acceptance", "tokens/target forward", "ms/token", "speedup vs plain",
+                 "identical"],
+                [[r["draft_layers"], r["n_draft_tokens"], f"{100 * r['acceptance_rate']:.1f}%",
+                  f"{r['tokens_per_step']:.2f}", f"{r['ms_per_token']:.1f}", f"{r['speedup']:.2f}x",
+                  r["identical_to_plain"]] for r in rows])
     write_json_atomic(Path(args.output_json), report)
     print(f"\nJSON: {args.output_json}")
 

@@ -18,7 +18,7 @@ import statistics
 import time
 from pathlib import Path
 
-from common import REPO, hf_ms_per_token, load_hf, machine_info, quiet_logs, run_ours
+from common import REPO, hf_ms_per_token, load_hf, machine_info, print_table, quiet_logs, run_ours
 
 import torch
 
@@ -116,13 +116,13 @@ def main():
     model = load_model(ckpt, torch.bfloat16, 2048)
     target = TorchCausalLM(model, model.args.n_layers, 1)
     n, k = args.max_generated_tokens, args.n_draft_tokens
-    draft_cost = (model.args.weight_bytes_per_token(args.draft_layers, 1)
-                  / model.args.weight_bytes_per_token(model.args.n_layers, 1))
+    draft_lm = TorchCausalLM(model, args.draft_layers, 1)
+    draft_cost = draft_lm.weight_bytes_per_token() / target.weight_bytes_per_token()
     generators = {
         "plain": SpeculativeGenerator(target, None, 0),
         "suffix": SpeculativeGenerator(target, SuffixDrafter(args.sa_threshold), k),
         "hybrid": SpeculativeGenerator(target, HybridDrafter(
-            SuffixDrafter(args.sa_threshold), ModelDrafter(TorchCausalLM(model, args.draft_layers, 1), draft_cost)), k),
+            SuffixDrafter(args.sa_threshold), ModelDrafter(draft_lm, draft_cost)), k),
         "arctic": SpeculativeGenerator(target, ArcticDrafter(), k),
     }
     hf = load_hf(ckpt.folder, torch.bfloat16)
@@ -150,18 +150,19 @@ def main():
 
     print(f"\nGreedy, {ckpt.name} bf16, up to {n} tokens per prompt, n_draft_tokens={k}, sa_threshold="
           f"{args.sa_threshold}, hybrid draft = first {args.draft_layers} layers; {machine_info()}")
-    print("| category | kind | method | tokens/target forward | acceptance | ms/token | speedup vs our plain | identical |")
-    print("|---|---|---|---|---|---|---|---|")
+    table = []
     for category, row in report["categories"].items():
         plain_ms = row["plain"]["ms_per_token"]
         for m in METHODS:
             r = row[m]
             speed = f"{r['speedup']:.2f}x" if m != "plain" else "1.00x"
-            same = r.get("identical_to_plain", True)
-            print(f"| {category} | {CATEGORIES[category]} | {m} | {r['tokens_per_step']:.2f} | "
-                  f"{100 * r['acceptance_rate']:.0f}% | {r['ms_per_token']:.1f} | {speed} | {same} |")
+            table.append([category, CATEGORIES[category], m, f"{r['tokens_per_step']:.2f}",
+                          f"{100 * r['acceptance_rate']:.0f}%", f"{r['ms_per_token']:.1f}", speed,
+                          r.get("identical_to_plain", True)])
         for m, key in (("HF generate", "hf_generate_ms_per_token"), ("HF prompt lookup 10", "hf_prompt_lookup_ms_per_token")):
-            print(f"| {category} | {CATEGORIES[category]} | {m} | | | {row[key]:.1f} | {plain_ms / row[key]:.2f}x | |")
+            table.append([category, CATEGORIES[category], m, "", "", f"{row[key]:.1f}", f"{plain_ms / row[key]:.2f}x", ""])
+    print_table(["category", "kind", "method", "tokens/target forward", "acceptance", "ms/token", "speedup vs our plain",
+                 "identical"], table)
     h = report["host_cost"]
     print(f"\nHost cost per iteration on a {h['context_tokens']}-token context (median): ours extend + propose "
           f"{h['ours_median_us']:.1f} µs; arctic add_active_response + speculate {h['arctic_median_us']:.1f} µs")

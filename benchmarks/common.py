@@ -35,6 +35,12 @@ def run_ours(generator: SpeculativeGenerator, prompts, n_tokens: int, stop_at_eo
             "outputs": [r.output_tokens for r in results], "results": results}
 
 
+def print_table(header: list[str], rows: list[list]) -> None:
+    """A Markdown table, as pasted into README.md."""
+    for cells in [header, ["---"] * len(header), *rows]:
+        print("| " + " | ".join(str(c) for c in cells) + " |")
+
+
 def load_hf(folder, dtype):
     from transformers import AutoModelForCausalLM
 

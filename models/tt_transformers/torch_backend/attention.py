@@ -22,11 +22,11 @@ class StepInputs:
     read_rows: Union[slice, torch.Tensor, None]  # rows the masked path reads: a slice when it is a view
     kv_len: int  # attention reads cache slots [0, kv_len)
     mask: Optional[torch.Tensor]  # [B, 1, G*T, kv_len] bool, None when every slot < kv_len is visible
-    # Exact mode: (batch index, token index, cache row, first key, end key) of every real token, each attended by its
+    # Exact mode, for a packed step [1, N]: (token index, cache row, first key, end key) of every real token, each attended by its
     # own SDPA call over exactly its visible keys. A token's result then never depends on what else shares
     # the step (CPU flash attention is not row-invariant), so verifying n drafts reproduces n one-token
     # decodes bit for bit. None: one batched, masked call (prefill).
-    exact_tokens: Optional[list[tuple[int, int, int, int, int]]] = None
+    exact_tokens: Optional[list[tuple[int, int, int, int]]] = None
 
 
 class Attention(nn.Module):
@@ -49,9 +49,9 @@ class Attention(nn.Module):
         G = H // Hk
         if step.exact_tokens is not None:
             out = torch.zeros(B, T, H, D, dtype=x.dtype, device=x.device)  # padding tokens attend to nothing
-            for b, t, row, first, end in step.exact_tokens:
-                out[b, t] = F.scaled_dot_product_attention(
-                    q[b, t].view(1, Hk, G, D), k_cache[row, :, first:end].unsqueeze(0),
+            for t, row, first, end in step.exact_tokens:
+                out[0, t] = F.scaled_dot_product_attention(
+                    q[0, t].view(1, Hk, G, D), k_cache[row, :, first:end].unsqueeze(0),
                     v_cache[row, :, first:end].unsqueeze(0)).view(H, D)
             return self.wo(out.view(B, T, H * D))
         keys = k_cache[step.read_rows, :, : step.kv_len]

@@ -29,6 +29,10 @@ class TorchCausalLM:
         self.max_seq_len, self.vocab_size = model.max_seq_len, model.args.vocab_size
         self.device = model.output.weight.device
 
+    def weight_bytes_per_token(self) -> int:
+        """Weight bytes one decode step reads through these layers: what a draft costs relative to its target."""
+        return self.model.args.weight_bytes_per_token(self.n_layers, self.model.dtype.itemsize)
+
     def _forward(self, tokens: Sequence[Sequence[int]], start_pos: Sequence[int], users: Sequence[int],
                  last_only: bool) -> list[torch.Tensor]:
         """Logits [len(tokens[u]) or 1, V] per user."""
@@ -53,7 +57,7 @@ class TorchCausalLM:
         rows = [u for u, n in zip(users, lengths) for _ in range(n)]
         slots = [p + i for p, n in zip(start_pos, lengths) for i in range(n)]
         window = self.model.args.sliding_window or self.max_seq_len
-        exact = [(0, j, row, max(0, slot + 1 - window), slot + 1) for j, (row, slot) in enumerate(zip(rows, slots))]
+        exact = [(j, row, max(0, slot + 1 - window), slot + 1) for j, (row, slot) in enumerate(zip(rows, slots))]
         if len(flat) == 1:
             # oneDNN's bf16 matmul is row-invariant for M >= 2 but takes another kernel for M == 1, so a lone token
             # gets a padding partner that writes the scratch slot and attends to nothing

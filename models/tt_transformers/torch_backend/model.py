@@ -45,7 +45,6 @@ class PackedLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
-        self.out_features = linear.out_features
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -110,7 +109,7 @@ class Transformer(nn.Module):
         return KVCache(self.args, n_layers, n_users, self.max_seq_len, self.dtype, self.output.weight.device)
 
     def step_inputs(self, positions: torch.Tensor, query_pos: torch.Tensor, rows: torch.Tensor, kv_len: int,
-                    all_rows: bool, exact_tokens: Optional[list[tuple[int, int, int, int, int]]]) -> StepInputs:
+                    all_rows: bool, exact_tokens: Optional[list[tuple[int, int, int, int]]]) -> StepInputs:
         """Per-step tensors shared by all layers.
 
         positions [B, T]: the cache slot each token writes; rows [B, 1] (or [B, T]): its cache row; query_pos

@@ -152,27 +152,24 @@ def build(config: DemoConfig):
     tokenizer = load_tokenizer(ckpt)
 
     drafter = None
-    if config.n_draft_tokens > 0:
-        draft_lm = None
-        if config.draft_mode != "suffix" and config.draft_model:
+    if config.n_draft_tokens > 0 and config.draft_mode == "suffix":
+        drafter = SuffixDrafter(config.sa_threshold)  # no draft model at all
+    elif config.n_draft_tokens > 0:
+        if config.draft_model:
             draft_ckpt = resolve_checkpoint(config.draft_model)
             check_same_tokenizer(tokenizer, load_tokenizer(draft_ckpt), config.draft_model)
             draft_model = load_model(draft_ckpt, dtype, config.max_seq_len, device)
             draft_lm = TorchCausalLM(draft_model, draft_model.args.n_layers, config.batch_size)
-        elif config.draft_mode != "suffix":
+        else:
             if not 1 <= config.draft_layers < target_layers:
                 raise DemoInputError(f"--draft_layers {config.draft_layers} must be between 1 and {target_layers - 1} "
                                      f"(the target runs {target_layers} layers); lower --draft_layers")
             draft_lm = TorchCausalLM(model, config.draft_layers, config.batch_size)
-        suffix = SuffixDrafter(config.sa_threshold)
         if config.draft_mode == "model":
             drafter = ModelDrafter(draft_lm)  # every draft has the full n_draft_tokens
-        elif config.draft_mode == "suffix":
-            drafter = suffix
         else:  # hybrid: the model drafts only while its acceptance pays for its cost
-            draft_cost = (draft_lm.model.args.weight_bytes_per_token(draft_lm.n_layers, 1)
-                          / model.args.weight_bytes_per_token(target_layers, 1))
-            drafter = HybridDrafter(suffix, ModelDrafter(draft_lm, draft_cost))
+            draft_cost = draft_lm.weight_bytes_per_token() / target.weight_bytes_per_token()
+            drafter = HybridDrafter(SuffixDrafter(config.sa_threshold), ModelDrafter(draft_lm, draft_cost))
     eos = sorted(set(ckpt.eos_token_ids) | {tokenizer.eos_token_id} - {None})
     tokens = [encode(tokenizer, p, bool(config.instruct)) for p in prompts]
     return ckpt, tokenizer, target, drafter, prompts, tokens, eos
