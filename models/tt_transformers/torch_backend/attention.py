@@ -15,7 +15,7 @@ from .rope import apply_rope
 class StepInputs:
     """Everything a forward step shares across layers, computed once per step (not per layer)."""
 
-    cos: torch.Tensor  # [B, T, 1, D] rotary tables at each token's position
+    cos: torch.Tensor  # [B, T, 1, D] rotary tables at each token's position (whole tables [slots, D] with exact_table)
     sin: torch.Tensor
     rows: torch.Tensor  # [B, 1] cache row (user) of each batch entry, or [B, T] per token in a packed step
     positions: torch.Tensor  # [B, T] cache slot each token writes
@@ -27,6 +27,9 @@ class StepInputs:
     # the step (CPU flash attention is not row-invariant), so verifying n drafts reproduces n one-token
     # decodes bit for bit. None: one batched, masked call (prefill).
     exact_tokens: Optional[list[tuple[int, int, int, int]]] = None
+    # The same for the CPU kernels (Transformer.use_cpu_kernels): cache row, slot and first key per token [N, 3];
+    # the whole layer then runs in one kernel call.
+    exact_table: Optional[torch.Tensor] = None
 
 
 class Attention(nn.Module):

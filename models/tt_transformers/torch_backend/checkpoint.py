@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 from loguru import logger
 
+from .cpu_kernels import load_cpu_kernels
 from .model import Transformer, can_prepack
 from .model_config import ModelArgs
 
@@ -163,7 +164,10 @@ def load_model(ckpt: Checkpoint, dtype: torch.dtype, max_seq_len: int, device: s
     if args.tie_word_embeddings:
         model.output.weight = model.tok_embeddings.weight
     model.init_rope(device)
-    if can_prepack(dtype, device):
+    kernels = load_cpu_kernels(cache_root() / "kernels") if model.supports_cpu_kernels() else None
+    if kernels is not None:
+        model.use_cpu_kernels(kernels)
+    elif can_prepack(dtype, device):
         model.prepack_linears()
     return model.eval()
 

@@ -27,7 +27,7 @@ class TorchCausalLM:
         self.cache = model.new_cache(n_layers, max_batch_size)
         self.n_layers, self.max_batch_size = n_layers, max_batch_size
         self.max_seq_len, self.vocab_size = model.max_seq_len, model.args.vocab_size
-        self.device = model.output.weight.device
+        self.device = model.tok_embeddings.weight.device
 
     def weight_bytes_per_token(self) -> int:
         """Weight bytes one decode step reads through these layers: what a draft costs relative to its target."""
@@ -58,10 +58,10 @@ class TorchCausalLM:
         slots = [p + i for p, n in zip(start_pos, lengths) for i in range(n)]
         window = self.model.args.sliding_window or self.max_seq_len
         exact = [(j, row, max(0, slot + 1 - window), slot + 1) for j, (row, slot) in enumerate(zip(rows, slots))]
-        if len(flat) == 1:
+        if len(flat) == 1 and self.model.kernels is None:
             # oneDNN's bf16 matmul is row-invariant for M >= 2 but takes another kernel for M == 1, so a lone token
             # gets a padding partner that writes the scratch slot and attends to nothing
-            # (tests/test_row_invariance.py checks this on the installed torch).
+            # (tests/test_row_invariance.py checks this on the installed torch; the CPU kernels need no partner).
             flat, rows, slots = flat + [0], rows + rows, slots + [self.cache.scratch_slot]
         dev = self.device
         step = self.model.step_inputs(positions=torch.tensor([slots], device=dev), query_pos=None,

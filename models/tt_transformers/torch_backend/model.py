@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from .attention import Attention, StepInputs
+from .cpu_kernels import CpuKernels
 from .mlp import MLP
 from .model_config import ModelArgs
 from .rope import rope_tables
@@ -51,6 +52,19 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [None], "")
 
 
+class KernelLinear(nn.Module):
+    """A bf16 CPU linear layer on cpu_kernels.c: weights packed once, streamed at close to memory bandwidth, each
+    output accumulated in an order that does not depend on the number of rows."""
+
+    def __init__(self, linear: nn.Linear, kernels: CpuKernels, out_dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        self.kernels, self.out_dtype, self.out_features = kernels, out_dtype, linear.out_features
+        self.packed = kernels.pack_weight(linear.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernels.linear(x, self.packed, self.out_features, self.out_dtype)
+
+
 class TransformerBlock(nn.Module):
     def __init__(self, args: ModelArgs, dtype: torch.dtype):
         super().__init__()
@@ -58,8 +72,13 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(args, dtype)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps, dtype)
         self.feed_forward = MLP(args, dtype)
+        self.kernels: Optional[CpuKernels] = None  # set by Transformer.use_cpu_kernels, with kernel_args
+        self.kernel_args: tuple = ()
 
     def forward(self, x, step: StepInputs, k_cache, v_cache):
+        if step.exact_table is not None:
+            return self.kernels.decoder_layer(x, self.kernel_args, step.exact_table, step.cos, step.sin, k_cache,
+                                              v_cache)
         h = x + self.attention(self.attention_norm(x), step, k_cache, v_cache)
         return h + self.feed_forward(self.ffn_norm(h))
 
@@ -89,6 +108,7 @@ class Transformer(nn.Module):
         if args.tie_word_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.max_seq_len = max_seq_len
+        self.kernels: Optional[CpuKernels] = None  # set by use_cpu_kernels
         self.init_rope(self.output.weight.device)
 
     def init_rope(self, device) -> None:
@@ -96,6 +116,27 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(self.args, self.max_seq_len + 1, self.dtype)  # + the scratch slot
         self.register_buffer("rope_cos", cos.to(device), persistent=False)
         self.register_buffer("rope_sin", sin.to(device), persistent=False)
+
+    def supports_cpu_kernels(self) -> bool:
+        return (self.dtype == torch.bfloat16 and self.tok_embeddings.weight.device.type == "cpu"
+                and self.args.dim % 2 == 0 and self.args.hidden_dim % 16 == 0 and self.args.head_dim % 16 == 0
+                and self.args.head_dim <= 256)
+
+    def use_cpu_kernels(self, kernels: CpuKernels) -> None:
+        """Run every linear layer on the bf16 CPU kernels (the LM head too, with float32 logits), and every layer of
+        a packed step (decode, verification) in one kernel call. The head gets a packed copy of its weight; the tied embedding keeps the original."""
+        self.kernels = kernels
+        a = self.args
+        for layer in self.layers:
+            for parent, name in ((layer.attention, "wqkv"), (layer.attention, "wo"),
+                                 (layer.feed_forward, "w_gate_up"), (layer.feed_forward, "w_down")):
+                setattr(parent, name, KernelLinear(getattr(parent, name), kernels))
+            weights = (layer.attention_norm.weight, layer.attention.wqkv.packed, layer.attention.wo.packed,
+                       layer.ffn_norm.weight, layer.feed_forward.w_gate_up.packed, layer.feed_forward.w_down.packed)
+            layer.kernels = kernels
+            layer.kernel_args = (a.dim, a.hidden_dim, a.n_heads, a.n_kv_heads, a.head_dim, a.norm_eps,
+                                 *(w.data_ptr() for w in weights))
+        self.output = KernelLinear(self.output, kernels, torch.float32)
 
     def prepack_linears(self) -> None:
         """Swap every layer's linear for a PackedLinear (bf16 on CPU). The LM head stays as it is: F.linear already
@@ -106,7 +147,7 @@ class Transformer(nn.Module):
                 setattr(parent, name, PackedLinear(getattr(parent, name)))
 
     def new_cache(self, n_layers: int, n_users: int) -> KVCache:
-        return KVCache(self.args, n_layers, n_users, self.max_seq_len, self.dtype, self.output.weight.device)
+        return KVCache(self.args, n_layers, n_users, self.max_seq_len, self.dtype, self.tok_embeddings.weight.device)
 
     def step_inputs(self, positions: torch.Tensor, query_pos: torch.Tensor, rows: torch.Tensor, kv_len: int,
                     all_rows: bool, exact_tokens: Optional[list[tuple[int, int, int, int]]]) -> StepInputs:
@@ -118,6 +159,10 @@ class Transformer(nn.Module):
         StepInputs; when given, no mask is built and rows may differ per token (a packed step). The caller decides
         these from host-side ints, so nothing here syncs a device.
         """
+        if exact_tokens is not None and self.kernels is not None:  # the kernel gathers the rotary tables itself
+            table = [(row, end - 1, first) for _, row, first, end in exact_tokens]
+            return StepInputs(self.rope_cos, self.rope_sin, rows, positions, None, kv_len, None, exact_tokens,
+                              torch.tensor(table, dtype=torch.int64))
         cos = self.rope_cos[positions].unsqueeze(2)
         sin = self.rope_sin[positions].unsqueeze(2)
         mask, read_rows = None, None

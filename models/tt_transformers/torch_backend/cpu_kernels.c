@@ -1,0 +1,254 @@
+// SPDX-License-Identifier: Apache-2.0
+// bf16 CPU kernels for decode and verification steps, built once per machine by cpu_kernels.py.
+//
+// Every output element is accumulated in one fixed order that does not depend on how many tokens share a
+// call, so verifying n draft tokens reproduces n one-token decodes bit for bit (the lossless contract), and
+// the weights stream from memory once per step for up to ~65 tokens.
+#ifndef __AVX512BF16__
+#error "these kernels need AVX512-BF16; without it the model runs on torch ops"
+#endif
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <immintrin.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+typedef uint16_t bf16;
+
+static inline float bf16_to_f32(bf16 v) {
+    uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline bf16 f32_to_bf16(float f) {  // round to nearest even, as torch does
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)((u >> 16) | 0x40);  // NaN stays NaN
+    return (bf16)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
+}
+
+// ---- linear: y[M, N] = x[M, K] W[N, K]^T -------------------------------------------------------------------
+// W is packed (by cpu_kernels.pack_weight) in blocks of 16 output rows: block b, k-pair p holds the 32 values
+// W[16b + i][2p + j] at offset 2i + j, the operand layout of AVX512-BF16's dot-product instruction.
+#define BLOCK 16
+#define TILE_M 4
+#define TILE_N 4  // blocks per tile: 4 x 4 accumulators of 16 lanes
+
+static inline __attribute__((always_inline)) void store_row(const float *acc, void *y, int64_t n0, int64_t N,
+                                                            int out_f32) {
+    int64_t n = N - n0 < BLOCK ? N - n0 : BLOCK;
+    for (int64_t i = 0; i < n; i++) {
+        if (out_f32) ((float *)y)[n0 + i] = acc[i];
+        else ((bf16 *)y)[n0 + i] = f32_to_bf16(acc[i]);
+    }
+}
+
+// One tile: mt rows of x against nt weight blocks, over all of K. mt and nt are compile-time constants at every
+// call site (see linear_tile_dispatch), so the accumulators live in registers.
+static inline __attribute__((always_inline)) void linear_tile(const int mt, const int nt, const bf16 *x,
+                                                              const bf16 *w, void *y, int64_t K, int64_t N,
+                                                              int64_t m0, int64_t b0, int out_f32) {
+    const int64_t pairs = K / 2, block_elems = (int64_t)BLOCK * K;
+    float out[TILE_M][TILE_N][BLOCK] __attribute__((aligned(64)));
+    __m512 acc[TILE_M][TILE_N];
+    for (int m = 0; m < mt; m++)
+        for (int n = 0; n < nt; n++) acc[m][n] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < pairs; p++) {
+        __m512bh wv[TILE_N];
+        for (int n = 0; n < nt; n++)
+            wv[n] = (__m512bh)_mm512_loadu_si512((const void *)(w + (b0 + n) * block_elems + p * 2 * BLOCK));
+        for (int m = 0; m < mt; m++) {
+            int32_t pair;
+            memcpy(&pair, x + (m0 + m) * K + 2 * p, 4);
+            __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+            for (int n = 0; n < nt; n++) acc[m][n] = _mm512_dpbf16_ps(acc[m][n], wv[n], xv);
+        }
+    }
+    for (int m = 0; m < mt; m++)
+        for (int n = 0; n < nt; n++) _mm512_store_ps(out[m][n], acc[m][n]);
+    const size_t elem = out_f32 ? 4 : 2;
+    for (int m = 0; m < mt; m++)
+        for (int n = 0; n < nt; n++)
+            store_row(out[m][n], (char *)y + (m0 + m) * N * elem, (b0 + n) * BLOCK, N, out_f32);
+}
+
+#define TILE_CASE(MT, NT) \
+    case (MT - 1) * TILE_N + NT - 1: linear_tile(MT, NT, x, w, y, K, N, m0, b0, out_f32); break;
+
+static void linear_tile_dispatch(int mt, int nt, const bf16 *x, const bf16 *w, void *y, int64_t K, int64_t N,
+                                 int64_t m0, int64_t b0, int out_f32) {
+    switch ((mt - 1) * TILE_N + nt - 1) {
+        TILE_CASE(1, 1) TILE_CASE(1, 2) TILE_CASE(1, 3) TILE_CASE(1, 4)
+        TILE_CASE(2, 1) TILE_CASE(2, 2) TILE_CASE(2, 3) TILE_CASE(2, 4)
+        TILE_CASE(3, 1) TILE_CASE(3, 2) TILE_CASE(3, 3) TILE_CASE(3, 4)
+        TILE_CASE(4, 1) TILE_CASE(4, 2) TILE_CASE(4, 3) TILE_CASE(4, 4)
+    }
+}
+
+// Each thread streams one contiguous range of weight blocks, and every row of x passes over a tile of blocks
+// while it is still in cache.
+void linear_bf16(const bf16 *x, const bf16 *w, void *y, int64_t M, int64_t K, int64_t N, int out_f32) {
+    const int64_t blocks = (N + BLOCK - 1) / BLOCK;
+#pragma omp parallel
+    {
+        int64_t threads = 1, t = 0;
+#ifdef _OPENMP
+        threads = omp_get_num_threads();
+        t = omp_get_thread_num();
+#endif
+        const int64_t begin = blocks * t / threads, end = blocks * (t + 1) / threads;
+        for (int64_t b0 = begin; b0 < end; b0 += TILE_N) {
+            const int nt = end - b0 < TILE_N ? (int)(end - b0) : TILE_N;
+            for (int64_t m0 = 0; m0 < M; m0 += TILE_M)
+                linear_tile_dispatch(M - m0 < TILE_M ? (int)(M - m0) : TILE_M, nt, x, w, y, K, N, m0, b0, out_f32);
+        }
+    }
+}
+
+// ---- elementwise ------------------------------------------------------------------------------------------------
+static inline __m512 load16(const bf16 *p) {  // 16 bf16 -> 16 float
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)p)), 16));
+}
+
+static inline __m512 exp16(__m512 x) {  // Cephes expf: 2^k e^r with |r| <= ln2 / 2, about 1 ulp
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-88.0f));
+    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(y, k);
+}
+
+// out = weight * bf16(x * rsqrt(mean(x^2) + eps)) per row, with the bf16 roundings of the torch RMSNorm.
+void rms_norm_bf16(const bf16 *x, const bf16 *weight, bf16 *out, int64_t rows, int64_t dim, float eps) {
+#pragma omp parallel for if (rows > 8)
+    for (int64_t r = 0; r < rows; r++) {
+        const bf16 *xr = x + r * dim;
+        float sum = 0.0f;
+        for (int64_t i = 0; i < dim; i++) sum += bf16_to_f32(xr[i]) * bf16_to_f32(xr[i]);
+        const float inv = 1.0f / sqrtf(sum / (float)dim + eps);
+        for (int64_t i = 0; i < dim; i++)
+            out[r * dim + i] = f32_to_bf16(bf16_to_f32(weight[i]) * bf16_to_f32(f32_to_bf16(bf16_to_f32(xr[i]) * inv)));
+    }
+}
+
+// gate_up [rows, 2 hidden] (gate | up) -> out [rows, hidden] = bf16(bf16(silu(gate)) * up). hidden % 16 == 0.
+void silu_mul_bf16(const bf16 *gate_up, bf16 *out, int64_t rows, int64_t hidden) {
+#pragma omp parallel for if (rows > 8)
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < hidden; i += 16) {
+            const __m512 g = load16(gate_up + r * 2 * hidden + i), u = load16(gate_up + r * 2 * hidden + hidden + i);
+            const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+            const __m512 rounded = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(silu));
+            _mm256_storeu_si256((void *)(out + r * hidden + i), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(rounded, u)));
+        }
+}
+
+// ---- attention for packed decode and verification steps ------------------------------------------------------
+// qkv [n, (H + 2 Hk) D]: this step's projections. table [n, 3]: each token's cache row, cache slot (= position)
+// and first visible key (> 0 only under a sliding window). First every token's q and k are rotated at its slot
+// and its k and v written to the cache; then every query head of every token attends over exactly keys
+// [first, slot] of its row, whatever else shares the step. Caches are [users, Hk, slots, D]; q_rot is float
+// scratch [n, H, D]; D % 16 == 0 and D <= 256.
+static void rotate(const bf16 *x, const bf16 *cos, const bf16 *sin, int64_t D, float *out) {
+    const int64_t half = D / 2;
+    for (int64_t i = 0; i < D; i++) {
+        const float other = i < half ? -bf16_to_f32(x[i + half]) : bf16_to_f32(x[i - half]);
+        out[i] = bf16_to_f32(x[i]) * bf16_to_f32(cos[i]) + other * bf16_to_f32(sin[i]);
+    }
+}
+
+void attend_exact(const bf16 *qkv, int64_t n, int64_t H, int64_t Hk, int64_t D, const int64_t *table,
+                  const bf16 *cos, const bf16 *sin, bf16 *k_cache, bf16 *v_cache, int64_t slots, float *q_rot,
+                  bf16 *out) {
+    const int64_t width = (H + 2 * Hk) * D, G = H / Hk, chunks = D / 16;
+    const float scale = 1.0f / sqrtf((float)D);
+#pragma omp parallel for if (n > 1)
+    for (int64_t t = 0; t < n; t++) {
+        const int64_t row = table[3 * t], slot = table[3 * t + 1];
+        const bf16 *x = qkv + t * width, *c = cos + slot * D, *s = sin + slot * D;
+        for (int64_t h = 0; h < H; h++) rotate(x + h * D, c, s, D, q_rot + (t * H + h) * D);
+        float k_rot[256];
+        for (int64_t h = 0; h < Hk; h++) {
+            const int64_t at = ((row * Hk + h) * slots + slot) * D;
+            rotate(x + (H + h) * D, c, s, D, k_rot);
+            for (int64_t i = 0; i < D; i++) k_cache[at + i] = f32_to_bf16(k_rot[i]);
+            memcpy(v_cache + at, x + (H + Hk + h) * D, D * sizeof(bf16));
+        }
+    }
+#pragma omp parallel for collapse(2)
+    for (int64_t t = 0; t < n; t++)
+        for (int64_t h = 0; h < H; h++) {
+            const int64_t row = table[3 * t], slot = table[3 * t + 1], first = table[3 * t + 2];
+            const int64_t len = slot + 1 - first, kv = row * Hk + h / G;
+            const bf16 *keys = k_cache + (kv * slots + first) * D, *values = v_cache + (kv * slots + first) * D;
+            const float *q = q_rot + (t * H + h) * D;
+            float *p = malloc(((len + 15) / 16 * 16) * sizeof(float));
+            float top = -INFINITY;
+            for (int64_t j = 0; j < len; j++) {
+                __m512 dot = _mm512_setzero_ps();
+                for (int64_t c = 0; c < chunks; c++)
+                    dot = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * c), load16(keys + j * D + 16 * c), dot);
+                p[j] = _mm512_reduce_add_ps(dot) * scale;
+                top = p[j] > top ? p[j] : top;
+            }
+            __m512 total = _mm512_setzero_ps();
+            for (int64_t j = 0; j < len; j += 16) {
+                const __mmask16 valid = len - j >= 16 ? 0xffff : (__mmask16)((1u << (len - j)) - 1);
+                const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(valid, p + j), _mm512_set1_ps(top)));
+                total = _mm512_add_ps(total, _mm512_maskz_mov_ps(valid, e));
+                _mm512_mask_storeu_ps(p + j, valid, e);
+            }
+            __m512 acc[16];
+            for (int64_t c = 0; c < chunks; c++) acc[c] = _mm512_setzero_ps();
+            for (int64_t j = 0; j < len; j++) {
+                const __m512 pj = _mm512_set1_ps(p[j]);
+                for (int64_t c = 0; c < chunks; c++) acc[c] = _mm512_fmadd_ps(pj, load16(values + j * D + 16 * c), acc[c]);
+            }
+            const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
+            for (int64_t c = 0; c < chunks; c++)
+                _mm256_storeu_si256((void *)(out + (t * H + h) * D + 16 * c), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[c], inv)));
+            free(p);
+        }
+}
+
+// ---- one decoder layer of a packed step: TransformerBlock.forward with the kernels above ----------------------
+// x [n, dim] is the residual stream, updated in place; weights are packed as for linear_bf16.
+static void add_bf16(bf16 *x, const bf16 *delta, int64_t count) {
+    for (int64_t i = 0; i < count; i++) x[i] = f32_to_bf16(bf16_to_f32(x[i]) + bf16_to_f32(delta[i]));
+}
+
+void decoder_layer(bf16 *x, int64_t n, int64_t dim, int64_t hidden, int64_t H, int64_t Hk, int64_t D, float eps,
+                   const bf16 *attention_norm, const bf16 *wqkv, const bf16 *wo, const bf16 *ffn_norm,
+                   const bf16 *w_gate_up, const bf16 *w_down, const int64_t *table, const bf16 *cos, const bf16 *sin,
+                   bf16 *k_cache, bf16 *v_cache, int64_t slots) {
+    const int64_t width = (H + 2 * Hk) * D;
+    bf16 *normed = malloc(n * (dim + width + H * D + 3 * hidden + dim) * sizeof(bf16));
+    bf16 *qkv = normed + n * dim, *attn = qkv + n * width, *gate_up = attn + n * H * D;
+    bf16 *act = gate_up + n * 2 * hidden, *delta = act + n * hidden;
+    float *q_rot = malloc(n * H * D * sizeof(float));
+    rms_norm_bf16(x, attention_norm, normed, n, dim, eps);
+    linear_bf16(normed, wqkv, qkv, n, dim, width, 0);
+    attend_exact(qkv, n, H, Hk, D, table, cos, sin, k_cache, v_cache, slots, q_rot, attn);
+    linear_bf16(attn, wo, delta, n, H * D, dim, 0);
+    add_bf16(x, delta, n * dim);
+    rms_norm_bf16(x, ffn_norm, normed, n, dim, eps);
+    linear_bf16(normed, w_gate_up, gate_up, n, dim, 2 * hidden, 0);
+    silu_mul_bf16(gate_up, act, n, hidden);
+    linear_bf16(act, w_down, delta, n, hidden, dim, 0);
+    add_bf16(x, delta, n * dim);
+    free(q_rot);
+    free(normed);
+}
