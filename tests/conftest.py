@@ -5,9 +5,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from models.tt_transformers.torch_backend.checkpoint import load_model, load_tokenizer, resolve_checkpoint
+from models.tt_transformers.torch_backend.checkpoint import cache_root, load_model, load_tokenizer, resolve_checkpoint
+from models.tt_transformers.torch_backend.cpu_kernels import load_cpu_kernels
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
+# The bf16 CPU kernels the embedded model runs on here (None on CPUs without AVX512-BF16: tests that need them
+# are then skipped with that reason, and the torch-ops fallback is what every other test exercises).
+CPU_KERNELS = load_cpu_kernels(cache_root() / "kernels")
+needs_cpu_kernels = pytest.mark.skipif(CPU_KERNELS is None, reason="bf16 CPU kernels need x86-64 with AVX512-BF16 "
+                                                                 "and a C compiler")
 
 
 @pytest.fixture(scope="session")

@@ -13,6 +13,8 @@ from models.tt_transformers.torch_backend.model_config import ModelArgs
 from models.tt_transformers.demo.speculative_decoding.speculative_demo import encode
 from models.tt_transformers.demo.speculative_decoding.speculative_generator import SpeculativeGenerator
 
+from .conftest import CPU_KERNELS
+
 N_TOKENS = 32
 
 
@@ -77,7 +79,8 @@ def test_suffix_and_hybrid_identical_to_plain(embedded_bf16, embedded_tokenizer,
 @st.composite
 def tiny_models(draw):
     n_kv = draw(st.sampled_from([1, 2, 4]))
-    args = ModelArgs(dim=32, n_layers=draw(st.integers(2, 4)), n_heads=4, n_kv_heads=n_kv, head_dim=8,
+    args = ModelArgs(dim=32, n_layers=draw(st.integers(2, 4)), n_heads=4, n_kv_heads=n_kv,
+                     head_dim=draw(st.sampled_from([8, 32])),
                      hidden_dim=48, vocab_size=draw(st.sampled_from([7, 64])), norm_eps=1e-5,
                      rope_theta=10000.0, rope_scaling=None, tie_word_embeddings=draw(st.booleans()),
                      sliding_window=draw(st.sampled_from([None, 3, 8])), max_position_embeddings=128,
@@ -87,13 +90,15 @@ def tiny_models(draw):
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.5)  # peaked distributions, so small drafts agree sometimes
+    if CPU_KERNELS is not None and model.supports_cpu_kernels():
+        model.use_cpu_kernels(CPU_KERNELS)
     return model
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(model=tiny_models(), data=st.data())
 def test_generated_cases_identical_to_plain(model, data):
-    """Random small models, prompts, draft modes, draft lengths and depths, batch sizes, EOS and cache limits."""
+    """Random small models (torch ops or the bf16 CPU kernels), prompts, draft modes, draft lengths and depths, batch sizes, EOS and cache limits."""
     vocab = model.args.vocab_size
     n_users = data.draw(st.integers(1, 3))
     prompts = [data.draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=20)) for _ in range(n_users)]

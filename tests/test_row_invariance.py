@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The kernel properties lossless bf16 verification rests on (see TorchCausalLM._packed_step and PackedLinear).
+"""The torch-ops properties lossless bf16 verification rests on where the bf16 CPU kernels do not run (see
+TorchCausalLM._packed_step and PackedLinear; tests/test_cpu_kernels.py checks the same of the kernels).
 
 If a torch upgrade breaks them, this fails before any speculative output silently drifts from plain decoding.
 """

@@ -160,31 +160,47 @@ void silu_mul_bf16(const bf16 *gate_up, bf16 *out, int64_t rows, int64_t hidden)
 // qkv [n, (H + 2 Hk) D]: this step's projections. table [n, 3]: each token's cache row, cache slot (= position)
 // and first visible key (> 0 only under a sliding window). First every token's q and k are rotated at its slot
 // and its k and v written to the cache; then every query head of every token attends over exactly keys
-// [first, slot] of its row, whatever else shares the step. Caches are [users, Hk, slots, D]; q_rot is float
-// scratch [n, H, D]; D % 16 == 0 and D <= 256.
-static void rotate(const bf16 *x, const bf16 *cos, const bf16 *sin, int64_t D, float *out) {
+// [first, slot] of its row, whatever else shares the step. Caches are [users, Hk, slots, D]; q_rot is bf16
+// scratch [n, H, D]; D % 32 == 0 and D <= 256.
+static void rotate(const bf16 *x, const bf16 *cos, const bf16 *sin, int64_t D, bf16 *out) {
     const int64_t half = D / 2;
     for (int64_t i = 0; i < D; i++) {
         const float other = i < half ? -bf16_to_f32(x[i + half]) : bf16_to_f32(x[i - half]);
-        out[i] = bf16_to_f32(x[i]) * bf16_to_f32(cos[i]) + other * bf16_to_f32(sin[i]);
+        out[i] = f32_to_bf16(bf16_to_f32(x[i]) * bf16_to_f32(cos[i]) + other * bf16_to_f32(sin[i]));
     }
 }
 
+// Lane j of the result = the sum of the 16 lanes of v[j] (a transposing reduction: 3 shuffle levels for 16
+// vectors instead of a horizontal sum for each).
+static inline __m512 sum_lanes16(const __m512 *v) {
+    __m512 pairs[8], quads[4];
+    for (int i = 0; i < 8; i++)  // 128-bit chunks: v[2i] in 0-1, v[2i+1] in 2-3
+        pairs[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                                 _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++)  // chunk c: the 4 partial sums of v[4i + c]
+        quads[i] = _mm512_add_ps(_mm512_shuffle_f32x4(pairs[2 * i], pairs[2 * i + 1], 0x88),
+                                 _mm512_shuffle_f32x4(pairs[2 * i], pairs[2 * i + 1], 0xDD));
+    const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(quads[0], quads[1]), _mm512_unpackhi_ps(quads[0], quads[1]));
+    const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(quads[2], quads[3]), _mm512_unpackhi_ps(quads[2], quads[3]));
+    const __m512 sums = _mm512_add_ps(  // lane 4c + m: the sum of v[4m + c]
+        _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23))),
+        _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23))));
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), sums);
+}
+
 void attend_exact(const bf16 *qkv, int64_t n, int64_t H, int64_t Hk, int64_t D, const int64_t *table,
-                  const bf16 *cos, const bf16 *sin, bf16 *k_cache, bf16 *v_cache, int64_t slots, float *q_rot,
+                  const bf16 *cos, const bf16 *sin, bf16 *k_cache, bf16 *v_cache, int64_t slots, bf16 *q_rot,
                   bf16 *out) {
-    const int64_t width = (H + 2 * Hk) * D, G = H / Hk, chunks = D / 16;
+    const int64_t width = (H + 2 * Hk) * D, G = H / Hk;
     const float scale = 1.0f / sqrtf((float)D);
 #pragma omp parallel for if (n > 1)
     for (int64_t t = 0; t < n; t++) {
         const int64_t row = table[3 * t], slot = table[3 * t + 1];
         const bf16 *x = qkv + t * width, *c = cos + slot * D, *s = sin + slot * D;
         for (int64_t h = 0; h < H; h++) rotate(x + h * D, c, s, D, q_rot + (t * H + h) * D);
-        float k_rot[256];
         for (int64_t h = 0; h < Hk; h++) {
             const int64_t at = ((row * Hk + h) * slots + slot) * D;
-            rotate(x + (H + h) * D, c, s, D, k_rot);
-            for (int64_t i = 0; i < D; i++) k_cache[at + i] = f32_to_bf16(k_rot[i]);
+            rotate(x + (H + h) * D, c, s, D, k_cache + at);
             memcpy(v_cache + at, x + (H + Hk + h) * D, D * sizeof(bf16));
         }
     }
@@ -194,31 +210,39 @@ void attend_exact(const bf16 *qkv, int64_t n, int64_t H, int64_t Hk, int64_t D, 
             const int64_t row = table[3 * t], slot = table[3 * t + 1], first = table[3 * t + 2];
             const int64_t len = slot + 1 - first, kv = row * Hk + h / G;
             const bf16 *keys = k_cache + (kv * slots + first) * D, *values = v_cache + (kv * slots + first) * D;
-            const float *q = q_rot + (t * H + h) * D;
+            const bf16 *q = q_rot + (t * H + h) * D;
             float *p = malloc(((len + 15) / 16 * 16) * sizeof(float));
-            float top = -INFINITY;
-            for (int64_t j = 0; j < len; j++) {
-                __m512 dot = _mm512_setzero_ps();
-                for (int64_t c = 0; c < chunks; c++)
-                    dot = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * c), load16(keys + j * D + 16 * c), dot);
-                p[j] = _mm512_reduce_add_ps(dot) * scale;
-                top = p[j] > top ? p[j] : top;
+            __m512 top = _mm512_set1_ps(-INFINITY);
+            for (int64_t j0 = 0; j0 < len; j0 += 16) {  // scores of 16 keys at a time
+                const int64_t count = len - j0 < 16 ? len - j0 : 16;
+                __m512 dots[16];
+                for (int64_t j = 0; j < 16; j++) {
+                    dots[j] = _mm512_setzero_ps();
+                    for (int64_t i = 0; j < count && i < D; i += 32)
+                        dots[j] = _mm512_dpbf16_ps(dots[j], (__m512bh)_mm512_loadu_si512((const void *)(keys + (j0 + j) * D + i)),
+                                                   (__m512bh)_mm512_loadu_si512((const void *)(q + i)));
+                }
+                const __mmask16 valid = count == 16 ? 0xffff : (__mmask16)((1u << count) - 1);
+                const __m512 scores = _mm512_mul_ps(sum_lanes16(dots), _mm512_set1_ps(scale));
+                top = _mm512_mask_max_ps(top, valid, top, scores);
+                _mm512_storeu_ps(p + j0, scores);
             }
+            const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(top));
             __m512 total = _mm512_setzero_ps();
             for (int64_t j = 0; j < len; j += 16) {
                 const __mmask16 valid = len - j >= 16 ? 0xffff : (__mmask16)((1u << (len - j)) - 1);
-                const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(valid, p + j), _mm512_set1_ps(top)));
-                total = _mm512_add_ps(total, _mm512_maskz_mov_ps(valid, e));
-                _mm512_mask_storeu_ps(p + j, valid, e);
+                const __m512 e = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(_mm512_loadu_ps(p + j), max)));
+                total = _mm512_add_ps(total, e);
+                _mm512_storeu_ps(p + j, e);
             }
             __m512 acc[16];
-            for (int64_t c = 0; c < chunks; c++) acc[c] = _mm512_setzero_ps();
+            for (int64_t c = 0; c < D / 16; c++) acc[c] = _mm512_setzero_ps();
             for (int64_t j = 0; j < len; j++) {
                 const __m512 pj = _mm512_set1_ps(p[j]);
-                for (int64_t c = 0; c < chunks; c++) acc[c] = _mm512_fmadd_ps(pj, load16(values + j * D + 16 * c), acc[c]);
+                for (int64_t c = 0; c < D / 16; c++) acc[c] = _mm512_fmadd_ps(pj, load16(values + j * D + 16 * c), acc[c]);
             }
             const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
-            for (int64_t c = 0; c < chunks; c++)
+            for (int64_t c = 0; c < D / 16; c++)
                 _mm256_storeu_si256((void *)(out + (t * H + h) * D + 16 * c), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[c], inv)));
             free(p);
         }
@@ -238,7 +262,7 @@ void decoder_layer(bf16 *x, int64_t n, int64_t dim, int64_t hidden, int64_t H, i
     bf16 *normed = malloc(n * (dim + width + H * D + 3 * hidden + dim) * sizeof(bf16));
     bf16 *qkv = normed + n * dim, *attn = qkv + n * width, *gate_up = attn + n * H * D;
     bf16 *act = gate_up + n * 2 * hidden, *delta = act + n * hidden;
-    float *q_rot = malloc(n * H * D * sizeof(float));
+    bf16 *q_rot = malloc(n * H * D * sizeof(bf16));
     rms_norm_bf16(x, attention_norm, normed, n, dim, eps);
     linear_bf16(normed, wqkv, qkv, n, dim, width, 0);
     attend_exact(qkv, n, H, Hk, D, table, cos, sin, k_cache, v_cache, slots, q_rot, attn);

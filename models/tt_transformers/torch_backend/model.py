@@ -119,7 +119,7 @@ class Transformer(nn.Module):
 
     def supports_cpu_kernels(self) -> bool:
         return (self.dtype == torch.bfloat16 and self.tok_embeddings.weight.device.type == "cpu"
-                and self.args.dim % 2 == 0 and self.args.hidden_dim % 16 == 0 and self.args.head_dim % 16 == 0
+                and self.args.dim % 2 == 0 and self.args.hidden_dim % 16 == 0 and self.args.head_dim % 32 == 0
                 and self.args.head_dim <= 256)
 
     def use_cpu_kernels(self, kernels: CpuKernels) -> None:
