@@ -9,9 +9,10 @@ temperature. Reports tokens per target forward, acceptance and throughput (token
 greedy whether every user's output equals its batch-1 plain output. Prints a table and writes JSON.
 """
 import argparse
+from functools import partial
 from pathlib import Path
 
-from common import REPO, machine_info, print_table, quiet_logs
+from common import REPO, machine_info, median_of_interleaved, print_table, quiet_logs
 
 import torch
 
@@ -46,6 +47,7 @@ def main():
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
     ap.add_argument("--max_generated_tokens", type=int, default=64)
     ap.add_argument("--n_draft_tokens", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=3, help="runs of plain and speculative; the median is reported")
     ap.add_argument("--output_json", default=str(REPO / "bench_results" / "bench_batch.json"))
     args = ap.parse_args()
     quiet_logs()
@@ -61,8 +63,11 @@ def main():
         for b in args.batch_sizes:
             target = TorchCausalLM(model, model.args.n_layers, b)
             sampling = SamplingParams(temperature, seed=0)
-            plain, plain_out = run_batched(target, None, 0, prompts, b, n, sampling, eos)
-            spec, spec_out = run_batched(target, SuffixDrafter(), args.n_draft_tokens, prompts, b, n, sampling, eos)
+            runs = median_of_interleaved(
+                {"plain": partial(run_batched, target, None, 0, prompts, b, n, sampling, eos),
+                 "suffix": partial(run_batched, target, SuffixDrafter(), args.n_draft_tokens, prompts, b, n, sampling,
+                                   eos)}, args.repeats, key=lambda run: -run[0]["decode_tok_s"])
+            (plain, plain_out), (spec, spec_out) = runs["plain"], runs["suffix"]
             if temperature == 0 and batch1_plain is None:
                 batch1_plain = run_batched(TorchCausalLM(model, model.args.n_layers, 1), None, 0, prompts, 1, n,
                                            sampling, eos)[1]

@@ -10,9 +10,10 @@ speedup over our plain path). Prints a table and writes JSON.
 """
 import argparse
 import time
+from functools import partial
 from pathlib import Path
 
-from common import REPO, hf_ms_per_token, load_hf, machine_info, print_table, quiet_logs, run_ours
+from common import REPO, hf_ms_per_token, load_hf, machine_info, median_of_interleaved, print_table, quiet_logs, run_ours
 
 import torch
 
@@ -47,6 +48,7 @@ def main():
     ap.add_argument("--max_generated_tokens", type=int, default=64)
     ap.add_argument("--draft_layers", type=int, nargs="+", default=[8, 20, 25])
     ap.add_argument("--n_draft_tokens", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--repeats", type=int, default=3, help="runs of each plain decoder; the median is reported")
     ap.add_argument("--output_json", default=str(REPO / "bench_results" / "bench_speculative.json"))
     args = ap.parse_args()
     quiet_logs()
@@ -60,8 +62,11 @@ def main():
     bw = read_bandwidth_gb_s()
     bf16 = load_model(ckpt, torch.bfloat16, 1024)
     floor_ms = bf16.args.weight_bytes_per_token(bf16.args.n_layers, 2) / (bw * 1e9) * 1e3
-    plain = {"bfloat16": run_ours(layer_draft_generator(bf16, 0, 0), prompts, n)}
-    plain["float32"] = run_ours(layer_draft_generator(load_model(ckpt, torch.float32, 1024), 0, 0), prompts, n)
+    report["cpu_kernels"] = bf16.kernels is not None
+    models = {"bfloat16": bf16, "bfloat16_torch_ops": load_model(ckpt, torch.bfloat16, 1024, cpu_kernels=False),
+              "float32": load_model(ckpt, torch.float32, 1024)}
+    plain = median_of_interleaved({k: partial(run_ours, layer_draft_generator(m, 0, 0), prompts, n)
+                                   for k, m in models.items()}, args.repeats)
     hf = {name: hf_ms_per_token(load_hf(ckpt.folder, dt), prompts, n) for name, dt in
           [("bfloat16", torch.bfloat16), ("float32", torch.float32)]}
     report["plain"] = {"read_bandwidth_gb_s": bw, "floor_ms_per_token_bf16": floor_ms,
@@ -70,9 +75,11 @@ def main():
 
     print(f"\nPlain greedy decode, {ckpt.name}, {len(prompts)} prompts x {n} tokens, {torch.get_num_threads()} threads")
     table = []
+    for k, name in (("bfloat16", f"ours bfloat16 ({'CPU kernels' if bf16.kernels else 'torch ops'})"),
+                    ("bfloat16_torch_ops", "ours bfloat16 (torch ops)"), ("float32", "ours float32")):
+        ours, dt = plain[k]["ms_per_token"], k.split("_")[0]
+        table.append([name, f"{ours:.1f}", f"{hf[dt] / ours:.2f}x", f"{ours / floor_ms:.2f}x floor"])
     for k in ("bfloat16", "float32"):
-        ours = plain[k]["ms_per_token"]
-        table.append([f"ours {k}", f"{ours:.1f}", f"{hf[k] / ours:.2f}x", f"{ours / floor_ms:.2f}x floor"])
         table.append([f"HF generate {k}", f"{hf[k]:.1f}", "1.00x", f"{hf[k] / floor_ms:.2f}x floor"])
     table.append([f"floor (bf16 weights {bf16.args.weight_bytes_per_token(bf16.args.n_layers, 2) / 1e6:.0f} MB / "
                   f"{bw:.1f} GB/s)", f"{floor_ms:.1f}", "", "1.00x"])

@@ -16,9 +16,10 @@ import argparse
 import random
 import statistics
 import time
+from functools import partial
 from pathlib import Path
 
-from common import REPO, hf_ms_per_token, load_hf, machine_info, print_table, quiet_logs, run_ours
+from common import REPO, hf_ms_per_token, load_hf, machine_info, median_of_interleaved, print_table, quiet_logs, run_ours
 
 import torch
 
@@ -54,7 +55,7 @@ class ArcticDrafter:
             self.req_ids[u], self.seen[u] = self.request, len(p)
             self.cache.start_request(self.request, list(p))
 
-    def propose(self, users, contexts, max_tokens):
+    def propose(self, users, contexts, max_tokens, verify_cost):
         drafts = []
         for u, ctx, n in zip(users, contexts, max_tokens):
             req = self.req_ids[u]
@@ -107,6 +108,7 @@ def main():
     ap.add_argument("--sa_threshold", type=int, default=DEFAULT_SA_THRESHOLD)
     ap.add_argument("--draft_layers", type=int, default=8)
     ap.add_argument("--categories", nargs="+", default=list(CATEGORIES))
+    ap.add_argument("--repeats", type=int, default=3, help="runs of each of our methods; the median is reported")
     ap.add_argument("--output_json", default=str(REPO / "bench_results" / "bench_suffix.json"))
     args = ap.parse_args()
     quiet_logs()
@@ -132,7 +134,8 @@ def main():
 
     for category in args.categories:
         prompts = [encode(tok, p, True) for p in load_prompts(str(PROMPT_SETS / f"{category}.json"))]
-        ours = {m: run_ours(g, prompts, n, stop_at_eos=True) for m, g in generators.items()}
+        ours = median_of_interleaved({m: partial(run_ours, g, prompts, n, stop_at_eos=True)
+                                      for m, g in generators.items()}, args.repeats)
         row = {m: {key: r[key] for key in ("ms_per_token", "acceptance_rate", "tokens_per_step")}
                for m, r in ours.items()}
         for m in METHODS[1:]:

@@ -35,6 +35,16 @@ def run_ours(generator: SpeculativeGenerator, prompts, n_tokens: int, stop_at_eo
             "outputs": [r.output_tokens for r in results], "results": results}
 
 
+def median_of_interleaved(runs: dict, repeats: int, key=lambda r: r["ms_per_token"]) -> dict:
+    """Call every run `repeats` times, interleaved (a, b, c, a, b, c, ...) so that this shared machine's slow
+    drifts hit every method alike, and keep each method's median run by `key`."""
+    results = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            results[name].append(run())
+    return {name: sorted(rs, key=key)[len(rs) // 2] for name, rs in results.items()}
+
+
 def print_table(header: list[str], rows: list[list]) -> None:
     """A Markdown table, as pasted into README.md."""
     for cells in [header, ["---"] * len(header), *rows]:

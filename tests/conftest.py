@@ -7,6 +7,8 @@ import torch
 
 from models.tt_transformers.torch_backend.checkpoint import cache_root, load_model, load_tokenizer, resolve_checkpoint
 from models.tt_transformers.torch_backend.cpu_kernels import load_cpu_kernels
+from models.tt_transformers.torch_backend.model import Transformer
+from models.tt_transformers.torch_backend.model_config import ModelArgs
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,6 +40,21 @@ def sample_prompt_tokens(embedded_tokenizer):
     from models.tt_transformers.demo.speculative_decoding.speculative_demo import encode, load_prompts
 
     return [encode(embedded_tokenizer, p, True) for p in load_prompts(str(REPO_ROOT / "sample_prompts.json"))]
+
+
+def random_model(dtype=torch.float32, max_seq_len: int = 64, seed: int = 0, std: float = 0.5, **overrides) -> Transformer:
+    """A small Llama-shaped Transformer with normal(0, std) weights: peaked distributions, so small drafts agree
+    with it sometimes."""
+    fields = dict(dim=32, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8, hidden_dim=48, vocab_size=64,
+                  norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None, tie_word_embeddings=False,
+                  sliding_window=None, max_position_embeddings=128, model_type="llama")
+    fields.update(overrides)
+    torch.manual_seed(seed)
+    model = Transformer(ModelArgs(**fields), dtype, max_seq_len=max_seq_len).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, std)
+    return model
 
 
 def save_tiny_hf_checkpoint(folder: Path, model_type: str = "llama", seed: int = 0, max_shard_size=None, **overrides):

@@ -9,9 +9,8 @@ import torch
 from models.tt_transformers.torch_backend import cpu_kernels
 from models.tt_transformers.torch_backend.generator import TorchCausalLM
 from models.tt_transformers.torch_backend.model import Transformer
-from models.tt_transformers.torch_backend.model_config import ModelArgs
 
-from .conftest import CPU_KERNELS, needs_cpu_kernels
+from .conftest import CPU_KERNELS, needs_cpu_kernels, random_model
 
 pytestmark = needs_cpu_kernels
 
@@ -31,15 +30,9 @@ def test_linear_close_to_float_and_row_invariant(n_out, n_in):
 
 
 def tiny_bf16_model(sliding_window=None) -> Transformer:
-    args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, hidden_dim=96, vocab_size=100,
-                     norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None, tie_word_embeddings=True,
-                     sliding_window=sliding_window, max_position_embeddings=128, model_type="mistral")
-    torch.manual_seed(0)
-    model = Transformer(args, torch.bfloat16, max_seq_len=96).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.3)
-    return model
+    return random_model(torch.bfloat16, max_seq_len=96, std=0.3, dim=64, n_layers=2, head_dim=32, hidden_dim=96,
+                        vocab_size=100, tie_word_embeddings=True, sliding_window=sliding_window,
+                        model_type="mistral")
 
 
 @pytest.mark.parametrize("sliding_window", [None, 5])

@@ -8,12 +8,10 @@ from hypothesis import strategies as st
 from models.tt_transformers.speculative.drafters import HybridDrafter, ModelDrafter, SuffixDrafter
 from models.tt_transformers.speculative.verification import verify_greedy
 from models.tt_transformers.torch_backend.generator import TorchCausalLM
-from models.tt_transformers.torch_backend.model import Transformer
-from models.tt_transformers.torch_backend.model_config import ModelArgs
 from models.tt_transformers.demo.speculative_decoding.speculative_demo import encode
 from models.tt_transformers.demo.speculative_decoding.speculative_generator import SpeculativeGenerator
 
-from .conftest import CPU_KERNELS
+from .conftest import CPU_KERNELS, random_model
 
 N_TOKENS = 32
 
@@ -78,18 +76,10 @@ def test_suffix_and_hybrid_identical_to_plain(embedded_bf16, embedded_tokenizer,
 
 @st.composite
 def tiny_models(draw):
-    n_kv = draw(st.sampled_from([1, 2, 4]))
-    args = ModelArgs(dim=32, n_layers=draw(st.integers(2, 4)), n_heads=4, n_kv_heads=n_kv,
-                     head_dim=draw(st.sampled_from([8, 32])),
-                     hidden_dim=48, vocab_size=draw(st.sampled_from([7, 64])), norm_eps=1e-5,
-                     rope_theta=10000.0, rope_scaling=None, tie_word_embeddings=draw(st.booleans()),
-                     sliding_window=draw(st.sampled_from([None, 3, 8])), max_position_embeddings=128,
-                     model_type="llama")
-    torch.manual_seed(draw(st.integers(0, 2**16)))
-    model = Transformer(args, draw(st.sampled_from([torch.bfloat16, torch.float32])), max_seq_len=64).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.5)  # peaked distributions, so small drafts agree sometimes
+    model = random_model(draw(st.sampled_from([torch.bfloat16, torch.float32])), seed=draw(st.integers(0, 2**16)),
+                         n_layers=draw(st.integers(2, 4)), n_kv_heads=draw(st.sampled_from([1, 2, 4])),
+                         head_dim=draw(st.sampled_from([8, 32])), vocab_size=draw(st.sampled_from([7, 64])),
+                         tie_word_embeddings=draw(st.booleans()), sliding_window=draw(st.sampled_from([None, 3, 8])))
     if CPU_KERNELS is not None and model.supports_cpu_kernels():
         model.use_cpu_kernels(CPU_KERNELS)
     return model

@@ -6,7 +6,7 @@ import sys
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from models.tt_transformers.speculative.draft_length import DraftLengthPolicy, suffix_cap
+from models.tt_transformers.speculative.draft_length import DraftLengthPolicy, suffix_cap, verify_cost_at
 from models.tt_transformers.speculative.suffix_automaton import SuffixAutomaton
 
 
@@ -90,22 +90,22 @@ def test_size_bounds():
 
 
 def test_policy_drafts_long_when_accepted_and_pauses_when_rejected():
-    policy = DraftLengthPolicy(draft_cost=0.0, verify_cost=0.07)
-    start = policy.next_length(16)
+    policy = DraftLengthPolicy(draft_cost=0.0)
+    start = policy.next_length(16, 0.07)
     assert 1 <= start < 16
     for _ in range(20):
         policy.update(drafted=8, accepted=8)
-    assert policy.next_length(16) == 16
-    assert policy.next_length(5) == 5
+    assert policy.next_length(16, 0.07) == 16
+    assert policy.next_length(5, 0.07) == 5
     for _ in range(60):
         policy.update(drafted=4, accepted=0)
     assert policy.acceptance < 0.1
-    lengths = [policy.next_length(16) for _ in range(60)]
+    lengths = [policy.next_length(16, 0.07) for _ in range(60)]
     probes = [i for i, k in enumerate(lengths) if k]
     assert probes == [7, 23, 55] and lengths[7] == 1  # paused; one-token probes after 8, then 16, then 32 idle
     for _ in range(10):
         policy.update(drafted=1, accepted=1)  # a probe that passes: drafting resumes, the wait resets
-    assert policy.next_length(16) >= 1 and policy.wait == policy.probe_every
+    assert policy.next_length(16, 0.07) >= 1 and policy.wait == policy.probe_every
 
 
 def test_policy_costlier_drafts_are_shorter():
@@ -113,7 +113,18 @@ def test_policy_costlier_drafts_are_shorter():
     for p in (cheap, costly):
         for _ in range(10):
             p.update(drafted=4, accepted=2)  # per-token acceptance about 2/3
-    assert cheap.next_length(16) > costly.next_length(16) >= 1
+    assert cheap.next_length(16, 0.07) > costly.next_length(16, 0.07) >= 1
+
+
+def test_verification_cost_grows_with_batch_and_shortens_drafts():
+    costs = [verify_cost_at(b, 0.1) for b in (1, 2, 4, 8, 32)]
+    assert costs == sorted(costs) and abs(costs[0] - 0.1 / 1.1) < 1e-12 and costs[-1] < 1
+    assert verify_cost_at(32, 0.0) == 0.0  # a device that computes a few more tokens for free
+    policy = DraftLengthPolicy()
+    for _ in range(10):
+        policy.update(drafted=4, accepted=2)
+    lengths = [policy.next_length(16, c) for c in costs]
+    assert lengths == sorted(lengths, reverse=True) and lengths[0] > lengths[-1]
 
 
 def test_suffix_cap():

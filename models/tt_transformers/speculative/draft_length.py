@@ -4,7 +4,8 @@
 With per-token acceptance a, a draft of k tokens yields (1 - a^(k+1)) / (1 - a) tokens per target forward
 (see ../shared/notes/speculative-decoding.md) and costs 1 + k * (draft_cost + verify_cost) target forwards,
 where draft_cost is one draft token (0 for the suffix automaton, about draft_layers / target_layers for a
-truncated model) and verify_cost is one more token in the verification forward. The policy keeps a decayed
+truncated model) and verify_cost is one more token in the verification forward, both in units of one user's
+share of a plain decode step (see verify_cost_at: it grows with the batch). The policy keeps a decayed
 count of accepted and rejected draft tokens, estimates a, and picks the best k up to the iteration's maximum.
 When drafting does not pay (k = 0) it still drafts one token after `probe_every` idle iterations, so the estimate
 can recover; the wait doubles after each probe that does not bring drafting back (up to `max_probe_every`), so a
@@ -16,16 +17,19 @@ predicts a short continuation, and long rejected drafts eat the gain.
 import math
 from dataclasses import dataclass
 
-# Extra cost of one more verified token, in target forwards. Measured on the 2-core CPU for SmolLM2-135M in bf16 at
-# batch 1 before the weights were prepacked (30 ms for 1 token, 47 ms for 9); prepacked it is lower (~29 ms for 1,
-# ~43-49 ms for 9 in noisy runs). On a Tenstorrent device up to 32 tokens fill one tile: close to 0.
-CPU_VERIFY_COST = 0.07
+def verify_cost_at(n_users: int, token_cost: float) -> float:
+    """Cost of verifying one more token, in units of one user's share of a plain decode step of n_users users.
+
+    A step costs about 1 (streaming the weights) + token_cost per token it computes, so a plain step of B users
+    costs 1 + B token_cost and each user's share is 1/B of that: one more token costs B token_cost / (1 + B
+    token_cost). Verification is nearly free at batch 1 on a bandwidth-bound device and grows with the batch.
+    """
+    return n_users * token_cost / (1 + n_users * token_cost)
 
 
 @dataclass
 class DraftLengthPolicy:
     draft_cost: float = 0.0
-    verify_cost: float = CPU_VERIFY_COST
     decay: float = 0.8  # weight of the past per iteration
     prior_accepted: float = 3.0  # pseudo-counts: start at a = 0.75 with the weight of four tokens
     prior_rejected: float = 1.0
@@ -41,10 +45,10 @@ class DraftLengthPolicy:
         """Estimated probability that the next draft token is accepted."""
         return self.accepted / (self.accepted + self.rejected)
 
-    def next_length(self, max_tokens: int) -> int:
+    def next_length(self, max_tokens: int, verify_cost: float) -> int:
         """Draft length for the next iteration, at most max_tokens (counts iterations without drafting)."""
         a = min(self.acceptance, 0.999)
-        step_cost = self.draft_cost + self.verify_cost
+        step_cost = self.draft_cost + verify_cost
         best_k, best = 0, 1.0  # k = 0: one token per forward of cost 1
         for k in range(1, max_tokens + 1):
             value = (1 - a ** (k + 1)) / (1 - a) / (1 + k * step_cost)

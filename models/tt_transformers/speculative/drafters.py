@@ -6,11 +6,11 @@ from typing import Optional, Protocol, Sequence
 import torch
 
 from .backend import CausalLM
-from .draft_length import CPU_VERIFY_COST, DraftLengthPolicy, suffix_cap
+from .draft_length import DraftLengthPolicy, suffix_cap
 from .sampling import SamplingParams, probabilities, sample
 from .suffix_automaton import SuffixAutomaton
 
-DEFAULT_SA_THRESHOLD = 3  # minimum match length for a suffix draft (TensorRT-LLM uses 4, SAM-Decoding 5)
+DEFAULT_SA_THRESHOLD = 2  # minimum match length for a suffix draft (TensorRT-LLM uses 4, SAM-Decoding 5; 2 measured best here)
 DRAFT_RNG_STREAM = 1 << 20  # the draft model samples from streams of its own, apart from the target's
 
 
@@ -27,9 +27,10 @@ class Drafter(Protocol):
         """A new request per user; the prompts are what the target was prefilled with. A model drafter samples
         its drafts with the same settings (and returns q with them) unless they are greedy."""
 
-    def propose(self, users: Sequence[int], contexts: Sequence[Sequence[int]],
-                max_tokens: Sequence[int]) -> list[Draft]:
-        """Up to max_tokens[i] draft tokens continuing contexts[i] (the whole sequence so far, prompt included)."""
+    def propose(self, users: Sequence[int], contexts: Sequence[Sequence[int]], max_tokens: Sequence[int],
+                verify_cost: float) -> list[Draft]:
+        """Up to max_tokens[i] draft tokens continuing contexts[i] (the whole sequence so far, prompt included).
+        verify_cost: what one more verified token costs the target this iteration (CausalLM.verify_cost)."""
 
     def accept(self, user: int, new_tokens: Sequence[int], n_accepted: int) -> None:
         """After verification: `new_tokens` were appended to the user's context, the first `n_accepted` of them
@@ -48,9 +49,8 @@ class ModelDrafter:
     when None every draft has the full requested length.
     """
 
-    def __init__(self, lm: CausalLM, draft_cost: Optional[float] = None, verify_cost: float = CPU_VERIFY_COST):
-        self.lm = lm
-        self.draft_cost, self.verify_cost = draft_cost, verify_cost
+    def __init__(self, lm: CausalLM, draft_cost: Optional[float] = None):
+        self.lm, self.draft_cost = lm, draft_cost
         self.cache_len: dict[int, int] = {}
         self.fed: dict[int, tuple[int, int]] = {}  # user -> (context length at proposal, drafts fed)
         self.policies: dict[int, DraftLengthPolicy] = {}
@@ -61,7 +61,7 @@ class ModelDrafter:
         self.cache_len = {u: len(p) for u, p in zip(users, prompts)}
         self.fed = {}
         if self.draft_cost is not None:
-            self.policies = {u: DraftLengthPolicy(self.draft_cost, self.verify_cost) for u in users}
+            self.policies = {u: DraftLengthPolicy(self.draft_cost) for u in users}
         self.sampling = sampling
         self.rngs = {} if sampling.greedy else {u: sampling.rng(DRAFT_RNG_STREAM + u) for u in users}
 
@@ -75,9 +75,10 @@ class ModelDrafter:
             out.append((sample(q, self.rngs[u]), q))
         return out
 
-    def propose(self, users, contexts, max_tokens):
+    def propose(self, users, contexts, max_tokens, verify_cost):
         if self.policies:
-            max_tokens = [self.policies[u].next_length(n) if n > 0 else 0 for u, n in zip(users, max_tokens)]
+            max_tokens = [self.policies[u].next_length(n, verify_cost) if n > 0 else 0
+                          for u, n in zip(users, max_tokens)]
         drafts = {u: [] for u in users}
         probs = {u: [] for u in users}
         live = [(u, ctx) for u, ctx, n in zip(users, contexts, max_tokens) if n > 0]
@@ -113,21 +114,20 @@ class SuffixDrafter:
     DraftLengthPolicy (draft cost 0) finds worth verifying.
     """
 
-    def __init__(self, threshold: int = DEFAULT_SA_THRESHOLD, max_spec_factor: float = 1.0,
-                 verify_cost: float = CPU_VERIFY_COST):
+    def __init__(self, threshold: int = DEFAULT_SA_THRESHOLD, max_spec_factor: float = 1.0):
         if threshold < 1:
             raise ValueError(f"sa_threshold must be >= 1, got {threshold}")
-        self.threshold, self.max_spec_factor, self.verify_cost = threshold, max_spec_factor, verify_cost
+        self.threshold, self.max_spec_factor = threshold, max_spec_factor
         self.automata: dict[int, SuffixAutomaton] = {}
         self.policies: dict[int, DraftLengthPolicy] = {}
         self.drafted: dict[int, int] = {}
 
     def start(self, users, prompts, sampling):
         self.automata = {u: SuffixAutomaton(p) for u, p in zip(users, prompts)}
-        self.policies = {u: DraftLengthPolicy(0.0, self.verify_cost) for u in users}
+        self.policies = {u: DraftLengthPolicy(0.0) for u in users}
         self.drafted = {}
 
-    def propose(self, users, contexts, max_tokens):
+    def propose(self, users, contexts, max_tokens, verify_cost):
         drafts = []
         for u, ctx, n in zip(users, contexts, max_tokens):
             sam = self.automata[u]
@@ -135,7 +135,8 @@ class SuffixDrafter:
                 sam.extend(t)
             tokens, match_len = [], 0
             if n > 0 and sam.match_len >= self.threshold:
-                n = min(n, suffix_cap(sam.match_len, self.max_spec_factor), self.policies[u].next_length(n))
+                n = min(n, suffix_cap(sam.match_len, self.max_spec_factor),
+                        self.policies[u].next_length(n, verify_cost))
                 tokens, match_len = sam.propose(n, self.threshold)
             self.drafted[u] = len(tokens)
             drafts.append(Draft(tokens, "suffix" if tokens else "none", match_len))
@@ -155,12 +156,12 @@ class HybridDrafter:
         self.suffix.start(users, prompts, sampling)
         self.model.start(users, prompts, sampling)
 
-    def propose(self, users, contexts, max_tokens):
-        drafts = self.suffix.propose(users, contexts, max_tokens)
+    def propose(self, users, contexts, max_tokens, verify_cost):
+        drafts = self.suffix.propose(users, contexts, max_tokens, verify_cost)
         fallback = [i for i, d in enumerate(drafts) if not d.tokens and max_tokens[i] > 0]
         if fallback:
             model_drafts = self.model.propose([users[i] for i in fallback], [contexts[i] for i in fallback],
-                                              [max_tokens[i] for i in fallback])
+                                              [max_tokens[i] for i in fallback], verify_cost)
             for i, d in zip(fallback, model_drafts):
                 drafts[i] = d
         return drafts

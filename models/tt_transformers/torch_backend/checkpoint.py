@@ -150,7 +150,10 @@ def _hf_to_ours(hf: dict, args: ModelArgs) -> dict:
     return ours
 
 
-def load_model(ckpt: Checkpoint, dtype: torch.dtype, max_seq_len: int, device: str = "cpu") -> Transformer:
+def load_model(ckpt: Checkpoint, dtype: torch.dtype, max_seq_len: int, device: str = "cpu",
+               cpu_kernels: bool = True) -> Transformer:
+    """Our Transformer with the checkpoint's weights; bf16 on CPU runs on the bf16 CPU kernels where they build
+    (cpu_kernels=False or TT_CPU_KERNELS=0: torch ops, oneDNN-prepacked linears)."""
     from safetensors.torch import load_file
 
     args = ModelArgs.from_hf_config(ckpt.config)
@@ -164,8 +167,9 @@ def load_model(ckpt: Checkpoint, dtype: torch.dtype, max_seq_len: int, device: s
     if args.tie_word_embeddings:
         model.output.weight = model.tok_embeddings.weight
     model.init_rope(device)
-    kernels = load_cpu_kernels(cache_root() / "kernels") if model.supports_cpu_kernels() else None
+    kernels = load_cpu_kernels(cache_root() / "kernels") if cpu_kernels and model.supports_cpu_kernels() else None
     if kernels is not None:
+        logger.info("bf16 linear layers and decode/verify steps run on the CPU kernels (cpu_kernels.c)")
         model.use_cpu_kernels(kernels)
     elif can_prepack(dtype, device):
         model.prepack_linears()
