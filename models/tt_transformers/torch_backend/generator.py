@@ -10,8 +10,10 @@ from .model import Transformer
 
 
 # Compute cost of one token relative to streaming the weights once, for the draft-length policy (verify_cost_at).
-# Measured on the 2-core CPU for SmolLM2-135M on the bf16 CPU kernels: one user verifying 1 / 5 / 9 / 17 tokens took
-# 12.6 / 16.1 / 20.0 / 26.9 ms (0.077 per token), and plain steps of 1 / 8 users 9.1 / 16.9 ms (0.14 per token).
+# Measured on the 2-core CPU for SmolLM2-135M on the bf16 CPU kernels with ~300 cached tokens: one user verifying
+# 1 / 5 / 17 tokens took 8.1-12.6 / 11.7-16.1 / 26.9 ms (0.07-0.11 of a step per extra token, the model: 0.09);
+# 8 users with 1 / 2 / 3 tokens each 16.4 / 25.0 / 31.8 ms (0.42-0.53 of a user's share per extra token, the
+# model: 0.44). Longer contexts cost more per token (attention), which this constant does not follow.
 TOKEN_COST = 0.1
 
 # Steps of up to this many tokens per user (decode, verification, draft catch-up) are packed and attend token by
