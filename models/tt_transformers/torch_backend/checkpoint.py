@@ -169,10 +169,11 @@ def load_model(ckpt: Checkpoint, dtype: torch.dtype, max_seq_len: int, device: s
     model.init_rope(device)
     kernels = load_cpu_kernels(cache_root() / "kernels") if cpu_kernels and model.supports_cpu_kernels() else None
     if kernels is not None:
-        logger.info("bf16 linear layers and decode/verify steps run on the CPU kernels (cpu_kernels.c)")
         model.use_cpu_kernels(kernels)
     elif can_prepack(dtype, device):
         model.prepack_linears()
+    logger.info(f"{ckpt.name} in {str(dtype).removeprefix('torch.')} on {device}: " + (
+        "linear layers and decode/verify steps on the bf16 CPU kernels (cpu_kernels.c)" if kernels else "torch ops"))
     return model.eval()
 
 
