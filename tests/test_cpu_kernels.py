@@ -27,18 +27,25 @@ def test_linear_close_to_float_and_row_invariant(n_out, n_in):
     for m in (1, 2, 3, 5, 17, 65):
         assert torch.equal(CPU_KERNELS.linear(x[:m], packed, n_out, torch.float32), full[:m]), m
     assert torch.equal(CPU_KERNELS.linear(x, packed, n_out, torch.bfloat16), full.bfloat16())
+    threads = torch.get_num_threads()
+    try:  # each output is summed by one thread in one order: the thread count cannot change it
+        torch.set_num_threads(1)
+        assert torch.equal(CPU_KERNELS.linear(x, packed, n_out, torch.float32), full)
+    finally:
+        torch.set_num_threads(threads)
 
 
-def tiny_bf16_model(sliding_window=None) -> Transformer:
-    return random_model(torch.bfloat16, max_seq_len=96, std=0.3, dim=64, n_layers=2, head_dim=32, hidden_dim=96,
-                        vocab_size=100, tie_word_embeddings=True, sliding_window=sliding_window,
-                        model_type="mistral")
+def tiny_bf16_model(head_dim, n_kv_heads, sliding_window) -> Transformer:
+    return random_model(torch.bfloat16, max_seq_len=96, std=0.3, dim=64, n_layers=2, head_dim=head_dim,
+                        n_kv_heads=n_kv_heads, hidden_dim=96, vocab_size=100, tie_word_embeddings=True,
+                        sliding_window=sliding_window, model_type="mistral")
 
 
-@pytest.mark.parametrize("sliding_window", [None, 5])
-def test_packed_steps_bit_exact_and_close_to_torch_ops(sliding_window):
+@pytest.mark.parametrize("head_dim,n_kv_heads,sliding_window", [(32, 2, None), (32, 2, 5), (64, 4, None),
+                                                                (128, 1, None)])
+def test_packed_steps_bit_exact_and_close_to_torch_ops(head_dim, n_kv_heads, sliding_window):
     """A ragged two-user verification step equals one-token steps bit for bit, and the torch-ops model closely."""
-    torch_ops = tiny_bf16_model(sliding_window)
+    torch_ops = tiny_bf16_model(head_dim, n_kv_heads, sliding_window)
     kernel_model = copy.deepcopy(torch_ops)
     kernel_model.use_cpu_kernels(CPU_KERNELS)
     prompts = [[3, 14, 15, 92, 65, 35, 89, 79], [2, 71, 82]]

@@ -8,6 +8,9 @@ from hypothesis import strategies as st
 
 from models.tt_transformers.speculative.draft_length import DraftLengthPolicy, suffix_cap, verify_cost_at
 from models.tt_transformers.speculative.suffix_automaton import SuffixAutomaton
+from models.tt_transformers.torch_backend.generator import TorchCausalLM
+
+from .conftest import random_model
 
 
 def longest_earlier_suffix(seq: list[int]) -> tuple[int, list[int]]:
@@ -131,3 +134,8 @@ def test_suffix_cap():
     assert suffix_cap(4, 1.0) == 4
     assert suffix_cap(10, 0.5) == 5
     assert suffix_cap(1, 0.3) == 1
+
+
+def test_torch_backend_verification_cost_grows_with_batch_and_context():
+    lm = TorchCausalLM(random_model(), 3, 8)
+    assert lm.verify_cost(1, 100) < lm.verify_cost(8, 100) < lm.verify_cost(8, 1000) < 1

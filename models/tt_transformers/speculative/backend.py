@@ -25,6 +25,7 @@ class CausalLM(Protocol):
                last_only: bool = False) -> list[torch.Tensor]:
         """float32 logits [len(tokens[u]) or 1, vocab] per user, for sampling."""
 
-    def verify_cost(self, n_users: int) -> float:
-        """What one more token in a step of n_users users costs, in units of one user's share of a plain decode
-        step (draft_length.verify_cost_at); it sets how long drafts are worth verifying."""
+    def verify_cost(self, n_users: int, context_len: float) -> float:
+        """What one more token in a step of n_users users (context_len tokens each on average) costs, in units of
+        one user's share of a plain decode step (draft_length.verify_cost_at); it sets how long drafts are worth
+        verifying."""

@@ -20,9 +20,10 @@ from dataclasses import dataclass
 def verify_cost_at(n_users: int, token_cost: float) -> float:
     """Cost of verifying one more token, in units of one user's share of a plain decode step of n_users users.
 
-    A step costs about 1 (streaming the weights) + token_cost per token it computes, so a plain step of B users
-    costs 1 + B token_cost and each user's share is 1/B of that: one more token costs B token_cost / (1 + B
-    token_cost). Verification is nearly free at batch 1 on a bandwidth-bound device and grows with the batch.
+    A step costs about 1 (streaming the weights) + token_cost per token it computes (the backend's estimate,
+    longer contexts cost more), so a plain step of B users costs 1 + B token_cost and each user's share is 1/B of
+    that: one more token costs B token_cost / (1 + B token_cost). Verification is nearly free at batch 1 on a
+    bandwidth-bound device and grows with the batch.
     """
     return n_users * token_cost / (1 + n_users * token_cost)
 

@@ -9,12 +9,13 @@ from ..speculative.draft_length import verify_cost_at
 from .model import Transformer
 
 
-# Compute cost of one token relative to streaming the weights once, for the draft-length policy (verify_cost_at).
-# Measured on the 2-core CPU for SmolLM2-135M on the bf16 CPU kernels with ~300 cached tokens: one user verifying
-# 1 / 5 / 17 tokens took 8.1-12.6 / 11.7-16.1 / 26.9 ms (0.07-0.11 of a step per extra token, the model: 0.09);
-# 8 users with 1 / 2 / 3 tokens each 16.4 / 25.0 / 31.8 ms (0.42-0.53 of a user's share per extra token, the
-# model: 0.44). Longer contexts cost more per token (attention), which this constant does not follow.
-TOKEN_COST = 0.1
+# Compute cost of one token relative to streaming the weights once (verify_cost_at): TOKEN_COST plus KEY_COST per
+# cached token it attends to. Measured on the 2-core CPU for SmolLM2-135M on the bf16 CPU kernels (a plain step
+# streams the weights in ~9.3 ms): with 100 / 1000 cached tokens, 1 -> 9 tokens of one user took 9.9 -> 15.2 /
+# 10.8 -> 20.4 ms, and 8 users x 1 -> 2 tokens 15.4 -> 22.3 / 22.4 -> 34.6 ms: ~0.75 ms per token + ~0.65 ms per
+# token per 1000 cached tokens.
+TOKEN_COST = 0.08
+KEY_COST = 7e-5
 
 # Steps of up to this many tokens per user (decode, verification, draft catch-up) are packed and attend token by
 # token, so a token's result is bit-identical whatever else shares the step; longer ones (prefill) are padded.
@@ -37,8 +38,8 @@ class TorchCausalLM:
         self.max_seq_len, self.vocab_size = model.max_seq_len, model.args.vocab_size
         self.device = model.tok_embeddings.weight.device
 
-    def verify_cost(self, n_users: int) -> float:
-        return verify_cost_at(n_users, TOKEN_COST)
+    def verify_cost(self, n_users: int, context_len: float) -> float:
+        return verify_cost_at(n_users, TOKEN_COST + KEY_COST * context_len)
 
     def weight_bytes_per_token(self) -> int:
         """Weight bytes one decode step reads through these layers: what a draft costs relative to its target."""

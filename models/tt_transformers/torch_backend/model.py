@@ -124,7 +124,8 @@ class Transformer(nn.Module):
 
     def use_cpu_kernels(self, kernels: CpuKernels) -> None:
         """Run every linear layer on the bf16 CPU kernels (the LM head too, with float32 logits), and every layer of
-        a packed step (decode, verification) in one kernel call. The head gets a packed copy of its weight; the tied embedding keeps the original."""
+        a packed step (decode, verification) in one kernel call. The head gets a packed copy of its weight; the tied
+        embedding keeps the original. Call it once the weights are final: the kernels hold their addresses."""
         self.kernels = kernels
         a = self.args
         for layer in self.layers:

@@ -110,8 +110,9 @@ class SpeculativeGenerator:
             start = time.perf_counter()
             caps = [self._draft_cap(results[u], contexts[u], max_generated_tokens) for u in active]
             if self.drafter is not None:
+                context_len = sum(len(contexts[u]) for u in active) / len(active)
                 drafts = self.drafter.propose(active, [contexts[u] for u in active], caps,
-                                              self.target.verify_cost(len(active)))
+                                              self.target.verify_cost(len(active), context_len))
             else:
                 drafts = [Draft([], "none") for _ in active]
             appended = self._verify(active, drafts, [contexts[u] for u in active])
