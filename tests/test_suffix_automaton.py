@@ -6,7 +6,9 @@ import sys
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from models.tt_transformers.demo.speculative_decoding.speculative_generator import SpeculativeGenerator
 from models.tt_transformers.speculative.draft_length import DraftLengthPolicy, suffix_cap, verify_cost_at
+from models.tt_transformers.speculative.drafters import ModelDrafter
 from models.tt_transformers.speculative.suffix_automaton import SuffixAutomaton
 from models.tt_transformers.torch_backend.generator import TorchCausalLM
 
@@ -109,6 +111,37 @@ def test_policy_drafts_long_when_accepted_and_pauses_when_rejected():
     for _ in range(10):
         policy.update(drafted=1, accepted=1)  # a probe that passes: drafting resumes, the wait resets
     assert policy.next_length(16, 0.07) >= 1 and policy.wait == policy.probe_every
+
+
+def test_policy_learned_from_earlier_requests():
+    """A draft model that was always rejected starts the next request paused, at the prior's weight."""
+    fresh = DraftLengthPolicy(draft_cost=0.4)
+    assert fresh.next_length(4, 0.09) >= 1  # the optimistic prior tries an unknown draft model
+    earlier = [DraftLengthPolicy(draft_cost=0.4) for _ in range(2)]
+    for p in earlier:
+        for _ in range(20):
+            p.update(drafted=1, accepted=0)
+        for _ in range(30):
+            p.next_length(4, 0.09)  # paused; the probe wait grows
+    learned = DraftLengthPolicy.learned_from(earlier, 0.4)
+    assert learned.acceptance < 0.05 and learned.wait == 32
+    assert abs(learned.accepted + learned.rejected - 4.0) < 1e-9
+    assert [learned.next_length(4, 0.09) for _ in range(8)] == [0] * 8
+    good = DraftLengthPolicy(draft_cost=0.4)
+    for _ in range(20):
+        good.update(drafted=4, accepted=4)
+    assert DraftLengthPolicy.learned_from([good], 0.4).next_length(4, 0.09) == 4
+    assert DraftLengthPolicy.learned_from([], 0.4).acceptance == fresh.acceptance
+
+
+def test_model_drafter_carries_acceptance_to_the_next_request():
+    target = TorchCausalLM(random_model(seed=0), 3, 1)
+    draft = TorchCausalLM(random_model(seed=1), 3, 1)  # unrelated weights: rarely agrees with the target
+    gen = SpeculativeGenerator(target, ModelDrafter(draft, draft_cost=0.4), 4, ())
+    first, second = (gen.generate([[1, 2, 3]], 40, stop_at_eos=False)[0] for _ in range(2))
+    assert [it.draft_source for it in first.iterations[:2]] == ["model", "model"]
+    assert all(it.draft_source == "none" for it in second.iterations[:5])
+    assert first.output_tokens == second.output_tokens
 
 
 def test_policy_costlier_drafts_are_shorter():

@@ -41,6 +41,22 @@ class DraftLengthPolicy:
         self.accepted, self.rejected, self.idle = self.prior_accepted, self.prior_rejected, 0
         self.wait = self.probe_every
 
+    @classmethod
+    def learned_from(cls, policies, draft_cost: float) -> "DraftLengthPolicy":
+        """A policy for a new request that starts from what earlier requests learned about the same draft model:
+        their pooled acceptance, at the prior's weight so the new request's own drafts still move it quickly, and
+        their shortest probe wait. A draft model agrees with its target about as often on every request, so a
+        known-bad draft is not tried again at the start of each one."""
+        policy = cls(draft_cost)
+        policies = list(policies)
+        if policies:
+            accepted, rejected = sum(p.accepted for p in policies), sum(p.rejected for p in policies)
+            weight = policy.accepted + policy.rejected
+            policy.accepted, policy.rejected = weight * accepted / (accepted + rejected), weight * rejected / (
+                accepted + rejected)
+            policy.wait = min(p.wait for p in policies)
+        return policy
+
     @property
     def acceptance(self) -> float:
         """Estimated probability that the next draft token is accepted."""

@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """Draft sources behind one small interface, so the generation loop never knows what drafted."""
+import copy
 from dataclasses import dataclass
 from typing import Optional, Protocol, Sequence
 
@@ -45,8 +46,8 @@ class ModelDrafter:
     drafts it fed stay valid as far as the target accepted them; everything after is overwritten later.
 
     draft_cost: one draft token's cost in target forwards (about draft layers / target layers). When given, the
-    draft length adapts to recent acceptance (DraftLengthPolicy) and drafting pauses while it does not pay;
-    when None every draft has the full requested length.
+    draft length adapts to recent acceptance (DraftLengthPolicy, carried from one request to the next) and
+    drafting pauses while it does not pay; when None every draft has the full requested length.
     """
 
     def __init__(self, lm: CausalLM, draft_cost: Optional[float] = None):
@@ -61,7 +62,8 @@ class ModelDrafter:
         self.cache_len = {u: len(p) for u, p in zip(users, prompts)}
         self.fed = {}
         if self.draft_cost is not None:
-            self.policies = {u: DraftLengthPolicy(self.draft_cost) for u in users}
+            learned = DraftLengthPolicy.learned_from(self.policies.values(), self.draft_cost)
+            self.policies = {u: copy.copy(learned) for u in users}
         self.sampling = sampling
         self.rngs = {} if sampling.greedy else {u: sampling.rng(DRAFT_RNG_STREAM + u) for u in users}
 
