@@ -126,7 +126,7 @@ class SuffixDrafter:
 
     def start(self, users, prompts, sampling):
         self.automata = {u: SuffixAutomaton(p) for u, p in zip(users, prompts)}
-        self.policies = {u: DraftLengthPolicy(0.0) for u in users}
+        self.policies = {u: DraftLengthPolicy(0.0) for u in users}  # fresh: how much text repeats is per request
         self.drafted = {}
 
     def propose(self, users, contexts, max_tokens, verify_cost):
