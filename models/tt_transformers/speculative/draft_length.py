@@ -50,10 +50,10 @@ class DraftLengthPolicy:
         policy = cls(draft_cost)
         policies = list(policies)
         if policies:
-            accepted, rejected = sum(p.accepted for p in policies), sum(p.rejected for p in policies)
+            accepted = sum(p.accepted for p in policies)
+            share = accepted / (accepted + sum(p.rejected for p in policies))
             weight = policy.accepted + policy.rejected
-            policy.accepted, policy.rejected = weight * accepted / (accepted + rejected), weight * rejected / (
-                accepted + rejected)
+            policy.accepted, policy.rejected = weight * share, weight * (1 - share)
             policy.wait = min(p.wait for p in policies)
         return policy
 
