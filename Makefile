@@ -10,7 +10,7 @@ DEMO := models/tt_transformers/demo/speculative_decoding/speculative_demo.py
 
 ARCTIC := $(VENV)/.arctic-installed
 
-.PHONY: demo test bench bench-suffix bench-batch install
+.PHONY: demo test bench bench-suffix bench-batch bench-verify-cost install
 install: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
@@ -41,3 +41,6 @@ bench-suffix: $(ARCTIC)
 
 bench-batch: $(STAMP)
 	$(PY) benchmarks/bench_batch.py $(ARGS)
+
+bench-verify-cost: $(STAMP)
+	$(PY) benchmarks/bench_verify_cost.py $(ARGS)

@@ -10,10 +10,9 @@ from .model import Transformer
 
 
 # Compute cost of one token relative to streaming the weights once (verify_cost_at): TOKEN_COST plus KEY_COST per
-# cached token it attends to. Measured on the 2-core CPU for SmolLM2-135M on the bf16 CPU kernels (a plain step
-# streams the weights in ~9.3 ms): with 100 / 1000 cached tokens, 1 -> 9 tokens of one user took 9.9 -> 15.2 /
-# 10.8 -> 20.4 ms, and 8 users x 1 -> 2 tokens 15.4 -> 22.3 / 22.4 -> 34.6 ms: ~0.75 ms per token + ~0.65 ms per
-# token per 1000 cached tokens.
+# cached token it attends to. `make bench-verify-cost` fits both from steps of 1 user x 1-17 tokens and 8 users x
+# 1-3 tokens over 100-1,000 cached tokens; on the 2-core CPU for SmolLM2-135M on the bf16 CPU kernels three runs
+# gave 0.080-0.099 and 7.6e-5-1.1e-4 (7.2-8.8 ms per step to stream the weights, ~0.7 ms per token).
 TOKEN_COST = 0.08
 KEY_COST = 7e-5
 
