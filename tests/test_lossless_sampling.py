@@ -11,7 +11,7 @@ import torch
 from models.tt_transformers.demo.speculative_decoding.speculative_generator import SpeculativeGenerator
 from models.tt_transformers.speculative import sampling as sampling_module
 from models.tt_transformers.speculative.drafters import ModelDrafter, SuffixDrafter
-from models.tt_transformers.speculative.sampling import SamplingParams, probabilities, verify_rejection
+from models.tt_transformers.speculative.sampling import RandomStreams, SamplingParams, probabilities, verify_rejection
 from models.tt_transformers.torch_backend.generator import TorchCausalLM
 
 from .conftest import random_model
@@ -100,9 +100,11 @@ def test_probabilities_temperature_top_k_top_p():
 
 # ---- end to end: the first generated tokens of a small model ----
 
-VOCAB, BATCH, N_TOKENS = 6, 32, 3
+# The first token comes from the prefill; the next four from iterations that verify up to 3 drafts plus a bonus
+# token, so whole chains of 3 drafted tokens pass through rejection sampling (checked below, not assumed).
+VOCAB, BATCH, N_TOKENS, N_DRAFT = 4, 32, 5, 3
 PROMPT = [1, 2, 3, 1, 2, 3, 1, 2]  # repetitive, so the suffix automaton drafts "3 1 2 ..." from the start
-SETTINGS = SamplingParams(temperature=0.9, top_k=5)
+SETTINGS = SamplingParams(temperature=0.9, top_k=3)  # 3^5 = 243 sequences carry the probability
 
 
 def make_tiny_model():
@@ -112,6 +114,13 @@ def make_tiny_model():
 @pytest.fixture(scope="module")
 def tiny_model():
     return make_tiny_model()
+
+
+def sequence_index(tokens) -> int:
+    index = 0
+    for t in tokens:
+        index = index * VOCAB + t
+    return index
 
 
 def exact_joint(model, params) -> torch.Tensor:
@@ -129,31 +138,36 @@ def exact_joint(model, params) -> torch.Tensor:
     return joint
 
 
-def sampled_counts(model, drafter, n_draft, params, n_batches) -> torch.Tensor:
+def sampled_counts(model, drafter, n_draft, params, n_batches) -> tuple[torch.Tensor, int]:
+    """Counts of each sampled sequence, and how many iterations verified a chain of N_DRAFT drafted tokens."""
     target = TorchCausalLM(model, model.args.n_layers, BATCH)
     target.verify_cost = lambda n_users, context_len: 0.0  # at batch 32 the CPU cost model would draft little; the tests need drafts
     counts = torch.zeros(VOCAB ** N_TOKENS)
+    full_chains = 0
     for b in range(n_batches):
         gen = SpeculativeGenerator(target, drafter, n_draft, (), SamplingParams(
             params.temperature, params.top_k, params.top_p, seed=b))
         for r in gen.generate([PROMPT] * BATCH, N_TOKENS, stop_at_eos=False):
-            t = r.output_tokens
-            counts[(t[0] * VOCAB + t[1]) * VOCAB + t[2]] += 1
-    return counts
+            counts[sequence_index(r.output_tokens)] += 1
+            full_chains += sum(it.drafted >= N_DRAFT for it in r.iterations)
+    return counts, full_chains
 
 
 def draft_sources(model, kind):
     if kind == "model":
         return ModelDrafter(TorchCausalLM(model, 1, BATCH))
-    return SuffixDrafter(threshold=1)
+    return SuffixDrafter(threshold=1, max_spec_factor=4.0)  # chains of N_DRAFT even after short matches
 
 
 @pytest.mark.parametrize("kind", ["model", "suffix", "plain"])
 def test_speculative_sampling_matches_target_distribution(tiny_model, kind):
     expected = exact_joint(tiny_model, SETTINGS)
     drafter = None if kind == "plain" else draft_sources(tiny_model, kind)
-    counts = sampled_counts(tiny_model, drafter, 0 if kind == "plain" else 3, SETTINGS, n_batches=100)
+    counts, full_chains = sampled_counts(tiny_model, drafter, 0 if kind == "plain" else N_DRAFT, SETTINGS,
+                                         n_batches=100)
     assert chi_square_p_value(counts, expected) > ALPHA
+    if kind != "plain":  # most users verify a whole chain of N_DRAFT drafts right after the prefill
+        assert full_chains >= 100 * BATCH // 2, full_chains
 
 
 @pytest.mark.parametrize("kind", ["model", "suffix"])
@@ -164,7 +178,7 @@ def test_negative_control_end_to_end(tiny_model, kind, monkeypatch):
     def accept_all(draft, draft_probs, target_probs, rng):
         return list(draft) + [sampling_module.sample(target_probs[len(draft)], rng)]
     monkeypatch.setattr(speculative_generator, "verify_rejection", accept_all)
-    counts = sampled_counts(tiny_model, draft_sources(tiny_model, kind), 3, SETTINGS, n_batches=100)
+    counts, _ = sampled_counts(tiny_model, draft_sources(tiny_model, kind), N_DRAFT, SETTINGS, n_batches=100)
     assert chi_square_p_value(counts, exact_joint(tiny_model, SETTINGS)) < ALPHA
 
 
@@ -174,6 +188,38 @@ def test_seeded_run_is_reproducible(tiny_model):
 
     def run(seed):
         gen = SpeculativeGenerator(target, drafter, 3, (), SamplingParams(0.9, seed=seed))
-        return [r.output_tokens for r in gen.generate([PROMPT, [4, 5], [0], PROMPT[:3]], 12)]
+        return [r.output_tokens for r in gen.generate([PROMPT, [3, 0], [0], PROMPT[:3]], 12)]
     assert run(7) == run(7)
     assert run(7) != run(8)
+
+
+# ---- random streams ----
+
+def test_unseeded_sampling_gives_each_user_its_own_stream(tiny_model):
+    """No seed: streams come from fresh entropy (torch.seed()-sized values once overflowed), one per user."""
+    target = TorchCausalLM(tiny_model, tiny_model.args.n_layers, 4)
+    gen = SpeculativeGenerator(target, SuffixDrafter(threshold=1), 3, (), SamplingParams(1.0))
+    outs = [r.output_tokens for r in gen.generate([PROMPT] * 4, 24, stop_at_eos=False)]
+    assert len({tuple(o) for o in outs}) > 1  # four identical prompts, four streams
+
+
+def test_stream_seeds_fit_torch_for_any_base():
+    for base in (0, 1, 2**63 - 1, 2**64 - 1, torch.seed()):
+        streams = RandomStreams(base)
+        seeds = {streams.seed_of(s) for s in range(64)}
+        assert len(seeds) == 64 and all(0 <= x < 2**63 for x in seeds)
+        assert streams(3).initial_seed() == streams.seed_of(3)
+    streams = RandomStreams(5)
+    assert streams(1) is streams(1) and RandomStreams(5).seed_of(1) == streams.seed_of(1)  # a stream per user, reproducible
+
+
+@pytest.mark.cuda
+def test_sampling_on_cuda_follows_the_probabilities_device():
+    """On CUDA the logits stay on the GPU: each stream's generator must be created there."""
+    model = make_tiny_model().cuda()
+    target = TorchCausalLM(model, model.args.n_layers, 4)
+    drafter = ModelDrafter(TorchCausalLM(model, 1, 4))
+    for seed in (None, 0):
+        gen = SpeculativeGenerator(target, drafter, 3, (), SamplingParams(0.9, seed=seed))
+        assert all(len(r.output_tokens) == 12 for r in gen.generate([PROMPT] * 4, 12, stop_at_eos=False))
+    assert RandomStreams(0)(0, "cuda").device.type == "cuda"

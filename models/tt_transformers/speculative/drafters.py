@@ -55,7 +55,7 @@ class ModelDrafter:
         self.cache_len: dict[int, int] = {}
         self.fed: dict[int, tuple[int, int]] = {}  # user -> (context length at proposal, drafts fed)
         self.policies: dict[int, DraftLengthPolicy] = {}
-        self.sampling, self.rngs = SamplingParams(), {}
+        self.sampling, self.streams = SamplingParams(), None
 
     def start(self, users, prompts, sampling):
         self.lm.argmax([list(p) for p in prompts], [0] * len(users), list(users), last_only=True)
@@ -65,7 +65,7 @@ class ModelDrafter:
             learned = DraftLengthPolicy.learned_from(self.policies.values(), self.draft_cost)
             self.policies = {u: copy.copy(learned) for u in users}
         self.sampling = sampling
-        self.rngs = {} if sampling.greedy else {u: sampling.rng(DRAFT_RNG_STREAM + u) for u in users}
+        self.streams = None if sampling.greedy else sampling.streams()
 
     def _next_tokens(self, users, tokens, start_pos, last_only) -> list[tuple[int, Optional[torch.Tensor]]]:
         """One draft token per user after the fed tokens: greedy, or sampled from the draft's q (returned too)."""
@@ -74,7 +74,7 @@ class ModelDrafter:
         out = []
         for u, logits in zip(users, self.lm.logits(tokens, start_pos, users, last_only)):
             q = probabilities(logits[-1], self.sampling)
-            out.append((sample(q, self.rngs[u]), q))
+            out.append((sample(q, self.streams(DRAFT_RNG_STREAM + u, q.device)), q))
         return out
 
     def propose(self, users, contexts, max_tokens, verify_cost):

@@ -7,10 +7,14 @@ norm(max(0, p - q)) and ends the iteration; when every draft passes, a bonus tok
 next distribution. A suffix-automaton draft is a point mass (q(x) = 1): accept with probability p(x), else sample
 from p with x removed. Either way every appended token is distributed exactly as sampling the target alone.
 """
+import secrets
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
+
+MASK64 = (1 << 64) - 1
+GOLDEN64 = 0x9E3779B97F4A7C15
 
 
 @dataclass(frozen=True)
@@ -34,11 +38,40 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    def rng(self, stream: int) -> torch.Generator:
-        """A generator per user (and per drafter): a user's samples do not depend on who else is in the batch."""
-        g = torch.Generator()
-        g.manual_seed((self.seed if self.seed is not None else torch.seed()) * 1000003 + stream)
-        return g
+    def streams(self) -> "RandomStreams":
+        """Random streams for one run: from the seed, or from fresh OS entropy when there is none."""
+        return RandomStreams(self.seed if self.seed is not None else secrets.randbits(63))
+
+
+def _mix64(x: int) -> int:
+    """SplitMix64's finaliser: nearby inputs give unrelated 64-bit outputs."""
+    x &= MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+    return x ^ (x >> 31)
+
+
+class RandomStreams:
+    """One torch.Generator per stream (a user, or a drafter's user), created on the device of the probabilities
+    it first samples: a user's draws depend only on the base seed and its stream, never on who else is in the
+    batch, and a generator always lives where the probabilities are (CPU or CUDA)."""
+
+    def __init__(self, base_seed: int):
+        self.base_seed = base_seed
+        self.generators: dict[tuple[int, str], torch.Generator] = {}
+
+    def seed_of(self, stream: int) -> int:
+        """A seed in [0, 2^63) for torch's manual_seed, whatever the base (torch.seed() values reach 2^64)."""
+        return _mix64(_mix64(self.base_seed) + GOLDEN64 * (stream + 1)) >> 1
+
+    def __call__(self, stream: int, device: Union[str, torch.device] = "cpu") -> torch.Generator:
+        device = torch.device(device)
+        key = (stream, str(device))
+        if key not in self.generators:
+            g = torch.Generator(device=device)
+            g.manual_seed(self.seed_of(stream))
+            self.generators[key] = g
+        return self.generators[key]
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -74,7 +107,7 @@ def verify_rejection(draft: Sequence[int], draft_probs: Optional[Sequence[torch.
         p = target_probs[i]
         q = draft_probs[i] if draft_probs is not None else None
         q_x = float(q[x]) if q is not None else 1.0
-        if float(torch.rand((), generator=rng)) * q_x < float(p[x]):  # u < p(x) / q(x), without dividing
+        if float(torch.rand((), generator=rng, device=rng.device)) * q_x < float(p[x]):  # u < p(x) / q(x), without dividing
             out.append(x)
             continue
         if q is None:

@@ -14,12 +14,10 @@ from typing import Optional, Sequence
 
 from loguru import logger
 
-from models.tt_transformers.speculative.backend import CausalLM
+from models.tt_transformers.speculative.backend import MAX_DRAFT_TOKENS, CausalLM
 from models.tt_transformers.speculative.drafters import Draft, Drafter
 from models.tt_transformers.speculative.sampling import SamplingParams, probabilities, verify_rejection
 from models.tt_transformers.speculative.verification import verify_greedy
-
-MAX_DRAFT_TOKENS = 64
 
 
 @dataclass
@@ -69,7 +67,7 @@ class SpeculativeGenerator:
         self.drafter = drafter if n_draft_tokens > 0 else None
         self.eos_token_ids = set(eos_token_ids)
         self.sampling = sampling_params or SamplingParams()
-        self.rngs = {}
+        self.streams = None
 
     def check_prompts(self, prompts: Sequence[Sequence[int]]) -> None:
         if not prompts:
@@ -80,6 +78,9 @@ class SpeculativeGenerator:
         for i, p in enumerate(prompts):
             if len(p) == 0:
                 raise ValueError(f"prompt {i} is empty")
+            if not all(0 <= t < self.target.vocab_size for t in p):
+                raise ValueError(f"prompt {i} has token ids outside the model's vocabulary [0, {self.target.vocab_size})"
+                                 "; encode it with the target's own tokenizer")
             if len(p) >= self.target.max_seq_len:
                 raise ValueError(f"prompt {i} has {len(p)} tokens, which leaves no room to generate within "
                                  f"max_seq_len={self.target.max_seq_len}; raise --max_seq_len or shorten the prompt")
@@ -93,7 +94,7 @@ class SpeculativeGenerator:
         results = [UserResult(list(p)) for p in prompts]
         contexts = [list(p) for p in prompts]
 
-        self.rngs = {} if self.sampling.greedy else {u: self.sampling.rng(u) for u in users}
+        self.streams = None if self.sampling.greedy else self.sampling.streams()
         # Prefill one user at a time, as TT-Transformers does; the first token comes from the prefill.
         for u in users:
             start = time.perf_counter()
@@ -102,7 +103,13 @@ class SpeculativeGenerator:
             contexts[u].append(first)
             results[u].output_tokens.append(first)
         if self.drafter is not None:
+            # The draft model's prefill (or the automaton's build) happens after the first token and before the
+            # second, so it is decode time: every user waits for it, as for an iteration.
+            start = time.perf_counter()
             self.drafter.start(users, prompts, self.sampling)
+            draft_prefill_s = time.perf_counter() - start
+            for r in results:
+                r.decode_s += draft_prefill_s
         active = [u for u in users if not self._finished(results[u], contexts[u], max_generated_tokens, stop_at_eos)]
 
         iteration = 0
@@ -152,7 +159,8 @@ class SpeculativeGenerator:
             scores = self.target.argmax(fed, start_pos, users, last_only=prefill)
             return [verify_greedy(d.tokens, s) for d, s in zip(drafts, scores)]
         logits = self.target.logits(fed, start_pos, users, last_only=prefill)
-        return [verify_rejection(d.tokens, d.probs, probabilities(lg, self.sampling), self.rngs[u])
+        return [verify_rejection(d.tokens, d.probs, probabilities(lg, self.sampling),
+                                 self.streams(u, lg.device))
                 for u, d, lg in zip(users, drafts, logits)]
 
     def _draft_cap(self, result: UserResult, context: list[int], max_generated_tokens: int) -> int:
