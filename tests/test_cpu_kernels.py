@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from models.tt_transformers.torch_backend import cpu_kernels
+from models.tt_transformers.torch_backend.cpu_kernels import StepTable
 from models.tt_transformers.torch_backend.generator import TorchCausalLM
 from models.tt_transformers.torch_backend.model import Transformer
 
@@ -74,3 +75,74 @@ def test_failed_build_falls_back_and_leaves_nothing(tmp_path, monkeypatch):
     monkeypatch.delenv("CC")
     monkeypatch.setenv("TT_CPU_KERNELS", "0")
     assert cpu_kernels.load_cpu_kernels(tmp_path) is None
+
+
+# ---- the boundary between Python and C: nothing the C code trusts can be wrong ----
+
+def prefilled_kernel_model(n_users=2):
+    model = tiny_bf16_model(32, 2, None)
+    model.use_cpu_kernels(CPU_KERNELS)
+    lm = TorchCausalLM(model, model.args.n_layers, n_users)
+    lm.logits([[3, 14, 15, 92]], [0], [0], last_only=True)
+    return model, lm
+
+
+def test_bad_cache_row_is_one_clear_error_not_memory_corruption():
+    """On torch ops a bad row is an IndexError; on the kernels it would write outside the cache. Both paths now
+    refuse it before any work, and the kernels refuse a step table that reaches past the cache they are given."""
+    model, lm = prefilled_kernel_model()
+    for users, start in (([2], [4]), ([-1], [4]), ([0], [-3])):
+        with pytest.raises(IndexError, match="rows must be distinct and in \\[0, 2\\)"):
+            lm.logits([[5]], start, users)
+    with pytest.raises(IndexError, match="bad kernel step entry"):
+        StepTable.of([(0, 5, 6)])  # first visible key after the token's own slot
+    table = StepTable.of([(3, 4, 0)])  # row 3 of a 2-row cache
+    x = torch.zeros(1, 1, model.args.dim, dtype=torch.bfloat16)
+    layer = model.layers[0]
+    with pytest.raises(IndexError, match="reaches cache row 3"):
+        CPU_KERNELS.decoder_layer(x, model.args, layer.kernel_weights, table, model.rope_cos, model.rope_sin,
+                                  lm.cache.k[0], lm.cache.v[0])
+    with pytest.raises(ValueError, match="caches"):  # a float32 cache would be read as bf16
+        CPU_KERNELS.decoder_layer(x, model.args, layer.kernel_weights, StepTable.of([(0, 4, 0)]), model.rope_cos,
+                                  model.rope_sin, lm.cache.k[0].float(), lm.cache.v[0])
+
+
+def test_deep_copy_owns_its_weights_and_moves_are_refused():
+    """The kernels take tensor addresses at each call: a deep copy runs on its own tensors after the original is
+    gone, and .to() / casts (which would leave the kernels reading moved memory) raise instead."""
+    import gc
+
+    model, lm = prefilled_kernel_model(1)
+    expected = lm.logits([[5, 6]], [4], [0])[0]
+    clone = copy.deepcopy(model)
+    del model, lm
+    gc.collect()
+    lm = TorchCausalLM(clone, clone.args.n_layers, 1)
+    lm.logits([[3, 14, 15, 92]], [0], [0], last_only=True)
+    assert torch.equal(lm.logits([[5, 6]], [4], [0])[0], expected)
+    for move in (lambda m: m.to(torch.float32), lambda m: m.float(), lambda m: m.layers[0].to("cpu")):
+        with pytest.raises(RuntimeError, match="cannot be moved or cast"):
+            move(clone)
+
+
+def test_scratch_memory_is_allocated_once():
+    """One workspace for every layer and step, grown only when a larger step arrives (no allocation per token and
+    head inside the parallel loop: the C file has no malloc at all)."""
+    _, lm = prefilled_kernel_model(1)
+    lm.logits([[5, 6, 7]], [4], [0])
+    workspace = CPU_KERNELS.workspace
+    lm.logits([[8]], [7], [0])
+    lm.logits([[9, 10]], [8], [0])
+    assert CPU_KERNELS.workspace is workspace
+    assert "malloc" not in cpu_kernels.SOURCE.read_text()
+
+
+def test_tied_embedding_reads_the_packed_head():
+    """A tied model on the kernels keeps one copy of the embedding matrix: lookups gather its packed rows."""
+    model = tiny_bf16_model(32, 2, None)
+    tokens = torch.tensor([[0, 1, 15, 16, 17, 99]])
+    expected = model.tok_embeddings(tokens)
+    model.use_cpu_kernels(CPU_KERNELS)
+    assert torch.equal(model.tok_embeddings(tokens), expected)
+    vocab_by_dim = (model.args.vocab_size, model.args.dim)
+    assert not any(tuple(t.shape) == vocab_by_dim for t in [*model.parameters(), *model.buffers()])  # no unpacked copy

@@ -39,6 +39,26 @@ def test_logits_match_hf_on_random_checkpoints(tmp_path, model_type, overrides):
     assert pcc(ours, ref) > 0.99999
 
 
+@pytest.mark.parametrize("model_type,overrides", [("llama", {}), ("mistral", {"sliding_window": 16})],
+                         ids=["llama", "mistral-window-16"])
+def test_long_prompts_and_decode_steps_match_hf(tmp_path, model_type, overrides):
+    """A 100-token prompt takes the masked (padded) prefill path, not the packed one of short steps; with Mistral's
+    16-token window the mask cuts every query's past. Then 20 one-token decode steps and a 5-token verification
+    step continue from the cache: every position's logits match Hugging Face's on the whole sequence."""
+    hf = save_tiny_hf_checkpoint(tmp_path, model_type, **overrides)
+    tokens = torch.randint(0, 128, (125,), generator=torch.Generator().manual_seed(2)).tolist()
+    model = load_model(resolve_checkpoint(str(tmp_path)), torch.float32, 256)
+    lm = TorchCausalLM(model, model.args.n_layers, 1)
+    ours = [lm.logits([tokens[:100]], [0], [0])[0]]
+    ours += [lm.logits([[t]], [100 + i], [0])[0] for i, t in enumerate(tokens[100:120])]
+    ours.append(lm.logits([tokens[120:]], [120], [0])[0])
+    ours = torch.cat(ours)
+    with torch.no_grad():
+        ref = hf(torch.tensor([tokens])).logits[0]
+    assert (ours - ref).abs().max().item() < 1e-4
+    assert pcc(ours, ref) > 0.99999
+
+
 def test_sharded_checkpoint_loads(tmp_path):
     hf = save_tiny_hf_checkpoint(tmp_path, max_shard_size="50KB")
     assert (tmp_path / "model.safetensors.index.json").is_file()

@@ -10,6 +10,8 @@ from typing import Protocol, Sequence
 
 import torch
 
+MAX_DRAFT_TOKENS = 64  # the most draft tokens a user may have verified in one step (backends size for it)
+
 
 class CausalLM(Protocol):
     n_layers: int

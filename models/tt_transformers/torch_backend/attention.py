@@ -29,7 +29,7 @@ class StepInputs:
     exact_tokens: Optional[list[tuple[int, int, int, int]]] = None
     # The same for the CPU kernels (Transformer.use_cpu_kernels): cache row, slot and first key per token [N, 3];
     # the whole layer then runs in one kernel call.
-    exact_table: Optional[torch.Tensor] = None
+    exact_table: Optional["StepTable"] = None
 
 
 class Attention(nn.Module):

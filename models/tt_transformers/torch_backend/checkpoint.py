@@ -7,6 +7,7 @@ TT_CACHE_PATH, so every later start loads plain safetensors in well under a seco
 import importlib.util
 import json
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,8 +15,9 @@ from typing import Optional
 
 import torch
 from loguru import logger
+from torch import nn
 
-from .cpu_kernels import load_cpu_kernels
+from .cpu_kernels import load_cpu_kernels, packed_shape
 from .model import Transformer, can_prepack
 from .model_config import ModelArgs
 
@@ -51,23 +53,60 @@ def cache_root() -> Path:
     return Path(os.environ.get("TT_CACHE_PATH") or Path.home() / ".cache" / "tt_speculative")
 
 
-def resolve_checkpoint(model: Optional[str] = None) -> Checkpoint:
-    """`model` (or HF_MODEL) names a checkpoint folder or a .gguf file; neither means the embedded default."""
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # owner/name, as TT users set HF_MODEL
+
+
+def resolve_checkpoint(model: Optional[str] = None, flag: str = "HF_MODEL/--model") -> Checkpoint:
+    """`model` (or HF_MODEL) names a checkpoint folder, a .gguf file, or a Hugging Face hub id already in the local
+    cache; neither means the embedded default. `flag` is what the user set, named in every error."""
     model = model or os.environ.get("HF_MODEL")
     if not model:
         return _gguf_checkpoint(_embedded_gguf())
     path = Path(model).expanduser()
-    if not path.exists():
-        raise CheckpointError(f"checkpoint {str(path)!r} does not exist; set HF_MODEL/--model to a local folder "
-                              "(config.json + *.safetensors) or a .gguf file (weights cannot be downloaded here)")
+    if not path.exists() and HUB_ID.match(model):
+        path = _hub_snapshot(model, flag)
+    elif not path.exists():
+        raise CheckpointError(f"{flag} {str(path)!r} does not exist; set {flag} to a local checkpoint folder "
+                              "(config.json + *.safetensors), a .gguf file, or a Hugging Face hub id already in the "
+                              "local cache (weights cannot be downloaded here)")
     if path.is_file() and path.suffix == ".gguf":
         return _gguf_checkpoint(path)
     if not (path / "config.json").is_file():
-        raise CheckpointError(f"{path} has no config.json; HF_MODEL must be a Hugging Face checkpoint folder")
+        raise CheckpointError(f"{flag} {str(path)!r} has no config.json; point {flag} at a Hugging Face checkpoint "
+                              "folder (config.json + *.safetensors) or a .gguf file")
     if not _safetensors_files(path):
-        raise CheckpointError(f"{path} holds no *.safetensors weights; download or convert the checkpoint's "
-                              "safetensors into that folder (pytorch_model.bin is not read)")
-    return Checkpoint(path, path.name)
+        raise CheckpointError(f"{flag} {str(path)!r} holds no *.safetensors weights; download or convert the "
+                              "checkpoint's safetensors into that folder (pytorch_model.bin is not read)")
+    return Checkpoint(path, model.rstrip("/").split("/")[-1] if HUB_ID.match(model) else path.name)
+
+
+def hub_cache_dir() -> Path:
+    """Where huggingface_hub keeps downloads: HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    home = os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "huggingface"
+    return Path(home).expanduser() / "hub"
+
+
+def _hub_snapshot(repo_id: str, flag: str) -> Path:
+    """The cached snapshot of a hub model (the one refs/main names, else the newest with a config.json); never
+    the network."""
+    cache = hub_cache_dir()
+    folder = cache / f"models--{repo_id.replace('/', '--')}"
+    snapshots = folder / "snapshots"
+    candidates = []
+    if (folder / "refs" / "main").is_file():
+        candidates.append(snapshots / (folder / "refs" / "main").read_text().strip())
+    if snapshots.is_dir():
+        candidates += sorted(snapshots.iterdir(), key=lambda d: d.stat().st_mtime, reverse=True)
+    for snapshot in candidates:
+        if (snapshot / "config.json").is_file():
+            return snapshot
+    raise CheckpointError(
+        f"{flag} {repo_id!r} is a Hugging Face hub id, but it is not in the local Hugging Face cache ({cache}: no "
+        f"snapshot with a config.json under {folder.name}); weights are never downloaded at run time. Download it "
+        f"where there is network access with `huggingface-cli download {repo_id}` into this cache (HF_HOME or "
+        f"HF_HUB_CACHE), or set {flag} to a local checkpoint folder")
 
 
 def _embedded_gguf() -> Path:
@@ -127,51 +166,149 @@ def _safetensors_files(folder: Path) -> list[Path]:
     return sorted(folder.glob("*.safetensors"))
 
 
-def _hf_to_ours(hf: dict, args: ModelArgs) -> dict:
-    """Rename Hugging Face tensors and fuse q/k/v and gate/up projections."""
-    def take(name):
-        if name not in hf:
-            raise CheckpointError(f"checkpoint is missing tensor {name!r}; is it a complete {args.model_type} checkpoint?")
-        return hf[name]
+PACK_CHUNK_ROWS = 512  # rows read at a time when a weight is packed for the CPU kernels straight from its file
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
-    ours = {"tok_embeddings.weight": take("model.embed_tokens.weight"), "norm.weight": take("model.norm.weight")}
+
+class SafetensorsIndex:
+    """Where each tensor of a (possibly sharded) safetensors checkpoint lives, from the file headers alone.
+
+    Tensors are read one at a time with plain file reads straight into their destination, not through a memory
+    map: mapped pages would stay resident for as long as a shard is open, and the point is to hold no more than
+    the model being built plus one tensor.
+    """
+
+    def __init__(self, files: list[Path]):
+        self.entries: dict[str, tuple[Path, int, str, list[int]]] = {}  # name -> (file, byte offset, dtype, shape)
+        for f in files:
+            with open(f, "rb") as fh:
+                n = int.from_bytes(fh.read(8), "little")
+                header = json.loads(fh.read(n))
+            header.pop("__metadata__", None)
+            for name, e in header.items():
+                self.entries[name] = (f, 8 + n + e["data_offsets"][0], e["dtype"], e["shape"])
+
+    def rows(self, name: str) -> int:
+        return self.entries[name][3][0]
+
+    def read_into(self, name: str, out: torch.Tensor, row0: int = 0) -> None:
+        """Read rows [row0, row0 + len(out)) of tensor `name` into `out` (all of it by default), converting dtype
+        and device if they differ."""
+        path, offset, dtype, shape = self.entries[name]
+        if tuple(shape[1:]) != tuple(out.shape[1:]) or row0 + out.shape[0] > shape[0] or (
+                not shape[1:] and out.shape[0] != shape[0]):
+            raise CheckpointError(f"{path.name}: tensor {name!r} has shape {tuple(shape)}, but config.json implies "
+                                  f"{tuple(out.shape)}")
+        if dtype not in SAFETENSORS_DTYPES:
+            raise CheckpointError(f"{path.name}: tensor {name!r} is {dtype}; only {', '.join(SAFETENSORS_DTYPES)} "
+                                  "weights are read")
+        src = SAFETENSORS_DTYPES[dtype]
+        direct = src == out.dtype and out.device.type == "cpu" and out.is_contiguous()
+        buffer = out if direct else torch.empty(out.shape, dtype=src)
+        with open(path, "rb") as fh:
+            fh.seek(offset + row0 * buffer[0].numel() * src.itemsize if out.dim() > 1 else offset)
+            view = memoryview(buffer.view(-1).view(torch.uint8).numpy())
+            if fh.readinto(view) != len(view):
+                raise CheckpointError(f"{path.name} ends inside tensor {name!r}: the file is truncated")
+        if not direct:
+            out.copy_(buffer)
+
+    def read_packed(self, names: list[str], k: int, kernels) -> torch.Tensor:
+        """The [rows, k] matrix made of tensors `names` stacked, packed for the CPU kernels a chunk of rows at a
+        time: no unpacked copy of the whole matrix ever exists."""
+        total = sum(self.rows(n) for n in names)
+        packed = torch.empty(packed_shape(total, k), dtype=torch.bfloat16)
+        chunk = torch.empty(PACK_CHUNK_ROWS, k, dtype=torch.bfloat16)
+        row = 0
+        for name in names:
+            for start in range(0, self.rows(name), PACK_CHUNK_ROWS):
+                rows = chunk[: min(PACK_CHUNK_ROWS, self.rows(name) - start)]
+                self.read_into(name, rows, start)
+                kernels.pack_rows_into(packed, row, rows)
+                row += len(rows)
+        return packed
+
+
+def hf_tensor_names(args: ModelArgs) -> dict[str, list[str]]:
+    """Our parameter name -> the Hugging Face tensors it is made of (q/k/v and gate/up are fused, in that order)."""
+    names = {"tok_embeddings.weight": ["model.embed_tokens.weight"], "norm.weight": ["model.norm.weight"]}
     if not args.tie_word_embeddings:
-        ours["output.weight"] = take("lm_head.weight")
+        names["output.weight"] = ["lm_head.weight"]
     for i in range(args.n_layers):
         p = f"model.layers.{i}."
-        ours[f"layers.{i}.attention.wqkv.weight"] = torch.cat(
-            [take(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
-        ours[f"layers.{i}.attention.wo.weight"] = take(p + "self_attn.o_proj.weight")
-        ours[f"layers.{i}.feed_forward.w_gate_up.weight"] = torch.cat(
-            [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
-        ours[f"layers.{i}.feed_forward.w_down.weight"] = take(p + "mlp.down_proj.weight")
-        ours[f"layers.{i}.attention_norm.weight"] = take(p + "input_layernorm.weight")
-        ours[f"layers.{i}.ffn_norm.weight"] = take(p + "post_attention_layernorm.weight")
-    return ours
+        names.update({
+            f"layers.{i}.attention.wqkv.weight": [p + f"self_attn.{x}_proj.weight" for x in "qkv"],
+            f"layers.{i}.attention.wo.weight": [p + "self_attn.o_proj.weight"],
+            f"layers.{i}.feed_forward.w_gate_up.weight": [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
+            f"layers.{i}.feed_forward.w_down.weight": [p + "mlp.down_proj.weight"],
+            f"layers.{i}.attention_norm.weight": [p + "input_layernorm.weight"],
+            f"layers.{i}.ffn_norm.weight": [p + "post_attention_layernorm.weight"],
+        })
+    return names
+
+
+def _load_parameters(module: nn.Module, prefix: str, names: dict[str, list[str]], index: SafetensorsIndex,
+                     dtype: torch.dtype, device: str, skip: tuple[str, ...] = ()) -> None:
+    """Fill every parameter of `module` (built on the meta device) but those under `skip` from the checkpoint, fused
+    parts read straight into their rows."""
+    for local, meta in list(module.named_parameters()):
+        if local.startswith(skip):
+            continue
+        out = torch.empty(meta.shape, dtype=dtype, device=device)
+        row = 0
+        for part in names[prefix + local]:
+            rows = index.rows(part) if out.dim() > 1 else out.shape[0]
+            index.read_into(part, out[row : row + rows])
+            row += rows
+        if row != out.shape[0]:
+            raise CheckpointError(f"tensors {names[prefix + local]} give {row} rows for {prefix + local}, config.json "
+                                  f"implies {out.shape[0]}")
+        owner, _, attr = local.rpartition(".")
+        setattr(module.get_submodule(owner), attr, nn.Parameter(out, requires_grad=False))
 
 
 def load_model(ckpt: Checkpoint, dtype: torch.dtype, max_seq_len: int, device: str = "cpu",
                cpu_kernels: bool = True) -> Transformer:
     """Our Transformer with the checkpoint's weights; bf16 on CPU runs on the bf16 CPU kernels where they build
-    (cpu_kernels=False or TT_CPU_KERNELS=0: torch ops, oneDNN-prepacked linears)."""
-    from safetensors.torch import load_file
+    (cpu_kernels=False or TT_CPU_KERNELS=0: torch ops, oneDNN-prepacked linears).
 
+    Streams: one layer at a time is read (tensor by tensor, from whichever shards hold it), converted, fused and
+    packed before the next; on the kernels every linear layer is packed a chunk of rows at a time straight from
+    the file. Peak memory stays close to the finished model's (tests/test_checkpoint_memory.py).
+    """
     args = ModelArgs.from_hf_config(ckpt.config)
-    hf = {}
-    for f in _safetensors_files(ckpt.folder):
-        hf.update(load_file(f))
-    state = {k: v.to(device=device, dtype=dtype) for k, v in _hf_to_ours(hf, args).items()}
+    index = SafetensorsIndex(_safetensors_files(ckpt.folder))
+    names = hf_tensor_names(args)
+    missing = [n for parts in names.values() for n in parts if n not in index.entries]
+    if missing:
+        raise CheckpointError(f"checkpoint {ckpt.folder} is missing tensor {missing[0]!r}"
+                              f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}; is it a complete "
+                              f"{args.model_type} checkpoint?")
     with torch.device("meta"):
         model = Transformer(args, dtype, max_seq_len)
-    model.load_state_dict(state, assign=True, strict=not args.tie_word_embeddings)
-    if args.tie_word_embeddings:
+    kernels = load_cpu_kernels(cache_root() / "kernels") if cpu_kernels and model.supports_cpu_kernels(device) else None
+    for i, layer in enumerate(model.layers):
+        prefix = f"layers.{i}."
+        if kernels is None:
+            _load_parameters(layer, prefix, names, index, dtype, device)
+            if can_prepack(dtype, device):
+                layer.prepack_linears()
+        else:  # norms first: use_cpu_kernels checks the block's weights
+            _load_parameters(layer, prefix, names, index, dtype, device, skip=layer.LINEARS)
+            layer.use_cpu_kernels(kernels, {name: index.read_packed(names[f"{prefix}{name}.weight"],
+                                                                    layer.get_submodule(name).in_features, kernels)
+                                            for name in layer.LINEARS})
+    tied = args.tie_word_embeddings
+    if kernels is not None:  # the head packed from the file; a tied embedding reads its rows from it
+        model.use_cpu_kernels_for_head(kernels, index.read_packed(names["tok_embeddings.weight" if tied else
+                                                                        "output.weight"], args.dim, kernels))
+    loaded = ["norm"] + ([] if kernels is not None and tied else ["tok_embeddings"]) + ([] if tied or kernels else
+                                                                                        ["output"])
+    for name in loaded:
+        _load_parameters(getattr(model, name), f"{name}.", names, index, dtype, device)
+    if tied and kernels is None:
         model.output.weight = model.tok_embeddings.weight
     model.init_rope(device)
-    kernels = load_cpu_kernels(cache_root() / "kernels") if cpu_kernels and model.supports_cpu_kernels() else None
-    if kernels is not None:
-        model.use_cpu_kernels(kernels)
-    elif can_prepack(dtype, device):
-        model.prepack_linears()
     logger.info(f"{ckpt.name} in {str(dtype).removeprefix('torch.')} on {device}: " + (
         "linear layers and decode/verify steps on the bf16 CPU kernels (cpu_kernels.c)" if kernels else "torch ops"))
     return model.eval()

@@ -9,7 +9,6 @@
 #endif
 #include <math.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 #include <immintrin.h>
 #ifdef _OPENMP
@@ -188,12 +187,13 @@ static inline __m512 sum_lanes16(const __m512 *v) {
     return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), sums);
 }
 
-void attend_exact(const bf16 *qkv, int64_t n, int64_t H, int64_t Hk, int64_t D, const int64_t *table,
-                  const bf16 *cos, const bf16 *sin, bf16 *k_cache, bf16 *v_cache, int64_t slots, bf16 *q_rot,
-                  bf16 *out) {
+// scores: per-thread scratch of `stride` floats (>= the longest key range, rounded up to 16) for `threads` threads.
+static void attend_exact(const bf16 *qkv, int64_t n, int64_t H, int64_t Hk, int64_t D, const int64_t *table,
+                         const bf16 *cos, const bf16 *sin, bf16 *k_cache, bf16 *v_cache, int64_t slots, bf16 *q_rot,
+                         bf16 *out, float *scores, int64_t stride, int threads) {
     const int64_t width = (H + 2 * Hk) * D, G = H / Hk;
     const float scale = 1.0f / sqrtf((float)D);
-#pragma omp parallel for if (n > 1)
+#pragma omp parallel for num_threads(threads) if (n > 1)
     for (int64_t t = 0; t < n; t++) {
         const int64_t row = table[3 * t], slot = table[3 * t + 1];
         const bf16 *x = qkv + t * width, *c = cos + slot * D, *s = sin + slot * D;
@@ -204,48 +204,54 @@ void attend_exact(const bf16 *qkv, int64_t n, int64_t H, int64_t Hk, int64_t D, 
             memcpy(v_cache + at, x + (H + Hk + h) * D, D * sizeof(bf16));
         }
     }
-#pragma omp parallel for collapse(2)
-    for (int64_t t = 0; t < n; t++)
-        for (int64_t h = 0; h < H; h++) {
-            const int64_t row = table[3 * t], slot = table[3 * t + 1], first = table[3 * t + 2];
-            const int64_t len = slot + 1 - first, kv = row * Hk + h / G;
-            const bf16 *keys = k_cache + (kv * slots + first) * D, *values = v_cache + (kv * slots + first) * D;
-            const bf16 *q = q_rot + (t * H + h) * D;
-            float *p = malloc(((len + 15) / 16 * 16) * sizeof(float));
-            __m512 top = _mm512_set1_ps(-INFINITY);
-            for (int64_t j0 = 0; j0 < len; j0 += 16) {  // scores of 16 keys at a time
-                const int64_t count = len - j0 < 16 ? len - j0 : 16;
-                __m512 dots[16];
-                for (int64_t j = 0; j < 16; j++) {
-                    dots[j] = _mm512_setzero_ps();
-                    for (int64_t i = 0; j < count && i < D; i += 32)
-                        dots[j] = _mm512_dpbf16_ps(dots[j], (__m512bh)_mm512_loadu_si512((const void *)(keys + (j0 + j) * D + i)),
-                                                   (__m512bh)_mm512_loadu_si512((const void *)(q + i)));
+#pragma omp parallel num_threads(threads)
+    {
+        int thread = 0;
+#ifdef _OPENMP
+        thread = omp_get_thread_num();
+#endif
+        float *p = scores + thread * stride;
+#pragma omp for collapse(2)
+        for (int64_t t = 0; t < n; t++)
+            for (int64_t h = 0; h < H; h++) {
+                const int64_t row = table[3 * t], slot = table[3 * t + 1], first = table[3 * t + 2];
+                const int64_t len = slot + 1 - first, kv = row * Hk + h / G;
+                const bf16 *keys = k_cache + (kv * slots + first) * D, *values = v_cache + (kv * slots + first) * D;
+                const bf16 *q = q_rot + (t * H + h) * D;
+                __m512 top = _mm512_set1_ps(-INFINITY);
+                for (int64_t j0 = 0; j0 < len; j0 += 16) {  // scores of 16 keys at a time
+                    const int64_t count = len - j0 < 16 ? len - j0 : 16;
+                    __m512 dots[16];
+                    for (int64_t j = 0; j < 16; j++) {
+                        dots[j] = _mm512_setzero_ps();
+                        for (int64_t i = 0; j < count && i < D; i += 32)
+                            dots[j] = _mm512_dpbf16_ps(dots[j], (__m512bh)_mm512_loadu_si512((const void *)(keys + (j0 + j) * D + i)),
+                                                       (__m512bh)_mm512_loadu_si512((const void *)(q + i)));
+                    }
+                    const __mmask16 valid = count == 16 ? 0xffff : (__mmask16)((1u << count) - 1);
+                    const __m512 scores16 = _mm512_mul_ps(sum_lanes16(dots), _mm512_set1_ps(scale));
+                    top = _mm512_mask_max_ps(top, valid, top, scores16);
+                    _mm512_storeu_ps(p + j0, scores16);
                 }
-                const __mmask16 valid = count == 16 ? 0xffff : (__mmask16)((1u << count) - 1);
-                const __m512 scores = _mm512_mul_ps(sum_lanes16(dots), _mm512_set1_ps(scale));
-                top = _mm512_mask_max_ps(top, valid, top, scores);
-                _mm512_storeu_ps(p + j0, scores);
+                const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+                __m512 total = _mm512_setzero_ps();
+                for (int64_t j = 0; j < len; j += 16) {
+                    const __mmask16 valid = len - j >= 16 ? 0xffff : (__mmask16)((1u << (len - j)) - 1);
+                    const __m512 e = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(_mm512_loadu_ps(p + j), max)));
+                    total = _mm512_add_ps(total, e);
+                    _mm512_storeu_ps(p + j, e);
+                }
+                __m512 acc[16];
+                for (int64_t c = 0; c < D / 16; c++) acc[c] = _mm512_setzero_ps();
+                for (int64_t j = 0; j < len; j++) {
+                    const __m512 pj = _mm512_set1_ps(p[j]);
+                    for (int64_t c = 0; c < D / 16; c++) acc[c] = _mm512_fmadd_ps(pj, load16(values + j * D + 16 * c), acc[c]);
+                }
+                const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
+                for (int64_t c = 0; c < D / 16; c++)
+                    _mm256_storeu_si256((void *)(out + (t * H + h) * D + 16 * c), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[c], inv)));
             }
-            const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(top));
-            __m512 total = _mm512_setzero_ps();
-            for (int64_t j = 0; j < len; j += 16) {
-                const __mmask16 valid = len - j >= 16 ? 0xffff : (__mmask16)((1u << (len - j)) - 1);
-                const __m512 e = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(_mm512_loadu_ps(p + j), max)));
-                total = _mm512_add_ps(total, e);
-                _mm512_storeu_ps(p + j, e);
-            }
-            __m512 acc[16];
-            for (int64_t c = 0; c < D / 16; c++) acc[c] = _mm512_setzero_ps();
-            for (int64_t j = 0; j < len; j++) {
-                const __m512 pj = _mm512_set1_ps(p[j]);
-                for (int64_t c = 0; c < D / 16; c++) acc[c] = _mm512_fmadd_ps(pj, load16(values + j * D + 16 * c), acc[c]);
-            }
-            const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
-            for (int64_t c = 0; c < D / 16; c++)
-                _mm256_storeu_si256((void *)(out + (t * H + h) * D + 16 * c), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[c], inv)));
-            free(p);
-        }
+    }
 }
 
 // ---- one decoder layer of a packed step: TransformerBlock.forward with the kernels above ----------------------
@@ -254,18 +260,32 @@ static void add_bf16(bf16 *x, const bf16 *delta, int64_t count) {
     for (int64_t i = 0; i < count; i++) x[i] = f32_to_bf16(bf16_to_f32(x[i]) + bf16_to_f32(delta[i]));
 }
 
+// The scratch a decoder_layer call needs, in bytes: bf16 activations for n tokens, then float scores for each of
+// `threads` threads over up to max_keys keys. The caller allocates it once and reuses it (cpu_kernels.py).
+static int64_t score_stride(int64_t max_keys) { return (max_keys + 15) / 16 * 16; }
+
+static int64_t activation_bytes(int64_t n, int64_t dim, int64_t hidden, int64_t H, int64_t Hk, int64_t D) {
+    const int64_t elems = n * (dim + (H + 2 * Hk) * D + 2 * H * D + 3 * hidden + dim);
+    return (elems * (int64_t)sizeof(bf16) + 63) / 64 * 64;  // the float scores after it stay 64-byte aligned
+}
+
+int64_t decoder_layer_workspace_bytes(int64_t n, int64_t dim, int64_t hidden, int64_t H, int64_t Hk, int64_t D,
+                                      int64_t max_keys, int threads) {
+    return activation_bytes(n, dim, hidden, H, Hk, D) + threads * score_stride(max_keys) * (int64_t)sizeof(float);
+}
+
 void decoder_layer(bf16 *x, int64_t n, int64_t dim, int64_t hidden, int64_t H, int64_t Hk, int64_t D, float eps,
                    const bf16 *attention_norm, const bf16 *wqkv, const bf16 *wo, const bf16 *ffn_norm,
                    const bf16 *w_gate_up, const bf16 *w_down, const int64_t *table, const bf16 *cos, const bf16 *sin,
-                   bf16 *k_cache, bf16 *v_cache, int64_t slots) {
+                   bf16 *k_cache, bf16 *v_cache, int64_t slots, void *workspace, int64_t max_keys, int threads) {
     const int64_t width = (H + 2 * Hk) * D;
-    bf16 *normed = malloc(n * (dim + width + H * D + 3 * hidden + dim) * sizeof(bf16));
-    bf16 *qkv = normed + n * dim, *attn = qkv + n * width, *gate_up = attn + n * H * D;
-    bf16 *act = gate_up + n * 2 * hidden, *delta = act + n * hidden;
-    bf16 *q_rot = malloc(n * H * D * sizeof(bf16));
+    bf16 *normed = workspace, *qkv = normed + n * dim, *attn = qkv + n * width, *q_rot = attn + n * H * D;
+    bf16 *gate_up = q_rot + n * H * D, *act = gate_up + n * 2 * hidden, *delta = act + n * hidden;
+    float *scores = (float *)((char *)workspace + activation_bytes(n, dim, hidden, H, Hk, D));
     rms_norm_bf16(x, attention_norm, normed, n, dim, eps);
     linear_bf16(normed, wqkv, qkv, n, dim, width, 0);
-    attend_exact(qkv, n, H, Hk, D, table, cos, sin, k_cache, v_cache, slots, q_rot, attn);
+    attend_exact(qkv, n, H, Hk, D, table, cos, sin, k_cache, v_cache, slots, q_rot, attn, scores,
+                 score_stride(max_keys), threads);
     linear_bf16(attn, wo, delta, n, H * D, dim, 0);
     add_bf16(x, delta, n * dim);
     rms_norm_bf16(x, ffn_norm, normed, n, dim, eps);
@@ -273,6 +293,4 @@ void decoder_layer(bf16 *x, int64_t n, int64_t dim, int64_t hidden, int64_t H, i
     silu_mul_bf16(gate_up, act, n, hidden);
     linear_bf16(act, w_down, delta, n, hidden, dim, 0);
     add_bf16(x, delta, n * dim);
-    free(q_rot);
-    free(normed);
 }

@@ -17,6 +17,7 @@ import os
 import platform
 import shutil
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -27,41 +28,143 @@ SOURCE = Path(__file__).with_name("cpu_kernels.c")
 BLOCK = 16  # output rows per packed weight block (cpu_kernels.c)
 
 
+def kernels_fit(args, dtype: torch.dtype) -> bool:
+    """Whether the kernels handle a model of this shape and dtype (bf16; head_dim a multiple of 32 up to 256)."""
+    return (dtype == torch.bfloat16 and args.dim % 2 == 0 and args.hidden_dim % 16 == 0 and args.head_dim % 32 == 0
+            and args.head_dim <= 256)
+
+
+def packed_shape(n_out: int, k: int) -> tuple[int, int, int, int]:
+    """Shape of an [n_out, k] weight packed for the kernels: blocks of 16 rows x k pairs x 16 x 2."""
+    return (-(-n_out // BLOCK), k // 2, BLOCK, 2)
+
+
+@dataclass(frozen=True)
+class StepTable:
+    """Each token's cache row, slot and first visible key [n, 3] for decoder_layer, checked once when it is made:
+    the kernels index the cache with these numbers directly, so a bad one must never reach them."""
+
+    tensor: torch.Tensor
+    rows_needed: int  # largest row + 1: the cache must have at least this many rows
+    slots_needed: int  # largest slot + 1
+    max_keys: int  # longest key range of any token
+
+    @classmethod
+    def of(cls, entries: list[tuple[int, int, int]]) -> "StepTable":
+        for row, slot, first in entries:
+            if row < 0 or slot < 0 or not 0 <= first <= slot:
+                raise IndexError(f"bad kernel step entry (row {row}, slot {slot}, first key {first}): rows and slots "
+                                 "must be >= 0 and the first visible key within [0, slot]")
+        return cls(torch.tensor(entries, dtype=torch.int64).view(-1, 3), 1 + max(e[0] for e in entries),
+                   1 + max(e[1] for e in entries), max(e[1] + 1 - e[2] for e in entries))
+
+
 class CpuKernels:
-    """The loaded library; tensors go in as data pointers, so every argument must be contiguous."""
+    """The loaded library. Every call checks what the C code would otherwise trust (shapes, dtypes, devices,
+    contiguity, cache bounds) and raises one clear error; tensor addresses are taken at the call, never stored, and
+    the scratch memory is one buffer that grows to the largest step seen."""
 
     def __init__(self, lib: ctypes.CDLL):
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         lib.linear_bf16.argtypes = [ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
-        lib.decoder_layer.argtypes = [ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float] + [ptr] * 11 + [i64]
+        lib.decoder_layer.argtypes = ([ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float] + [ptr] * 11 +
+                                      [i64, ptr, i64, ctypes.c_int])
+        lib.decoder_layer_workspace_bytes.argtypes = [i64] * 7 + [ctypes.c_int]
+        lib.decoder_layer_workspace_bytes.restype = i64
         self.lib = lib
+        self.workspace = torch.empty(0, dtype=torch.uint8)
+
+    def __deepcopy__(self, memo):
+        return self  # the loaded library is shared, like a module
 
     @staticmethod
     def pack_weight(weight: torch.Tensor) -> torch.Tensor:
         """[N, K] bf16 -> blocks of 16 output rows with k pairs interleaved (the layout of cpu_kernels.c)."""
-        n, k = weight.shape
-        padded = torch.zeros(-(-n // BLOCK) * BLOCK, k, dtype=torch.bfloat16)
-        padded[:n] = weight.detach()
-        return padded.view(-1, BLOCK, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+        packed = torch.empty(packed_shape(*weight.shape), dtype=torch.bfloat16)
+        CpuKernels.pack_rows_into(packed, 0, weight.detach())
+        return packed
+
+    @staticmethod
+    def pack_rows_into(packed: torch.Tensor, row0: int, rows: torch.Tensor) -> None:
+        """Pack rows [row0, row0 + len(rows)) of a weight into `packed`, so a checkpoint can be packed a chunk at a
+        time as it is read. row0 must start a block; a chunk that ends inside a block must be the weight's last."""
+        n, k = rows.shape
+        if rows.dtype != torch.bfloat16 or rows.device.type != "cpu" or k % 2 or row0 % BLOCK:
+            raise ValueError(f"the CPU kernels pack bf16 CPU weights with an even K from a 16-row boundary, got "
+                             f"{rows.dtype} on {rows.device}, K={k}, first row {row0}")
+        if n % BLOCK:
+            if row0 + n != packed.shape[0] * BLOCK - (BLOCK - n % BLOCK):
+                raise ValueError(f"rows {row0}-{row0 + n} end inside a 16-row block before the weight's end")
+            rows = torch.cat([rows, rows.new_zeros(BLOCK - n % BLOCK, k)])
+        b0 = row0 // BLOCK
+        packed[b0 : b0 + rows.shape[0] // BLOCK] = rows.view(-1, BLOCK, k // 2, 2).permute(0, 2, 1, 3)
+
+    @staticmethod
+    def packed_rows(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Rows of the unpacked [N, K] matrix (an embedding lookup in a tied LM head's packed weight)."""
+        picked = packed[rows // BLOCK, :, rows % BLOCK, :]  # [*rows.shape, K / 2, 2]
+        return picked.reshape(*rows.shape, -1)
+
+    @staticmethod
+    def _check(name: str, t: torch.Tensor, shape: Optional[tuple] = None) -> None:
+        if t.dtype != torch.bfloat16 or t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError(f"CPU kernels: {name} must be a contiguous bf16 CPU tensor, got {t.dtype} on {t.device}"
+                             f"{'' if t.is_contiguous() else ' (not contiguous)'}; a model on the kernels cannot be "
+                             "moved or cast, load it again instead")
+        if shape is not None and tuple(t.shape) != shape:
+            raise ValueError(f"CPU kernels: {name} has shape {tuple(t.shape)}, expected {shape}")
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, n_out: int, out_dtype: torch.dtype) -> torch.Tensor:
         """x [..., K] bf16 -> [..., n_out] in out_dtype (bf16 or float32)."""
         x = x.contiguous()
+        k = x.shape[-1]
+        self._check("linear input", x)
+        self._check("packed weight", packed, packed_shape(n_out, k))
         y = torch.empty(*x.shape[:-1], n_out, dtype=out_dtype)
-        self.lib.linear_bf16(x.data_ptr(), packed.data_ptr(), y.data_ptr(), x.numel() // x.shape[-1], x.shape[-1],
-                             n_out, int(out_dtype == torch.float32))
+        self.lib.linear_bf16(x.data_ptr(), packed.data_ptr(), y.data_ptr(), x.numel() // k, k, n_out,
+                             int(out_dtype == torch.float32))
         return y
 
-    def decoder_layer(self, x: torch.Tensor, layer_args: tuple, step_table: torch.Tensor, cos: torch.Tensor,
+    def check_layer_weights(self, args, weights: tuple) -> None:
+        """Once, when a block moves onto the kernels (its modules then refuse .to() and casts): the weights
+        decoder_layer will read, in its order (attention norm, packed wqkv, packed wo, ffn norm, packed gate_up,
+        packed down)."""
+        dim, hidden, H, Hk, D = args.dim, args.hidden_dim, args.n_heads, args.n_kv_heads, args.head_dim
+        shapes = ((dim,), packed_shape((H + 2 * Hk) * D, dim), packed_shape(dim, H * D), (dim,),
+                  packed_shape(2 * hidden, dim), packed_shape(dim, hidden))
+        for name, w, shape in zip(("attention_norm", "wqkv", "wo", "ffn_norm", "w_gate_up", "w_down"), weights, shapes):
+            self._check(name, w, shape)
+
+    def decoder_layer(self, x: torch.Tensor, args, weights: tuple, table: StepTable, cos: torch.Tensor,
                       sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """One TransformerBlock over a packed step x [1, n, dim]: returns the new residual stream.
 
-        layer_args: (dim, hidden, heads, kv heads, head dim, eps, weight pointers...) from
-        Transformer.use_cpu_kernels; step_table [n, 3] int64: each token's cache row, slot and first visible key.
+        args: the model's ModelArgs; weights: the block's, as check_layer_weights saw them; table: each token's
+        cache row, slot and first visible key.
         """
-        x = x.clone()
-        self.lib.decoder_layer(x.data_ptr(), x.shape[1], *layer_args, step_table.data_ptr(), cos.data_ptr(),
-                               sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[2])
+        n, D = x.shape[1], args.head_dim
+        users, slots = k_cache.shape[0], k_cache.shape[2]
+        shape = (users, args.n_kv_heads, slots, D)
+        if not (x.dtype == k_cache.dtype == v_cache.dtype == cos.dtype == sin.dtype == torch.bfloat16
+                and x.shape == (1, len(table.tensor), args.dim) and k_cache.shape == v_cache.shape == shape
+                and cos.shape == sin.shape and cos.shape[1] == D and k_cache.is_contiguous() and v_cache.is_contiguous()
+                and cos.is_contiguous() and sin.is_contiguous() and k_cache.device.type == "cpu"):
+            raise ValueError(f"CPU kernels: a decoder-layer step needs bf16 CPU tensors x [1, {len(table.tensor)}, "
+                             f"{args.dim}], caches {shape} and rotary tables [slots, {D}], got x {tuple(x.shape)} "
+                             f"{x.dtype}, k/v cache {tuple(k_cache.shape)} {k_cache.dtype}, cos {tuple(cos.shape)}")
+        if table.rows_needed > users or table.slots_needed > min(slots, cos.shape[0]):
+            raise IndexError(f"kernel step reaches cache row {table.rows_needed - 1} / slot {table.slots_needed - 1}, "
+                             f"but the cache has {users} rows x {slots} slots")
+        threads = torch.get_num_threads()
+        size = self.lib.decoder_layer_workspace_bytes(n, args.dim, args.hidden_dim, args.n_heads, args.n_kv_heads, D,
+                                                      table.max_keys, threads)
+        if self.workspace.numel() < size:
+            self.workspace = torch.empty(size, dtype=torch.uint8)
+        x = x.contiguous().clone()
+        self.lib.decoder_layer(x.data_ptr(), n, args.dim, args.hidden_dim, args.n_heads, args.n_kv_heads, D,
+                               args.norm_eps, *(w.data_ptr() for w in weights), table.tensor.data_ptr(),
+                               cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots,
+                               self.workspace.data_ptr(), table.max_keys, threads)
         return x
 
 

@@ -5,6 +5,7 @@ from typing import Sequence
 
 import torch
 
+from ..speculative.backend import MAX_DRAFT_TOKENS
 from ..speculative.draft_length import verify_cost_at
 from .model import Transformer
 
@@ -16,9 +17,10 @@ from .model import Transformer
 TOKEN_COST = 0.08
 KEY_COST = 7e-5
 
-# Steps of up to this many tokens per user (decode, verification, draft catch-up) are packed and attend token by
-# token, so a token's result is bit-identical whatever else shares the step; longer ones (prefill) are padded.
-EXACT_ATTENTION_MAX_TOKENS = 65
+# Steps of up to this many tokens per user (decode, verification of the longest draft, draft catch-up) are packed
+# and attend token by token, so a token's result is bit-identical whatever else shares the step; longer ones
+# (prefill) are padded.
+EXACT_ATTENTION_MAX_TOKENS = MAX_DRAFT_TOKENS + 1
 
 
 class TorchCausalLM:
@@ -35,7 +37,7 @@ class TorchCausalLM:
         self.cache = model.new_cache(n_layers, max_batch_size)
         self.n_layers, self.max_batch_size = n_layers, max_batch_size
         self.max_seq_len, self.vocab_size = model.max_seq_len, model.args.vocab_size
-        self.device = model.tok_embeddings.weight.device
+        self.device = model.device
 
     def verify_cost(self, n_users: int, context_len: float) -> float:
         return verify_cost_at(n_users, TOKEN_COST + KEY_COST * context_len)
@@ -48,6 +50,12 @@ class TorchCausalLM:
                  last_only: bool) -> list[torch.Tensor]:
         """Logits [len(tokens[u]) or 1, V] per user."""
         lengths = [len(t) for t in tokens]
+        if not len(tokens) == len(start_pos) == len(users) or min(lengths) < 1:
+            raise ValueError("a step needs one start position, one cache row and at least one token per user")
+        bad = [u for u in users if not 0 <= u < self.max_batch_size]
+        if bad or len(set(users)) != len(users) or min(start_pos) < 0:
+            raise IndexError(f"cache rows {list(users)} / start positions {list(start_pos)}: rows must be distinct "
+                             f"and in [0, {self.max_batch_size}), positions >= 0")
         kv_len = max(p + n for p, n in zip(start_pos, lengths))
         if kv_len > self.max_seq_len:
             raise ValueError(f"forward would write position {kv_len - 1} past max_seq_len {self.max_seq_len}")

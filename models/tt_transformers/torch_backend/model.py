@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from .attention import Attention, StepInputs
-from .cpu_kernels import CpuKernels
+from .cpu_kernels import CpuKernels, StepTable, kernels_fit
 from .mlp import MLP
 from .model_config import ModelArgs
 from .rope import rope_tables
@@ -52,33 +52,92 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [None], "")
 
 
+def raise_if_on_kernels(module: nn.Module) -> None:
+    """Modules on the CPU kernels refuse .to() and casts (nn.Module._apply): the kernels read their tensors as raw
+    bf16 CPU memory."""
+    raise RuntimeError(f"{type(module).__name__} runs on the bf16 CPU kernels and cannot be moved or cast; load the "
+                       "model again with the device and dtype you want (load_model(..., device=, cpu_kernels=False))")
+
+
 class KernelLinear(nn.Module):
     """A bf16 CPU linear layer on cpu_kernels.c: weights packed once, streamed at close to memory bandwidth, each
-    output accumulated in an order that does not depend on the number of rows."""
+    output accumulated in an order that does not depend on the number of rows. The packed weight is a buffer, so
+    a deep copy or `.to()` carries it along; the kernels take its address at each call, never earlier."""
 
-    def __init__(self, linear: nn.Linear, kernels: CpuKernels, out_dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, packed: torch.Tensor, out_features: int, kernels: CpuKernels,
+                 out_dtype: torch.dtype = torch.bfloat16):
         super().__init__()
-        self.kernels, self.out_dtype, self.out_features = kernels, out_dtype, linear.out_features
-        self.packed = kernels.pack_weight(linear.weight)
+        self.kernels, self.out_dtype, self.out_features = kernels, out_dtype, out_features
+        self.register_buffer("packed", packed, persistent=False)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, kernels: CpuKernels, out_dtype: torch.dtype = torch.bfloat16):
+        return cls(kernels.pack_weight(linear.weight), linear.out_features, kernels, out_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernels.linear(x, self.packed, self.out_features, self.out_dtype)
+
+    def _apply(self, fn, recurse=True):
+        raise_if_on_kernels(self)
+
+
+class KernelEmbedding(nn.Module):
+    """Token embeddings read from a tied LM head's packed weight, so a tied model keeps one copy of the matrix."""
+
+    def __init__(self, head: KernelLinear):
+        super().__init__()
+        self.head = head
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head.kernels.packed_rows(self.head.packed, tokens)
 
 
 class TransformerBlock(nn.Module):
     def __init__(self, args: ModelArgs, dtype: torch.dtype):
         super().__init__()
+        self.args = args
         self.attention_norm = RMSNorm(args.dim, args.norm_eps, dtype)
         self.attention = Attention(args, dtype)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps, dtype)
         self.feed_forward = MLP(args, dtype)
-        self.kernels: Optional[CpuKernels] = None  # set by Transformer.use_cpu_kernels, with kernel_args
-        self.kernel_args: tuple = ()
+        self.kernels: Optional[CpuKernels] = None  # set by use_cpu_kernels, with kernel_weights
+        self.kernel_weights: tuple = ()
+
+    LINEARS = ("attention.wqkv", "attention.wo", "feed_forward.w_gate_up", "feed_forward.w_down")
+
+    def _linears(self):
+        """(parent module, attribute, name) of every linear layer."""
+        for name in self.LINEARS:
+            parent, attr = name.split(".")
+            yield getattr(self, parent), attr, name
+
+    def use_cpu_kernels(self, kernels: CpuKernels, packed: Optional[dict[str, torch.Tensor]] = None) -> None:
+        """Every linear layer on the kernels, and the whole block of a packed step in one kernel call. `packed`: the
+        weights already packed (by name in LINEARS), as load_model reads them; otherwise packed from the layers."""
+        for parent, attr, name in self._linears():
+            linear = getattr(parent, attr)
+            setattr(parent, attr, KernelLinear(packed[name], linear.out_features, kernels) if packed else
+                    KernelLinear.from_linear(linear, kernels))
+        # The tensors themselves, not their addresses: a deep copy gets its own, and _apply below forbids moves.
+        self.kernel_weights = (self.attention_norm.weight, self.attention.wqkv.packed, self.attention.wo.packed,
+                               self.ffn_norm.weight, self.feed_forward.w_gate_up.packed, self.feed_forward.w_down.packed)
+        kernels.check_layer_weights(self.args, self.kernel_weights)
+        self.kernels = kernels
+
+    def _apply(self, fn, recurse=True):
+        if self.kernels is not None:
+            raise_if_on_kernels(self)
+        return super()._apply(fn, recurse)
+
+    def prepack_linears(self) -> None:
+        """Every linear layer as a PackedLinear (bf16 on CPU, torch ops)."""
+        for parent, attr, _ in self._linears():
+            setattr(parent, attr, PackedLinear(getattr(parent, attr)))
 
     def forward(self, x, step: StepInputs, k_cache, v_cache):
         if step.exact_table is not None:
-            return self.kernels.decoder_layer(x, self.kernel_args, step.exact_table, step.cos, step.sin, k_cache,
-                                              v_cache)
+            return self.kernels.decoder_layer(x, self.args, self.kernel_weights, step.exact_table, step.cos,
+                                              step.sin, k_cache, v_cache)
         h = x + self.attention(self.attention_norm(x), step, k_cache, v_cache)
         return h + self.feed_forward(self.ffn_norm(h))
 
@@ -109,7 +168,7 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.max_seq_len = max_seq_len
         self.kernels: Optional[CpuKernels] = None  # set by use_cpu_kernels
-        self.init_rope(self.output.weight.device)
+        self.init_rope(self.norm.weight.device)
 
     def init_rope(self, device) -> None:
         """(Re)build the rotary tables on `device`; needed after building the modules on the meta device."""
@@ -117,38 +176,39 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos.to(device), persistent=False)
         self.register_buffer("rope_sin", sin.to(device), persistent=False)
 
-    def supports_cpu_kernels(self) -> bool:
-        return (self.dtype == torch.bfloat16 and self.tok_embeddings.weight.device.type == "cpu"
-                and self.args.dim % 2 == 0 and self.args.hidden_dim % 16 == 0 and self.args.head_dim % 32 == 0
-                and self.args.head_dim <= 256)
+    def supports_cpu_kernels(self, device=None) -> bool:
+        """Whether the kernels can run this model on `device` (default: where it is now)."""
+        device = torch.device(device) if device is not None else self.device
+        return device.type == "cpu" and kernels_fit(self.args, self.dtype)
+
+    @property
+    def device(self) -> torch.device:
+        return self.norm.weight.device
 
     def use_cpu_kernels(self, kernels: CpuKernels) -> None:
         """Run every linear layer on the bf16 CPU kernels (the LM head too, with float32 logits), and every layer of
-        a packed step (decode, verification) in one kernel call. The head gets a packed copy of its weight; the tied
-        embedding keeps the original. Call it once the weights are final: the kernels hold their addresses."""
-        self.kernels = kernels
-        a = self.args
+        a packed step (decode, verification) in one kernel call (load_model does this layer by layer as it loads)."""
         for layer in self.layers:
-            for parent, name in ((layer.attention, "wqkv"), (layer.attention, "wo"),
-                                 (layer.feed_forward, "w_gate_up"), (layer.feed_forward, "w_down")):
-                setattr(parent, name, KernelLinear(getattr(parent, name), kernels))
-            weights = (layer.attention_norm.weight, layer.attention.wqkv.packed, layer.attention.wo.packed,
-                       layer.ffn_norm.weight, layer.feed_forward.w_gate_up.packed, layer.feed_forward.w_down.packed)
-            layer.kernels = kernels
-            layer.kernel_args = (a.dim, a.hidden_dim, a.n_heads, a.n_kv_heads, a.head_dim, a.norm_eps,
-                                 *(w.data_ptr() for w in weights))
-        self.output = KernelLinear(self.output, kernels, torch.float32)
+            layer.use_cpu_kernels(kernels)
+        self.use_cpu_kernels_for_head(kernels)
+
+    def use_cpu_kernels_for_head(self, kernels: CpuKernels, packed: Optional[torch.Tensor] = None) -> None:
+        """The LM head on the kernels (`packed`: its weight already packed); a tied embedding then reads its rows
+        from the packed head (one copy)."""
+        self.kernels = kernels
+        self.output = (KernelLinear(packed, self.args.vocab_size, kernels, torch.float32) if packed is not None else
+                       KernelLinear.from_linear(self.output, kernels, torch.float32))
+        if self.args.tie_word_embeddings:
+            self.tok_embeddings = KernelEmbedding(self.output)
 
     def prepack_linears(self) -> None:
         """Swap every layer's linear for a PackedLinear (bf16 on CPU). The LM head stays as it is: F.linear already
         streams that one large matrix at full speed, and a tied head shares its tensor with the embedding."""
         for layer in self.layers:
-            for parent, name in ((layer.attention, "wqkv"), (layer.attention, "wo"),
-                                 (layer.feed_forward, "w_gate_up"), (layer.feed_forward, "w_down")):
-                setattr(parent, name, PackedLinear(getattr(parent, name)))
+            layer.prepack_linears()
 
     def new_cache(self, n_layers: int, n_users: int) -> KVCache:
-        return KVCache(self.args, n_layers, n_users, self.max_seq_len, self.dtype, self.tok_embeddings.weight.device)
+        return KVCache(self.args, n_layers, n_users, self.max_seq_len, self.dtype, self.device)
 
     def step_inputs(self, positions: torch.Tensor, query_pos: torch.Tensor, rows: torch.Tensor, kv_len: int,
                     all_rows: bool, exact_tokens: Optional[list[tuple[int, int, int, int]]]) -> StepInputs:
@@ -161,9 +221,8 @@ class Transformer(nn.Module):
         these from host-side ints, so nothing here syncs a device.
         """
         if exact_tokens is not None and self.kernels is not None:  # the kernel gathers the rotary tables itself
-            table = [(row, end - 1, first) for _, row, first, end in exact_tokens]
-            return StepInputs(self.rope_cos, self.rope_sin, rows, positions, None, kv_len, None, exact_tokens,
-                              torch.tensor(table, dtype=torch.int64))
+            table = StepTable.of([(row, end - 1, first) for _, row, first, end in exact_tokens])
+            return StepInputs(self.rope_cos, self.rope_sin, rows, positions, None, kv_len, None, exact_tokens, table)
         cos = self.rope_cos[positions].unsqueeze(2)
         sin = self.rope_sin[positions].unsqueeze(2)
         mask, read_rows = None, None
