@@ -10,7 +10,7 @@ DEMO := models/tt_transformers/demo/speculative_decoding/speculative_demo.py
 
 ARCTIC := $(VENV)/.arctic-installed
 
-.PHONY: demo test bench bench-suffix bench-batch bench-verify-cost install
+.PHONY: demo test test-slow bench bench-suffix bench-batch bench-verify-cost install
 install: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
@@ -25,8 +25,12 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(PY) $(DEMO) $(ARGS)
 
+# Tests needing a Tenstorrent device, CUDA or --run_slow are collected and reported as skipped, with the reason.
 test: $(STAMP)
-	$(PY) -m pytest tests $(DEMO) -m "not slow and not tt_hardware" --max_generated_tokens 32 -q $(ARGS)
+	$(PY) -m pytest tests $(DEMO) --max_generated_tokens 32 -q -rs $(ARGS)
+
+test-slow: $(STAMP)
+	$(PY) -m pytest tests $(DEMO) -m slow --run_slow -q -rs $(ARGS)
 
 # Snowflake's arctic-inference (a peer in bench-suffix) builds from source against the venv's torch.
 $(ARCTIC): $(STAMP)

@@ -1,5 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Demo options (read as `request.config.getoption(...) or default`, as TT-Transformers demos do) and markers."""
+"""Demo options (read as `request.config.getoption(...) or default`, as TT-Transformers demos do) and markers.
+
+Tests that need what a machine may lack are collected everywhere and skipped with the reason where it is missing,
+never deselected silently: `tt_hardware` runs where /dev/tenstorrent* exists, `cuda` where torch sees a CUDA
+device, and `slow` (long end-to-end runs) with --run_slow (`make test-slow`).
+"""
+import glob
+
 import pytest
 
 from models.tt_transformers.demo.speculative_decoding.speculative_demo import DEMO_OPTIONS
@@ -8,9 +15,29 @@ from models.tt_transformers.demo.speculative_decoding.speculative_demo import DE
 def pytest_addoption(parser):
     for name, type_, _, help_ in DEMO_OPTIONS:
         parser.addoption(f"--{name}", action="store", type=type_, default=None, help=help_)
+    parser.addoption("--run_slow", action="store_true", default=False, help="also run tests marked slow")
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: long end-to-end runs; selected with -m slow")
-    config.addinivalue_line("markers", "tt_hardware: needs a Tenstorrent device; selected with -m tt_hardware")
+    config.addinivalue_line("markers", "slow: long end-to-end runs; run with --run_slow (make test-slow)")
+    config.addinivalue_line("markers", "tt_hardware: needs a Tenstorrent device (/dev/tenstorrent*)")
+    config.addinivalue_line("markers", "cuda: needs a CUDA device visible to torch")
     config.addinivalue_line("markers", "models_performance_bare_metal: TT CI perf test")
+
+
+def missing_resources(config) -> dict:
+    import torch
+
+    return {
+        "slow": None if config.getoption("--run_slow") else "slow end-to-end case: run with --run_slow (make test-slow)",
+        "tt_hardware": None if glob.glob("/dev/tenstorrent*") else "needs a Tenstorrent device: no /dev/tenstorrent* here",
+        "cuda": None if torch.cuda.is_available() else "needs CUDA: torch sees no CUDA device here",
+    }
+
+
+def pytest_collection_modifyitems(config, items):
+    reasons = {marker: reason for marker, reason in missing_resources(config).items() if reason}
+    for item in items:
+        for marker, reason in reasons.items():
+            if marker in item.keywords:
+                item.add_marker(pytest.mark.skip(reason=reason))

@@ -1,6 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
 """What the benchmarks share: the embedded model, our loop's figures, Hugging Face `generate` timing."""
-import platform
 import sys
 import time
 from pathlib import Path
@@ -11,7 +10,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 from loguru import logger  # noqa: E402
 
-from models.tt_transformers.demo.speculative_decoding.speculative_demo import summarize  # noqa: E402
+from models.tt_transformers.demo.speculative_decoding.speculative_demo import environment, summarize  # noqa: E402
 from models.tt_transformers.demo.speculative_decoding.speculative_generator import SpeculativeGenerator  # noqa: E402
 
 
@@ -21,8 +20,8 @@ def quiet_logs() -> None:
 
 
 def machine_info() -> dict:
-    return {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-            "torch": torch.__version__}
+    """The demo report's environment record (machine, CPU, threads, torch, git commit)."""
+    return environment("cpu")
 
 
 def run_ours(generator: SpeculativeGenerator, prompts, n_tokens: int, stop_at_eos: bool = False) -> dict:

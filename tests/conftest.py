@@ -37,9 +37,9 @@ def embedded_bf16(embedded_checkpoint):
 
 @pytest.fixture(scope="session")
 def sample_prompt_tokens(embedded_tokenizer):
-    from models.tt_transformers.demo.speculative_decoding.speculative_demo import encode, load_prompts
+    from models.tt_transformers.demo.speculative_decoding.speculative_demo import DEFAULT_PROMPTS, encode, load_prompts
 
-    return [encode(embedded_tokenizer, p, True) for p in load_prompts(str(REPO_ROOT / "sample_prompts.json"))]
+    return [encode(embedded_tokenizer, p, True) for p in load_prompts(str(DEFAULT_PROMPTS))]
 
 
 def random_model(dtype=torch.float32, max_seq_len: int = 64, seed: int = 0, std: float = 0.5, **overrides) -> Transformer:

@@ -1,14 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
 """Bad input gets a clear error naming the problem and the fix; converted weights are cached."""
 import json
+import os
 import time
 
 import pytest
+from loguru import logger
 
 from models.tt_transformers.torch_backend import checkpoint
 from models.tt_transformers.torch_backend.checkpoint import CheckpointError, resolve_checkpoint
 from models.tt_transformers.torch_backend.model_config import ModelArgs, ModelConfigError
 from models.tt_transformers.demo.speculative_decoding.speculative_demo import (
+    DEFAULT_PROMPTS,
     DemoConfig,
     DemoInputError,
     load_prompts,
@@ -16,8 +19,13 @@ from models.tt_transformers.demo.speculative_decoding.speculative_demo import (
     run_demo,
     split_batches,
 )
+from models.tt_transformers.demo.speculative_decoding.speculative_generator import SpeculativeGenerator
+from models.tt_transformers.speculative.drafters import SuffixDrafter
+from models.tt_transformers.torch_backend.generator import TorchCausalLM
 
-from .conftest import save_tiny_hf_checkpoint, write_json
+from .conftest import REPO_ROOT, random_model, save_tiny_hf_checkpoint, write_json
+
+DOCUMENTED_PROMPTS = "models/tt_transformers/demo/speculative_decoding/sample_prompts.json"
 
 
 def test_prompts_tt_json_and_jsonl(tmp_path):
@@ -27,11 +35,18 @@ def test_prompts_tt_json_and_jsonl(tmp_path):
     assert load_prompts(str(jsonl)) == ["x", "y"]
 
 
+def test_single_line_jsonl_is_one_prompt(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "only one"}\n')
+    assert load_prompts(str(path)) == ["only one"]
+
+
 @pytest.mark.parametrize("content,message", [
-    ("not json at all {", "neither JSON nor JSON Lines"),
-    ("[]", "non-empty list"),
-    ('[{"text": "a"}]', 'no string "prompt"'),
-    ('[{"prompt": "  "}]', "empty prompt"),
+    ("not json at all {", "--input_prompts .*neither JSON nor JSON Lines"),
+    ("[]", "--input_prompts .*holds no prompts"),
+    ('[{"text": "a"}]', '--input_prompts .*entry 0 has no string "prompt"'),
+    ('[{"prompt": "  "}]', "--input_prompts .*entry 0 has an empty prompt; give it some text or remove it"),
+    ('{"prompt": ""}', "--input_prompts .*entry 0 has an empty prompt"),  # one-line JSON Lines, its prompt empty
 ])
 def test_malformed_prompts_file(tmp_path, content, message):
     path = tmp_path / "p.json"
@@ -41,8 +56,19 @@ def test_malformed_prompts_file(tmp_path, content, message):
 
 
 def test_missing_prompts_file():
-    with pytest.raises(DemoInputError, match="does not exist"):
+    with pytest.raises(DemoInputError, match="--input_prompts '/nonexistent/prompts.json' does not exist"):
         load_prompts("/nonexistent/prompts.json")
+
+
+def test_documented_prompts_path_works_from_anywhere(tmp_path, monkeypatch):
+    """The seed demo's documented --input_prompts path, from the repository root and from another folder (as from a
+    tt-metal checkout); the top-level sample_prompts.json is the same file, not a copy that could drift."""
+    monkeypatch.chdir(REPO_ROOT)
+    expected = load_prompts(DOCUMENTED_PROMPTS)
+    assert expected == load_prompts(str(DEFAULT_PROMPTS)) and len(expected) == 5
+    monkeypatch.chdir(tmp_path)
+    assert load_prompts(DOCUMENTED_PROMPTS) == expected
+    assert os.path.samefile(REPO_ROOT / "sample_prompts.json", DEFAULT_PROMPTS)
 
 
 def test_batch_split_repeats_to_fill():
@@ -53,12 +79,47 @@ def test_batch_split_repeats_to_fill():
 
 
 def test_missing_checkpoint_and_missing_weights(tmp_path, monkeypatch):
-    with pytest.raises(CheckpointError, match="does not exist"):
+    with pytest.raises(CheckpointError, match="HF_MODEL/--model .* does not exist"):
         resolve_checkpoint(str(tmp_path / "nope"))
     (tmp_path / "config.json").write_text("{}")
     monkeypatch.setenv("HF_MODEL", str(tmp_path))
     with pytest.raises(CheckpointError, match="no \\*.safetensors weights"):
         resolve_checkpoint(None)
+
+
+def cached_hub_model(cache, repo_id, commit="0123abcd"):
+    """A checkpoint laid out as huggingface_hub caches it: blobs, a snapshot of links to them, refs/main."""
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    save_tiny_hf_checkpoint(repo / "blobs-src")
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    for f in (repo / "blobs-src").iterdir():
+        blob = repo / "blobs" / f"{f.name}-blob"
+        blob.parent.mkdir(exist_ok=True)
+        f.rename(blob)
+        (snapshot / f.name).symlink_to(blob)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    return snapshot
+
+
+@pytest.mark.parametrize("env", ["HF_HUB_CACHE", "HF_HOME"])
+def test_hub_id_resolves_from_the_local_cache(tmp_path, monkeypatch, env):
+    cache = tmp_path / "hub"
+    snapshot = cached_hub_model(cache, "meta-llama/Tiny-Llama")
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv(env, str(cache if env == "HF_HUB_CACHE" else tmp_path))
+    monkeypatch.setenv("HF_MODEL", "meta-llama/Tiny-Llama")
+    ckpt = resolve_checkpoint(None)
+    assert ckpt.folder == snapshot and ckpt.name == "Tiny-Llama"
+    assert checkpoint.load_model(ckpt, checkpoint.torch.float32, 32).args.n_layers == 4
+
+
+def test_uncached_hub_id_says_how_to_get_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    with pytest.raises(CheckpointError, match="not in the local Hugging Face cache .*huggingface-cli download "
+                                              "meta-llama/Llama-3.1-8B-Instruct"):
+        resolve_checkpoint("meta-llama/Llama-3.1-8B-Instruct")
 
 
 def test_unsupported_model_type():
@@ -85,10 +146,14 @@ def demo(tmp_path, **kw):
 
 
 @pytest.mark.parametrize("overrides,message", [
-    ({"draft_layers": 30}, "--draft_layers 30 must be between 1 and 29"),
-    ({"draft_layers": 0}, "--draft_layers 0 must be between 1 and 29"),
-    ({"draft_layers": 6, "target_layers": 6}, "--draft_layers 6 must be between 1 and 5"),
-    ({"target_layers": 31}, "--target_layers 31 is out of range"),
+    ({"draft_layers": 30}, "--draft_layers 30 must be between 1 and 29 .*lower it to at most 29"),
+    ({"draft_layers": 0}, "--draft_layers 0 must be between 1 and 29 .*raise it to at least 1"),
+    ({"draft_layers": 6, "target_layers": 6}, "--draft_layers 6 must be between 1 and 5 .*lower it to at most 5"),
+    ({"target_layers": 31}, "--target_layers 31 is out of range: .* use 1 to 30"),
+    ({"target_layers": 0}, "--target_layers must be >= 1"),
+    ({"draft_model": "/no/such/draft"}, "--draft_model '/no/such/draft' does not exist"),
+    ({"model": "/no/such/target"}, "--model '/no/such/target' does not exist"),
+    ({"device": "tpu"}, "--device 'tpu' is not one of auto, cpu, cuda"),
     ({"n_draft_tokens": -1}, "--n_draft_tokens must be between 0 and 64"),
     ({"n_draft_tokens": 1000}, "--n_draft_tokens must be between 0 and 64"),
     ({"max_seq_len": 8}, "leaves no room to generate within max_seq_len=8"),
@@ -117,8 +182,62 @@ def test_mismatched_draft_tokenizer(tmp_path, embedded_checkpoint):
         run_demo(demo(tmp_path, draft_model=str(draft)))
 
 
-def test_cli_prints_clear_error_without_traceback(tmp_path, embedded_checkpoint, capsys):
-    assert main(["--input_prompts", str(tmp_path / "missing.json")]) == 2
+def test_draft_model_folder_without_config_names_the_flag(tmp_path, embedded_checkpoint):
+    (tmp_path / "draft").mkdir()
+    with pytest.raises(ValueError, match="--draft_model .* has no config.json; point --draft_model at"):
+        run_demo(demo(tmp_path, draft_model=str(tmp_path / "draft")))
+
+
+def logged_errors():
+    messages = []
+    sink = logger.add(lambda m: messages.append(m.record["message"]), level="ERROR")
+    return messages, sink
+
+
+def test_cli_prints_clear_error_without_traceback(tmp_path, embedded_checkpoint):
+    messages, sink = logged_errors()
+    try:
+        assert main(["--input_prompts", str(tmp_path / "missing.json")]) == 2
+    finally:
+        logger.remove(sink)
+    assert messages == [f"--input_prompts {str(tmp_path / 'missing.json')!r} does not exist; pass a JSON or JSON Lines "
+                        f"prompts file (default: {DEFAULT_PROMPTS})"]
+
+
+def test_cli_samples_without_a_seed(tmp_path, embedded_checkpoint):
+    """--temperature without --seed (torch.seed() values once overflowed the per-user seed arithmetic)."""
+    prompts = write_json(tmp_path / "p.json", [{"prompt": "Hello"}])
+    out = tmp_path / "r.json"
+    assert main(["--input_prompts", str(prompts), "--temperature", "0.7", "--max_generated_tokens", "6",
+                 "--batch_size", "4", "--output_json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["config"]["seed"] is None and len(report["prompts"][0]["output_tokens"]) >= 1
+
+
+def test_report_carries_tt_perf_keys_and_environment(tmp_path, embedded_checkpoint):
+    report = run_demo(demo(tmp_path, draft_mode="suffix", compare_baseline=1, output_json=str(tmp_path / "r.json")))
+    summary = report["summary"]
+    assert summary["decode_t/s/u"] == summary["decode_tok_s_u"] > 0 and summary["decode_t/s"] > 0
+    assert abs(summary["prefill_time_to_token"] * 1e3 - summary["ttft_ms"]) < 1e-6 and summary["prefill_t/s"] > 0
+    env = json.loads((tmp_path / "r.json").read_text())["environment"]
+    assert env["device"] == "cpu" and env["torch"] and env["cpu_count"] >= 1
+    assert env["git_commit"] is None or len(env["git_commit"]) == 40
+
+
+class SlowStartDrafter(SuffixDrafter):
+    """A drafter whose start (the draft model's prefill, for a model drafter) takes a known time."""
+
+    def start(self, users, prompts, sampling):
+        time.sleep(0.25)
+        super().start(users, prompts, sampling)
+
+
+def test_drafter_start_counts_as_decode_time():
+    """The draft side's prefill happens between the first token and the second: it is decode time, so a
+    speedup computed from decode_s includes it."""
+    target = TorchCausalLM(random_model(), 3, 2)
+    results = SpeculativeGenerator(target, SlowStartDrafter(), 4).generate([[1, 2, 3], [4, 5]], 3)
+    assert all(r.decode_s >= 0.25 for r in results)
 
 
 def test_gguf_conversion_is_cached_and_atomic(tmp_path, monkeypatch):
@@ -128,9 +247,8 @@ def test_gguf_conversion_is_cached_and_atomic(tmp_path, monkeypatch):
     real = checkpoint._convert_gguf
     monkeypatch.setattr(checkpoint, "_convert_gguf", lambda *a: (calls.append(a), real(*a)))
     first = resolve_checkpoint(None)
-    start = time.perf_counter()
     second = resolve_checkpoint(None)
-    assert time.perf_counter() - start < 1.0 and first == second and len(calls) == 1
+    assert first == second and len(calls) == 1  # the second resolve converted nothing
     assert json.loads((first.folder / "source.json").read_text())["gguf"].endswith(checkpoint.EMBEDDED_GGUF)
     assert [p.name for p in first.folder.parent.iterdir()] == ["hf"]
 
@@ -152,3 +270,5 @@ def test_demo_batch_4_sampling(tmp_path, embedded_checkpoint):
     assert "identical_to_baseline" not in first["summary"] and first["summary"]["speedup"] > 0
     assert json.loads((tmp_path / "r.json").read_text())["config"]["temperature"] == 0.7
     assert run_demo(demo(tmp_path, **cfg))["prompts"][0]["output_tokens"] == first["prompts"][0]["output_tokens"]
+    unseeded = run_demo(demo(tmp_path, **{**cfg, "seed": None}))  # the pytest path with no --seed
+    assert len(unseeded["prompts"][0]["output_tokens"]) == 12

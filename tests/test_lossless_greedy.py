@@ -114,6 +114,25 @@ def test_verify_greedy():
         verify_greedy([1, 2], [1, 2])
 
 
+class RecordingDrafter:
+    """Wraps a drafter and records every proposal (context length, draft) and how much of it was accepted."""
+
+    def __init__(self, inner):
+        self.inner, self.log, self.pending = inner, [], {}
+
+    def start(self, users, prompts, sampling):
+        self.inner.start(users, prompts, sampling)
+
+    def propose(self, users, contexts, max_tokens, verify_cost):
+        drafts = self.inner.propose(users, contexts, max_tokens, verify_cost)
+        self.pending = {u: (len(ctx), d.tokens) for u, ctx, d in zip(users, contexts, drafts)}
+        return drafts
+
+    def accept(self, user, new_tokens, n_accepted):
+        self.log.append((*self.pending.pop(user), n_accepted))
+        self.inner.accept(user, new_tokens, n_accepted)
+
+
 def test_eos_inside_accepted_draft_stops(embedded_bf16):
     """An EOS inside an accepted run of drafts ends generation at the EOS, as plain decoding would."""
     prompt = [1, 504, 3575, 282]
@@ -121,4 +140,51 @@ def test_eos_inside_accepted_draft_stops(embedded_bf16):
     eos = plain[5]  # a token plain decoding emits mid-sequence, used as EOS: plain stops there
     expected = plain[: plain.index(eos) + 1]
     assert run(embedded_bf16, [prompt], 0, 0, 40, eos=[eos])[0] == expected
-    assert run(embedded_bf16, [prompt], 8, 29, 40, eos=[eos])[0] == expected
+    target = TorchCausalLM(embedded_bf16, embedded_bf16.args.n_layers, 1)
+    drafter = RecordingDrafter(ModelDrafter(TorchCausalLM(embedded_bf16, 29, 1)))
+    assert SpeculativeGenerator(target, drafter, 8, [eos]).generate([prompt], 40)[0].output_tokens == expected
+    eos_at = len(prompt) + plain.index(eos)  # its position in the context
+    assert any(start <= eos_at < start + n_accepted and draft[eos_at - start] == eos
+               for start, draft, n_accepted in drafter.log), drafter.log  # it came as an accepted draft token
+
+
+def test_longest_drafts_are_lossless(embedded_bf16, embedded_tokenizer):
+    """--n_draft_tokens 64, the maximum: a copy task where the automaton drafts long runs and the 28-layer draft
+    model drafts 64 tokens at every iteration, identical to plain decoding."""
+    eos = [embedded_tokenizer.eos_token_id]
+    text = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau"
+    prompt = encode(embedded_tokenizer, f"Repeat exactly, twice: {text} {text}", True)
+    plain = run(embedded_bf16, [prompt], 0, 0, 96, eos=eos)[0]
+    for mode, layers in (("suffix", 0), ("model", 28)):
+        results = run_results(embedded_bf16, [prompt], 64, layers, 96, eos=eos, mode=mode, sa_threshold=2)
+        assert results[0].output_tokens == plain, mode
+        assert max(it.drafted for it in results[0].iterations) >= (64 if mode == "model" else 16), mode
+
+
+def test_torch_ops_path_at_the_embedded_shapes(embedded_checkpoint, embedded_tokenizer, sample_prompt_tokens):
+    """The fallback for CPUs without AVX512-BF16 (and TT_CPU_KERNELS=0), bf16 and float32, on the real model: decode
+    and verification steps of three users at once equal each user's batch-1 plain decode."""
+    from models.tt_transformers.torch_backend.checkpoint import load_model
+
+    eos = [embedded_tokenizer.eos_token_id]
+    prompts = sample_prompt_tokens[1:4]
+    for dtype in (torch.bfloat16, torch.float32):
+        model = load_model(embedded_checkpoint, dtype, 256, cpu_kernels=False)
+        assert model.kernels is None
+        plain = [run(model, [p], 0, 0, 20, eos=eos)[0] for p in prompts]
+        for mode in ("model", "suffix"):
+            results = run_results(model, prompts, 4, 20, 20, eos=eos, mode=mode, sa_threshold=1)
+            assert [r.output_tokens for r in results] == plain, (dtype, mode)
+            assert sum(it.drafted for r in results for it in r.iterations) > 0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", ["model", "suffix", "hybrid"])
+def test_cuda_greedy_identical_to_plain(mode):
+    """On CUDA (eager torch ops), 135M-shaped and small random models: speculative == plain, batched."""
+    for model in (random_model(torch.bfloat16, max_seq_len=128, seed=1, std=0.05, dim=576, n_layers=4, n_heads=9,
+                               n_kv_heads=3, head_dim=64, hidden_dim=1536, vocab_size=4096).cuda(),
+                  random_model(torch.float32, seed=2).cuda()):
+        prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [5, 6, 7], [9, 10, 9, 10, 9]]
+        plain = [run(model, [p], 0, 0, 40)[0] for p in prompts]
+        assert run(model, prompts, 4, 2, 40, mode=mode, sa_threshold=2) == plain

@@ -2,8 +2,8 @@
 """How many tokens to draft: the length that maximises expected tokens per unit of work, from recent acceptance.
 
 With per-token acceptance a, a draft of k tokens yields (1 - a^(k+1)) / (1 - a) tokens per target forward
-(see ../shared/notes/speculative-decoding.md) and costs 1 + k * (draft_cost + verify_cost) target forwards,
-where draft_cost is one draft token (0 for the suffix automaton, about draft_layers / target_layers for a
+(Leviathan et al. 2023, "Fast Inference from Transformers via Speculative Decoding", section 3.1) and costs
+1 + k * (draft_cost + verify_cost) target forwards, where draft_cost is one draft token (0 for the suffix automaton, about draft_layers / target_layers for a
 truncated model) and verify_cost is one more token in the verification forward, both in units of one user's
 share of a plain decode step (see verify_cost_at: it grows with the batch). The policy keeps a decayed
 count of accepted and rejected draft tokens, estimates a, and picks the best k up to the iteration's maximum.

@@ -5,12 +5,15 @@
         --n_draft_tokens 4 --draft_layers 8
     python models/tt_transformers/demo/speculative_decoding/speculative_demo.py --n_draft_tokens 4 --draft_layers 8
 
-With no flags it runs the embedded default model (SmolLM2-135M-Instruct) on sample_prompts.json; HF_MODEL
-(or --model) points at a local Llama/Mistral checkpoint folder or GGUF file instead.
+With no flags it runs the embedded default model (SmolLM2-135M-Instruct) on the sample_prompts.json beside this
+file; HF_MODEL (or --model) points at a local Llama/Mistral checkpoint folder, a GGUF file, or a hub id already in
+the local Hugging Face cache.
 """
 import argparse
 import json
 import os
+import platform
+import subprocess
 import sys
 from dataclasses import field, make_dataclass
 from pathlib import Path
@@ -29,14 +32,16 @@ from models.tt_transformers.demo.speculative_decoding.speculative_generator impo
 from models.tt_transformers.speculative.drafters import DEFAULT_SA_THRESHOLD
 from models.tt_transformers.speculative.sampling import SamplingParams
 
-REPO_ROOT = Path(__file__).resolve().parents[4]
-DEFAULT_PROMPTS = REPO_ROOT / "sample_prompts.json"
+PACKAGE_ROOT = Path(__file__).resolve().parents[4]  # the folder holding models/: the repository, or site-packages
+DEFAULT_PROMPTS = Path(__file__).resolve().with_name("sample_prompts.json")  # beside the demo, as TT demos keep them
 SUPPORTED_BATCH_SIZES = (1, 2, 4, 8, 16, 32)  # as TT-Transformers demos
 DRAFT_MODES = ("model", "suffix", "hybrid")
 
 # (name, type, default, help): the pytest options (root conftest.py) and the CLI flags come from this one table.
 DEMO_OPTIONS = [
-    ("input_prompts", str, str(DEFAULT_PROMPTS), "prompts file: JSON list of {\"prompt\": ...} or JSON Lines"),
+    ("input_prompts", str, str(DEFAULT_PROMPTS), "prompts file: JSON list of {\"prompt\": ...} or JSON Lines (a "
+                                                 "relative path is tried from the working directory, then from the "
+                                                 "folder holding models/)"),
     ("instruct", int, 1, "1: wrap prompts in the tokenizer's chat template"),
     ("max_seq_len", int, 1024, "maximum context (prompt + generated tokens) per user"),
     ("batch_size", int, 1, "users decoded together (1, 2, 4, 8, 16, 32)"),
@@ -57,6 +62,7 @@ DEMO_OPTIONS = [
     ("output_json", str, None, "write a JSON report here"),
     ("model", str, None, "target checkpoint folder or .gguf file (default: HF_MODEL, else the embedded model)"),
     ("dtype", str, "bfloat16", "bfloat16 or float32"),
+    ("device", str, "auto", "torch device: auto (the faster of cpu and cuda for this model, logged), cpu or cuda"),
 ]
 
 
@@ -69,28 +75,43 @@ DemoConfig = make_dataclass("DemoConfig", [(name, Optional[type_], field(default
                                            for name, type_, default, _ in DEMO_OPTIONS])
 
 
-def load_prompts(path: str) -> list[str]:
-    """TT format (a JSON list of {"prompt": ...}) or JSON Lines with a "prompt" field."""
-    p = Path(path)
+def find_prompts_file(path: str) -> Path:
+    """The documented `--input_prompts models/tt_transformers/demo/...` works from the working directory (the
+    repository or a tt-metal checkout) and, failing that, from the folder that holds our models/ package."""
+    p = Path(path).expanduser()
+    if not p.is_file() and not p.is_absolute() and (PACKAGE_ROOT / p).is_file():
+        return PACKAGE_ROOT / p
     if not p.is_file():
-        raise DemoInputError(f"prompts file {path!r} does not exist; pass --input_prompts with a JSON or JSONL file")
+        raise DemoInputError(f"--input_prompts {path!r} does not exist; pass a JSON or JSON Lines prompts file "
+                             f"(default: {DEFAULT_PROMPTS})")
+    return p
+
+
+def load_prompts(path: str) -> list[str]:
+    """TT format (a JSON list of {"prompt": ...}) or JSON Lines with a "prompt" field (one line is one object)."""
+    p = find_prompts_file(path)
     text = p.read_text()
+    example = '[{"prompt": "..."}] or one {"prompt": "..."} per line'
     try:
         entries = json.loads(text)
     except json.JSONDecodeError:
         try:
             entries = [json.loads(line) for line in text.splitlines() if line.strip()]
         except json.JSONDecodeError as e:
-            raise DemoInputError(f"{path} is neither JSON nor JSON Lines ({e}); expected "
-                                 '[{"prompt": "..."}] or one {"prompt": "..."} per line') from None
+            raise DemoInputError(f"--input_prompts {path}: neither JSON nor JSON Lines ({e}); expected "
+                                 f"{example}") from None
+    if isinstance(entries, dict):
+        entries = [entries]  # JSON Lines with a single line
     if not isinstance(entries, list) or not entries:
-        raise DemoInputError(f"{path} must hold a non-empty list of {{\"prompt\": ...}} entries")
+        raise DemoInputError(f"--input_prompts {path}: holds no prompts; expected a non-empty {example}")
     prompts = []
     for i, e in enumerate(entries):
         if not isinstance(e, dict) or not isinstance(e.get("prompt"), str):
-            raise DemoInputError(f"{path}: entry {i} has no string \"prompt\" field")
+            raise DemoInputError(f"--input_prompts {path}: entry {i} has no string \"prompt\" field; expected "
+                                 f"{example}")
         if not e["prompt"].strip():
-            raise DemoInputError(f"{path}: entry {i} has an empty prompt")
+            raise DemoInputError(f"--input_prompts {path}: entry {i} has an empty prompt; give it some text or "
+                                 "remove it")
         prompts.append(e["prompt"])
     return prompts
 
@@ -121,8 +142,11 @@ def build(config: DemoConfig):
     import torch
 
     from models.tt_transformers.speculative.drafters import HybridDrafter, ModelDrafter, SuffixDrafter
-    from models.tt_transformers.torch_backend.checkpoint import load_model, load_tokenizer, resolve_checkpoint
+    from models.tt_transformers.torch_backend.checkpoint import cache_root, load_model, load_tokenizer, resolve_checkpoint
+    from models.tt_transformers.torch_backend.cpu_kernels import kernels_fit, load_cpu_kernels
+    from models.tt_transformers.torch_backend.device import DEVICES, choose_device
     from models.tt_transformers.torch_backend.generator import TorchCausalLM
+    from models.tt_transformers.torch_backend.model_config import ModelArgs
 
     dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32}
     if config.dtype not in dtypes:
@@ -135,19 +159,33 @@ def build(config: DemoConfig):
         raise DemoInputError(f"--sa_threshold must be >= 1 (tokens of matched suffix), got {config.sa_threshold}")
     if config.max_generated_tokens < 1:
         raise DemoInputError(f"--max_generated_tokens must be >= 1, got {config.max_generated_tokens}")
+    if config.target_layers is not None and config.target_layers < 1:
+        raise DemoInputError(f"--target_layers must be >= 1, got {config.target_layers}")
     if config.max_seq_len < 2:
         raise DemoInputError(f"--max_seq_len must be >= 2, got {config.max_seq_len}")
+    if config.device not in DEVICES:
+        raise DemoInputError(f"--device {config.device!r} is not one of {', '.join(DEVICES)}")
     prompts = load_prompts(config.input_prompts)
     split_batches(len(prompts), config.batch_size)  # validates --batch_size before any loading
 
-    ckpt = resolve_checkpoint(config.model)
+    ckpt = resolve_checkpoint(config.model, "--model" if config.model else "HF_MODEL")
     dtype = dtypes[config.dtype]
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = load_model(ckpt, dtype, config.max_seq_len, device)
-    n_layers = model.args.n_layers
-    target_layers = config.target_layers or n_layers
-    if not 1 <= target_layers <= n_layers:
-        raise DemoInputError(f"--target_layers {target_layers} is out of range: {ckpt.name} has {n_layers} layers")
+    args = ModelArgs.from_hf_config(ckpt.config)
+    target_layers = config.target_layers or args.n_layers
+    if not 1 <= target_layers <= args.n_layers:
+        raise DemoInputError(f"--target_layers {target_layers} is out of range: {ckpt.name} has {args.n_layers} "
+                             f"layers; use 1 to {args.n_layers}, or leave it unset for all of them")
+    uses_draft_layers = config.n_draft_tokens > 0 and config.draft_mode != "suffix" and not config.draft_model
+    if uses_draft_layers and not 1 <= config.draft_layers < target_layers:
+        fix = "raise it to at least 1" if config.draft_layers < 1 else f"lower it to at most {target_layers - 1}"
+        raise DemoInputError(f"--draft_layers {config.draft_layers} must be between 1 and {target_layers - 1} (the "
+                             f"draft is the first layers of the {target_layers}-layer target): {fix}, or use "
+                             "--draft_mode suffix for no draft model")
+    choice = choose_device(config.device, args, dtype,
+                           kernels_fit(args, dtype) and load_cpu_kernels(cache_root() / "kernels") is not None,
+                           torch.cuda.is_available())
+    logger.info(f"Device {choice.device}: {choice.reason}")
+    model = load_model(ckpt, dtype, config.max_seq_len, choice.device)
     target = TorchCausalLM(model, target_layers, config.batch_size)
     tokenizer = load_tokenizer(ckpt)
 
@@ -156,14 +194,11 @@ def build(config: DemoConfig):
         drafter = SuffixDrafter(config.sa_threshold)  # no draft model at all
     elif config.n_draft_tokens > 0:
         if config.draft_model:
-            draft_ckpt = resolve_checkpoint(config.draft_model)
+            draft_ckpt = resolve_checkpoint(config.draft_model, "--draft_model")
             check_same_tokenizer(tokenizer, load_tokenizer(draft_ckpt), config.draft_model)
-            draft_model = load_model(draft_ckpt, dtype, config.max_seq_len, device)
+            draft_model = load_model(draft_ckpt, dtype, config.max_seq_len, choice.device)
             draft_lm = TorchCausalLM(draft_model, draft_model.args.n_layers, config.batch_size)
         else:
-            if not 1 <= config.draft_layers < target_layers:
-                raise DemoInputError(f"--draft_layers {config.draft_layers} must be between 1 and {target_layers - 1} "
-                                     f"(the target runs {target_layers} layers); lower --draft_layers")
             draft_lm = TorchCausalLM(model, config.draft_layers, config.batch_size)
         if config.draft_mode == "model":
             drafter = ModelDrafter(draft_lm)  # every draft has the full n_draft_tokens
@@ -192,21 +227,47 @@ def describe_drafter(config: DemoConfig) -> str:
 
 
 def summarize(batches: list[list[UserResult]]) -> dict:
-    """Figures over all users; users of one batch share each iteration's time."""
+    """Figures over all users (users of one batch share each iteration's time), with TT-Transformers' perf keys:
+    prefill_time_to_token (s, mean over users), prefill_t/s (prompt tokens per second of prefill), decode_t/s/u and
+    decode_t/s (tokens after the first per second of decoding, per user and over the batch)."""
     users = [r for batch in batches for r in batch]
     drafted = sum(it.drafted for r in users for it in r.iterations)
     accepted = sum(it.accepted for r in users for it in r.iterations)
     steps = sum(len(r.iterations) for r in users)
     produced = sum(len(r.output_tokens) - 1 for r in users)
     decode_s = sum(max(r.decode_s for r in batch) for batch in batches)
+    prefill_s = sum(r.ttft_ms for r in users) / 1e3
     tok_s = produced / decode_s if decode_s else 0.0
+    tok_s_u = tok_s * len(batches) / len(users)
     return {
         "acceptance_rate": accepted / drafted if drafted else 0.0,
         "mean_tokens_per_step": produced / steps if steps else 0.0,
         "decode_tok_s": tok_s,
-        "decode_tok_s_u": tok_s * len(batches) / len(users),
+        "decode_tok_s_u": tok_s_u,
         "ttft_ms": sum(r.ttft_ms for r in users) / len(users),
+        "prefill_time_to_token": prefill_s / len(users),
+        "prefill_t/s": sum(len(r.prompt_tokens) for r in users) / prefill_s if prefill_s else 0.0,
+        "decode_t/s/u": tok_s_u,
+        "decode_t/s": tok_s,
     }
+
+
+def environment(device: str) -> dict:
+    """Where a report was measured: machine, software and the code's git commit (None outside a git checkout)."""
+    import torch
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=PACKAGE_ROOT, capture_output=True, text=True,
+                                timeout=10).stdout.strip() or None
+    except OSError:
+        commit = None
+    cpuinfo = Path("/proc/cpuinfo")
+    names = [line.split(":", 1)[1].strip() for line in (cpuinfo.read_text().splitlines() if cpuinfo.is_file() else [])
+             if line.startswith("model name")]
+    return {"machine": platform.machine(), "processor": names[0] if names else platform.processor(),
+            "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(), "python": platform.python_version(), "torch": torch.__version__,
+            "device": device, "git_commit": commit}
 
 
 def log_performance(label: str, s: dict) -> None:
@@ -255,8 +316,8 @@ def run_demo(config: DemoConfig) -> dict:
             same = f"; outputs identical: {summary['identical_to_baseline']}"
         logger.info(f"Speedup over plain decoding: {summary['speedup']:.2f}x{same}")
 
-    report = {"config": {**vars(config), "model_name": ckpt.name, "target_layers": target.n_layers}, "prompts": [],
-              "summary": summary}
+    report = {"config": {**vars(config), "model_name": ckpt.name, "target_layers": target.n_layers},
+              "environment": environment(str(target.device)), "prompts": [], "summary": summary}
     seen = set()
     for b, batch in enumerate(batches):
         for u, i in enumerate(batch):
