@@ -38,7 +38,7 @@ def read_bandwidth_gb_s() -> float:
 
 def layer_draft_generator(model, n_draft, draft_layers):
     target = TorchCausalLM(model, model.args.n_layers, 1)
-    drafter = ModelDrafter(TorchCausalLM(model, draft_layers, 1)) if n_draft else None
+    drafter = ModelDrafter(target.draft_view(draft_layers)) if n_draft else None  # as the demo builds it
     return SpeculativeGenerator(target, drafter, n_draft)
 
 

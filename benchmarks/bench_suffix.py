@@ -55,7 +55,7 @@ class ArcticDrafter:
             self.req_ids[u], self.seen[u] = self.request, len(p)
             self.cache.start_request(self.request, list(p))
 
-    def propose(self, users, contexts, max_tokens, verify_cost):
+    def propose(self, users, contexts, max_tokens, extra_cost):
         drafts = []
         for u, ctx, n in zip(users, contexts, max_tokens):
             req = self.req_ids[u]
@@ -118,7 +118,7 @@ def main():
     model = load_model(ckpt, torch.bfloat16, 2048)
     target = TorchCausalLM(model, model.args.n_layers, 1)
     n, k = args.max_generated_tokens, args.n_draft_tokens
-    draft_lm = TorchCausalLM(model, args.draft_layers, 1)
+    draft_lm = target.draft_view(args.draft_layers)  # as the demo builds it
     draft_cost = draft_lm.weight_bytes_per_token() / target.weight_bytes_per_token()
     generators = {
         "plain": SpeculativeGenerator(target, None, 0),

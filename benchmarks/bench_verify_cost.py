@@ -31,7 +31,7 @@ def time_step(lm: TorchCausalLM, n_users: int, n_tokens: int, context_len: int, 
     times = []
     for _ in range(steps):
         start = time.perf_counter()
-        lm.argmax([[7] * n_tokens] * n_users, [context_len] * n_users, list(range(n_users)))
+        lm.forward_logits([[7] * n_tokens] * n_users, [context_len] * n_users, list(range(n_users)))
         times.append(time.perf_counter() - start)
     return 1e3 * sorted(times)[len(times) // 2]
 
@@ -52,7 +52,7 @@ def main():
     measured = {}
     for context_len in args.context_lens:
         for u in range(max_users):  # a prefill per user fills the cache the timed steps attend to
-            lm.argmax([[(31 * i + u) % 1000 + 100 for i in range(context_len)]], [0], [u], last_only=True)
+            lm.forward_logits([[(31 * i + u) % 1000 + 100 for i in range(context_len)]], [0], [u], last_only=True)
         time_step(lm, 1, 1, context_len, 3)  # warm-up
         for _ in range(args.repeats):  # interleaved passes: slow drifts of this shared machine hit every shape
             for users, k in SHAPES:

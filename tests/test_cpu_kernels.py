@@ -55,15 +55,15 @@ def test_packed_steps_bit_exact_and_close_to_torch_ops(head_dim, n_kv_heads, sli
     def fresh(model):
         lm = TorchCausalLM(model, model.args.n_layers, 2)
         for user, prompt in enumerate(prompts):
-            lm.logits([prompt], [0], [user], last_only=True)
+            lm.forward_logits([prompt], [0], [user], last_only=True)
         return lm
 
-    packed = fresh(kernel_model).logits(drafts, [len(p) for p in prompts], [0, 1])
+    packed = fresh(kernel_model).forward_logits(drafts, [len(p) for p in prompts], [0, 1])
     one_by_one = fresh(kernel_model)
     for user, (prompt, draft) in enumerate(zip(prompts, drafts)):
-        singles = [one_by_one.logits([[t]], [len(prompt) + i], [user])[0] for i, t in enumerate(draft)]
+        singles = [one_by_one.forward_logits([[t]], [len(prompt) + i], [user])[0] for i, t in enumerate(draft)]
         assert torch.equal(packed[user], torch.cat(singles)), user
-    reference = fresh(torch_ops).logits(drafts, [len(p) for p in prompts], [0, 1])
+    reference = fresh(torch_ops).forward_logits(drafts, [len(p) for p in prompts], [0, 1])
     for got, want in zip(packed, reference):
         assert (got - want).abs().max() <= 0.03 * want.abs().max()  # bf16 roundings in different places
 
@@ -83,7 +83,7 @@ def prefilled_kernel_model(n_users=2):
     model = tiny_bf16_model(32, 2, None)
     model.use_cpu_kernels(CPU_KERNELS)
     lm = TorchCausalLM(model, model.args.n_layers, n_users)
-    lm.logits([[3, 14, 15, 92]], [0], [0], last_only=True)
+    lm.forward_logits([[3, 14, 15, 92]], [0], [0], last_only=True)
     return model, lm
 
 
@@ -93,7 +93,7 @@ def test_bad_cache_row_is_one_clear_error_not_memory_corruption():
     model, lm = prefilled_kernel_model()
     for users, start in (([2], [4]), ([-1], [4]), ([0], [-3])):
         with pytest.raises(IndexError, match="rows must be distinct and in \\[0, 2\\)"):
-            lm.logits([[5]], start, users)
+            lm.forward_logits([[5]], start, users)
     with pytest.raises(IndexError, match="bad kernel step entry"):
         StepTable.of([(0, 5, 6)])  # first visible key after the token's own slot
     table = StepTable.of([(3, 4, 0)])  # row 3 of a 2-row cache
@@ -113,13 +113,13 @@ def test_deep_copy_owns_its_weights_and_moves_are_refused():
     import gc
 
     model, lm = prefilled_kernel_model(1)
-    expected = lm.logits([[5, 6]], [4], [0])[0]
+    expected = lm.forward_logits([[5, 6]], [4], [0])[0]
     clone = copy.deepcopy(model)
     del model, lm
     gc.collect()
     lm = TorchCausalLM(clone, clone.args.n_layers, 1)
-    lm.logits([[3, 14, 15, 92]], [0], [0], last_only=True)
-    assert torch.equal(lm.logits([[5, 6]], [4], [0])[0], expected)
+    lm.forward_logits([[3, 14, 15, 92]], [0], [0], last_only=True)
+    assert torch.equal(lm.forward_logits([[5, 6]], [4], [0])[0], expected)
     for move in (lambda m: m.to(torch.float32), lambda m: m.float(), lambda m: m.layers[0].to("cpu")):
         with pytest.raises(RuntimeError, match="cannot be moved or cast"):
             move(clone)
@@ -129,10 +129,10 @@ def test_scratch_memory_is_allocated_once():
     """One workspace for every layer and step, grown only when a larger step arrives (no allocation per token and
     head inside the parallel loop: the C file has no malloc at all)."""
     _, lm = prefilled_kernel_model(1)
-    lm.logits([[5, 6, 7]], [4], [0])
+    lm.forward_logits([[5, 6, 7]], [4], [0])
     workspace = CPU_KERNELS.workspace
-    lm.logits([[8]], [7], [0])
-    lm.logits([[9, 10]], [8], [0])
+    lm.forward_logits([[8]], [7], [0])
+    lm.forward_logits([[9, 10]], [8], [0])
     assert CPU_KERNELS.workspace is workspace
     assert "malloc" not in cpu_kernels.SOURCE.read_text()
 

@@ -16,21 +16,23 @@ from .conftest import CPU_KERNELS, random_model
 N_TOKENS = 32
 
 
-def make_drafter(model, mode, draft_layers, batch, sa_threshold=4):
-    """The drafter the demo builds for --draft_mode (hybrid with an adaptive model draft)."""
+def make_drafter(target, mode, draft_layers, sa_threshold=4, shared_cache=True):
+    """The drafter the demo builds for --draft_mode (hybrid with an adaptive model draft). shared_cache: the draft
+    is a view of the target's first layers and cache (as the demo builds it), else it has a cache of its own."""
     if mode == "suffix":
         return SuffixDrafter(sa_threshold)
-    lm = TorchCausalLM(model, draft_layers, batch)
+    lm = (target.draft_view(draft_layers) if shared_cache else
+          TorchCausalLM(target.model, draft_layers, target.max_batch_size))
     if mode == "model":
         return ModelDrafter(lm)
-    return HybridDrafter(SuffixDrafter(sa_threshold), ModelDrafter(lm, draft_cost=draft_layers / model.args.n_layers))
+    return HybridDrafter(SuffixDrafter(sa_threshold), ModelDrafter(lm, draft_cost=draft_layers / target.n_layers))
 
 
 def run_results(model, prompts, n_draft, draft_layers, max_tokens=N_TOKENS, eos=(), batch=None, mode="model",
-                sa_threshold=4):
+                sa_threshold=4, shared_cache=True):
     batch = batch or len(prompts)
     target = TorchCausalLM(model, model.args.n_layers, batch)
-    drafter = make_drafter(model, mode, draft_layers, batch, sa_threshold) if n_draft else None
+    drafter = make_drafter(target, mode, draft_layers, sa_threshold, shared_cache) if n_draft else None
     return SpeculativeGenerator(target, drafter, n_draft, eos).generate(prompts, max_tokens)
 
 
@@ -53,9 +55,12 @@ def test_sample_prompts_identical_to_plain(embedded_bf16, sample_prompt_tokens, 
     assert outs == plain_outputs
 
 
-def test_batch1_speculative_identical_to_plain(embedded_bf16, sample_prompt_tokens, embedded_tokenizer, plain_outputs):
+@pytest.mark.parametrize("shared_cache", [True, False])
+def test_batch1_speculative_identical_to_plain(embedded_bf16, sample_prompt_tokens, embedded_tokenizer, plain_outputs,
+                                               shared_cache):
     for prompt, expected in zip(sample_prompt_tokens, plain_outputs):
-        assert run(embedded_bf16, [prompt], 4, 20, eos=[embedded_tokenizer.eos_token_id])[0] == expected
+        assert run(embedded_bf16, [prompt], 4, 20, eos=[embedded_tokenizer.eos_token_id],
+                   shared_cache=shared_cache)[0] == expected
 
 
 @pytest.mark.parametrize("mode", ["suffix", "hybrid"])
@@ -88,7 +93,8 @@ def tiny_models(draw):
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(model=tiny_models(), data=st.data())
 def test_generated_cases_identical_to_plain(model, data):
-    """Random small models (torch ops or the bf16 CPU kernels), prompts, draft modes, draft lengths and depths, batch sizes, EOS and cache limits."""
+    """Random small models (torch ops or the bf16 CPU kernels), prompts, draft modes, draft lengths and depths,
+    drafts with their own cache or the target's, batch sizes, EOS and cache limits."""
     vocab = model.args.vocab_size
     n_users = data.draw(st.integers(1, 3))
     prompts = [data.draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=20)) for _ in range(n_users)]
@@ -98,8 +104,10 @@ def test_generated_cases_identical_to_plain(model, data):
     eos = data.draw(st.sampled_from([(), (0,)]))
     mode = data.draw(st.sampled_from(["model", "suffix", "hybrid"]))
     sa_threshold = data.draw(st.integers(1, 4))
+    shared_cache = data.draw(st.booleans())
     plain = [run(model, [p], 0, 0, max_tokens, eos)[0] for p in prompts]
-    assert run(model, prompts, n_draft, draft_layers, max_tokens, eos, mode=mode, sa_threshold=sa_threshold) == plain
+    assert run(model, prompts, n_draft, draft_layers, max_tokens, eos, mode=mode, sa_threshold=sa_threshold,
+               shared_cache=shared_cache) == plain
     for p, out in zip(prompts, plain):
         assert len(p) + len(out) <= model.max_seq_len
         assert len(out) <= max_tokens
@@ -123,8 +131,8 @@ class RecordingDrafter:
     def start(self, users, prompts, sampling):
         self.inner.start(users, prompts, sampling)
 
-    def propose(self, users, contexts, max_tokens, verify_cost):
-        drafts = self.inner.propose(users, contexts, max_tokens, verify_cost)
+    def propose(self, users, contexts, max_tokens, extra_cost):
+        drafts = self.inner.propose(users, contexts, max_tokens, extra_cost)
         self.pending = {u: (len(ctx), d.tokens) for u, ctx, d in zip(users, contexts, drafts)}
         return drafts
 
@@ -141,7 +149,7 @@ def test_eos_inside_accepted_draft_stops(embedded_bf16):
     expected = plain[: plain.index(eos) + 1]
     assert run(embedded_bf16, [prompt], 0, 0, 40, eos=[eos])[0] == expected
     target = TorchCausalLM(embedded_bf16, embedded_bf16.args.n_layers, 1)
-    drafter = RecordingDrafter(ModelDrafter(TorchCausalLM(embedded_bf16, 29, 1)))
+    drafter = RecordingDrafter(ModelDrafter(target.draft_view(29)))
     assert SpeculativeGenerator(target, drafter, 8, [eos]).generate([prompt], 40)[0].output_tokens == expected
     eos_at = len(prompt) + plain.index(eos)  # its position in the context
     assert any(start <= eos_at < start + n_accepted and draft[eos_at - start] == eos

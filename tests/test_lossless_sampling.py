@@ -131,17 +131,18 @@ def exact_joint(model, params) -> torch.Tensor:
     for _ in range(N_TOKENS):
         rows = []
         for prefix in prefixes:
-            logits = lm.logits([PROMPT + prefix], [0], [0], last_only=True)[0][0]
+            logits = lm.forward_logits([PROMPT + prefix], [0], [0], last_only=True)[0][0]
             rows.append(probabilities(logits, params).double())
         joint = (joint.view(-1, 1) * torch.stack(rows)).view(-1)
         prefixes = [p + [t] for p in prefixes for t in range(VOCAB)]
     return joint
 
 
-def sampled_counts(model, drafter, n_draft, params, n_batches) -> tuple[torch.Tensor, int]:
+def sampled_counts(model, kind, n_draft, params, n_batches) -> tuple[torch.Tensor, int]:
     """Counts of each sampled sequence, and how many iterations verified a chain of N_DRAFT drafted tokens."""
     target = TorchCausalLM(model, model.args.n_layers, BATCH)
-    target.verify_cost = lambda n_users, context_len: 0.0  # at batch 32 the CPU cost model would draft little; the tests need drafts
+    target.step_cost = lambda n_rows, context_len: 1.0  # at batch 32 the CPU cost model would draft little; the tests need drafts
+    drafter = draft_source(target, kind)
     counts = torch.zeros(VOCAB ** N_TOKENS)
     full_chains = 0
     for b in range(n_batches):
@@ -153,18 +154,20 @@ def sampled_counts(model, drafter, n_draft, params, n_batches) -> tuple[torch.Te
     return counts, full_chains
 
 
-def draft_sources(model, kind):
+def draft_source(target, kind):
+    """model: the target's first layer, sharing its cache (as the demo builds it); model-own-cache: the same
+    layer with a cache of its own; suffix: the automaton; plain: none."""
     if kind == "model":
-        return ModelDrafter(TorchCausalLM(model, 1, BATCH))
-    return SuffixDrafter(threshold=1, max_spec_factor=4.0)  # chains of N_DRAFT even after short matches
+        return ModelDrafter(target.draft_view(1))
+    if kind == "model-own-cache":
+        return ModelDrafter(TorchCausalLM(target.model, 1, BATCH))
+    return SuffixDrafter(threshold=1, max_spec_factor=4.0) if kind == "suffix" else None  # chains after short matches
 
 
-@pytest.mark.parametrize("kind", ["model", "suffix", "plain"])
+@pytest.mark.parametrize("kind", ["model", "model-own-cache", "suffix", "plain"])
 def test_speculative_sampling_matches_target_distribution(tiny_model, kind):
     expected = exact_joint(tiny_model, SETTINGS)
-    drafter = None if kind == "plain" else draft_sources(tiny_model, kind)
-    counts, full_chains = sampled_counts(tiny_model, drafter, 0 if kind == "plain" else N_DRAFT, SETTINGS,
-                                         n_batches=100)
+    counts, full_chains = sampled_counts(tiny_model, kind, 0 if kind == "plain" else N_DRAFT, SETTINGS, n_batches=100)
     assert chi_square_p_value(counts, expected) > ALPHA
     if kind != "plain":  # most users verify a whole chain of N_DRAFT drafts right after the prefill
         assert full_chains >= 100 * BATCH // 2, full_chains
@@ -178,7 +181,7 @@ def test_negative_control_end_to_end(tiny_model, kind, monkeypatch):
     def accept_all(draft, draft_probs, target_probs, rng):
         return list(draft) + [sampling_module.sample(target_probs[len(draft)], rng)]
     monkeypatch.setattr(speculative_generator, "verify_rejection", accept_all)
-    counts, _ = sampled_counts(tiny_model, draft_sources(tiny_model, kind), N_DRAFT, SETTINGS, n_batches=100)
+    counts, _ = sampled_counts(tiny_model, kind, N_DRAFT, SETTINGS, n_batches=100)
     assert chi_square_p_value(counts, exact_joint(tiny_model, SETTINGS)) < ALPHA
 
 

@@ -16,7 +16,7 @@ def pcc(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def our_logits(folder, tokens, max_seq_len=256):
     model = load_model(resolve_checkpoint(str(folder)), torch.float32, max_seq_len)
-    return TorchCausalLM(model, model.args.n_layers, 1).logits([tokens], [0], [0])[0]
+    return TorchCausalLM(model, model.args.n_layers, 1).forward_logits([tokens], [0], [0])[0]
 
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -49,9 +49,9 @@ def test_long_prompts_and_decode_steps_match_hf(tmp_path, model_type, overrides)
     tokens = torch.randint(0, 128, (125,), generator=torch.Generator().manual_seed(2)).tolist()
     model = load_model(resolve_checkpoint(str(tmp_path)), torch.float32, 256)
     lm = TorchCausalLM(model, model.args.n_layers, 1)
-    ours = [lm.logits([tokens[:100]], [0], [0])[0]]
-    ours += [lm.logits([[t]], [100 + i], [0])[0] for i, t in enumerate(tokens[100:120])]
-    ours.append(lm.logits([tokens[120:]], [120], [0])[0])
+    ours = [lm.forward_logits([tokens[:100]], [0], [0])[0]]
+    ours += [lm.forward_logits([[t]], [100 + i], [0])[0] for i, t in enumerate(tokens[100:120])]
+    ours.append(lm.forward_logits([tokens[120:]], [120], [0])[0])
     ours = torch.cat(ours)
     with torch.no_grad():
         ref = hf(torch.tensor([tokens])).logits[0]

@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from models.tt_transformers.demo.speculative_decoding.speculative_generator import SpeculativeGenerator
-from models.tt_transformers.speculative.draft_length import DraftLengthPolicy, suffix_cap, verify_cost_at
+from models.tt_transformers.speculative.backend import extra_cost_curve
+from models.tt_transformers.speculative.draft_length import DraftLengthPolicy, linear_cost, suffix_cap
 from models.tt_transformers.speculative.drafters import ModelDrafter
 from models.tt_transformers.speculative.suffix_automaton import SuffixAutomaton
 from models.tt_transformers.torch_backend.generator import TorchCausalLM
@@ -96,41 +97,41 @@ def test_size_bounds():
 
 def test_policy_drafts_long_when_accepted_and_pauses_when_rejected():
     policy = DraftLengthPolicy(draft_cost=0.0)
-    start = policy.next_length(16, 0.07)
+    start = policy.next_length(16, linear_cost(0.07))
     assert 1 <= start < 16
     for _ in range(20):
         policy.update(drafted=8, accepted=8)
-    assert policy.next_length(16, 0.07) == 16
-    assert policy.next_length(5, 0.07) == 5
+    assert policy.next_length(16, linear_cost(0.07)) == 16
+    assert policy.next_length(5, linear_cost(0.07)) == 5
     for _ in range(60):
         policy.update(drafted=4, accepted=0)
     assert policy.acceptance < 0.1
-    lengths = [policy.next_length(16, 0.07) for _ in range(60)]
+    lengths = [policy.next_length(16, linear_cost(0.07)) for _ in range(60)]
     probes = [i for i, k in enumerate(lengths) if k]
     assert probes == [7, 23, 55] and lengths[7] == 1  # paused; one-token probes after 8, then 16, then 32 idle
     for _ in range(10):
         policy.update(drafted=1, accepted=1)  # a probe that passes: drafting resumes, the wait resets
-    assert policy.next_length(16, 0.07) >= 1 and policy.wait == policy.probe_every
+    assert policy.next_length(16, linear_cost(0.07)) >= 1 and policy.wait == policy.probe_every
 
 
 def test_policy_learned_from_earlier_requests():
     """A draft model that was always rejected starts the next request paused, at the prior's weight."""
     fresh = DraftLengthPolicy(draft_cost=0.4)
-    assert fresh.next_length(4, 0.09) >= 1  # the optimistic prior tries an unknown draft model
+    assert fresh.next_length(4, linear_cost(0.09)) >= 1  # the optimistic prior tries an unknown draft model
     earlier = [DraftLengthPolicy(draft_cost=0.4) for _ in range(2)]
     for p in earlier:
         for _ in range(20):
             p.update(drafted=1, accepted=0)
         for _ in range(30):
-            p.next_length(4, 0.09)  # paused; the probe wait grows
+            p.next_length(4, linear_cost(0.09))  # paused; the probe wait grows
     learned = DraftLengthPolicy.learned_from(earlier, 0.4)
     assert learned.acceptance < 0.05 and learned.wait == 32
     assert abs(learned.accepted + learned.rejected - 4.0) < 1e-9
-    assert [learned.next_length(4, 0.09) for _ in range(8)] == [0] * 8
+    assert [learned.next_length(4, linear_cost(0.09)) for _ in range(8)] == [0] * 8
     good = DraftLengthPolicy(draft_cost=0.4)
     for _ in range(20):
         good.update(drafted=4, accepted=4)
-    assert DraftLengthPolicy.learned_from([good], 0.4).next_length(4, 0.09) == 4
+    assert DraftLengthPolicy.learned_from([good], 0.4).next_length(4, linear_cost(0.09)) == 4
     assert DraftLengthPolicy.learned_from([], 0.4).acceptance == fresh.acceptance
 
 
@@ -149,18 +150,42 @@ def test_policy_costlier_drafts_are_shorter():
     for p in (cheap, costly):
         for _ in range(10):
             p.update(drafted=4, accepted=2)  # per-token acceptance about 2/3
-    assert cheap.next_length(16, 0.07) > costly.next_length(16, 0.07) >= 1
+    assert cheap.next_length(16, linear_cost(0.07)) > costly.next_length(16, linear_cost(0.07)) >= 1
+
+
+class TileBackend:
+    """The cost shape of a TT device: a step costs one unit per 32-row tile it computes."""
+
+    max_step_rows = 32
+
+    @staticmethod
+    def step_cost(n_rows, context_len):
+        return float(-(-n_rows // 32))
 
 
 def test_verification_cost_grows_with_batch_and_shortens_drafts():
-    costs = [verify_cost_at(b, 0.1) for b in (1, 2, 4, 8, 32)]
-    assert costs == sorted(costs) and abs(costs[0] - 0.1 / 1.1) < 1e-12 and costs[-1] < 1
-    assert verify_cost_at(32, 0.0) == 0.0  # a device that computes a few more tokens for free
+    lm = TorchCausalLM(random_model(), 3, 32)
+    curves = [extra_cost_curve(lm, b, 300) for b in (1, 2, 4, 8, 32)]
+    costs = [c(1) for c in curves]
+    assert costs == sorted(costs) and costs[-1] < 1
+    assert all(abs(c(4) - 4 * c(1)) < 1e-12 for c in curves)  # linear on a CPU
     policy = DraftLengthPolicy()
     for _ in range(10):
         policy.update(drafted=4, accepted=2)
-    lengths = [policy.next_length(16, c) for c in costs]
+    lengths = [policy.next_length(16, c) for c in curves]
     assert lengths == sorted(lengths, reverse=True) and lengths[0] > lengths[-1]
+
+
+def test_tile_costs_make_drafts_inside_the_tile_free():
+    """On a TT device the rows that fit the decode tile cost nothing more: the policy drafts as long as the row
+    budget allows, even at an acceptance where a CPU would draft little."""
+    tile = extra_cost_curve(TileBackend(), 4, 300)
+    assert [tile(k) for k in (1, 10, 28)] == [0.0, 0.0, 0.0] and tile(29) == 4.0  # 33 rows: a second tile
+    policy = DraftLengthPolicy()
+    for _ in range(10):
+        policy.update(drafted=4, accepted=1)
+    assert policy.next_length(7, tile) == 7
+    assert policy.next_length(7, linear_cost(0.45)) < 7
 
 
 def test_suffix_cap():
@@ -171,4 +196,5 @@ def test_suffix_cap():
 
 def test_torch_backend_verification_cost_grows_with_batch_and_context():
     lm = TorchCausalLM(random_model(), 3, 8)
-    assert lm.verify_cost(1, 100) < lm.verify_cost(8, 100) < lm.verify_cost(8, 1000) < 1
+    extra = [extra_cost_curve(lm, b, ctx)(1) for b, ctx in ((1, 100), (8, 100), (8, 1000))]
+    assert extra == sorted(extra) and extra[-1] < 1 and len(set(extra)) == 3

@@ -1,16 +1,41 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The interface the speculative loop uses to run a model; torch and ttnn backends implement it.
+"""The interface the speculative loop uses to run a model; the torch and ttnn backends implement it.
 
-A `CausalLM` owns one KV cache with a row per user. Every call is ragged: user u feeds tokens[u]
-starting at position start_pos[u]. Prefill, one-token decode, draft catch-up and verification of
-n drafts are all this one call; rollback after a rejection is by position only (later calls
-overwrite the rejected slots, and attention never reads past a user's own position).
+A `CausalLM` owns a KV cache with a slot per user (a cache row on torch, a page-table row on a TT device) for the
+whole batch: users that finish go idle (on a TT device their rows sit at position -1), so a traced step keeps one
+shape for the whole run. Two calls run the model:
+- `prefill(user, tokens)`: the prompt, alone (on TT a separate, 128-padded, chunked program);
+- `step(rows)`: one decode or verification step over every active user's `[last token, d1..dK]` at consecutive
+  positions, all in one forward. Rollback after a rejection is by position only: later steps overwrite the
+  rejected slots, and attention never reads past a row's own position.
+A step carries at most `max_step_rows` tokens over all users (on a TT device every row of every user shares the
+decode batch's 32-row tile), and `step_cost` says what a step of a given shape costs, so the loop sizes drafts
+across users and the draft-length policy prices each drafted token.
 """
-from typing import Protocol, Sequence
+from dataclasses import dataclass
+from typing import Optional, Protocol, Sequence
 
 import torch
 
 MAX_DRAFT_TOKENS = 64  # the most draft tokens a user may have verified in one step (backends size for it)
+
+
+@dataclass
+class UserRows:
+    """One user's part of a step: `tokens` fed at positions start_pos, start_pos + 1, ..."""
+
+    user: int
+    tokens: list[int]
+    start_pos: int
+
+
+@dataclass
+class StepOutput:
+    """Per fed user, for each of its rows (or only the last one for a prefill): the greedy token ids, which is all
+    a device sends back for greedy verification, and float32 logits when they were asked for (sampling)."""
+
+    ids: list[list[int]]
+    logits: Optional[list[torch.Tensor]] = None
 
 
 class CausalLM(Protocol):
@@ -18,16 +43,22 @@ class CausalLM(Protocol):
     max_seq_len: int
     max_batch_size: int
     vocab_size: int
+    max_step_rows: int  # tokens one step may carry over all users
 
-    def argmax(self, tokens: Sequence[Sequence[int]], start_pos: Sequence[int], users: Sequence[int],
-               last_only: bool = False) -> list[list[int]]:
-        """Greedy next token after every fed token (or only the last one): what a device sends back."""
+    def prefill(self, user: int, tokens: Sequence[int], logits: bool = False) -> StepOutput:
+        """Fill the user's cache with `tokens` from position 0; outputs for the last token only."""
 
-    def logits(self, tokens: Sequence[Sequence[int]], start_pos: Sequence[int], users: Sequence[int],
-               last_only: bool = False) -> list[torch.Tensor]:
-        """float32 logits [len(tokens[u]) or 1, vocab] per user, for sampling."""
+    def step(self, rows: Sequence[UserRows], logits: bool = False) -> StepOutput:
+        """One forward over every listed user's rows; users not listed are idle."""
 
-    def verify_cost(self, n_users: int, context_len: float) -> float:
-        """What one more token in a step of n_users users (context_len tokens each on average) costs, in units of
-        one user's share of a plain decode step (draft_length.verify_cost_at); it sets how long drafts are worth
-        verifying."""
+    def step_cost(self, n_rows: int, context_len: float) -> float:
+        """Time of a step computing n_rows tokens over contexts of about context_len tokens, in units of the part
+        that does not depend on the rows (streaming the weights once)."""
+
+
+def extra_cost_curve(lm: CausalLM, n_users: int, context_len: float):
+    """k -> what verifying k more tokens for one user costs this step, in units of one user's share of a plain
+    step (one row per user): the price the draft-length policy weighs against expected acceptance."""
+    base = lm.step_cost(n_users, context_len)
+    share = base / n_users
+    return lambda k: (lm.step_cost(n_users + k, context_len) - base) / share

@@ -3,29 +3,29 @@
 
 With per-token acceptance a, a draft of k tokens yields (1 - a^(k+1)) / (1 - a) tokens per target forward
 (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative Decoding", section 3.1) and costs
-1 + k * (draft_cost + verify_cost) target forwards, where draft_cost is one draft token (0 for the suffix automaton, about draft_layers / target_layers for a
-truncated model) and verify_cost is one more token in the verification forward, both in units of one user's
-share of a plain decode step (see verify_cost_at: it grows with the batch). The policy keeps a decayed
-count of accepted and rejected draft tokens, estimates a, and picks the best k up to the iteration's maximum.
-When drafting does not pay (k = 0) it still drafts one token after `probe_every` idle iterations, so the estimate
-can recover; the wait doubles after each probe that does not bring drafting back (up to `max_probe_every`), so a
-draft source that never agrees costs almost nothing.
+1 + k * draft_cost + extra_cost(k) target forwards, where draft_cost is one draft token (0 for the suffix
+automaton, about draft_layers / target_layers for a truncated model) and extra_cost(k) what verifying k more
+tokens adds to the step, both in units of one user's share of a plain decode step. extra_cost comes from the
+target backend (backend.extra_cost_curve over CausalLM.step_cost): nearly linear on a CPU, growing with the batch;
+a step function of 32-row tiles on a TT device, where tokens that fit the tile are nearly free. The policy keeps a
+decayed count of accepted and rejected draft tokens, estimates a, and picks the best k up to the iteration's
+maximum. When drafting does not pay (k = 0) it still drafts one token after `probe_every` idle iterations, so the
+estimate can recover; the wait doubles after each probe that does not bring drafting back (up to
+`max_probe_every`), so a draft source that never agrees costs almost nothing.
 
 A suffix draft is further capped at max_spec_factor * match_len tokens (SuffixDecoding's rule): a short match
 predicts a short continuation, and long rejected drafts eat the gain.
 """
 import math
 from dataclasses import dataclass
+from typing import Callable
 
-def verify_cost_at(n_users: int, token_cost: float) -> float:
-    """Cost of verifying one more token, in units of one user's share of a plain decode step of n_users users.
+ExtraCost = Callable[[int], float]  # k -> extra cost of verifying k more tokens (units of a user's plain step)
 
-    A step costs about 1 (streaming the weights) + token_cost per token it computes (the backend's estimate,
-    longer contexts cost more), so a plain step of B users costs 1 + B token_cost and each user's share is 1/B of
-    that: one more token costs B token_cost / (1 + B token_cost). Verification is nearly free at batch 1 on a
-    bandwidth-bound device and grows with the batch.
-    """
-    return n_users * token_cost / (1 + n_users * token_cost)
+
+def linear_cost(per_token: float) -> ExtraCost:
+    """A cost curve that grows by `per_token` with every verified token."""
+    return lambda k: k * per_token
 
 
 @dataclass
@@ -62,14 +62,17 @@ class DraftLengthPolicy:
         """Estimated probability that the next draft token is accepted."""
         return self.accepted / (self.accepted + self.rejected)
 
-    def next_length(self, max_tokens: int, verify_cost: float) -> int:
-        """Draft length for the next iteration, at most max_tokens (counts iterations without drafting)."""
+    def next_length(self, max_tokens: int, extra_cost: ExtraCost) -> int:
+        """Draft length for the next iteration, at most max_tokens (counts iterations without drafting).
+
+        The scan stops at the first k whose value does not improve: the value is unimodal for the costs backends
+        report within a step's row budget (linear, or flat inside one 32-row tile).
+        """
         a = min(self.acceptance, 0.999)
-        step_cost = self.draft_cost + verify_cost
         best_k, best = 0, 1.0  # k = 0: one token per forward of cost 1
         for k in range(1, max_tokens + 1):
-            value = (1 - a ** (k + 1)) / (1 - a) / (1 + k * step_cost)
-            if value <= best:  # the ratio is unimodal in k: stop at the peak
+            value = (1 - a ** (k + 1)) / (1 - a) / (1 + k * self.draft_cost + extra_cost(k))
+            if value <= best:
                 break
             best_k, best = k, value
         if best_k == 0:

@@ -6,8 +6,8 @@ from typing import Optional, Protocol, Sequence
 
 import torch
 
-from .backend import CausalLM
-from .draft_length import DraftLengthPolicy, suffix_cap
+from .backend import CausalLM, UserRows
+from .draft_length import DraftLengthPolicy, ExtraCost, suffix_cap
 from .sampling import SamplingParams, probabilities, sample
 from .suffix_automaton import SuffixAutomaton
 
@@ -29,9 +29,9 @@ class Drafter(Protocol):
         its drafts with the same settings (and returns q with them) unless they are greedy."""
 
     def propose(self, users: Sequence[int], contexts: Sequence[Sequence[int]], max_tokens: Sequence[int],
-                verify_cost: float) -> list[Draft]:
+                extra_cost: ExtraCost) -> list[Draft]:
         """Up to max_tokens[i] draft tokens continuing contexts[i] (the whole sequence so far, prompt included).
-        verify_cost: what one more verified token costs the target this iteration (CausalLM.verify_cost)."""
+        extra_cost(k): what verifying k more tokens costs the target this iteration (backend.extra_cost_curve)."""
 
     def accept(self, user: int, new_tokens: Sequence[int], n_accepted: int) -> None:
         """After verification: `new_tokens` were appended to the user's context, the first `n_accepted` of them
@@ -39,11 +39,14 @@ class Drafter(Protocol):
 
 
 class ModelDrafter:
-    """Autoregressive drafting with a (smaller) model that keeps its own KV cache.
+    """Autoregressive drafting with a (smaller) model.
 
     The draft cache holds a prefix of the user's context. Each proposal first feeds the tokens it has not seen
-    (one or two normally, more after iterations in which another source drafted), then one token per step. The
-    drafts it fed stay valid as far as the target accepted them; everything after is overwritten later.
+    (one or two normally, more after iterations in which another source drafted; in steps within the draft's row
+    budget), then one token per step. The drafts it fed stay valid as far as the target accepted them; everything
+    after is overwritten later. A draft that is a view of the target's first layers (`shares_target_cache`) reads
+    the target's cache for those layers: the target's prefill and verification steps write every position before
+    the last token with the same weights, so such a draft needs no prefill and no catch-up of its own.
 
     draft_cost: one draft token's cost in target forwards (about draft layers / target layers). When given, the
     draft length adapts to recent acceptance (DraftLengthPolicy, carried from one request to the next) and
@@ -52,13 +55,16 @@ class ModelDrafter:
 
     def __init__(self, lm: CausalLM, draft_cost: Optional[float] = None):
         self.lm, self.draft_cost = lm, draft_cost
+        self.shares_cache = getattr(lm, "shares_target_cache", False)
         self.cache_len: dict[int, int] = {}
         self.fed: dict[int, tuple[int, int]] = {}  # user -> (context length at proposal, drafts fed)
         self.policies: dict[int, DraftLengthPolicy] = {}
         self.sampling, self.streams = SamplingParams(), None
 
     def start(self, users, prompts, sampling):
-        self.lm.argmax([list(p) for p in prompts], [0] * len(users), list(users), last_only=True)
+        if not self.shares_cache:
+            for u, p in zip(users, prompts):
+                self.lm.prefill(u, p)
         self.cache_len = {u: len(p) for u, p in zip(users, prompts)}
         self.fed = {}
         if self.draft_cost is not None:
@@ -67,32 +73,47 @@ class ModelDrafter:
         self.sampling = sampling
         self.streams = None if sampling.greedy else sampling.streams()
 
-    def _next_tokens(self, users, tokens, start_pos, last_only) -> list[tuple[int, Optional[torch.Tensor]]]:
-        """One draft token per user after the fed tokens: greedy, or sampled from the draft's q (returned too)."""
+    def _next_tokens(self, rows: list[UserRows]) -> list[tuple[int, Optional[torch.Tensor]]]:
+        """One draft token per user after its fed rows: greedy, or sampled from the draft's q (returned too)."""
+        out = self.lm.step(rows, logits=not self.sampling.greedy)
         if self.sampling.greedy:
-            return [(row[-1], None) for row in self.lm.argmax(tokens, start_pos, users, last_only)]
-        out = []
-        for u, logits in zip(users, self.lm.logits(tokens, start_pos, users, last_only)):
+            return [(ids[-1], None) for ids in out.ids]
+        tokens = []
+        for r, logits in zip(rows, out.logits):
             q = probabilities(logits[-1], self.sampling)
-            out.append((sample(q, self.streams(DRAFT_RNG_STREAM + u, q.device)), q))
-        return out
+            tokens.append((sample(q, self.streams(DRAFT_RNG_STREAM + r.user, q.device)), q))
+        return tokens
 
-    def propose(self, users, contexts, max_tokens, verify_cost):
+    def _first_rows(self, live: list[tuple[int, Sequence[int]]]) -> list[UserRows]:
+        """The first drafting step: every token the draft cache has not seen, up to the user's last one. Users far
+        behind (after iterations another source drafted) first catch up in chunks within the row budget."""
+        chunk = max(1, self.lm.max_step_rows // max(1, len(live)))
+        while True:
+            behind = [(u, ctx) for u, ctx in live if len(ctx) - self.cache_len[u] > chunk]
+            if not behind:
+                return [UserRows(u, list(ctx[self.cache_len[u]:]), self.cache_len[u]) for u, ctx in live]
+            self.lm.step([UserRows(u, list(ctx[self.cache_len[u] : self.cache_len[u] + chunk]), self.cache_len[u])
+                          for u, ctx in behind])
+            for u, _ in behind:
+                self.cache_len[u] += chunk
+
+    def propose(self, users, contexts, max_tokens, extra_cost):
         if self.policies:
-            max_tokens = [self.policies[u].next_length(n, verify_cost) if n > 0 else 0
+            max_tokens = [self.policies[u].next_length(n, extra_cost) if n > 0 else 0
                           for u, n in zip(users, max_tokens)]
         drafts = {u: [] for u in users}
         probs = {u: [] for u in users}
         live = [(u, ctx) for u, ctx, n in zip(users, contexts, max_tokens) if n > 0]
-        # First step: feed what the draft cache has not seen yet; then one token per step.
-        step = ([ctx[self.cache_len[u]:] for u, ctx in live], [self.cache_len[u] for u, _ in live], True)
+        if self.shares_cache:  # the target wrote every position before the last token
+            self.cache_len.update({u: len(ctx) - 1 for u, ctx in live})
+        rows = self._first_rows(live)
         wanted = dict(zip(users, max_tokens))
-        while live:
-            for (u, _), (tok, q) in zip(live, self._next_tokens([u for u, _ in live], *step)):
-                drafts[u].append(tok)
-                probs[u].append(q)
-            live = [(u, ctx) for u, ctx in live if len(drafts[u]) < wanted[u]]
-            step = ([[drafts[u][-1]] for u, _ in live], [len(ctx) + len(drafts[u]) - 1 for u, ctx in live], False)
+        while rows:
+            for r, (tok, q) in zip(rows, self._next_tokens(rows)):
+                drafts[r.user].append(tok)
+                probs[r.user].append(q)
+            rows = [UserRows(r.user, [drafts[r.user][-1]], r.start_pos + len(r.tokens)) for r in rows
+                    if len(drafts[r.user]) < wanted[r.user]]
         for u, ctx in zip(users, contexts):
             if drafts[u]:
                 self.fed[u] = (len(ctx), len(drafts[u]) - 1)
@@ -129,7 +150,7 @@ class SuffixDrafter:
         self.policies = {u: DraftLengthPolicy(0.0) for u in users}  # fresh: how much text repeats is per request
         self.drafted = {}
 
-    def propose(self, users, contexts, max_tokens, verify_cost):
+    def propose(self, users, contexts, max_tokens, extra_cost):
         drafts = []
         for u, ctx, n in zip(users, contexts, max_tokens):
             sam = self.automata[u]
@@ -138,7 +159,7 @@ class SuffixDrafter:
             tokens, match_len = [], 0
             if n > 0 and sam.match_len >= self.threshold:
                 n = min(n, suffix_cap(sam.match_len, self.max_spec_factor),
-                        self.policies[u].next_length(n, verify_cost))
+                        self.policies[u].next_length(n, extra_cost))
                 tokens, match_len = sam.propose(n, self.threshold)
             self.drafted[u] = len(tokens)
             drafts.append(Draft(tokens, "suffix" if tokens else "none", match_len))
@@ -158,12 +179,12 @@ class HybridDrafter:
         self.suffix.start(users, prompts, sampling)
         self.model.start(users, prompts, sampling)
 
-    def propose(self, users, contexts, max_tokens, verify_cost):
-        drafts = self.suffix.propose(users, contexts, max_tokens, verify_cost)
+    def propose(self, users, contexts, max_tokens, extra_cost):
+        drafts = self.suffix.propose(users, contexts, max_tokens, extra_cost)
         fallback = [i for i, d in enumerate(drafts) if not d.tokens and max_tokens[i] > 0]
         if fallback:
             model_drafts = self.model.propose([users[i] for i in fallback], [contexts[i] for i in fallback],
-                                              [max_tokens[i] for i in fallback], verify_cost)
+                                              [max_tokens[i] for i in fallback], extra_cost)
             for i, d in zip(fallback, model_drafts):
                 drafts[i] = d
         return drafts

@@ -1,16 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
 """Torch implementation of the `CausalLM` backend interface over a `Transformer` and a KV cache."""
 from itertools import accumulate
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
-from ..speculative.backend import MAX_DRAFT_TOKENS
-from ..speculative.draft_length import verify_cost_at
-from .model import Transformer
+from ..speculative.backend import MAX_DRAFT_TOKENS, StepOutput, UserRows
+from .model import KVCache, Transformer
 
 
-# Compute cost of one token relative to streaming the weights once (verify_cost_at): TOKEN_COST plus KEY_COST per
+# Compute cost of one token relative to streaming the weights once (step_cost): TOKEN_COST plus KEY_COST per
 # cached token it attends to. `make bench-verify-cost` fits both from steps of 1 user x 1-17 tokens and 8 users x
 # 1-3 tokens over 100-1,000 cached tokens; on the 2-core CPU for SmolLM2-135M on the bf16 CPU kernels three runs
 # gave 0.080-0.099 and 7.6e-5-1.1e-4 (7.2-8.8 ms per step to stream the weights, ~0.7 ms per token).
@@ -24,31 +23,51 @@ EXACT_ATTENTION_MAX_TOKENS = MAX_DRAFT_TOKENS + 1
 
 
 class TorchCausalLM:
-    """The first `n_layers` layers of `model` (all of them for a target) with a KV cache of their own.
+    """The first `n_layers` layers of `model` (all of them for a target) with a KV cache.
 
-    Two instances over one Transformer share every weight tensor: that is how a layer-truncated draft
-    costs no extra weight memory.
+    Two instances over one Transformer share every weight tensor: that is how a layer-truncated draft costs no
+    extra weight memory. `draft_view` goes further and shares the target's cache for those layers too.
     """
 
-    def __init__(self, model: Transformer, n_layers: int, max_batch_size: int):
+    def __init__(self, model: Transformer, n_layers: int, max_batch_size: int, cache: Optional[KVCache] = None):
         if not 1 <= n_layers <= model.args.n_layers:
             raise ValueError(f"n_layers must be in [1, {model.args.n_layers}], got {n_layers}")
         self.model = model
-        self.cache = model.new_cache(n_layers, max_batch_size)
+        self.cache = cache if cache is not None else model.new_cache(n_layers, max_batch_size)
+        self.shares_target_cache = cache is not None
         self.n_layers, self.max_batch_size = n_layers, max_batch_size
         self.max_seq_len, self.vocab_size = model.max_seq_len, model.args.vocab_size
+        self.max_step_rows = max_batch_size * (MAX_DRAFT_TOKENS + 1)  # no tile to fill: any step the loop makes
         self.device = model.device
 
-    def verify_cost(self, n_users: int, context_len: float) -> float:
-        return verify_cost_at(n_users, TOKEN_COST + KEY_COST * context_len)
+    def draft_view(self, n_layers: int) -> "TorchCausalLM":
+        """The first n_layers layers reading and writing this backend's cache for those layers."""
+        if not 1 <= n_layers < self.n_layers:
+            raise ValueError(f"a draft view needs 1 to {self.n_layers - 1} layers, got {n_layers}")
+        return TorchCausalLM(self.model, n_layers, self.max_batch_size, self.cache.first_layers(n_layers))
+
+    def step_cost(self, n_rows: int, context_len: float) -> float:
+        return 1 + n_rows * (TOKEN_COST + KEY_COST * context_len)
 
     def weight_bytes_per_token(self) -> int:
         """Weight bytes one decode step reads through these layers: what a draft costs relative to its target."""
         return self.model.args.weight_bytes_per_token(self.n_layers, self.model.dtype.itemsize)
 
-    def _forward(self, tokens: Sequence[Sequence[int]], start_pos: Sequence[int], users: Sequence[int],
-                 last_only: bool) -> list[torch.Tensor]:
-        """Logits [len(tokens[u]) or 1, V] per user."""
+    def prefill(self, user: int, tokens: Sequence[int], logits: bool = False) -> StepOutput:
+        return self._output(self.forward_logits([tokens], [0], [user], last_only=True), logits)
+
+    def step(self, rows: Sequence[UserRows], logits: bool = False) -> StepOutput:
+        return self._output(self.forward_logits([r.tokens for r in rows], [r.start_pos for r in rows],
+                                                [r.user for r in rows], last_only=False), logits)
+
+    @staticmethod
+    def _output(per_user: list[torch.Tensor], logits: bool) -> StepOutput:
+        return StepOutput([row.argmax(dim=-1).tolist() for row in per_user],
+                          [row.float() for row in per_user] if logits else None)
+
+    def forward_logits(self, tokens: Sequence[Sequence[int]], start_pos: Sequence[int], users: Sequence[int],
+                       last_only: bool = False) -> list[torch.Tensor]:
+        """Logits [len(tokens[u]) or 1, V] per user: the ragged call behind prefill and step."""
         lengths = [len(t) for t in tokens]
         if not len(tokens) == len(start_pos) == len(users) or min(lengths) < 1:
             raise ValueError("a step needs one start position, one cache row and at least one token per user")
@@ -112,9 +131,3 @@ class TorchCausalLM:
         if last_only:
             return out
         return torch.cat([out[b, :n] for b, n in enumerate(lengths)])
-
-    def argmax(self, tokens, start_pos, users, last_only=False) -> list[list[int]]:
-        return [row.argmax(dim=-1).tolist() for row in self._forward(tokens, start_pos, users, last_only)]
-
-    def logits(self, tokens, start_pos, users, last_only=False) -> list[torch.Tensor]:
-        return [row.float() for row in self._forward(tokens, start_pos, users, last_only)]

@@ -4,6 +4,7 @@
 Keeping the cache outside the modules lets a draft made of the first N layers share every weight
 tensor with the target while owning a cache of its own.
 """
+import copy
 from typing import Optional
 
 import torch
@@ -154,6 +155,12 @@ class KVCache:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.n_layers, self.n_users, self.max_seq_len = n_layers, n_users, max_seq_len
         self.scratch_slot = max_seq_len
+
+    def first_layers(self, n_layers: int) -> "KVCache":
+        """A view of this cache's first n_layers layers (same tensors): a truncated draft's share of it."""
+        view = copy.copy(self)
+        view.k, view.v, view.n_layers = self.k[:n_layers], self.v[:n_layers], n_layers
+        return view
 
 
 class Transformer(nn.Module):

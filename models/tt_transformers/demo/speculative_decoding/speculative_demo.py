@@ -198,8 +198,8 @@ def build(config: DemoConfig):
             check_same_tokenizer(tokenizer, load_tokenizer(draft_ckpt), config.draft_model)
             draft_model = load_model(draft_ckpt, dtype, config.max_seq_len, choice.device)
             draft_lm = TorchCausalLM(draft_model, draft_model.args.n_layers, config.batch_size)
-        else:
-            draft_lm = TorchCausalLM(model, config.draft_layers, config.batch_size)
+        else:  # the target's first layers, reading and writing the target's cache for them
+            draft_lm = target.draft_view(config.draft_layers)
         if config.draft_mode == "model":
             drafter = ModelDrafter(draft_lm)  # every draft has the full n_draft_tokens
         else:  # hybrid: the model drafts only while its acceptance pays for its cost

@@ -1,11 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """The speculative decoding loop: draft, verify all drafts in one target forward, accept, repeat.
 
-It speaks only to the `CausalLM` backend interface and the `Drafter` interface: the same loop runs the
-torch backend here and a ttnn backend on a Tenstorrent device. With no drafter (or n_draft_tokens 0) it is
-plain autoregressive decoding on the same backend, which is what speed is compared against. Greedy settings
-verify by exact match on the target's argmax (what a device sends back); sampling settings verify by rejection
-sampling on the target's logits, so both paths are lossless.
+It speaks only to the `CausalLM` backend interface and the `Drafter` interface: the same loop runs the torch
+backend and the ttnn backend on a Tenstorrent device. With no drafter (or n_draft_tokens 0) it is plain
+autoregressive decoding on the same backend, which is what speed is compared against. Greedy settings verify by
+exact match on the target's token ids (all a device sends back); sampling settings verify by rejection sampling on
+the target's logits for the verified rows, so both paths are lossless. Each step's drafts are sized across users
+to the backend's row budget (`CausalLM.max_step_rows`: one 32-row tile on a TT device), and priced by its
+`step_cost`.
 """
 import time
 from collections import Counter
@@ -14,7 +16,7 @@ from typing import Optional, Sequence
 
 from loguru import logger
 
-from models.tt_transformers.speculative.backend import MAX_DRAFT_TOKENS, CausalLM
+from models.tt_transformers.speculative.backend import MAX_DRAFT_TOKENS, CausalLM, StepOutput, UserRows, extra_cost_curve
 from models.tt_transformers.speculative.drafters import Draft, Drafter
 from models.tt_transformers.speculative.sampling import SamplingParams, probabilities, verify_rejection
 from models.tt_transformers.speculative.verification import verify_greedy
@@ -98,7 +100,8 @@ class SpeculativeGenerator:
         # Prefill one user at a time, as TT-Transformers does; the first token comes from the prefill.
         for u in users:
             start = time.perf_counter()
-            first = self._verify([u], [Draft([], "none")], [contexts[u]], prefill=True)[0][0]
+            out = self.target.prefill(u, contexts[u], logits=not self.sampling.greedy)
+            first = self._accept([u], [Draft([], "none")], out)[0][0]
             results[u].ttft_ms = (time.perf_counter() - start) * 1e3
             contexts[u].append(first)
             results[u].output_tokens.append(first)
@@ -115,14 +118,16 @@ class SpeculativeGenerator:
         iteration = 0
         while active:
             start = time.perf_counter()
-            caps = [self._draft_cap(results[u], contexts[u], max_generated_tokens) for u in active]
             if self.drafter is not None:
+                caps = self._draft_caps([results[u] for u in active], [contexts[u] for u in active],
+                                        max_generated_tokens)
                 context_len = sum(len(contexts[u]) for u in active) / len(active)
                 drafts = self.drafter.propose(active, [contexts[u] for u in active], caps,
-                                              self.target.verify_cost(len(active), context_len))
+                                              extra_cost_curve(self.target, len(active), context_len))
             else:
                 drafts = [Draft([], "none") for _ in active]
-            appended = self._verify(active, drafts, [contexts[u] for u in active])
+            rows = [UserRows(u, [contexts[u][-1]] + d.tokens, len(contexts[u]) - 1) for u, d in zip(active, drafts)]
+            appended = self._accept(active, drafts, self.target.step(rows, logits=not self.sampling.greedy))
             ms = (time.perf_counter() - start) * 1e3
             produced = accepted = 0
             for u, draft, new in zip(active, drafts, appended):
@@ -146,28 +151,20 @@ class SpeculativeGenerator:
             active = [u for u in active if not self._finished(results[u], contexts[u], max_generated_tokens, stop_at_eos)]
         return results
 
-    def _verify(self, users: list[int], drafts: list[Draft], contexts: list[list[int]],
-                prefill: bool = False) -> list[list[int]]:
-        """One target forward over [last token, drafts...] per user (the whole prompt at prefill); the tokens each
-        user appends: accepted drafts plus one from the target."""
-        if prefill:
-            fed, start_pos = contexts, [0] * len(users)
-        else:
-            fed = [[ctx[-1]] + d.tokens for ctx, d in zip(contexts, drafts)]
-            start_pos = [len(ctx) - 1 for ctx in contexts]
+    def _accept(self, users: list[int], drafts: list[Draft], out: StepOutput) -> list[list[int]]:
+        """The tokens each user appends after a target forward over [last token, drafts...] (or a prefill, whose
+        output is the last token's): accepted drafts plus one token from the target."""
         if self.sampling.greedy:
-            scores = self.target.argmax(fed, start_pos, users, last_only=prefill)
-            return [verify_greedy(d.tokens, s) for d, s in zip(drafts, scores)]
-        logits = self.target.logits(fed, start_pos, users, last_only=prefill)
-        return [verify_rejection(d.tokens, d.probs, probabilities(lg, self.sampling),
-                                 self.streams(u, lg.device))
-                for u, d, lg in zip(users, drafts, logits)]
+            return [verify_greedy(d.tokens, ids) for d, ids in zip(drafts, out.ids)]
+        return [verify_rejection(d.tokens, d.probs, probabilities(lg, self.sampling), self.streams(u, lg.device))
+                for u, d, lg in zip(users, drafts, out.logits)]
 
-    def _draft_cap(self, result: UserResult, context: list[int], max_generated_tokens: int) -> int:
-        """Drafts this iteration: never more than could be kept, nor past the end of the KV cache."""
-        remaining = max_generated_tokens - len(result.output_tokens)
-        room = self.target.max_seq_len - len(context)
-        return max(0, min(self.n_draft_tokens, remaining - 1, room - 1))
+    def _draft_caps(self, results: list[UserResult], contexts: list[list[int]], max_generated_tokens: int) -> list[int]:
+        """Drafts each user may have verified this iteration: never more than could be kept, nor past the end of the
+        KV cache, and all users' rows (one + drafts each) within the backend's row budget."""
+        caps = [max(0, min(self.n_draft_tokens, max_generated_tokens - len(r.output_tokens) - 1,
+                           self.target.max_seq_len - len(ctx) - 1)) for r, ctx in zip(results, contexts)]
+        return share_rows(caps, self.target.max_step_rows - len(caps))
 
     def _keep(self, new: list[int], result: UserResult, max_generated_tokens: int, stop_at_eos: bool) -> list[int]:
         """Cut the accepted tokens at an EOS (kept, as Hugging Face does) and at the token budget."""
@@ -182,3 +179,13 @@ class SpeculativeGenerator:
         return (len(result.output_tokens) >= max_generated_tokens
                 or len(context) >= self.target.max_seq_len
                 or (stop_at_eos and result.output_tokens[-1] in self.eos_token_ids))
+
+
+def share_rows(caps: Sequence[int], spare: int) -> list[int]:
+    """Split `spare` draft rows across users, none above its own cap (water-filling: users who want fewer leave
+    their share to the others), so a step never carries more rows than the backend's budget."""
+    out = [0] * len(caps)
+    for j, i in enumerate(sorted(range(len(caps)), key=lambda i: caps[i])):
+        out[i] = min(caps[i], spare // (len(caps) - j))
+        spare -= out[i]
+    return out
