@@ -1,0 +1,55 @@
+# SPDX-License-Identifier: Apache-2.0
+"""TT-Transformers' decode attention with the KV-cache update issued in ordered passes, for verification steps.
+
+A verification step puts each user's [last token, d1..dK] in the decode batch as K+1 rows at consecutive
+positions p..p+K, every row with the user's page-table row, so most of a user's rows land in the same 32-slot
+cache block. `ttnn.experimental.paged_update_cache` updates one row inside an existing cache tile ("This op
+updates one token row inside an existing cache tile", its docstring) with the rows spread over cores, each
+reading, modifying and writing back the whole tile: rows that share a tile race and all but one write is lost
+(tt-metal's Gemma-4 speculative decode hit exactly this and writes row by row, `sequential_kv_write`).
+
+This class keeps TT-Transformers' own `Attention.forward_decode` (nothing copied): only the cache update it issues
+becomes one op per pass. Pass j carries each user's j-th row; every other row has update position -1, which the
+update kernel skips (reader_update_cache_interleaved_start_id.cpp in the ttnn wheel: `raw_update_idx == -1` sets
+`skip_update`; TT-Transformers parks idle users at -1 the same way). Within one pass no two rows belong to the same
+user, and rows of different users never share a block, so no tile is written twice in one op; the passes run in
+order on the command queue. A step with at most P rows per user needs P update ops per K/V per layer instead of one
+per row, and attention (SDPA decode, which reads each row's keys up to its own position) still runs once.
+
+Built through TT-Transformers' `Transformer(..., attention_class=...)` hook. The model is built with
+`use_qk_fused = False`, so the cache update is `paged_update_cache` (K and V separately) and not the fused op.
+"""
+from typing import Any
+
+
+class KVWritePasses:
+    """The position tensors (one per pass, device tensors refreshed every step) the current trace writes with;
+    shared by every layer of a model, set by the backend before it compiles and captures a step."""
+
+    def __init__(self):
+        self.positions: list[Any] = []
+
+
+def ordered_update(update_op, passes: KVWritePasses):
+    """`update_op` (paged_update_cache) issued once per pass, with that pass's positions."""
+    def write(cache, input_tensor, *, update_idxs_tensor=None, **kwargs):
+        for positions in passes.positions:
+            update_op(cache, input_tensor, update_idxs_tensor=positions, **kwargs)
+    return write
+
+
+def ordered_write_attention(base: type, passes: KVWritePasses) -> type:
+    """A subclass of TT-Transformers' Attention whose decode cache writes go through `passes`."""
+    import ttnn
+
+    class OrderedKVWriteAttention(base):
+        def forward_decode(self, *args, **kwargs):
+            experimental = ttnn.experimental
+            batched = experimental.paged_update_cache
+            experimental.paged_update_cache = ordered_update(batched, passes)
+            try:
+                return super().forward_decode(*args, **kwargs)
+            finally:
+                experimental.paged_update_cache = batched
+
+    return OrderedKVWriteAttention

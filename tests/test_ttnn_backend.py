@@ -1,0 +1,199 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The ttnn backend's host-side logic, run against the stand-in (tests/tt_stand_in: a TEST DOUBLE for ttnn and
+TT-Transformers that models the device's constraints; it is not a device and proves nothing about one).
+
+Lossless on a TT device means identical to plain greedy decoding through the same verify-shaped step (TT numerics
+depend on the batch shape), so the reference here is plain decoding through the stand-in's own 32-row step.
+"""
+import pytest
+import torch
+
+from models.tt_transformers.demo.speculative_decoding.speculative_demo import encode
+from models.tt_transformers.demo.speculative_decoding.speculative_generator import SpeculativeGenerator
+from models.tt_transformers.speculative.backend import UserRows
+from models.tt_transformers.speculative.drafters import HybridDrafter, ModelDrafter, SuffixDrafter
+from models.tt_transformers.torch_backend.checkpoint import load_model
+from models.tt_transformers.torch_backend.generator import TorchCausalLM
+from models.tt_transformers.ttnn_backend import attention as ordered_attention
+from models.tt_transformers.ttnn_backend.generator import TtnnCausalLM
+from models.tt_transformers.ttnn_backend.model import build_tt_model
+
+from .tt_stand_in import install
+from .tt_stand_in import ttnn as stand_in_ttnn
+
+MAX_SEQ_LEN = 192
+
+
+def backend_builder(monkeypatch, checkpoint):
+    install(monkeypatch)
+    mesh = stand_in_ttnn.open_mesh_device(stand_in_ttnn.MeshShape(1, 1))
+
+    def build(max_users, max_seq_len=MAX_SEQ_LEN, weights_dtype=None):
+        """weights_dtype: TT-Transformers' default bfloat8_b unless given; the stand-in computes bfloat8_b and
+        bfloat16 weights in torch bfloat16, float32 in float32."""
+        model = build_tt_model(mesh, str(checkpoint.folder), max_users, max_seq_len, True, weights_dtype=weights_dtype)
+        return TtnnCausalLM(model, max_users, max_seq_len)
+    return build
+
+
+@pytest.fixture
+def tt(monkeypatch, embedded_checkpoint):
+    """Build a backend on the stand-in: tt(max_users, max_seq_len=MAX_SEQ_LEN, weights_dtype=None)."""
+    return backend_builder(monkeypatch, embedded_checkpoint)
+
+
+@pytest.fixture(scope="module")
+def prompts(embedded_tokenizer, sample_prompt_tokens):
+    code = "def area(w, h):\n    return w * h\n\ndef perimeter(w, h):\n    return 2 * (w + h)\n"
+    copy = encode(embedded_tokenizer, f"Rename w to width and h to height in this code:\n{code}", True)
+    return [copy, sample_prompt_tokens[1], sample_prompt_tokens[2], sample_prompt_tokens[4]]
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(embedded_checkpoint, prompts):
+    """Plain greedy decoding of the four prompts through the stand-in's 32-row step (each row is computed on its
+    own, so a user's output does not depend on the batch it shares the tile with)."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        lm = backend_builder(monkeypatch, embedded_checkpoint)(4)
+        return outputs(SpeculativeGenerator(lm, None, 0).generate(prompts, 32))
+
+
+def drafter_for(lm, mode):
+    if mode == "suffix":
+        return SuffixDrafter(1)  # drafts from 1-token matches too: some pass whole, some fail at once
+    if mode == "model":
+        return ModelDrafter(lm.draft_view(8))
+    return HybridDrafter(SuffixDrafter(1), ModelDrafter(lm.draft_view(8), draft_cost=0.3))
+
+
+def outputs(results):
+    return [r.output_tokens for r in results]
+
+
+def test_logits_match_the_torch_backend_in_float32(tt, embedded_checkpoint, prompts):
+    """The stand-in's decode and verification steps compute the same model as the torch backend (float32)."""
+    lm = tt(2, weights_dtype=stand_in_ttnn.float32)
+    torch_lm = TorchCausalLM(load_model(embedded_checkpoint, torch.float32, MAX_SEQ_LEN, cpu_kernels=False), 30, 2)
+    prompt_a, prompt_b = prompts[0][:40], prompts[1][:25]
+    errors = []
+    for user, p in enumerate((prompt_a, prompt_b)):
+        ours = lm.prefill(user, p, logits=True).logits[0]
+        ref = torch_lm.forward_logits([p], [0], [user], last_only=True)[0]
+        errors.append((ours - ref).abs().max().item())
+    rows = [UserRows(0, [11, 22, 33, 44], 40), UserRows(1, [55, 66], 25)]  # a verify step: 4 rows + 2 rows
+    ours = lm.step(rows, logits=True)
+    ref = torch_lm.forward_logits([r.tokens for r in rows], [r.start_pos for r in rows], [0, 1])
+    for got, want, ids in zip(ours.logits, ref, ours.ids):
+        errors.append((got - want).abs().max().item())
+        assert ids == want.argmax(dim=-1).tolist()
+    print(f"stand-in vs torch backend, float32 logits: max abs error {max(errors):.2e}")
+    assert max(errors) < 2e-3
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("mode", ["suffix", "model", "hybrid"])
+def test_speculative_identical_to_plain_through_the_verify_step(tt, prompts, plain_outputs, mode, batch):
+    """The four prompts (a copy task and three chat prompts) in batches of `batch` users."""
+    lm = tt(batch)
+    groups = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
+    results = [SpeculativeGenerator(lm, drafter_for(lm, mode), 6).generate(g, 32) for g in groups]
+    assert [output for group in results for output in outputs(group)] == plain_outputs
+    steps = [it for group in results for r in group for it in r.iterations if it.drafted]
+    assert any(it.accepted == 0 for it in steps)  # drafts rejected at their first token
+    if mode != "model":  # the copy prompt's suffix drafts pass whole (the 8-layer draft never does here)
+        assert any(it.accepted == it.drafted >= 2 for it in steps)
+    assert set(lm.traces) <= {1, 2, 4, 8}  # one trace per number of write passes, captured once
+
+
+def test_generation_to_the_end_of_the_cache(tt, prompts):
+    """Long drafts up to the last page of a user's cache: stops at max_seq_len exactly like plain decoding."""
+    lm = tt(1, max_seq_len=len(prompts[0]) + 40)
+    plain = outputs(SpeculativeGenerator(lm, None, 0).generate(prompts[:1], 1000))
+    assert len(prompts[0]) + len(plain[0]) == lm.max_seq_len
+    assert outputs(SpeculativeGenerator(lm, SuffixDrafter(1), 16).generate(prompts[:1], 1000)) == plain
+
+
+def test_ordered_cache_writes_are_needed(tt, prompts, monkeypatch):
+    """With one batched paged_update_cache (the race), a user's verify rows that share a cache block lose their
+    keys and values, and speculative output drifts from plain decoding: the ordered passes are what prevent it."""
+    lm = tt(1)
+    plain = outputs(SpeculativeGenerator(lm, None, 0).generate(prompts[:1], 24))
+    assert outputs(SpeculativeGenerator(lm, SuffixDrafter(2), 6).generate(prompts[:1], 24)) == plain
+
+    def racing(update_op, passes):  # every row in one op, as TT-Transformers writes a decode step
+        def write(cache, input_tensor, *, update_idxs_tensor=None, **kwargs):
+            update_op(cache, input_tensor, update_idxs_tensor=lm.inputs.current_pos, **kwargs)
+        return write
+    monkeypatch.setattr(ordered_attention, "ordered_update", racing)
+    racy = tt(1)
+    assert outputs(SpeculativeGenerator(racy, SuffixDrafter(2), 6).generate(prompts[:1], 24)) != plain
+
+
+def test_racing_write_model():
+    """The stand-in's paged_update_cache: rows in the same block in one op keep only the last row's write."""
+    t = stand_in_ttnn
+    mesh = t.open_mesh_device()
+    cache = t.from_torch(torch.zeros(4, 1, 32, 2), device=mesh)
+    update = t.from_torch(torch.arange(1, 7, dtype=torch.float32).view(1, 3, 1, 2), device=mesh)  # rows [1 2] [3 4] [5 6]
+    rows = torch.tensor([[2, 3], [2, 3], [1, 0]])
+    pos = t.from_torch(torch.tensor([5, 6, 40]), dtype=t.int32, device=mesh)
+    t.experimental.paged_update_cache(cache, update, update_idxs_tensor=pos, page_table=t.from_torch(rows, dtype=t.int32,
+                                                                                                    device=mesh))
+    written = cache.data
+    assert written[2, 0, 5].abs().sum() == 0 and written[2, 0, 6].tolist() == [3.0, 4.0]  # row 0 lost to row 1
+    assert written[0, 0, 8].tolist() == [5.0, 6.0]  # position 40 of row 2: its second block, slot 8
+
+
+def test_traces_replay_without_allocating(tt, prompts):
+    """After the traces exist, a step refreshes inputs in place and replays: no device allocation in the loop; an
+    op first seen during capture, an unknown trace id and a host tensor of another shape all fail on the stand-in."""
+    lm = tt(2)
+    gen = SpeculativeGenerator(lm, SuffixDrafter(2), 3)
+    gen.generate(prompts[:2], 16)  # captures the traces this workload needs
+    before = lm.tt.mesh_device.allocations
+    gen.generate(prompts[:2], 16)
+    assert lm.tt.mesh_device.allocations == before
+    t, mesh = stand_in_ttnn, lm.tt.mesh_device
+    with pytest.raises(RuntimeError, match="never captured"):
+        t.execute_trace(mesh, 999, cq_id=0)
+    with pytest.raises(RuntimeError, match="same shape"):
+        t.copy_host_to_device_tensor(t.from_torch(torch.zeros(31, dtype=torch.int64), dtype=t.int32),
+                                     lm.inputs.current_pos)
+    t.begin_trace_capture(mesh, cq_id=0)
+    with pytest.raises(RuntimeError, match="not compiled before trace capture"):
+        t.argmax(t.from_torch(torch.zeros(1, 1, 64, 8), device=mesh), dim=-1)
+
+
+def test_row_budget_and_idle_users(tt, prompts):
+    """Every step fits the 32-row tile however many users draft; users that finish go idle at position -1, and the
+    traced shape stays 32 rows."""
+    lm = tt(4)
+    prompts = [prompts[0]] * 3 + [prompts[1]]  # three copy tasks draft long; the chat prompt ends first
+    seen = []
+    step = lm.step
+
+    def recording(rows, logits=False):
+        seen.append((sum(len(r.tokens) for r in rows), len(rows)))
+        out = step(rows, logits)
+        seen[-1] += (lm.inputs.current_pos.data.tolist(),)
+        return out
+    lm.step = recording
+    with pytest.raises(ValueError, match="does not fit the 32-row decode tile"):
+        step([UserRows(0, list(range(20)), 0), UserRows(1, list(range(13)), 0)])
+    results = SpeculativeGenerator(lm, SuffixDrafter(1), 16, eos_token_ids=[2]).generate(prompts, 60)
+    assert 16 < max(rows for rows, _, _ in seen) <= 32
+    for rows, users, positions in seen:
+        assert len(positions) == 32 and positions.count(-1) == 32 - rows
+    assert any(users < 4 for _, users, _ in seen)  # some users finished first and went idle
+    assert len({len(r.output_tokens) for r in results}) > 1
+
+
+def test_draft_view_shares_the_target_cache(tt, prompts):
+    """The first-layers draft reads and writes the target's cache for its layers: no prefill of its own."""
+    lm = tt(1)
+    view = lm.draft_view(12)
+    assert view.shares_target_cache and view.tt.kv_cache == lm.tt.kv_cache[:12]
+    calls = []
+    view.prefill = lambda *a, **k: calls.append(a)
+    results = SpeculativeGenerator(lm, ModelDrafter(view), 4).generate(prompts[:1], 12)
+    assert calls == [] and sum(it.drafted for it in results[0].iterations) > 0
