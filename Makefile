@@ -10,7 +10,7 @@ DEMO := models/tt_transformers/demo/speculative_decoding/speculative_demo.py
 
 ARCTIC := $(VENV)/.arctic-installed
 
-.PHONY: demo test test-slow bench bench-suffix bench-batch bench-verify-cost install
+.PHONY: demo test test-slow check-ttnn-api bench bench-suffix bench-batch bench-verify-cost install
 install: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
@@ -48,3 +48,16 @@ bench-batch: $(STAMP)
 
 bench-verify-cost: $(STAMP)
 	$(PY) benchmarks/bench_verify_cost.py $(ARGS)
+
+# Every ttnn name and keyword the ttnn backend uses, against the real ttnn 0.81.1 wheel (cp310/cp312 only; needs no
+# device and no torch). Not part of `make test`: the wheel is ~100 MB. PYTHON_TT=python3.10 works too.
+PYTHON_TT ?= python3.12
+TTNN_VENV := .venv-ttnn
+$(TTNN_VENV)/.installed:
+	$(PYTHON_TT) -m venv $(TTNN_VENV)
+	$(TTNN_VENV)/bin/python -m pip install -q --upgrade pip
+	$(TTNN_VENV)/bin/python -m pip install -q ttnn==0.81.1 "numpy<2"
+	touch $@
+
+check-ttnn-api: $(TTNN_VENV)/.installed
+	$(TTNN_VENV)/bin/python tools/check_ttnn_api.py

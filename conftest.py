@@ -6,6 +6,7 @@ never deselected silently: `tt_hardware` runs where /dev/tenstorrent* exists, `c
 device, and `slow` (long end-to-end runs) with --run_slow (`make test-slow`).
 """
 import glob
+import os
 
 import pytest
 
@@ -23,6 +24,24 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "tt_hardware: needs a Tenstorrent device (/dev/tenstorrent*)")
     config.addinivalue_line("markers", "cuda: needs a CUDA device visible to torch")
     config.addinivalue_line("markers", "models_performance_bare_metal: TT CI perf test")
+
+
+@pytest.fixture
+def device_params(request):
+    """Device settings, parametrized indirectly as in tt-metal's demos."""
+    return dict(getattr(request, "param", {}))
+
+
+@pytest.fixture
+def mesh_device(device_params):
+    """The Tenstorrent mesh named by MESH_DEVICE (N150 when unset), as tt-metal's `mesh_device` fixture opens it;
+    skipped with the reason on machines without a device (the ttnn backend then cannot run)."""
+    from models.tt_transformers.ttnn_backend.device import open_mesh, tt_device_present
+
+    if not tt_device_present():
+        pytest.skip("needs a Tenstorrent device: no /dev/tenstorrent* here")
+    with open_mesh(os.environ.get("MESH_DEVICE", "N150"), **device_params) as mesh:
+        yield mesh
 
 
 def missing_resources(config) -> dict:

@@ -197,3 +197,20 @@ def test_draft_view_shares_the_target_cache(tt, prompts):
     view.prefill = lambda *a, **k: calls.append(a)
     results = SpeculativeGenerator(lm, ModelDrafter(view), 4).generate(prompts[:1], 12)
     assert calls == [] and sum(it.drafted for it in results[0].iterations) > 0
+
+
+def test_demo_on_the_ttnn_backend(tt, tmp_path, monkeypatch):
+    """The demo's ttnn path (MESH_DEVICE set selects it) on the stand-in mesh: TT-Transformers models built with the
+    demo's flags, hybrid drafting with the first-layers view, the report identical to plain decoding."""
+    from models.tt_transformers.demo.speculative_decoding.speculative_demo import DemoConfig, backend_of, run_demo
+
+    from .conftest import write_json
+
+    monkeypatch.setenv("MESH_DEVICE", "N150")
+    config = DemoConfig(input_prompts=str(write_json(tmp_path / "p.json", [{"prompt": "Repeat: a b c d e f g"}])),
+                        max_generated_tokens=12, max_seq_len=256, draft_layers=4, batch_size=2)
+    assert backend_of(config) == "ttnn" and backend_of(DemoConfig(backend="torch")) == "torch"
+    report = run_demo(config, stand_in_ttnn.open_mesh_device(stand_in_ttnn.MeshShape(1, 1)))
+    assert report["summary"]["identical_to_baseline"] and report["summary"]["decode_t/s/u"] > 0
+    with pytest.raises(ValueError, match="--dtype 'float32' is not supported on the ttnn backend"):
+        run_demo(DemoConfig(**{**vars(config), "dtype": "float32"}), None)

@@ -44,12 +44,11 @@ def ordered_write_attention(base: type, passes: KVWritePasses) -> type:
 
     class OrderedKVWriteAttention(base):
         def forward_decode(self, *args, **kwargs):
-            experimental = ttnn.experimental
-            batched = experimental.paged_update_cache
-            experimental.paged_update_cache = ordered_update(batched, passes)
+            batched = ttnn.experimental.paged_update_cache
+            ttnn.experimental.paged_update_cache = ordered_update(batched, passes)
             try:
                 return super().forward_decode(*args, **kwargs)
             finally:
-                experimental.paged_update_cache = batched
+                ttnn.experimental.paged_update_cache = batched
 
     return OrderedKVWriteAttention

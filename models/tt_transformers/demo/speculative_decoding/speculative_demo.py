@@ -22,6 +22,7 @@ from typing import Optional
 if __name__ == "__main__":  # `python path/to/speculative_demo.py` from anywhere
     sys.path.insert(0, str(Path(__file__).resolve().parents[4]))
 
+import pytest
 from loguru import logger
 
 from models.tt_transformers.demo.speculative_decoding.speculative_generator import (
@@ -31,11 +32,15 @@ from models.tt_transformers.demo.speculative_decoding.speculative_generator impo
 )
 from models.tt_transformers.speculative.drafters import DEFAULT_SA_THRESHOLD
 from models.tt_transformers.speculative.sampling import SamplingParams
+from models.tt_transformers.torch_backend.device import DEVICES
+from models.tt_transformers.ttnn_backend.device import DEVICE_PARAMS
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[4]  # the folder holding models/: the repository, or site-packages
 DEFAULT_PROMPTS = Path(__file__).resolve().with_name("sample_prompts.json")  # beside the demo, as TT demos keep them
 SUPPORTED_BATCH_SIZES = (1, 2, 4, 8, 16, 32)  # as TT-Transformers demos
 DRAFT_MODES = ("model", "suffix", "hybrid")
+BACKENDS = ("auto", "torch", "ttnn")
+DTYPES = {"torch": ("bfloat16", "float32"), "ttnn": ("bfloat16", "bfloat8_b")}  # ttnn: the weights' dtype
 
 # (name, type, default, help): the pytest options (root conftest.py) and the CLI flags come from this one table.
 DEMO_OPTIONS = [
@@ -61,8 +66,10 @@ DEMO_OPTIONS = [
     ("compare_baseline", int, 1, "1: also run plain decoding, check identical tokens and report the speedup"),
     ("output_json", str, None, "write a JSON report here"),
     ("model", str, None, "target checkpoint folder or .gguf file (default: HF_MODEL, else the embedded model)"),
-    ("dtype", str, "bfloat16", "bfloat16 or float32"),
+    ("dtype", str, "bfloat16", "torch: bfloat16 or float32; ttnn: the weights, bfloat16 or bfloat8_b"),
     ("device", str, "auto", "torch device: auto (the faster of cpu and cuda for this model, logged), cpu or cuda"),
+    ("backend", str, "auto", "torch, ttnn (a Tenstorrent mesh through TT-Transformers) or auto: ttnn when "
+                             "MESH_DEVICE is set"),
 ]
 
 
@@ -137,21 +144,21 @@ def check_same_tokenizer(target_tok, draft_tok, draft_name: str) -> None:
                              f"(vocabularies differ); speculative decoding needs one shared vocabulary")
 
 
-def build(config: DemoConfig):
-    """Load target, draft and tokenizer on the torch backend; validate every flag first."""
-    import torch
+def backend_of(config: DemoConfig) -> str:
+    """--backend, where auto means ttnn when MESH_DEVICE names a Tenstorrent mesh (as TT users set it)."""
+    if config.backend not in BACKENDS:
+        raise DemoInputError(f"--backend {config.backend!r} is not one of {', '.join(BACKENDS)}")
+    if config.backend == "auto":
+        return "ttnn" if os.environ.get("MESH_DEVICE") else "torch"
+    return config.backend
 
-    from models.tt_transformers.speculative.drafters import HybridDrafter, ModelDrafter, SuffixDrafter
-    from models.tt_transformers.torch_backend.checkpoint import cache_root, load_model, load_tokenizer, resolve_checkpoint
-    from models.tt_transformers.torch_backend.cpu_kernels import kernels_fit, load_cpu_kernels
-    from models.tt_transformers.torch_backend.device import DEVICES, choose_device
-    from models.tt_transformers.torch_backend.generator import TorchCausalLM
-    from models.tt_transformers.torch_backend.model_config import ModelArgs
 
-    dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-    if config.dtype not in dtypes:
-        raise DemoInputError(f"--dtype {config.dtype!r} is not supported; use bfloat16 or float32")
-    check_n_draft_tokens(config.n_draft_tokens)  # before any loading
+def check_flags(config: DemoConfig, backend: str) -> None:
+    """Every flag that can be checked before anything loads."""
+    if config.dtype not in DTYPES[backend]:
+        raise DemoInputError(f"--dtype {config.dtype!r} is not supported on the {backend} backend; use "
+                             f"{' or '.join(DTYPES[backend])}")
+    check_n_draft_tokens(config.n_draft_tokens)
     sampling_params(config)
     if config.draft_mode not in DRAFT_MODES:
         raise DemoInputError(f"--draft_mode {config.draft_mode!r} is not one of {', '.join(DRAFT_MODES)}")
@@ -165,45 +172,87 @@ def build(config: DemoConfig):
         raise DemoInputError(f"--max_seq_len must be >= 2, got {config.max_seq_len}")
     if config.device not in DEVICES:
         raise DemoInputError(f"--device {config.device!r} is not one of {', '.join(DEVICES)}")
+
+
+def torch_loader(config: DemoConfig, args):
+    """(checkpoint, layers) -> a TorchCausalLM, on the device --device picks for this model."""
+    import torch
+
+    from models.tt_transformers.torch_backend.checkpoint import cache_root, load_model
+    from models.tt_transformers.torch_backend.cpu_kernels import kernels_fit, load_cpu_kernels
+    from models.tt_transformers.torch_backend.device import choose_device
+    from models.tt_transformers.torch_backend.generator import TorchCausalLM
+
+    dtype = getattr(torch, config.dtype)
+    choice = choose_device(config.device, args, dtype,
+                           kernels_fit(args, dtype) and load_cpu_kernels(cache_root() / "kernels") is not None,
+                           torch.cuda.is_available())
+    logger.info(f"Device {choice.device}: {choice.reason}")
+
+    def load(ckpt, n_layers):
+        model = load_model(ckpt, dtype, config.max_seq_len, choice.device)
+        return TorchCausalLM(model, n_layers or model.args.n_layers, config.batch_size)
+    return load
+
+
+def ttnn_loader(config: DemoConfig, mesh_device):
+    """(checkpoint, layers) -> a TtnnCausalLM: TT-Transformers on the mesh device."""
+    import ttnn
+
+    from models.tt_transformers.ttnn_backend.generator import TtnnCausalLM
+    from models.tt_transformers.ttnn_backend.model import build_tt_model
+
+    def load(ckpt, n_layers):
+        tt = build_tt_model(mesh_device, str(ckpt.folder), config.batch_size, config.max_seq_len,
+                            bool(config.instruct), n_layers, weights_dtype=getattr(ttnn, config.dtype))
+        return TtnnCausalLM(tt, config.batch_size, config.max_seq_len)
+    return load
+
+
+def build(config: DemoConfig, mesh_device=None):
+    """Validate every flag first, then load target, draft and tokenizer on the torch or ttnn backend (ttnn: on
+    `mesh_device`)."""
+    from models.tt_transformers.speculative.drafters import HybridDrafter, ModelDrafter, SuffixDrafter
+    from models.tt_transformers.torch_backend.checkpoint import load_tokenizer, resolve_checkpoint
+    from models.tt_transformers.torch_backend.model_config import ModelArgs
+
+    backend = backend_of(config)
+    check_flags(config, backend)
     prompts = load_prompts(config.input_prompts)
     split_batches(len(prompts), config.batch_size)  # validates --batch_size before any loading
 
     ckpt = resolve_checkpoint(config.model, "--model" if config.model else "HF_MODEL")
-    dtype = dtypes[config.dtype]
     args = ModelArgs.from_hf_config(ckpt.config)
     target_layers = config.target_layers or args.n_layers
     if not 1 <= target_layers <= args.n_layers:
         raise DemoInputError(f"--target_layers {target_layers} is out of range: {ckpt.name} has {args.n_layers} "
                              f"layers; use 1 to {args.n_layers}, or leave it unset for all of them")
-    uses_draft_layers = config.n_draft_tokens > 0 and config.draft_mode != "suffix" and not config.draft_model
-    if uses_draft_layers and not 1 <= config.draft_layers < target_layers:
+    uses_draft_model = config.n_draft_tokens > 0 and config.draft_mode != "suffix"
+    if uses_draft_model and not config.draft_model and not 1 <= config.draft_layers < target_layers:
         fix = "raise it to at least 1" if config.draft_layers < 1 else f"lower it to at most {target_layers - 1}"
         raise DemoInputError(f"--draft_layers {config.draft_layers} must be between 1 and {target_layers - 1} (the "
                              f"draft is the first layers of the {target_layers}-layer target): {fix}, or use "
                              "--draft_mode suffix for no draft model")
-    choice = choose_device(config.device, args, dtype,
-                           kernels_fit(args, dtype) and load_cpu_kernels(cache_root() / "kernels") is not None,
-                           torch.cuda.is_available())
-    logger.info(f"Device {choice.device}: {choice.reason}")
-    model = load_model(ckpt, dtype, config.max_seq_len, choice.device)
-    target = TorchCausalLM(model, target_layers, config.batch_size)
     tokenizer = load_tokenizer(ckpt)
+    draft_ckpt = resolve_checkpoint(config.draft_model, "--draft_model") if uses_draft_model and config.draft_model else None
+    if draft_ckpt is not None:
+        check_same_tokenizer(tokenizer, load_tokenizer(draft_ckpt), config.draft_model)
 
+    load = ttnn_loader(config, mesh_device) if backend == "ttnn" else torch_loader(config, args)
+    target = load(ckpt, target_layers)
     drafter = None
     if config.n_draft_tokens > 0 and config.draft_mode == "suffix":
         drafter = SuffixDrafter(config.sa_threshold)  # no draft model at all
     elif config.n_draft_tokens > 0:
-        if config.draft_model:
-            draft_ckpt = resolve_checkpoint(config.draft_model, "--draft_model")
-            check_same_tokenizer(tokenizer, load_tokenizer(draft_ckpt), config.draft_model)
-            draft_model = load_model(draft_ckpt, dtype, config.max_seq_len, choice.device)
-            draft_lm = TorchCausalLM(draft_model, draft_model.args.n_layers, config.batch_size)
+        if draft_ckpt is not None:
+            draft_lm, draft_args = load(draft_ckpt, None), ModelArgs.from_hf_config(draft_ckpt.config)
         else:  # the target's first layers, reading and writing the target's cache for them
-            draft_lm = target.draft_view(config.draft_layers)
+            draft_lm, draft_args = target.draft_view(config.draft_layers), args
         if config.draft_mode == "model":
             drafter = ModelDrafter(draft_lm)  # every draft has the full n_draft_tokens
-        else:  # hybrid: the model drafts only while its acceptance pays for its cost
-            draft_cost = draft_lm.weight_bytes_per_token() / target.weight_bytes_per_token()
+        else:  # hybrid: the model drafts only while its acceptance pays for its cost (weights read per token)
+            draft_cost = (draft_args.weight_bytes_per_token(draft_lm.n_layers, 2)
+                          / args.weight_bytes_per_token(target_layers, 2))
             drafter = HybridDrafter(SuffixDrafter(config.sa_threshold), ModelDrafter(draft_lm, draft_cost))
     eos = sorted(set(ckpt.eos_token_ids) | {tokenizer.eos_token_id} - {None})
     tokens = [encode(tokenizer, p, bool(config.instruct)) for p in prompts]
@@ -285,14 +334,15 @@ def generate_all(generator: SpeculativeGenerator, tokens: list[list[int]], batch
             for batch in batches]
 
 
-def run_demo(config: DemoConfig) -> dict:
-    ckpt, tokenizer, target, drafter, prompts, tokens, eos = build(config)
+def run_demo(config: DemoConfig, mesh_device=None) -> dict:
+    """The demo on the backend --backend picks (ttnn: on `mesh_device`); returns the report."""
+    ckpt, tokenizer, target, drafter, prompts, tokens, eos = build(config, mesh_device)
     sampling = sampling_params(config)
     spec = SpeculativeGenerator(target, drafter, config.n_draft_tokens, eos, sampling)
     batches = split_batches(len(prompts), config.batch_size)
     for batch in batches:  # every prompt fits before anything runs
         spec.check_prompts([tokens[i] for i in batch])
-    spec.generate(tokens[:1], 4, bool(config.stop_at_eos))  # warm-up (first-call kernel set-up), not timed
+    spec.generate(tokens[:1], 4, bool(config.stop_at_eos))  # warm-up (kernel set-up, first traces), not timed
 
     logger.info(f"Speculative decoding: {ckpt.name}, {target.n_layers} target layers, batch {config.batch_size}, "
                 f"n_draft_tokens={config.n_draft_tokens}, {describe_drafter(config)}, "
@@ -356,9 +406,13 @@ def config_from_pytest(request) -> DemoConfig:
     return DemoConfig(**values)
 
 
-def test_speculative_demo(request):
+@pytest.mark.parametrize("device_params", [DEVICE_PARAMS], ids=["trace"], indirect=True)
+def test_speculative_demo(request, device_params):
+    """The demo as a pytest test; on the ttnn backend (MESH_DEVICE set, or --backend ttnn) it runs on the
+    `mesh_device` fixture opened with `device_params`, as tt-metal's text demo does."""
     config = config_from_pytest(request)
-    report = run_demo(config)
+    mesh_device = request.getfixturevalue("mesh_device") if backend_of(config) == "ttnn" else None
+    report = run_demo(config, mesh_device)
     assert all(p["output_tokens"] for p in report["prompts"])
     if "identical_to_baseline" in report["summary"]:
         assert report["summary"]["identical_to_baseline"], "speculative output differs from plain greedy decoding"
@@ -370,7 +424,13 @@ def main(argv=None) -> int:
         parser.add_argument(f"--{name}", type=type_, default=default, help=help_)
     config = DemoConfig(**vars(parser.parse_args(argv)))
     try:
-        report = run_demo(config)
+        if backend_of(config) == "ttnn":
+            from models.tt_transformers.ttnn_backend.device import open_mesh
+
+            with open_mesh() as mesh_device:
+                report = run_demo(config, mesh_device)
+        else:
+            report = run_demo(config)
     except ValueError as e:  # DemoInputError, CheckpointError, ModelConfigError: clear messages, no traceback
         logger.error(str(e))
         return 2
