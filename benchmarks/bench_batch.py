@@ -18,6 +18,7 @@ import torch
 
 from models.tt_transformers.demo.speculative_decoding.speculative_demo import (
     encode,
+    eos_token_ids,
     load_prompts,
     split_batches,
     summarize,
@@ -55,7 +56,7 @@ def main():
     ckpt = resolve_checkpoint(None)
     tok = load_tokenizer(ckpt)
     prompts = [encode(tok, p, True) for name, k in PROMPTS for p in load_prompts(str(PROMPT_SETS / f"{name}.json"))[:k]]
-    eos = [tok.eos_token_id]
+    eos = eos_token_ids(ckpt, tok)
     model = load_model(ckpt, torch.bfloat16, 1024)
     n = args.max_generated_tokens
     rows, batch1_plain = [], None

@@ -23,7 +23,12 @@ from common import REPO, hf_ms_per_token, load_hf, machine_info, median_of_inter
 
 import torch
 
-from models.tt_transformers.demo.speculative_decoding.speculative_demo import encode, load_prompts, write_json_atomic
+from models.tt_transformers.demo.speculative_decoding.speculative_demo import (
+    encode,
+    eos_token_ids,
+    load_prompts,
+    write_json_atomic,
+)
 from models.tt_transformers.demo.speculative_decoding.speculative_generator import SpeculativeGenerator
 from models.tt_transformers.speculative.drafters import DEFAULT_SA_THRESHOLD, Draft, HybridDrafter, ModelDrafter, SuffixDrafter
 from models.tt_transformers.speculative.suffix_automaton import SuffixAutomaton
@@ -119,13 +124,14 @@ def main():
     target = TorchCausalLM(model, model.args.n_layers, 1)
     n, k = args.max_generated_tokens, args.n_draft_tokens
     draft_lm = target.draft_view(args.draft_layers)  # as the demo builds it
-    draft_cost = draft_lm.weight_bytes_per_token() / target.weight_bytes_per_token()
+    draft_cost = model.args.weight_bytes_per_token(args.draft_layers, 2) / model.args.weight_bytes_per_token(30, 2)
+    eos = eos_token_ids(ckpt, tok)  # so that stopping at EOS stops, as in the demo
     generators = {
-        "plain": SpeculativeGenerator(target, None, 0),
-        "suffix": SpeculativeGenerator(target, SuffixDrafter(args.sa_threshold), k),
+        "plain": SpeculativeGenerator(target, None, 0, eos),
+        "suffix": SpeculativeGenerator(target, SuffixDrafter(args.sa_threshold), k, eos),
         "hybrid": SpeculativeGenerator(target, HybridDrafter(
-            SuffixDrafter(args.sa_threshold), ModelDrafter(draft_lm, draft_cost)), k),
-        "arctic": SpeculativeGenerator(target, ArcticDrafter(), k),
+            SuffixDrafter(args.sa_threshold), ModelDrafter(draft_lm, draft_cost)), k, eos),
+        "arctic": SpeculativeGenerator(target, ArcticDrafter(), k, eos),
     }
     hf = load_hf(ckpt.folder, torch.bfloat16)
     report = {"machine": machine_info(), "model": ckpt.name, "dtype": "bfloat16", "max_generated_tokens": n,

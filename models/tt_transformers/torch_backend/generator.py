@@ -49,10 +49,6 @@ class TorchCausalLM:
     def step_cost(self, n_rows: int, context_len: float) -> float:
         return 1 + n_rows * (TOKEN_COST + KEY_COST * context_len)
 
-    def weight_bytes_per_token(self) -> int:
-        """Weight bytes one decode step reads through these layers: what a draft costs relative to its target."""
-        return self.model.args.weight_bytes_per_token(self.n_layers, self.model.dtype.itemsize)
-
     def prefill(self, user: int, tokens: Sequence[int], logits: bool = False) -> StepOutput:
         return self._output(self.forward_logits([tokens], [0], [user], last_only=True), logits)
 

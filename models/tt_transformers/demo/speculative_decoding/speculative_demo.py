@@ -138,6 +138,11 @@ def encode(tokenizer, prompt: str, instruct: bool) -> list[int]:
     return tokenizer(prompt).input_ids
 
 
+def eos_token_ids(ckpt, tokenizer) -> list[int]:
+    """Every id that ends a response: config.json's and generation_config.json's, and the tokenizer's."""
+    return sorted(set(ckpt.eos_token_ids) | {tokenizer.eos_token_id} - {None})
+
+
 def check_same_tokenizer(target_tok, draft_tok, draft_name: str) -> None:
     if target_tok.get_vocab() != draft_tok.get_vocab():
         raise DemoInputError(f"draft model {draft_name!r} has a different tokenizer from the target "
@@ -254,9 +259,8 @@ def build(config: DemoConfig, mesh_device=None):
             draft_cost = (draft_args.weight_bytes_per_token(draft_lm.n_layers, 2)
                           / args.weight_bytes_per_token(target_layers, 2))
             drafter = HybridDrafter(SuffixDrafter(config.sa_threshold), ModelDrafter(draft_lm, draft_cost))
-    eos = sorted(set(ckpt.eos_token_ids) | {tokenizer.eos_token_id} - {None})
     tokens = [encode(tokenizer, p, bool(config.instruct)) for p in prompts]
-    return ckpt, tokenizer, target, drafter, prompts, tokens, eos
+    return ckpt, tokenizer, target, drafter, prompts, tokens, eos_token_ids(ckpt, tokenizer)
 
 
 def sampling_params(config: DemoConfig) -> SamplingParams:
