@@ -25,7 +25,8 @@ from models.tt_transformers.demo.speculative_decoding.speculative_demo import (
     write_json_atomic,
 )
 from models.tt_transformers.demo.speculative_decoding.speculative_generator import SpeculativeGenerator
-from models.tt_transformers.speculative.drafters import SuffixDrafter
+from models.tt_transformers.speculative.draft_memory import DraftMemory
+from models.tt_transformers.speculative.drafters import DEFAULT_SA_THRESHOLD, SuffixDrafter
 from models.tt_transformers.speculative.sampling import SamplingParams
 from models.tt_transformers.torch_backend.checkpoint import load_model, load_tokenizer, resolve_checkpoint
 from models.tt_transformers.torch_backend.generator import TorchCausalLM
@@ -34,9 +35,15 @@ PROMPT_SETS = REPO / "benchmarks" / "prompt_sets"
 PROMPTS = [("code_edit", 3), ("summarization", 3), ("chat", 2)]
 
 
-def run_batched(target, drafter, n_draft, prompts, batch_size, n_tokens, sampling, eos):
-    gen = SpeculativeGenerator(target, drafter, n_draft, eos, sampling)
-    gen.generate(prompts[:1], 4)  # warm-up
+def demo_drafter() -> SuffixDrafter:
+    """`--draft_mode suffix` as the demo builds it (memory of earlier responses, recycling; trees where the target
+    verifies them), fresh for each run so that no run learns from an earlier one."""
+    return SuffixDrafter(DEFAULT_SA_THRESHOLD, DraftMemory(65536), 4)
+
+
+def run_batched(target, make_drafter, n_draft, prompts, batch_size, n_tokens, sampling, eos):
+    SpeculativeGenerator(target, None, 0, eos, sampling).generate(prompts[:1], 4)  # warm-up, plain
+    gen = SpeculativeGenerator(target, make_drafter() if make_drafter else None, n_draft, eos, sampling)
     batches = split_batches(len(prompts), batch_size)
     results = [gen.generate([prompts[i] for i in b], n_tokens) for b in batches]
     return summarize(results), [r.output_tokens for rb in results for r in rb]
@@ -66,7 +73,7 @@ def main():
             sampling = SamplingParams(temperature, seed=0)
             runs = median_of_interleaved(
                 {"plain": partial(run_batched, target, None, 0, prompts, b, n, sampling, eos),
-                 "suffix": partial(run_batched, target, SuffixDrafter(), args.n_draft_tokens, prompts, b, n, sampling,
+                 "suffix": partial(run_batched, target, demo_drafter, args.n_draft_tokens, prompts, b, n, sampling,
                                    eos)}, args.repeats, key=lambda run: -run[0]["decode_tok_s"])
             (plain, plain_out), (spec, spec_out) = runs["plain"], runs["suffix"]
             if temperature == 0 and batch1_plain is None:
@@ -88,7 +95,32 @@ def main():
                   "" if r["identical_to_batch1_plain"] is None else r["identical_to_batch1_plain"]] for r in rows])
     write_json_atomic(Path(args.output_json), {"machine": machine_info(), "model": ckpt.name, "rows": rows,
                                                "n_draft_tokens": args.n_draft_tokens, "max_generated_tokens": n})
+    print(f"Plot: {plot(rows, Path(args.output_json).with_suffix('.png'))}")
     print(f"JSON: {args.output_json}")
+
+
+def plot(rows: list[dict], path: Path) -> Path:
+    """Throughput speedup over plain decoding by batch size, one line per temperature."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    for temperature in sorted({r["temperature"] for r in rows}):
+        these = [r for r in rows if r["temperature"] == temperature]
+        ax.plot([r["batch_size"] for r in these], [r["speedup"] for r in these], marker="o",
+                label="greedy" if temperature == 0 else f"temperature {temperature}")
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("throughput vs plain decoding")
+    ax.set_title("Model-free drafts at batch, 2-core CPU")
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 if __name__ == "__main__":

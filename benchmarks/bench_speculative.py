@@ -65,7 +65,7 @@ def main():
     report["cpu_kernels"] = bf16.kernels is not None
     models = {"bfloat16": bf16, "bfloat16_torch_ops": load_model(ckpt, torch.bfloat16, 1024, cpu_kernels=False),
               "float32": load_model(ckpt, torch.float32, 1024)}
-    plain = median_of_interleaved({k: partial(run_ours, layer_draft_generator(m, 0, 0), prompts, n)
+    plain = median_of_interleaved({k: partial(run_ours, partial(layer_draft_generator, m, 0, 0), prompts, n)
                                    for k, m in models.items()}, args.repeats)
     hf = {name: hf_ms_per_token(load_hf(ckpt.folder, dt), prompts, n) for name, dt in
           [("bfloat16", torch.bfloat16), ("float32", torch.float32)]}
@@ -89,7 +89,7 @@ def main():
     base = plain["bfloat16"]
     for layers in args.draft_layers:
         for k in args.n_draft_tokens:
-            r = run_ours(layer_draft_generator(bf16, k, layers), prompts, n)
+            r = run_ours(partial(layer_draft_generator, bf16, k, layers), prompts, n)
             rows.append({"draft_layers": layers, "n_draft_tokens": k, "acceptance_rate": r["acceptance_rate"],
                          "tokens_per_step": r["tokens_per_step"], "ms_per_token": r["ms_per_token"],
                          "speedup": base["ms_per_token"] / r["ms_per_token"],

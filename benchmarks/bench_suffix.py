@@ -1,18 +1,26 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Suffix-automaton and hybrid drafting vs plain decoding and the peers a user would pick instead.
+"""Model-free drafting vs plain decoding and the peers a user would pick instead, in one run.
 
     make bench-suffix        # or: python benchmarks/bench_suffix.py --max_generated_tokens 128 --n_draft_tokens 16
 
-On the embedded model (bf16) and the prompt sets in benchmarks/prompt_sets/ (repetitive: code edits, JSON,
-summaries; ordinary: chat, QA, translation), all in this one run:
-- ours: plain decoding, `suffix`, `hybrid` (suffix, else the first --draft_layers layers) and Snowflake's
-  arctic-inference SuffixDecodingCache as the drafter in our loop (same verifier, same n, same 1.0 match-length
-  factor; it sees the prompt and the request's own output, as our automaton does);
+On the embedded model (bf16) and the prompt sets in benchmarks/prompt_sets/ (16 prompts each; SOURCES.md): code
+edits, JSON rewrites, summaries (repetitive), chat, QA, translation (ordinary), and related_requests (a sequence of
+related requests: tool calls with one schema, review-and-fix rounds on one file, a multi-turn chat). Each
+category's prompts run in order through one fresh generator per run, as one server would see them:
+- plain: our plain decoding;
+- suffix: our model-free drafts as the demo builds them (`--draft_mode suffix`: the request's text, a memory of
+  earlier responses, recycled target predictions, token trees);
+- suffix (request only): the same without memory, recycling or trees (copies of the request's own text, chains);
+- hybrid: suffix, else the target's first --draft_layers layers;
+- arctic: Snowflake's arctic-inference SuffixDecodingCache as the drafter in our loop (same verifier and n, its
+  default max_spec_factor 1.0 and min_token_prob 0.1, its global cache of earlier responses on, as in vLLM);
 - Hugging Face greedy `generate` and `generate(prompt_lookup_num_tokens=10)` on the same weights and dtype;
-- the host cost of our automaton's extend + propose, and of arctic's speculate, on a 4,000-token context.
-Greedy, stopping at EOS. Prints tables and writes JSON.
+- the host cost per iteration of drafting (extend + propose + accept) on a 4,000-token context, ours and arctic's.
+Greedy, stopping at EOS. Our methods run --repeats times each, interleaved; the median run is reported with the
+spread of the speedup over the runs. Prints tables, checks issue 13's goals, writes JSON and PNG charts.
 """
 import argparse
+import math
 import random
 import statistics
 import time
@@ -30,25 +38,32 @@ from models.tt_transformers.demo.speculative_decoding.speculative_demo import (
     write_json_atomic,
 )
 from models.tt_transformers.demo.speculative_decoding.speculative_generator import SpeculativeGenerator
-from models.tt_transformers.speculative.drafters import DEFAULT_SA_THRESHOLD, Draft, HybridDrafter, ModelDrafter, SuffixDrafter
-from models.tt_transformers.speculative.suffix_automaton import SuffixAutomaton
+from models.tt_transformers.speculative.draft_length import linear_cost
+from models.tt_transformers.speculative.draft_memory import DraftMemory
+from models.tt_transformers.speculative.drafters import DEFAULT_SA_THRESHOLD, Draft, HybridDrafter, ModelDrafter, SuffixDrafter, Verified
+from models.tt_transformers.speculative.sampling import SamplingParams
 from models.tt_transformers.torch_backend.checkpoint import load_model, load_tokenizer, resolve_checkpoint
 from models.tt_transformers.torch_backend.generator import TorchCausalLM
 
 PROMPT_SETS = REPO / "benchmarks" / "prompt_sets"
 CATEGORIES = {"code_edit": "repetitive", "json": "repetitive", "summarization": "repetitive",
-              "chat": "ordinary", "qa": "ordinary", "translation": "ordinary"}
-METHODS = ("plain", "suffix", "hybrid", "arctic")
+              "chat": "ordinary", "qa": "ordinary", "translation": "ordinary", "related_requests": "related"}
+METHODS = ("plain", "suffix", "suffix (request only)", "hybrid", "arctic")
+# Issue 13's floors (speedup over our plain decoding, wall clock), for the `suffix` method.
+GOALS = {"code_edit": 2.5, "summarization": 2.0, "json": 2.0, "chat": 1.4, "qa": 1.4, "translation": 1.4,
+         "related_requests": 2.5}
+RECYCLE_TOP_K, MEMORY_TOKENS = 4, 65536  # the demo's defaults
 
 
 class ArcticDrafter:
     """arctic-inference's SuffixDecodingCache behind our Drafter interface (a peer, for comparison only)."""
 
-    def __init__(self, max_spec_factor: float = 1.0):
+    top_k = 0
+
+    def __init__(self, max_cached_requests: int = 100000):
         from arctic_inference.suffix_decoding import SuffixDecodingCache
 
-        self.cache = SuffixDecodingCache(max_tree_depth=64, max_cached_requests=1)  # its own output, nothing older
-        self.max_spec_factor = max_spec_factor
+        self.cache = SuffixDecodingCache(max_tree_depth=64, max_cached_requests=max_cached_requests)
         self.request, self.req_ids, self.seen = 0, {}, {}
 
     def start(self, users, prompts, sampling):
@@ -60,7 +75,7 @@ class ArcticDrafter:
             self.req_ids[u], self.seen[u] = self.request, len(p)
             self.cache.start_request(self.request, list(p))
 
-    def propose(self, users, contexts, max_tokens, extra_cost):
+    def propose(self, users, contexts, max_tokens, extra_cost, trees=False):
         drafts = []
         for u, ctx, n in zip(users, contexts, max_tokens):
             req = self.req_ids[u]
@@ -69,41 +84,108 @@ class ArcticDrafter:
             if n <= 0:
                 drafts.append(Draft([], "none"))
                 continue
-            d = self.cache.speculate(req, ctx[-self.cache.max_tree_depth:], max_spec_tokens=n,
-                                     max_spec_factor=self.max_spec_factor)
+            d = self.cache.speculate(req, ctx[-self.cache.max_tree_depth:], max_spec_tokens=n)
             drafts.append(Draft(list(d.token_ids), "suffix" if d.token_ids else "none", d.match_len))
         return drafts
 
-    def accept(self, user, new_tokens, n_accepted):
+    def accept(self, user, verified):
         pass
 
 
+def generator_factories(model, eos, args) -> dict:
+    """Method -> a function building a fresh generator (nothing learned from an earlier run)."""
+    def make(drafter_factory, n_draft):
+        target = TorchCausalLM(model, model.args.n_layers, 1)
+        return SpeculativeGenerator(target, drafter_factory(target), n_draft, eos)
+
+    k, threshold = args.n_draft_tokens, args.sa_threshold
+    draft_cost = model.args.weight_bytes_per_token(args.draft_layers, 2) / model.args.weight_bytes_per_token(30, 2)
+
+    def request_only(target):
+        target.supports_trees = False
+        return SuffixDrafter(threshold)
+    return {
+        "plain": partial(make, lambda target: None, 0),
+        "suffix": partial(make, lambda target: SuffixDrafter(threshold, DraftMemory(MEMORY_TOKENS), RECYCLE_TOP_K), k),
+        "suffix (request only)": partial(make, request_only, k),
+        "hybrid": partial(make, lambda target: HybridDrafter(SuffixDrafter(threshold, DraftMemory(MEMORY_TOKENS),
+                                                                           RECYCLE_TOP_K),
+                                                             ModelDrafter(target.draft_view(args.draft_layers),
+                                                                          draft_cost)), k),
+        "arctic": partial(make, lambda target: ArcticDrafter(), k),
+    }
+
+
 def host_cost_us(context: list[int], n_draft: int, n_iterations: int = 400) -> dict:
-    """Median µs per iteration of (extend by the accepted tokens + propose) on a context of len(context), for our
-    automaton and for arctic's (add_active_response + speculate). Accepted runs of 1-4 tokens, as in decoding."""
+    """Median µs per iteration of drafting on a context of len(context) tokens, accepted runs of 1-4 tokens as in
+    decoding: ours (SuffixDrafter.propose + accept, with the automaton's extension; chains, and trees with recycled
+    predictions) and arctic's (add_active_response + speculate)."""
     from arctic_inference.suffix_decoding import SuffixDecodingCache
 
     rng = random.Random(0)
     steps = [rng.randint(1, 4) for _ in range(n_iterations)]
     prefix_len = len(context) - sum(steps)
-    sam = SuffixAutomaton(context[:prefix_len])
+    out = {"context_tokens": len(context)}
+    for name, trees, recycle in (("ours_chain", False, 0), ("ours_tree_recycle", True, RECYCLE_TOP_K)):
+        drafter = SuffixDrafter(DEFAULT_SA_THRESHOLD, recycle=recycle)
+        drafter.start([0], [context[:prefix_len]], SamplingParams())
+        times, pos = [], prefix_len
+        for k in steps:
+            ctx = context[: pos + k]
+            start = time.perf_counter()
+            draft = drafter.propose([0], [ctx], [n_draft], linear_cost(0.09), trees)[0]
+            drafter.accept(0, Verified(ctx[pos : pos + 1], [], [ctx[pos - 1]] + draft.tokens))
+            times.append(time.perf_counter() - start)
+            pos += k
+        out[f"{name}_median_us"] = 1e6 * statistics.median(times)
     arctic = SuffixDecodingCache(max_tree_depth=64, max_cached_requests=1)
     arctic.start_request(0, context[:prefix_len])
-    ours, theirs, pos = [], [], prefix_len
+    times, pos = [], prefix_len
     for k in steps:
-        new = context[pos : pos + k]
         start = time.perf_counter()
-        for t in new:
-            sam.extend(t)
-        sam.propose(n_draft, 4)
-        ours.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        arctic.add_active_response(0, new)
-        arctic.speculate(0, context[max(0, pos + k - 64): pos + k], max_spec_tokens=n_draft)
-        theirs.append(time.perf_counter() - start)
+        arctic.add_active_response(0, context[pos : pos + k])
+        arctic.speculate(0, context[max(0, pos + k - 64) : pos + k], max_spec_tokens=n_draft)
+        times.append(time.perf_counter() - start)
         pos += k
-    return {"context_tokens": len(context), "ours_median_us": 1e6 * statistics.median(ours),
-            "arctic_median_us": 1e6 * statistics.median(theirs)}
+    out["arctic_median_us"] = 1e6 * statistics.median(times)
+    return out
+
+
+def plot(report: dict, folder: Path) -> list[Path]:
+    """Speedup and tokens per target forward by category, ours vs the peers."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    categories = list(report["categories"])
+    first = report["categories"][categories[0]]
+    paths = []
+    for key, label, name in (("speedup", "speedup vs our plain decoding (wall clock)", "bench_suffix_speedup.png"),
+                             ("tokens_per_step", "tokens per target forward", "bench_suffix_tokens.png")):
+        methods = [m for m in (*METHODS[1:], "HF prompt lookup 10") if m in first and key in first[m]]
+        fig, ax = plt.subplots(figsize=(11, 4.2))
+        width = 0.8 / len(methods)
+        for i, m in enumerate(methods):
+            values = [report["categories"][c][m][key] for c in categories]
+            bars = ax.bar([x + i * width for x in range(len(categories))], values, width, label=m)
+            if key == "speedup" and "spread" in first[m]:
+                spreads = [report["categories"][c][m]["spread"] for c in categories]
+                ax.errorbar([b.get_x() + width / 2 for b in bars], values,
+                            yerr=[[v - s[0] for v, s in zip(values, spreads)], [s[-1] - v for v, s in zip(values, spreads)]],
+                            fmt="none", ecolor="black", elinewidth=0.8, capsize=2)
+        if key == "speedup":
+            ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.set_xticks([x + width * (len(methods) - 1) / 2 for x in range(len(categories))], categories)
+        ax.set_ylabel(label)
+        ax.set_title(f"{report['model']} bf16, 2-core CPU, n_draft_tokens={report['n_draft_tokens']}: {label}")
+        ax.legend(fontsize=8, ncol=3)
+        fig.tight_layout()
+        folder.mkdir(parents=True, exist_ok=True)
+        fig.savefig(folder / name, dpi=110)
+        plt.close(fig)
+        paths.append(folder / name)
+    return paths
 
 
 def main():
@@ -114,68 +196,80 @@ def main():
     ap.add_argument("--draft_layers", type=int, default=8)
     ap.add_argument("--categories", nargs="+", default=list(CATEGORIES))
     ap.add_argument("--repeats", type=int, default=3, help="runs of each of our methods; the median is reported")
+    ap.add_argument("--skip_hf", action="store_true", help="leave out the Hugging Face rows (they take longest)")
     ap.add_argument("--output_json", default=str(REPO / "bench_results" / "bench_suffix.json"))
     args = ap.parse_args()
     quiet_logs()
 
     ckpt = resolve_checkpoint(None)
     tok = load_tokenizer(ckpt)
-    model = load_model(ckpt, torch.bfloat16, 2048)
-    target = TorchCausalLM(model, model.args.n_layers, 1)
-    n, k = args.max_generated_tokens, args.n_draft_tokens
-    draft_lm = target.draft_view(args.draft_layers)  # as the demo builds it
-    draft_cost = model.args.weight_bytes_per_token(args.draft_layers, 2) / model.args.weight_bytes_per_token(30, 2)
-    eos = eos_token_ids(ckpt, tok)  # so that stopping at EOS stops, as in the demo
-    generators = {
-        "plain": SpeculativeGenerator(target, None, 0, eos),
-        "suffix": SpeculativeGenerator(target, SuffixDrafter(args.sa_threshold), k, eos),
-        "hybrid": SpeculativeGenerator(target, HybridDrafter(
-            SuffixDrafter(args.sa_threshold), ModelDrafter(draft_lm, draft_cost)), k, eos),
-        "arctic": SpeculativeGenerator(target, ArcticDrafter(), k, eos),
-    }
-    hf = load_hf(ckpt.folder, torch.bfloat16)
+    model = load_model(ckpt, torch.bfloat16, 4096)
+    n = args.max_generated_tokens
+    factories = generator_factories(model, eos_token_ids(ckpt, tok), args)
+    hf = None if args.skip_hf else load_hf(ckpt.folder, torch.bfloat16)
     report = {"machine": machine_info(), "model": ckpt.name, "dtype": "bfloat16", "max_generated_tokens": n,
-              "n_draft_tokens": k, "sa_threshold": args.sa_threshold, "draft_layers": args.draft_layers,
-              "categories": {}}
+              "n_draft_tokens": args.n_draft_tokens, "sa_threshold": args.sa_threshold,
+              "draft_layers": args.draft_layers, "repeats": args.repeats, "categories": {}}
 
     for category in args.categories:
         prompts = [encode(tok, p, True) for p in load_prompts(str(PROMPT_SETS / f"{category}.json"))]
-        ours = median_of_interleaved({m: partial(run_ours, g, prompts, n, stop_at_eos=True)
-                                      for m, g in generators.items()}, args.repeats)
+        ours = median_of_interleaved({m: partial(run_ours, factories[m], prompts, n, stop_at_eos=True)
+                                      for m in METHODS}, args.repeats)
         row = {m: {key: r[key] for key in ("ms_per_token", "acceptance_rate", "tokens_per_step")}
                for m, r in ours.items()}
+        row["plain"]["speedup"] = 1.0
         for m in METHODS[1:]:
             row[m]["speedup"] = ours["plain"]["ms_per_token"] / ours[m]["ms_per_token"]
+            row[m]["spread"] = [ours["plain"]["ms_per_token"] / ms for ms in reversed(ours[m]["spread"])]
             row[m]["identical_to_plain"] = ours[m]["outputs"] == ours["plain"]["outputs"]
-        row["hf_generate_ms_per_token"] = hf_ms_per_token(hf, prompts, n, stop_at_eos=True)
-        row["hf_prompt_lookup_ms_per_token"] = hf_ms_per_token(hf, prompts, n, stop_at_eos=True,
-                                                               prompt_lookup_num_tokens=10)
+        if hf is not None:
+            for m, kwargs in (("HF generate", {}), ("HF prompt lookup 10", {"prompt_lookup_num_tokens": 10})):
+                ms = hf_ms_per_token(hf, prompts, n, stop_at_eos=True, **kwargs)
+                row[m] = {"ms_per_token": ms, "speedup": ours["plain"]["ms_per_token"] / ms}
+        row["stopped_at_eos"] = sum(r.output_tokens[-1] in eos_token_ids(ckpt, tok)
+                                    for r in ours["plain"]["results"])
         report["categories"][category] = row
         print(f"{category}: done", flush=True)
 
     sample = [t for f in sorted(PROMPT_SETS.glob("*.json")) for p in load_prompts(str(f)) for t in encode(tok, p, False)]
-    context = (sample * (4000 // len(sample) + 1))[:4000]
-    report["host_cost"] = host_cost_us(context, k)
+    report["host_cost"] = host_cost_us((sample * (4000 // len(sample) + 1))[:4000], args.n_draft_tokens)
 
-    print(f"\nGreedy, {ckpt.name} bf16, up to {n} tokens per prompt, n_draft_tokens={k}, sa_threshold="
-          f"{args.sa_threshold}, hybrid draft = first {args.draft_layers} layers; {machine_info()}")
+    print(f"\nGreedy, {ckpt.name} bf16, up to {n} tokens per prompt (stopping at EOS), n_draft_tokens="
+          f"{args.n_draft_tokens}, {args.repeats} runs of each of ours (median; spread = min-max speedup); "
+          f"{machine_info()}")
     table = []
     for category, row in report["categories"].items():
-        plain_ms = row["plain"]["ms_per_token"]
-        for m in METHODS:
+        for m in [*METHODS, "HF generate", "HF prompt lookup 10"]:
+            if m not in row:
+                continue
             r = row[m]
-            speed = f"{r['speedup']:.2f}x" if m != "plain" else "1.00x"
-            table.append([category, CATEGORIES[category], m, f"{r['tokens_per_step']:.2f}",
-                          f"{100 * r['acceptance_rate']:.0f}%", f"{r['ms_per_token']:.1f}", speed,
-                          r.get("identical_to_plain", True)])
-        for m, key in (("HF generate", "hf_generate_ms_per_token"), ("HF prompt lookup 10", "hf_prompt_lookup_ms_per_token")):
-            table.append([category, CATEGORIES[category], m, "", "", f"{row[key]:.1f}", f"{plain_ms / row[key]:.2f}x", ""])
-    print_table(["category", "kind", "method", "tokens/target forward", "acceptance", "ms/token", "speedup vs our plain",
+            spread = f" ({r['spread'][0]:.2f}-{r['spread'][-1]:.2f})" if "spread" in r else ""
+            table.append([category, m, f"{r['tokens_per_step']:.2f}" if "tokens_per_step" in r else "",
+                          f"{100 * r['acceptance_rate']:.0f}%" if "acceptance_rate" in r else "",
+                          f"{r['ms_per_token']:.1f}", f"{r['speedup']:.2f}x{spread}", r.get("identical_to_plain", "")])
+    print_table(["category", "method", "tokens/target forward", "acceptance", "ms/token", "speedup vs our plain",
                  "identical"], table)
+    cats = report["categories"]
+    report["goals"] = {c: {"suffix": cats[c]["suffix"]["speedup"], "floor": GOALS[c],
+                           "met": cats[c]["suffix"]["speedup"] >= GOALS[c]} for c in cats if c in GOALS}
+    six = [c for c in cats if CATEGORIES[c] != "related"]
+    if six:
+        geomean = math.exp(sum(math.log(cats[c]["suffix"]["speedup"]) for c in six) / len(six))
+        report["goals"]["geomean"] = {"suffix": geomean, "floor": 1.6, "met": geomean >= 1.6}
+        report["goals"]["tokens_per_forward_vs_arctic"] = {
+            c: cats[c]["suffix"]["tokens_per_step"] >= cats[c]["arctic"]["tokens_per_step"] for c in six}
     h = report["host_cost"]
-    print(f"\nHost cost per iteration on a {h['context_tokens']}-token context (median): ours extend + propose "
-          f"{h['ours_median_us']:.1f} µs; arctic add_active_response + speculate {h['arctic_median_us']:.1f} µs")
+    report["goals"]["host_cost_us"] = {"suffix": h["ours_tree_recycle_median_us"], "floor": 10.0,
+                                       "met": h["ours_tree_recycle_median_us"] <= 10.0}
+    print("\nGoals (issue 13):")
+    for name, g in report["goals"].items():
+        print(f"  {name}: {g}")
+    print(f"\nHost cost per iteration on a {h['context_tokens']}-token context (median): ours "
+          f"{h['ours_chain_median_us']:.1f} µs (chains), {h['ours_tree_recycle_median_us']:.1f} µs (trees + recycling); "
+          f"arctic {h['arctic_median_us']:.1f} µs")
     write_json_atomic(Path(args.output_json), report)
+    for path in plot(report, Path(args.output_json).parent):
+        print(f"Plot: {path}")
     print(f"JSON: {args.output_json}")
 
 

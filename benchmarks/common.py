@@ -24,9 +24,11 @@ def machine_info() -> dict:
     return environment("cpu")
 
 
-def run_ours(generator: SpeculativeGenerator, prompts, n_tokens: int, stop_at_eos: bool = False) -> dict:
-    """Each prompt as its own batch of one (after a warm-up); figures from the demo's summarize()."""
-    generator.generate(prompts[:1], 4, stop_at_eos=False)
+def run_ours(make_generator, prompts, n_tokens: int, stop_at_eos: bool = False) -> dict:
+    """A fresh generator (and drafter: nothing learned from an earlier run) over the prompts in order, each its own
+    batch of one, after a plain warm-up; figures from the demo's summarize()."""
+    generator = make_generator()
+    SpeculativeGenerator(generator.target, None, 0).generate(prompts[:1], 4, stop_at_eos=False)
     results = [generator.generate([p], n_tokens, stop_at_eos=stop_at_eos)[0] for p in prompts]
     s = summarize([[r] for r in results])
     return {"ms_per_token": 1e3 / s["decode_tok_s"], "tok_s": s["decode_tok_s"],
@@ -36,12 +38,13 @@ def run_ours(generator: SpeculativeGenerator, prompts, n_tokens: int, stop_at_eo
 
 def median_of_interleaved(runs: dict, repeats: int, key=lambda r: r["ms_per_token"]) -> dict:
     """Call every run `repeats` times, interleaved (a, b, c, a, b, c, ...) so that this shared machine's slow
-    drifts hit every method alike, and keep each method's median run by `key`."""
+    drifts hit every method alike, and keep each method's median run by `key`, with every run's key in "spread"."""
     results = {name: [] for name in runs}
     for _ in range(repeats):
         for name, run in runs.items():
             results[name].append(run())
-    return {name: sorted(rs, key=key)[len(rs) // 2] for name, rs in results.items()}
+    return {name: {**sorted(rs, key=key)[len(rs) // 2], "spread": sorted(key(r) for r in rs)}
+            for name, rs in results.items()}
 
 
 def print_table(header: list[str], rows: list[list]) -> None:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from models.tt_transformers.torch_backend import cpu_kernels
+from models.tt_transformers.torch_backend.attention import ExactToken
 from models.tt_transformers.torch_backend.cpu_kernels import StepTable
 from models.tt_transformers.torch_backend.generator import TorchCausalLM
 from models.tt_transformers.torch_backend.model import Transformer
@@ -95,15 +96,17 @@ def test_bad_cache_row_is_one_clear_error_not_memory_corruption():
         with pytest.raises(IndexError, match="rows must be distinct and in \\[0, 2\\)"):
             lm.forward_logits([[5]], start, users)
     with pytest.raises(IndexError, match="bad kernel step entry"):
-        StepTable.of([(0, 5, 6)])  # first visible key after the token's own slot
-    table = StepTable.of([(3, 4, 0)])  # row 3 of a 2-row cache
+        StepTable.of([ExactToken(0, 0, 5, 5, 6, 5)])  # first visible key after the end of its run
+    with pytest.raises(IndexError, match="bad kernel step entry"):
+        StepTable.of([ExactToken(0, 0, 5, 5, 0, 3, (4, -2))])  # an ancestor slot below 0
+    table = StepTable.of([ExactToken(0, 3, 4, 4, 0, 5)])  # row 3 of a 2-row cache
     x = torch.zeros(1, 1, model.args.dim, dtype=torch.bfloat16)
     layer = model.layers[0]
     with pytest.raises(IndexError, match="reaches cache row 3"):
         CPU_KERNELS.decoder_layer(x, model.args, layer.kernel_weights, table, model.rope_cos, model.rope_sin,
                                   lm.cache.k[0], lm.cache.v[0])
     with pytest.raises(ValueError, match="caches"):  # a float32 cache would be read as bf16
-        CPU_KERNELS.decoder_layer(x, model.args, layer.kernel_weights, StepTable.of([(0, 4, 0)]), model.rope_cos,
+        CPU_KERNELS.decoder_layer(x, model.args, layer.kernel_weights, StepTable.of([ExactToken(0, 0, 4, 4, 0, 5)]), model.rope_cos,
                                   model.rope_sin, lm.cache.k[0].float(), lm.cache.v[0])
 
 

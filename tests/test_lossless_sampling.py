@@ -10,6 +10,7 @@ import torch
 
 from models.tt_transformers.demo.speculative_decoding.speculative_generator import SpeculativeGenerator
 from models.tt_transformers.speculative import sampling as sampling_module
+from models.tt_transformers.speculative.draft_length import LENGTH_BUCKETS, MatchAcceptance
 from models.tt_transformers.speculative.drafters import ModelDrafter, SuffixDrafter
 from models.tt_transformers.speculative.sampling import RandomStreams, SamplingParams, probabilities, verify_rejection
 from models.tt_transformers.torch_backend.generator import TorchCausalLM
@@ -138,50 +139,71 @@ def exact_joint(model, params) -> torch.Tensor:
     return joint
 
 
-def sampled_counts(model, kind, n_draft, params, n_batches) -> tuple[torch.Tensor, int]:
-    """Counts of each sampled sequence, and how many iterations verified a chain of N_DRAFT drafted tokens."""
+def sampled_counts(model, kind, n_draft, params, n_batches) -> tuple[torch.Tensor, int, int]:
+    """Counts of each sampled sequence, how many iterations verified a chain of N_DRAFT drafted tokens, and how
+    many verified a branching token tree."""
     target = TorchCausalLM(model, model.args.n_layers, BATCH)
     target.step_cost = lambda n_rows, context_len: 1.0  # at batch 32 the CPU cost model would draft little; the tests need drafts
     drafter = draft_source(target, kind)
     counts = torch.zeros(VOCAB ** N_TOKENS)
-    full_chains = 0
+    full_chains = trees = 0
     for b in range(n_batches):
         gen = SpeculativeGenerator(target, drafter, n_draft, (), SamplingParams(
             params.temperature, params.top_k, params.top_p, seed=b))
         for r in gen.generate([PROMPT] * BATCH, N_TOKENS, stop_at_eos=False):
             counts[sequence_index(r.output_tokens)] += 1
-            full_chains += sum(it.drafted >= N_DRAFT for it in r.iterations)
-    return counts, full_chains
+            full_chains += sum(it.drafted >= N_DRAFT and it.draft_source != "tree" for it in r.iterations)
+            trees += sum(it.draft_source == "tree" for it in r.iterations)
+    return counts, full_chains, trees
 
 
 def draft_source(target, kind):
     """model: the target's first layer, sharing its cache (as the demo builds it); model-own-cache: the same
-    layer with a cache of its own; suffix: the automaton; plain: none."""
+    layer with a cache of its own; suffix: the automaton, trusting every copy (so its chains run to the length
+    allowed: this tests verification, not the length policy), as chains; tree: the automaton and recycled target
+    predictions as token trees; plain: none."""
     if kind == "model":
         return ModelDrafter(target.draft_view(1))
     if kind == "model-own-cache":
         return ModelDrafter(TorchCausalLM(target.model, 1, BATCH))
-    return SuffixDrafter(threshold=1, max_spec_factor=4.0) if kind == "suffix" else None  # chains after short matches
+    if kind in ("suffix", "tree"):
+        target.supports_trees = kind == "tree"
+        drafter = SuffixDrafter(threshold=1, recycle=3 if kind == "tree" else 0)
+        trusting = MatchAcceptance(prior=[0.99] * len(LENGTH_BUCKETS), decay=1.0, prior_weight=1e9)
+        drafter.acceptance.update(suffix=trusting, recycle=trusting)
+        return drafter
+    return None
 
 
-@pytest.mark.parametrize("kind", ["model", "model-own-cache", "suffix", "plain"])
+@pytest.mark.parametrize("kind", ["model", "model-own-cache", "suffix", "tree", "plain"])
 def test_speculative_sampling_matches_target_distribution(tiny_model, kind):
     expected = exact_joint(tiny_model, SETTINGS)
-    counts, full_chains = sampled_counts(tiny_model, kind, 0 if kind == "plain" else N_DRAFT, SETTINGS, n_batches=100)
+    counts, full_chains, trees = sampled_counts(tiny_model, kind, 0 if kind == "plain" else N_DRAFT, SETTINGS,
+                                                n_batches=100)
     assert chi_square_p_value(counts, expected) > ALPHA
-    if kind != "plain":  # most users verify a whole chain of N_DRAFT drafts right after the prefill
+    if kind in ("model", "model-own-cache", "suffix"):  # most users verify a whole chain of N_DRAFT drafts at once
         assert full_chains >= 100 * BATCH // 2, full_chains
+    if kind == "tree":  # branching trees (several candidates for a position) pass through rejection sampling
+        assert trees >= 100 * BATCH // 10, trees
 
 
-@pytest.mark.parametrize("kind", ["model", "suffix"])
+@pytest.mark.parametrize("kind", ["model", "suffix", "tree"])
 def test_negative_control_end_to_end(tiny_model, kind, monkeypatch):
     """The same end-to-end test with a verifier that accepts every draft token must fail: the test has power."""
     from models.tt_transformers.demo.speculative_decoding import speculative_generator
 
     def accept_all(draft, draft_probs, target_probs, rng):
         return list(draft) + [sampling_module.sample(target_probs[len(draft)], rng)]
+
+    def accept_first_children(tokens, parents, target_probs, rng):  # down the first child of every node
+        path = []
+        while (child := next((i for i, p in enumerate(parents) if p == (path[-1] if path else -1)), None)) is not None:
+            path.append(child)
+        node = path[-1] if path else -1
+        return [tokens[i] for i in path] + [sampling_module.sample(target_probs[node + 1], rng)], path
     monkeypatch.setattr(speculative_generator, "verify_rejection", accept_all)
-    counts, _ = sampled_counts(tiny_model, kind, N_DRAFT, SETTINGS, n_batches=100)
+    monkeypatch.setattr(speculative_generator, "verify_rejection_tree", accept_first_children)
+    counts, _, _ = sampled_counts(tiny_model, kind, N_DRAFT, SETTINGS, n_batches=100)
     assert chi_square_p_value(counts, exact_joint(tiny_model, SETTINGS)) < ALPHA
 
 

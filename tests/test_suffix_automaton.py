@@ -3,13 +3,21 @@
 import random
 import sys
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from models.tt_transformers.demo.speculative_decoding.speculative_generator import SpeculativeGenerator
 from models.tt_transformers.speculative.backend import extra_cost_curve
-from models.tt_transformers.speculative.draft_length import DraftLengthPolicy, linear_cost, suffix_cap
+from models.tt_transformers.speculative.draft_length import (
+    DraftLengthPolicy,
+    MatchAcceptance,
+    best_length,
+    bucket_of,
+    linear_cost,
+)
 from models.tt_transformers.speculative.drafters import ModelDrafter
+from models.tt_transformers.speculative.draft_memory import BYTES_PER_TOKEN
 from models.tt_transformers.speculative.suffix_automaton import SuffixAutomaton
 from models.tt_transformers.torch_backend.generator import TorchCausalLM
 
@@ -27,7 +35,21 @@ def longest_earlier_suffix(seq: list[int]) -> tuple[int, list[int]]:
     return 0, []
 
 
-def check_against_brute_force(seq: list[int], max_tokens: int, min_match: int) -> None:
+def occurrences(seq: list[int], sub: list[int]) -> list[int]:
+    """End positions of `sub` in `seq`."""
+    n = len(sub)
+    return [e for e in range(n - 1, len(seq)) if seq[e - n + 1 : e + 1] == sub]
+
+
+def state_string(sam: SuffixAutomaton, state: int) -> list[int]:
+    """The longest string of a state: the last length[state] tokens before one of its end positions."""
+    end = sam.recent[state]
+    return sam.tokens[end - sam.length[state] + 1 : end + 1]
+
+
+def check_against_brute_force(seq: list[int]) -> None:
+    """After every token: the longest earlier match, and for the states a draft reads (the match and its
+    suffix-link ancestors) their occurrence counts, continuations and most frequent next token."""
     sam = SuffixAutomaton()
     for i, token in enumerate(seq):
         sam.extend(token)
@@ -36,50 +58,60 @@ def check_against_brute_force(seq: list[int], max_tokens: int, min_match: int) -
         assert sam.match_len == length, (prefix, sam.match_len, length)
         if length:
             assert sam.match_end in ends
-        draft, match_len = sam.propose(max_tokens, min_match)
-        if length < max(min_match, 1):
-            assert (draft, match_len) == ([], 0)
-            continue
-        assert min_match <= match_len <= length
-        # The draft is what followed some earlier occurrence of the matched suffix.
-        suffix = prefix[len(prefix) - match_len:]
-        assert any(prefix[e - match_len + 1 : e + 1] == suffix and prefix[e + 1 : e + 1 + len(draft)] == draft
-                   for e in range(match_len - 1, len(prefix) - 1))
-        assert 1 <= len(draft) <= max_tokens
+        for state in sam.anchors(sam.match_state, 1, 100):
+            sub = state_string(sam, state)
+            ends = occurrences(prefix, sub)
+            assert sam.count[state] == len(ends), (prefix, sub)
+            followed = [e for e in ends if e + 1 < len(prefix)]
+            assert sam.cont[state] == len(followed), (prefix, sub)
+            if followed:
+                nexts = [prefix[e + 1] for e in followed]
+                most = max(nexts.count(t) for t in set(nexts))
+                latest = max(e for e in followed if nexts.count(prefix[e + 1]) == most)  # ties: the most recent
+                assert sam.best[state] == prefix[latest + 1], (prefix, sub, nexts)
 
 
 def test_matches_brute_force_on_random_and_repetitive_sequences():
     rng = random.Random(0)
-    cases = [[rng.randrange(3) for _ in range(150)],  # small alphabet: many repeats and clones
-             [rng.randrange(50) for _ in range(150)],  # few repeats
-             [1] * 60,  # one run
+    cases = [[rng.randrange(3) for _ in range(120)],  # small alphabet: many repeats and clones
+             [rng.randrange(50) for _ in range(120)],  # few repeats
+             [1] * 40,  # one run
              ([1, 2, 3, 4, 5] * 12)[:57] + [9] + [1, 2, 3, 4, 5] * 6,  # a period broken once
-             [t for w in ["the", "cat", "the", "dog", "the", "cat", "sat"] * 8 for t in map(ord, w)]]
+             [t for w in ["the", "cat", "the", "dog", "the", "cat", "sat"] * 6 for t in map(ord, w)]]
     for seq in cases:
-        for max_tokens, min_match in [(8, 1), (3, 4), (16, 2)]:
-            check_against_brute_force(seq, max_tokens, min_match)
+        check_against_brute_force(seq)
 
 
 @settings(max_examples=200, deadline=None)
-@given(seq=st.lists(st.integers(0, 4), min_size=1, max_size=80), max_tokens=st.integers(1, 12),
-       min_match=st.integers(1, 6))
-def test_matches_brute_force_generated(seq, max_tokens, min_match):
-    check_against_brute_force(seq, max_tokens, min_match)
+@given(seq=st.lists(st.integers(0, 4), min_size=1, max_size=60))
+def test_matches_brute_force_generated(seq):
+    check_against_brute_force(seq)
 
 
-def test_draft_continues_the_most_recent_occurrence():
-    # "1 2 3" occurs twice before the end, followed by 9 then by 8: an edit continues from the latest.
-    sam = SuffixAutomaton([1, 2, 3, 9, 7, 7, 1, 2, 3, 8, 6, 6, 1, 2, 3])
-    assert sam.propose(4) == ([8, 6, 6, 1], 3)
+def state_of(sam: SuffixAutomaton, string: list[int]) -> int:
+    state = 0
+    for t in string:
+        state = sam.next[state][t]
+    return state
 
 
-def test_short_continuation_walks_up_to_a_shorter_suffix():
-    # The longest earlier match "2 2 2" last ended one token before the end: one token follows it there. The
-    # shorter suffix "2" has an occurrence further back (position 2) with two tokens after it.
-    sam = SuffixAutomaton([1, 2, 2, 2, 2])
-    assert (sam.match_len, sam.match_end) == (3, 3)
-    assert sam.propose(4, min_match=1) == ([2, 2], 1)
-    assert sam.propose(4, min_match=3) == ([2], 3)  # no walk below the minimum match
+def test_continuation_follows_the_most_frequent_next_token():
+    # "a b" is followed by c twice and by d once: its draft copies c, at frequency 2/3; "a b c" was followed by e
+    # both times (frequency 1), and "a b c e" by a once and the end of the text once (1/1 of its continuations).
+    a, b, c, d, e = 1, 2, 3, 4, 5
+    sam = SuffixAutomaton([a, b, c, e, a, b, d, e, a, b, c, e, a, b])
+    state = state_of(sam, [a, b])
+    assert (sam.count[state], sam.cont[state], sam.best[state]) == (4, 3, c)
+    rates = [1.0] * 9
+    tokens, freqs, probs = sam.continuation(state, 2, 3, rates, 0.0)
+    assert tokens == [c, e, a] and freqs == [2 / 3, 1.0, 1.0]
+    assert probs == pytest.approx([2 / 3, 2 / 3 * 0.99, 2 / 3 * 0.99 ** 2])  # P_i: product of each step (at most 0.99)
+    assert sam.continuation(state, 2, 3, [0.5] * 9, 0.3)[0] == [c]  # 0.5 * 2/3, then 0.5 * 1 more: below the floor
+
+
+def test_continuation_stops_at_a_document_separator():
+    sam = SuffixAutomaton([7, 8, 9, -1, 7, 8])
+    assert sam.continuation(state_of(sam, [7, 8]), 2, 5, [1.0] * 9, 0.0)[0] == [9]
 
 
 def test_size_bounds():
@@ -91,8 +123,9 @@ def test_size_bounds():
         assert sum(len(t) for t in sam.next) <= 3 * n - 4
         # Memory: lists of ints plus one small dict per state; bound it per token.
         size = sum(sys.getsizeof(t) for t in sam.next) + sum(
-            sys.getsizeof(x) for x in (sam.link, sam.length, sam.recent, sam.tokens))
+            sys.getsizeof(x) for x in (sam.link, sam.length, sam.recent, sam.tokens, sam.count, sam.cont, sam.best))
         assert size / n < 1200, f"{size / n:.0f} bytes per token"
+    assert size / n < 2 * BYTES_PER_TOKEN  # what the memory log line estimates with
 
 
 def test_policy_drafts_long_when_accepted_and_pauses_when_rejected():
@@ -188,10 +221,25 @@ def test_tile_costs_make_drafts_inside_the_tile_free():
     assert policy.next_length(7, linear_cost(0.45)) < 7
 
 
-def test_suffix_cap():
-    assert suffix_cap(4, 1.0) == 4
-    assert suffix_cap(10, 0.5) == 5
-    assert suffix_cap(1, 0.3) == 1
+def test_best_length_weighs_each_tokens_probability():
+    free = linear_cost(0.0)
+    assert best_length([0.9, 0.8, 0.7], free) == 3  # on a device where rows are free, every likely token pays
+    assert best_length([0.9, 0.8, 0.05], linear_cost(0.1)) == 2  # a 5 % token does not pay for 10 % of a step
+    assert best_length([0.05], linear_cost(0.1)) == 0
+    assert best_length([], free) == 0
+
+
+def test_match_acceptance_learns_per_match_length():
+    """Short matches that keep failing lose trust; long matches that pass gain it; each bucket apart."""
+    acceptance = MatchAcceptance()
+    short, long = acceptance.prob(1, 1.0), acceptance.prob(20, 1.0)
+    assert short < long
+    for _ in range(50):
+        acceptance.observe(1, 1.0, False)
+        acceptance.observe(20, 1.0, True)
+    assert acceptance.prob(1, 1.0) < short / 3 and acceptance.prob(20, 1.0) > long
+    rate = acceptance.rates()[bucket_of(20)]  # scaled by the continuation's frequency (capped at 0.99)
+    assert acceptance.prob(20, 0.5) == pytest.approx(0.5 * rate) and acceptance.prob(20, 1.0) == min(0.99, rate)
 
 
 def test_torch_backend_verification_cost_grows_with_batch_and_context():

@@ -210,6 +210,20 @@ def argmax(input_tensor: Tensor, dim=None, keepdim=False, *, memory_config=None,
                   input_tensor)
 
 
+def to_layout(tensor: Tensor, layout, dtype=None, memory_config=None, **kwargs) -> Tensor:
+    return run_op("to_layout", lambda t: (t.data.clone(), t.dtype, layout), tensor)
+
+
+def topk(input_tensor: Tensor, k=32, dim=-1, largest=True, sorted=True, **kwargs):
+    if input_tensor.layout != TILE_LAYOUT:
+        raise RuntimeError("stand-in: topk takes a TILE tensor")
+
+    def fn(t):
+        values, indices = t.data.topk(k, dim=dim, largest=largest, sorted=sorted)
+        return (values, t.dtype, TILE_LAYOUT), (indices, uint32, TILE_LAYOUT)
+    return run_op("topk", fn, input_tensor)
+
+
 # ---- the paged KV cache -----------------------------------------------------------------------------------------
 
 BLOCK = 32

@@ -22,20 +22,26 @@ MAX_DRAFT_TOKENS = 64  # the most draft tokens a user may have verified in one s
 
 @dataclass
 class UserRows:
-    """One user's part of a step: `tokens` fed at positions start_pos, start_pos + 1, ..."""
+    """One user's part of a step: `tokens` fed at positions start_pos, start_pos + 1, ... (a chain), or a token tree
+    rooted at tokens[0]: `parents[i]` is the row of token i's parent (parents[0] = -1, parents[i] < i), and token i
+    sits at position start_pos + its depth, seeing the cache before start_pos and its own ancestors only. A tree's
+    rows take cache slots start_pos + i; commit_path then moves the accepted path to its true positions."""
 
     user: int
     tokens: list[int]
     start_pos: int
+    parents: Optional[list[int]] = None
 
 
 @dataclass
 class StepOutput:
     """Per fed user, for each of its rows (or only the last one for a prefill): the greedy token ids, which is all
-    a device sends back for greedy verification, and float32 logits when they were asked for (sampling)."""
+    a device sends back for greedy verification; the top-k ids per row when asked for (token recycling drafts from
+    them); float32 logits when asked for (sampling)."""
 
     ids: list[list[int]]
     logits: Optional[list[torch.Tensor]] = None
+    top_ids: Optional[list[list[list[int]]]] = None
 
 
 class CausalLM(Protocol):
@@ -45,11 +51,17 @@ class CausalLM(Protocol):
     vocab_size: int
     max_step_rows: int  # tokens one step may carry over all users
 
+    supports_trees: bool  # whether step takes UserRows.parents (and commit_path)
+
     def prefill(self, user: int, tokens: Sequence[int], logits: bool = False) -> StepOutput:
         """Fill the user's cache with `tokens` from position 0; outputs for the last token only."""
 
-    def step(self, rows: Sequence[UserRows], logits: bool = False) -> StepOutput:
-        """One forward over every listed user's rows; users not listed are idle."""
+    def step(self, rows: Sequence[UserRows], logits: bool = False, top_k: int = 0) -> StepOutput:
+        """One forward over every listed user's rows; users not listed are idle. top_k > 0: also the top_k ids."""
+
+    def commit_path(self, user: int, start_pos: int, path: Sequence[int]) -> None:
+        """After a tree step: the accepted rows `path` (row 0 first, one per depth) move to positions start_pos,
+        start_pos + 1, ... so the cache holds the accepted text where a chain would have put it."""
 
     def step_cost(self, n_rows: int, context_len: float) -> float:
         """Time of a step computing n_rows tokens over contexts of about context_len tokens, in units of the part

@@ -13,12 +13,12 @@ maximum. When drafting does not pay (k = 0) it still drafts one token after `pro
 estimate can recover; the wait doubles after each probe that does not bring drafting back (up to
 `max_probe_every`), so a draft source that never agrees costs almost nothing.
 
-A suffix draft is further capped at max_spec_factor * match_len tokens (SuffixDecoding's rule): a short match
-predicts a short continuation, and long rejected drafts eat the gain.
+Copied drafts (the suffix automaton, earlier responses) know more than one acceptance rate: each token has its own
+estimate (MatchAcceptance), and best_length weighs those directly.
 """
-import math
+from bisect import bisect_right
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable, Optional, Sequence
 
 ExtraCost = Callable[[int], float]  # k -> extra cost of verifying k more tokens (units of a user's plain step)
 
@@ -63,26 +63,22 @@ class DraftLengthPolicy:
         return self.accepted / (self.accepted + self.rejected)
 
     def next_length(self, max_tokens: int, extra_cost: ExtraCost) -> int:
-        """Draft length for the next iteration, at most max_tokens (counts iterations without drafting).
-
-        The scan stops at the first k whose value does not improve: the value is unimodal for the costs backends
-        report within a step's row budget (linear, or flat inside one 32-row tile).
-        """
+        """Draft length for the next iteration, at most max_tokens, from the estimated per-token acceptance."""
         a = min(self.acceptance, 0.999)
-        best_k, best = 0, 1.0  # k = 0: one token per forward of cost 1
-        for k in range(1, max_tokens + 1):
-            value = (1 - a ** (k + 1)) / (1 - a) / (1 + k * self.draft_cost + extra_cost(k))
-            if value <= best:
-                break
-            best_k, best = k, value
-        if best_k == 0:
+        return self.gate(best_length((a ** i for i in range(1, max_tokens + 1)), extra_cost, self.draft_cost),
+                         max_tokens)
+
+    def gate(self, k: int, max_tokens: int) -> int:
+        """The chosen length, except that after `wait` iterations without drafting a 1-token probe goes out (the wait
+        doubling while drafting does not pay): counts iterations without drafting."""
+        if k == 0:
             self.idle += 1
             if self.idle >= self.wait:
                 self.idle, self.wait = 0, min(2 * self.wait, self.max_probe_every)
                 return min(1, max_tokens)
         else:
             self.idle, self.wait = 0, self.probe_every
-        return best_k
+        return k
 
     def update(self, drafted: int, accepted: int) -> None:
         """Record one verified draft: `accepted` tokens passed, and the next one failed unless all passed."""
@@ -92,6 +88,59 @@ class DraftLengthPolicy:
         self.rejected = self.decay * self.rejected + (1 if accepted < drafted else 0)
 
 
-def suffix_cap(match_len: int, max_spec_factor: float) -> int:
-    """At most max_spec_factor tokens per matched token (at least one)."""
-    return max(1, math.floor(max_spec_factor * match_len))
+def best_length(path_probs: Iterable[float], extra_cost: ExtraCost, draft_cost: float = 0.0) -> int:
+    """The draft length k (0: no draft) that maximises expected tokens per unit of work,
+    (1 + P_1 + ... + P_k) / (1 + k draft_cost + extra_cost(k)), where P_i is the probability that the first i draft
+    tokens are all accepted (non-increasing). The scan stops at the first k that does not improve: the value is
+    unimodal for the costs backends report within a step's row budget (linear, or flat inside one 32-row tile)."""
+    best_k, best, total = 0, 1.0, 1.0
+    for k, p in enumerate(path_probs, 1):
+        total += p
+        value = total / (1 + k * draft_cost + extra_cost(k))
+        if value <= best:
+            break
+        best_k, best = k, value
+    return best_k
+
+
+# Context lengths (matched tokens) that share one acceptance estimate: short matches predict poorly, long ones well.
+LENGTH_BUCKETS = (1, 2, 3, 4, 5, 7, 10, 16, 32)
+LONGEST = LENGTH_BUCKETS[-1]
+BUCKET_OF = [max(0, bisect_right(LENGTH_BUCKETS, n) - 1) for n in range(LONGEST + 1)]  # length -> bucket
+
+
+def bucket_of(length: int) -> int:
+    return BUCKET_OF[length if length < LONGEST else LONGEST]
+
+
+class MatchAcceptance:
+    """How often a copied continuation is accepted, by the length of the context it continues, learned online.
+
+    A drafted token continues a matched context of L tokens (the match the draft started from, plus the tokens of
+    the draft before it) and the automaton gives its frequency f (how often that context went on this way). Its
+    probability of acceptance, given the tokens before it were accepted, is estimated as rate(L) * f, where rate(L)
+    = accepted / sum of f over the tokens verified in L's bucket, decayed so it follows the current request, and
+    starting from a prior that trusts longer matches more. One instance per draft source (the request's own text,
+    earlier responses, a corpus; recycled predictions use it by rank): each copies differently well.
+    """
+
+    def __init__(self, prior: Optional[Sequence[float]] = None, decay: float = 0.98, prior_weight: float = 2.0):
+        """prior: the starting rate per bucket (default: 0.25 for a 1-token match rising to 0.9)."""
+        prior = prior or [min(0.9, 0.25 + 0.1 * b) for b in range(len(LENGTH_BUCKETS))]
+        self.decay = decay
+        self.hits = [prior_weight * rate for rate in prior]
+        self.trials = [prior_weight] * len(LENGTH_BUCKETS)
+
+    def rates(self) -> list[float]:
+        """rate per bucket: probability of acceptance per unit of frequency (a token's is capped at 0.99)."""
+        return [h / t for h, t in zip(self.hits, self.trials)]
+
+    def prob(self, length: int, freq: float) -> float:
+        b = bucket_of(length)
+        return min(0.99, self.hits[b] / self.trials[b] * freq)
+
+    def observe(self, length: int, freq: float, accepted: bool) -> None:
+        """A verified draft token (its parent was accepted): whether it passed."""
+        b = bucket_of(length)
+        self.hits[b] = self.decay * self.hits[b] + accepted
+        self.trials[b] = self.decay * self.trials[b] + freq

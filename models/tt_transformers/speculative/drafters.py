@@ -1,41 +1,67 @@
 # SPDX-License-Identifier: Apache-2.0
 """Draft sources behind one small interface, so the generation loop never knows what drafted."""
 import copy
-from dataclasses import dataclass
+import heapq
+import itertools
+from dataclasses import dataclass, field
 from typing import Optional, Protocol, Sequence
 
 import torch
 
 from .backend import CausalLM, UserRows
-from .draft_length import DraftLengthPolicy, ExtraCost, suffix_cap
+from .draft_length import DraftLengthPolicy, ExtraCost, MatchAcceptance, best_length
+from .draft_memory import DraftMemory
 from .sampling import SamplingParams, probabilities, sample
 from .suffix_automaton import SuffixAutomaton
 
-DEFAULT_SA_THRESHOLD = 3  # minimum match length for a suffix draft (TensorRT-LLM uses 4, SAM-Decoding 5)
+DEFAULT_SA_THRESHOLD = 1  # shortest match a copied draft may start from; its score decides whether it drafts
 DRAFT_RNG_STREAM = 1 << 20  # the draft model samples from streams of its own, apart from the target's
 
 
 @dataclass
 class Draft:
+    """Draft tokens continuing a user's context: a chain, or a token tree when `parents` is given (parents[i] is the
+    index of token i's parent among the draft tokens, -1 for a child of the context's last token; parents come
+    before their children)."""
+
     tokens: list[int]
-    source: str  # "model", "suffix" or "none"
-    match_len: int = 0  # length of the suffix match behind a suffix draft
+    source: str  # "model", "suffix", "memory", "corpus", "recycle", "tree" or "none"
+    match_len: int = 0  # length of the match behind a copied draft
     probs: Optional[list[torch.Tensor]] = None  # when sampling: the draft model's q for each token; None = point mass
+    parents: Optional[list[int]] = None
+
+
+@dataclass
+class Verified:
+    """What a verification step did for one user: `new_tokens` were appended to its context, of which the draft
+    tokens `path` (indices into the draft, root to leaf) were accepted; `fed` were the step's rows and `top_ids` the
+    target's top-k next tokens after each row (when the drafter asked for them)."""
+
+    new_tokens: list[int]
+    path: list[int]
+    fed: list[int] = field(default_factory=list)
+    top_ids: Optional[list[list[int]]] = None
+
+    @property
+    def n_accepted(self) -> int:
+        return len(self.path)
 
 
 class Drafter(Protocol):
+    top_k: int  # how many of the target's top next tokens per row accept() wants (0: none)
+
     def start(self, users: Sequence[int], prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> None:
         """A new request per user; the prompts are what the target was prefilled with. A model drafter samples
         its drafts with the same settings (and returns q with them) unless they are greedy."""
 
     def propose(self, users: Sequence[int], contexts: Sequence[Sequence[int]], max_tokens: Sequence[int],
-                extra_cost: ExtraCost) -> list[Draft]:
+                extra_cost: ExtraCost, trees: bool = False) -> list[Draft]:
         """Up to max_tokens[i] draft tokens continuing contexts[i] (the whole sequence so far, prompt included).
-        extra_cost(k): what verifying k more tokens costs the target this iteration (backend.extra_cost_curve)."""
+        extra_cost(k): what verifying k more tokens costs the target this iteration (backend.extra_cost_curve);
+        trees: the target verifies token trees."""
 
-    def accept(self, user: int, new_tokens: Sequence[int], n_accepted: int) -> None:
-        """After verification: `new_tokens` were appended to the user's context, the first `n_accepted` of them
-        from this iteration's draft."""
+    def accept(self, user: int, verified: Verified) -> None:
+        """After verification of the user's draft (see Verified)."""
 
 
 class ModelDrafter:
@@ -52,6 +78,8 @@ class ModelDrafter:
     draft length adapts to recent acceptance (DraftLengthPolicy, carried from one request to the next) and
     drafting pauses while it does not pay; when None every draft has the full requested length.
     """
+
+    top_k = 0
 
     def __init__(self, lm: CausalLM, draft_cost: Optional[float] = None):
         self.lm, self.draft_cost = lm, draft_cost
@@ -97,7 +125,7 @@ class ModelDrafter:
             for u, _ in behind:
                 self.cache_len[u] += chunk
 
-    def propose(self, users, contexts, max_tokens, extra_cost):
+    def propose(self, users, contexts, max_tokens, extra_cost, trees=False):
         if self.policies:
             max_tokens = [self.policies[u].next_length(n, extra_cost) if n > 0 else 0
                           for u, n in zip(users, max_tokens)]
@@ -120,67 +148,233 @@ class ModelDrafter:
         return [Draft(drafts[u], "model" if drafts[u] else "none",
                       probs=None if self.sampling.greedy else probs[u]) for u in users]
 
-    def accept(self, user, new_tokens, n_accepted):
+    def accept(self, user, verified):
         if user in self.fed:
             context_len, n_fed = self.fed.pop(user)
-            self.cache_len[user] = context_len + min(n_accepted, n_fed)
+            self.cache_len[user] = context_len + min(verified.n_accepted, n_fed)
             if self.policies:
-                self.policies[user].update(n_fed + 1, n_accepted)
+                self.policies[user].update(n_fed + 1, verified.n_accepted)
+
+
+@dataclass
+class Candidate:
+    """A copied continuation: its tokens, the probability P_i that the first i are all accepted, and what it was
+    scored with (to learn from the verification)."""
+
+    tokens: list[int]
+    probs: list[float]
+    source: str
+    match_len: int
+    freqs: list[float]
+    acceptance: MatchAcceptance
+
+
+class RecycledTokens:
+    """Token Recycling's adjacency table (Luo et al. 2024, arXiv 2408.08696): for each token, the target's top-k
+    next tokens from the last time it computed them after that token, in any request. Every verification step
+    computes them anyway; the rows kept are those whose context is the actual text (the last token and the accepted
+    drafts), not rejected branches."""
+
+    def __init__(self, k: int):
+        self.k = k
+        self.table: dict[int, list[int]] = {}
+
+    def observe(self, fed: Sequence[int], top_ids: Sequence[Sequence[int]]) -> None:
+        for token, ids in zip(fed, top_ids):
+            if ids:
+                self.table[token] = list(ids)
+
+
+@dataclass
+class TreeNode:
+    token: int
+    parent: int  # index among the tree's nodes, -1: the context's last token
+    prob: float  # estimated probability that the path to this node is accepted
+    source: str
+    acceptance: MatchAcceptance  # what scored it, and learns from it
+    key: int  # MatchAcceptance's length key (match length, or recycling rank + 1)
+    freq: float
 
 
 class SuffixDrafter:
-    """Model-free drafts: the continuation of the longest earlier match in the user's own text.
+    """Model-free drafts: copied continuations of the context and recycled target predictions, scored by their
+    estimated acceptance, as a chain or (where the target verifies trees) a token tree.
 
-    One `SuffixAutomaton` per user over prompt + generated tokens, extended with every new token. A user whose
-    longest earlier match is shorter than `threshold` gets no draft, so the target decodes one token exactly as
-    plain decoding does. A draft is at most max_spec_factor * match_len tokens and at most what the user's
-    DraftLengthPolicy (draft cost 0) finds worth verifying.
+    Sources: the request's own text (one `SuffixAutomaton` per user over prompt + generated tokens, extended with
+    every new token); when given, a `DraftMemory` of earlier responses and a corpus; with `recycle` > 0, the
+    target's own top next tokens after each token (RecycledTokens). Each proposal takes the most frequent
+    continuation after the longest match and after the next shorter one (a shorter context may continue more
+    predictably), and after the longest match in each memory store; each token gets the probability that it
+    is accepted given the ones before it (MatchAcceptance, learned online per source and match length, or per
+    recycling rank). A chain is the candidate with the most expected accepted tokens, cut at the length that pays
+    for its verification (best_length with the backend's extra cost); a tree merges the candidates and the recycled
+    predictions below each of their tokens and keeps the nodes, most probable first, for as long as they pay
+    (each node is accepted with the probability of its path, so expected tokens = 1 + the sum over nodes). When
+    nothing pays there is no draft and the target decodes one token exactly as plain decoding does (with a 1-token
+    probe now and then, DraftLengthPolicy.gate).
     """
 
-    def __init__(self, threshold: int = DEFAULT_SA_THRESHOLD, max_spec_factor: float = 1.0):
+    ANCHORS = 2  # the longest match and one shorter: more anchors measured no better
+    MAX_TREE_NODES = 32
+
+    def __init__(self, threshold: int = DEFAULT_SA_THRESHOLD, memory: Optional[DraftMemory] = None,
+                 recycle: int = 0):
         if threshold < 1:
             raise ValueError(f"sa_threshold must be >= 1, got {threshold}")
-        self.threshold, self.max_spec_factor = threshold, max_spec_factor
+        self.threshold, self.memory = threshold, memory
+        self.recycled = RecycledTokens(recycle) if recycle else None
+        self.top_k = recycle
+        self.acceptance = {"suffix": MatchAcceptance(), "memory": MatchAcceptance(), "corpus": MatchAcceptance(),
+                           "recycle": MatchAcceptance(prior=[0.45, 0.15, 0.08, 0.05, 0.04, 0.03, 0.02, 0.02, 0.02])}
         self.automata: dict[int, SuffixAutomaton] = {}
+        self.prompt_lens: dict[int, int] = {}
         self.policies: dict[int, DraftLengthPolicy] = {}
-        self.drafted: dict[int, int] = {}
+        self.pending: dict = {}  # user -> (Candidate, length) for a chain, or the tree's nodes
 
     def start(self, users, prompts, sampling):
+        if self.memory is not None:
+            self.memory.start_request([sam.tokens[self.prompt_lens[u]:] for u, sam in self.automata.items()])
         self.automata = {u: SuffixAutomaton(p) for u, p in zip(users, prompts)}
-        self.policies = {u: DraftLengthPolicy(0.0) for u in users}  # fresh: how much text repeats is per request
-        self.drafted = {}
+        self.prompt_lens = {u: len(p) for u, p in zip(users, prompts)}
+        self.policies = {u: DraftLengthPolicy(0.0) for u in users}
+        self.pending = {}
 
-    def propose(self, users, contexts, max_tokens, extra_cost):
+    def _candidates(self, user: int, context: Sequence[int], n: int, floor: float) -> list[Candidate]:
+        sam = self.automata[user]
+        out = []
+        anchors = sam.anchors(sam.match_state, self.threshold, self.ANCHORS)
+        stores = [("suffix", sam, [(s, sam.length[s]) for s in anchors])]
+        if self.memory is not None:
+            for source, store in self.memory.stores:
+                if store.n_tokens:
+                    state, match_len = store.match(user, context)
+                    stores.append((source, store.sam, [(state, match_len)] if match_len >= self.threshold else []))
+        for source, automaton, anchors in stores:
+            acceptance = self.acceptance[source]
+            rates = acceptance.rates()
+            for state, match_len in anchors:
+                tokens, freqs, probs = automaton.continuation(state, match_len, n, rates, floor)
+                if tokens:
+                    out.append(Candidate(tokens, probs, source, match_len, freqs, acceptance))
+        return out
+
+    def _recycled_chain(self, last: int, n: int, floor: float) -> Optional[Candidate]:
+        """The target's top next token after `last`, after that one, and so on."""
+        acceptance, table = self.acceptance["recycle"], self.recycled.table
+        p_step = acceptance.prob(1, 1.0)
+        tokens, probs, p, token = [], [], 1.0, last
+        while len(tokens) < n and token in table and p * p_step >= floor:
+            token, p = table[token][0], p * p_step
+            tokens.append(token)
+            probs.append(p)
+        return Candidate(tokens, probs, "recycle", 1, [1.0] * len(tokens), acceptance) if tokens else None
+
+    def _tree(self, last: int, candidates: list[Candidate], n: int, floor: float) -> list[TreeNode]:
+        """Merge the candidates into a trie below `last`, grow it with recycled predictions (most probable first),
+        and return its nodes in order of probability (so parents come first)."""
+        nodes: list[TreeNode] = []
+        index: dict[tuple[int, int], int] = {}
+        for c in candidates:
+            parent = -1
+            for j, (token, p) in enumerate(zip(c.tokens, c.probs)):
+                at = index.get((parent, token))
+                if at is None:
+                    at = index[parent, token] = len(nodes)
+                    nodes.append(TreeNode(token, parent, p, c.source, c.acceptance, c.match_len + j, c.freqs[j]))
+                elif p > nodes[at].prob:
+                    nodes[at].prob = p
+                parent = at
+        if self.recycled is not None:
+            acceptance, table = self.acceptance["recycle"], self.recycled.table
+            heap, order = [], itertools.count()
+
+            def push_children(parent: int, token: int, p: float):
+                for rank, child in enumerate(table.get(token, ())):
+                    q = p * acceptance.prob(rank + 1, 1.0)
+                    if q >= floor and (parent, child) not in index:
+                        heapq.heappush(heap, (-q, next(order), parent, child, rank))
+            push_children(-1, last, 1.0)
+            for i in range(len(nodes)):
+                push_children(i, nodes[i].token, nodes[i].prob)
+            while heap and len(nodes) < n:
+                q, _, parent, token, rank = heapq.heappop(heap)
+                if (parent, token) in index:
+                    continue
+                index[parent, token] = len(nodes)
+                nodes.append(TreeNode(token, parent, -q, "recycle", acceptance, rank + 1, 1.0))
+                push_children(len(nodes) - 1, token, -q)
+        order = sorted(range(len(nodes)), key=lambda i: -nodes[i].prob)  # a child is never more probable
+        where = {old: new for new, old in enumerate(order)}
+        for node in nodes:
+            node.parent = where.get(node.parent, -1)
+        return [nodes[i] for i in order]
+
+    def propose(self, users, contexts, max_tokens, extra_cost, trees=False):
+        floor = max(0.02, 0.5 * extra_cost(1))  # a token less likely than this is never worth a row
         drafts = []
         for u, ctx, n in zip(users, contexts, max_tokens):
             sam = self.automata[u]
             for t in ctx[len(sam.tokens):]:
                 sam.extend(t)
-            tokens, match_len = [], 0
-            if n > 0 and sam.match_len >= self.threshold:
-                n = min(n, suffix_cap(sam.match_len, self.max_spec_factor),
-                        self.policies[u].next_length(n, extra_cost))
-                tokens, match_len = sam.propose(n, self.threshold)
-            self.drafted[u] = len(tokens)
-            drafts.append(Draft(tokens, "suffix" if tokens else "none", match_len))
+            draft = (self._tree_draft if trees else self._chain_draft)(u, ctx, n, floor, extra_cost) if n else None
+            drafts.append(draft or Draft([], "none"))
         return drafts
 
-    def accept(self, user, new_tokens, n_accepted):
-        self.policies[user].update(self.drafted.pop(user, 0), n_accepted)
+    def _chain_draft(self, user, context, n, floor, extra_cost) -> Optional[Draft]:
+        """The candidate with the most expected accepted tokens, cut where it stops paying."""
+        candidates = self._candidates(user, context, n, floor)
+        if self.recycled is not None:
+            candidates += [c for c in [self._recycled_chain(context[-1], n, floor)] if c is not None]
+        best = max(candidates, key=lambda c: sum(c.probs), default=None)
+        k = self.policies[user].gate(best_length(best.probs, extra_cost) if best else 0, n)
+        if best is None or k == 0:
+            return None
+        self.pending[user] = best, k
+        return Draft(best.tokens[:k], best.source, best.match_len if best.source != "recycle" else 0)
+
+    def _tree_draft(self, user, context, n, floor, extra_cost) -> Optional[Draft]:
+        """A token tree over all candidates and recycled predictions, its most probable nodes while they pay."""
+        candidates = sorted(self._candidates(user, context, n, floor), key=lambda c: -sum(c.probs))
+        nodes = self._tree(context[-1], candidates, min(n, self.MAX_TREE_NODES), floor)
+        nodes = nodes[: self.policies[user].gate(best_length([node.prob for node in nodes], extra_cost), n)]
+        if not nodes:
+            return None
+        self.pending[user] = nodes
+        if all(node.parent == j - 1 and node.source == nodes[0].source for j, node in enumerate(nodes)):  # a chain
+            return Draft([node.token for node in nodes], nodes[0].source,
+                         nodes[0].key if nodes[0].source != "recycle" else 0)
+        return Draft([node.token for node in nodes], "tree", parents=[node.parent for node in nodes])
+
+    def accept(self, user, verified):
+        if self.recycled is not None and verified.top_ids is not None:  # rows whose context is the actual text
+            rows = [0] + [i + 1 for i in verified.path]
+            self.recycled.observe([verified.fed[r] for r in rows], [verified.top_ids[r] for r in rows])
+        pending = self.pending.pop(user, None)
+        if isinstance(pending, tuple):  # a chain: its tokens up to the first rejected one were tested
+            candidate, k = pending
+            for j in range(min(k, verified.n_accepted + 1)):
+                candidate.acceptance.observe(candidate.match_len + j, candidate.freqs[j], j < verified.n_accepted)
+        elif pending:  # a tree: a node was tested when its parent was accepted
+            accepted = set(verified.path)
+            reached = {-1} | accepted
+            for i, node in enumerate(pending):
+                if node.parent in reached:
+                    node.acceptance.observe(node.key, node.freq, i in accepted)
 
 
 class HybridDrafter:
-    """Per user and iteration: the suffix draft when its match reaches the threshold, else the draft model."""
+    """Per user and iteration: the copied draft when one pays, else the draft model."""
 
     def __init__(self, suffix: SuffixDrafter, model: ModelDrafter):
         self.suffix, self.model = suffix, model
+        self.top_k = suffix.top_k
 
     def start(self, users, prompts, sampling):
         self.suffix.start(users, prompts, sampling)
         self.model.start(users, prompts, sampling)
 
-    def propose(self, users, contexts, max_tokens, extra_cost):
-        drafts = self.suffix.propose(users, contexts, max_tokens, extra_cost)
+    def propose(self, users, contexts, max_tokens, extra_cost, trees=False):
+        drafts = self.suffix.propose(users, contexts, max_tokens, extra_cost, trees)
         fallback = [i for i, d in enumerate(drafts) if not d.tokens and max_tokens[i] > 0]
         if fallback:
             model_drafts = self.model.propose([users[i] for i in fallback], [contexts[i] for i in fallback],
@@ -189,6 +383,6 @@ class HybridDrafter:
                 drafts[i] = d
         return drafts
 
-    def accept(self, user, new_tokens, n_accepted):
-        self.suffix.accept(user, new_tokens, n_accepted)  # each source learns only from its own drafts
-        self.model.accept(user, new_tokens, n_accepted)
+    def accept(self, user, verified):
+        self.suffix.accept(user, verified)  # each source learns only from its own drafts
+        self.model.accept(user, verified)

@@ -120,3 +120,34 @@ def verify_rejection(draft: Sequence[int], draft_probs: Optional[Sequence[torch.
         return out
     out.append(sample(target_probs[len(draft)], rng))
     return out
+
+
+def verify_rejection_tree(tokens: Sequence[int], parents: Sequence[int], target_probs: torch.Tensor,
+                          rng: torch.Generator) -> tuple[list[int], list[int]]:
+    """Rejection sampling down a tree of point-mass drafts (SpecInfer's multi-candidate verification): at each
+    node its children are tried in turn, child x accepted with probability r(x) where r is the target's distribution
+    with the children tried before removed and renormalised; an accepted child continues the walk, and when all are
+    rejected the next token is sampled from r. Each step's token is distributed exactly as sampling the target:
+    P(x) = p(x) for a child tried first, and (1 - p(tried)) * p(x) / (1 - p(tried)) = p(x) for the rest.
+
+    target_probs [len(tokens) + 1, V]: after the context's last token, then after each node. Returns the tokens to
+    append and the accepted path (draft indices)."""
+    from .verification import children_of
+
+    children = children_of(parents)
+    out, path, node = [], [], -1
+    while True:
+        residual = target_probs[node + 1].clone()
+        for child in children.get(node, ()):
+            x = tokens[child]
+            total = float(residual.sum())
+            if total > 0 and float(torch.rand((), generator=rng, device=rng.device)) * total < float(residual[x]):
+                out.append(x)
+                path.append(child)
+                node = child
+                break
+            residual[x] = 0.0
+        else:
+            total = float(residual.sum())
+            out.append(sample(residual / total if total > 0 else target_probs[node + 1], rng))
+            return out, path

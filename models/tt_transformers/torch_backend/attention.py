@@ -11,6 +11,26 @@ from .model_config import ModelArgs
 from .rope import apply_rope
 
 
+@dataclass(frozen=True)
+class ExactToken:
+    """A token of a packed step (decode, verification, draft catch-up) and exactly the keys it sees: cache slots
+    [first, run_end) and then `ancestors` (slots, in depth order). A chain token sees [first, slot] (run_end = slot + 1,
+    no ancestors); a node of a token tree sees the cache before the tree and then its ancestors' slots and its own,
+    the same values in the same order as the chain of its path, so its result is bit-identical to that chain's."""
+
+    index: int  # where it sits in the packed row
+    row: int  # cache row (user)
+    slot: int  # the cache slot it writes
+    pos: int  # its position (rotary)
+    first: int
+    run_end: int
+    ancestors: tuple[int, ...] = ()
+
+    def key_slots(self) -> Optional[torch.Tensor]:
+        """The slots to gather for a tree node; None for a chain token (a contiguous slice)."""
+        return torch.tensor([*range(self.first, self.run_end), *self.ancestors]) if self.ancestors else None
+
+
 @dataclass
 class StepInputs:
     """Everything a forward step shares across layers, computed once per step (not per layer)."""
@@ -22,13 +42,13 @@ class StepInputs:
     read_rows: Union[slice, torch.Tensor, None]  # rows the masked path reads: a slice when it is a view
     kv_len: int  # attention reads cache slots [0, kv_len)
     mask: Optional[torch.Tensor]  # [B, 1, G*T, kv_len] bool, None when every slot < kv_len is visible
-    # Exact mode, for a packed step [1, N]: (token index, cache row, first key, end key) of every real token, each attended by its
-    # own SDPA call over exactly its visible keys. A token's result then never depends on what else shares
-    # the step (CPU flash attention is not row-invariant), so verifying n drafts reproduces n one-token
-    # decodes bit for bit. None: one batched, masked call (prefill).
-    exact_tokens: Optional[list[tuple[int, int, int, int]]] = None
-    # The same for the CPU kernels (Transformer.use_cpu_kernels): cache row, slot and first key per token [N, 3];
-    # the whole layer then runs in one kernel call.
+    # Exact mode, for a packed step [1, N]: every real token with the keys it sees, each attended by its own SDPA
+    # call. A token's result then never depends on what else shares the step (CPU flash attention is not
+    # row-invariant), so verifying n drafts reproduces n one-token decodes bit for bit. None: one batched, masked
+    # call (prefill).
+    exact_tokens: Optional[list[ExactToken]] = None
+    exact_keys: Optional[list[Optional[torch.Tensor]]] = None  # ExactToken.key_slots of each, computed once a step
+    # The same for the CPU kernels (Transformer.use_cpu_kernels): the whole layer then runs in one kernel call.
     exact_table: Optional["StepTable"] = None
 
 
@@ -52,10 +72,11 @@ class Attention(nn.Module):
         G = H // Hk
         if step.exact_tokens is not None:
             out = torch.zeros(B, T, H, D, dtype=x.dtype, device=x.device)  # padding tokens attend to nothing
-            for t, row, first, end in step.exact_tokens:
-                out[0, t] = F.scaled_dot_product_attention(
-                    q[0, t].view(1, Hk, G, D), k_cache[row, :, first:end].unsqueeze(0),
-                    v_cache[row, :, first:end].unsqueeze(0)).view(H, D)
+            for tok, slots in zip(step.exact_tokens, step.exact_keys):
+                keys = k_cache[tok.row, :, tok.first : tok.run_end] if slots is None else k_cache[tok.row][:, slots]
+                values = v_cache[tok.row, :, tok.first : tok.run_end] if slots is None else v_cache[tok.row][:, slots]
+                out[0, tok.index] = F.scaled_dot_product_attention(
+                    q[0, tok.index].view(1, Hk, G, D), keys.unsqueeze(0), values.unsqueeze(0)).view(H, D)
             return self.wo(out.view(B, T, H * D))
         keys = k_cache[step.read_rows, :, : step.kv_len]
         values = v_cache[step.read_rows, :, : step.kv_len]

@@ -156,11 +156,21 @@ void silu_mul_bf16(const bf16 *gate_up, bf16 *out, int64_t rows, int64_t hidden)
 }
 
 // ---- attention for packed decode and verification steps ------------------------------------------------------
-// qkv [n, (H + 2 Hk) D]: this step's projections. table [n, 3]: each token's cache row, cache slot (= position)
-// and first visible key (> 0 only under a sliding window). First every token's q and k are rotated at its slot
-// and its k and v written to the cache; then every query head of every token attends over exactly keys
-// [first, slot] of its row, whatever else shares the step. Caches are [users, Hk, slots, D]; q_rot is bf16
-// scratch [n, H, D]; D % 32 == 0 and D <= 256.
+// qkv [n, (H + 2 Hk) D]: this step's projections. table [n, 7]: each token's cache row, cache slot it writes, position
+// (rotary), first visible key, end of its contiguous run of keys, and where its other keys start in `ancestors` and
+// how many there are. A token of a chain sees slots [first, slot] (the run ends at slot + 1, no other keys); a node of
+// a token tree sees the cache before the tree ([first, start)) and then its ancestors' slots and its own, in depth
+// order, so the keys are the same values in the same order as the chain of its path would have: the results are
+// bit-identical. First every token's q and k are rotated at its position and its k and v written to its slot; then
+// every query head of every token attends over exactly its keys, whatever else shares the step. Caches are [users,
+// Hk, slots, D]; q_rot is bf16 scratch [n, H, D]; D % 32 == 0 and D <= 256.
+enum { ROW, SLOT, POS, FIRST, RUN_END, ANC_START, ANC_COUNT, TABLE_COLUMNS };
+
+static inline int64_t key_slot(const int64_t *entry, const int64_t *ancestors, int64_t j) {
+    const int64_t run = entry[RUN_END] - entry[FIRST];
+    return j < run ? entry[FIRST] + j : ancestors[entry[ANC_START] + j - run];
+}
+
 static void rotate(const bf16 *x, const bf16 *cos, const bf16 *sin, int64_t D, bf16 *out) {
     const int64_t half = D / 2;
     for (int64_t i = 0; i < D; i++) {
@@ -187,19 +197,19 @@ static inline __m512 sum_lanes16(const __m512 *v) {
     return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), sums);
 }
 
-// scores: per-thread scratch of `stride` floats (>= the longest key range, rounded up to 16) for `threads` threads.
+// scores: per-thread scratch of `stride` floats (>= the most keys of any token, rounded up to 16) for `threads` threads.
 static void attend_exact(const bf16 *qkv, int64_t n, int64_t H, int64_t Hk, int64_t D, const int64_t *table,
-                         const bf16 *cos, const bf16 *sin, bf16 *k_cache, bf16 *v_cache, int64_t slots, bf16 *q_rot,
-                         bf16 *out, float *scores, int64_t stride, int threads) {
+                         const int64_t *ancestors, const bf16 *cos, const bf16 *sin, bf16 *k_cache, bf16 *v_cache,
+                         int64_t slots, bf16 *q_rot, bf16 *out, float *scores, int64_t stride, int threads) {
     const int64_t width = (H + 2 * Hk) * D, G = H / Hk;
     const float scale = 1.0f / sqrtf((float)D);
 #pragma omp parallel for num_threads(threads) if (n > 1)
     for (int64_t t = 0; t < n; t++) {
-        const int64_t row = table[3 * t], slot = table[3 * t + 1];
-        const bf16 *x = qkv + t * width, *c = cos + slot * D, *s = sin + slot * D;
+        const int64_t *e = table + TABLE_COLUMNS * t;
+        const bf16 *x = qkv + t * width, *c = cos + e[POS] * D, *s = sin + e[POS] * D;
         for (int64_t h = 0; h < H; h++) rotate(x + h * D, c, s, D, q_rot + (t * H + h) * D);
         for (int64_t h = 0; h < Hk; h++) {
-            const int64_t at = ((row * Hk + h) * slots + slot) * D;
+            const int64_t at = ((e[ROW] * Hk + h) * slots + e[SLOT]) * D;
             rotate(x + (H + h) * D, c, s, D, k_cache + at);
             memcpy(v_cache + at, x + (H + Hk + h) * D, D * sizeof(bf16));
         }
@@ -214,9 +224,9 @@ static void attend_exact(const bf16 *qkv, int64_t n, int64_t H, int64_t Hk, int6
 #pragma omp for collapse(2)
         for (int64_t t = 0; t < n; t++)
             for (int64_t h = 0; h < H; h++) {
-                const int64_t row = table[3 * t], slot = table[3 * t + 1], first = table[3 * t + 2];
-                const int64_t len = slot + 1 - first, kv = row * Hk + h / G;
-                const bf16 *keys = k_cache + (kv * slots + first) * D, *values = v_cache + (kv * slots + first) * D;
+                const int64_t *e = table + TABLE_COLUMNS * t;
+                const int64_t len = e[RUN_END] - e[FIRST] + e[ANC_COUNT], kv = e[ROW] * Hk + h / G;
+                const bf16 *keys = k_cache + kv * slots * D, *values = v_cache + kv * slots * D;
                 const bf16 *q = q_rot + (t * H + h) * D;
                 __m512 top = _mm512_set1_ps(-INFINITY);
                 for (int64_t j0 = 0; j0 < len; j0 += 16) {  // scores of 16 keys at a time
@@ -224,8 +234,10 @@ static void attend_exact(const bf16 *qkv, int64_t n, int64_t H, int64_t Hk, int6
                     __m512 dots[16];
                     for (int64_t j = 0; j < 16; j++) {
                         dots[j] = _mm512_setzero_ps();
-                        for (int64_t i = 0; j < count && i < D; i += 32)
-                            dots[j] = _mm512_dpbf16_ps(dots[j], (__m512bh)_mm512_loadu_si512((const void *)(keys + (j0 + j) * D + i)),
+                        if (j >= count) continue;
+                        const bf16 *key = keys + key_slot(e, ancestors, j0 + j) * D;
+                        for (int64_t i = 0; i < D; i += 32)
+                            dots[j] = _mm512_dpbf16_ps(dots[j], (__m512bh)_mm512_loadu_si512((const void *)(key + i)),
                                                        (__m512bh)_mm512_loadu_si512((const void *)(q + i)));
                     }
                     const __mmask16 valid = count == 16 ? 0xffff : (__mmask16)((1u << count) - 1);
@@ -237,15 +249,16 @@ static void attend_exact(const bf16 *qkv, int64_t n, int64_t H, int64_t Hk, int6
                 __m512 total = _mm512_setzero_ps();
                 for (int64_t j = 0; j < len; j += 16) {
                     const __mmask16 valid = len - j >= 16 ? 0xffff : (__mmask16)((1u << (len - j)) - 1);
-                    const __m512 e = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(_mm512_loadu_ps(p + j), max)));
-                    total = _mm512_add_ps(total, e);
-                    _mm512_storeu_ps(p + j, e);
+                    const __m512 e16 = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(_mm512_loadu_ps(p + j), max)));
+                    total = _mm512_add_ps(total, e16);
+                    _mm512_storeu_ps(p + j, e16);
                 }
                 __m512 acc[16];
                 for (int64_t c = 0; c < D / 16; c++) acc[c] = _mm512_setzero_ps();
                 for (int64_t j = 0; j < len; j++) {
                     const __m512 pj = _mm512_set1_ps(p[j]);
-                    for (int64_t c = 0; c < D / 16; c++) acc[c] = _mm512_fmadd_ps(pj, load16(values + j * D + 16 * c), acc[c]);
+                    const bf16 *value = values + key_slot(e, ancestors, j) * D;
+                    for (int64_t c = 0; c < D / 16; c++) acc[c] = _mm512_fmadd_ps(pj, load16(value + 16 * c), acc[c]);
                 }
                 const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
                 for (int64_t c = 0; c < D / 16; c++)
@@ -276,15 +289,16 @@ int64_t decoder_layer_workspace_bytes(int64_t n, int64_t dim, int64_t hidden, in
 
 void decoder_layer(bf16 *x, int64_t n, int64_t dim, int64_t hidden, int64_t H, int64_t Hk, int64_t D, float eps,
                    const bf16 *attention_norm, const bf16 *wqkv, const bf16 *wo, const bf16 *ffn_norm,
-                   const bf16 *w_gate_up, const bf16 *w_down, const int64_t *table, const bf16 *cos, const bf16 *sin,
-                   bf16 *k_cache, bf16 *v_cache, int64_t slots, void *workspace, int64_t max_keys, int threads) {
+                   const bf16 *w_gate_up, const bf16 *w_down, const int64_t *table, const int64_t *ancestors,
+                   const bf16 *cos, const bf16 *sin, bf16 *k_cache, bf16 *v_cache, int64_t slots, void *workspace,
+                   int64_t max_keys, int threads) {
     const int64_t width = (H + 2 * Hk) * D;
     bf16 *normed = workspace, *qkv = normed + n * dim, *attn = qkv + n * width, *q_rot = attn + n * H * D;
     bf16 *gate_up = q_rot + n * H * D, *act = gate_up + n * 2 * hidden, *delta = act + n * hidden;
     float *scores = (float *)((char *)workspace + activation_bytes(n, dim, hidden, H, Hk, D));
     rms_norm_bf16(x, attention_norm, normed, n, dim, eps);
     linear_bf16(normed, wqkv, qkv, n, dim, width, 0);
-    attend_exact(qkv, n, H, Hk, D, table, cos, sin, k_cache, v_cache, slots, q_rot, attn, scores,
+    attend_exact(qkv, n, H, Hk, D, table, ancestors, cos, sin, k_cache, v_cache, slots, q_rot, attn, scores,
                  score_stride(max_keys), threads);
     linear_bf16(attn, wo, delta, n, H * D, dim, 0);
     add_bf16(x, delta, n * dim);

@@ -41,22 +41,29 @@ def packed_shape(n_out: int, k: int) -> tuple[int, int, int, int]:
 
 @dataclass(frozen=True)
 class StepTable:
-    """Each token's cache row, slot and first visible key [n, 3] for decoder_layer, checked once when it is made:
-    the kernels index the cache with these numbers directly, so a bad one must never reach them."""
+    """Each token's cache row, slot, position, first key, end of its run of keys and its ancestors' slots
+    (attention.ExactToken) as the kernel reads them ([n, 7] and a flat list), checked once when it is made: the
+    kernels index the cache with these numbers directly, so a bad one must never reach them."""
 
     tensor: torch.Tensor
+    ancestors: torch.Tensor
     rows_needed: int  # largest row + 1: the cache must have at least this many rows
-    slots_needed: int  # largest slot + 1
-    max_keys: int  # longest key range of any token
+    slots_needed: int  # largest slot written or read + 1
+    max_keys: int  # most keys of any token
 
     @classmethod
-    def of(cls, entries: list[tuple[int, int, int]]) -> "StepTable":
-        for row, slot, first in entries:
-            if row < 0 or slot < 0 or not 0 <= first <= slot:
-                raise IndexError(f"bad kernel step entry (row {row}, slot {slot}, first key {first}): rows and slots "
-                                 "must be >= 0 and the first visible key within [0, slot]")
-        return cls(torch.tensor(entries, dtype=torch.int64).view(-1, 3), 1 + max(e[0] for e in entries),
-                   1 + max(e[1] for e in entries), max(e[1] + 1 - e[2] for e in entries))
+    def of(cls, tokens) -> "StepTable":
+        entries, ancestors = [], []
+        for t in tokens:
+            if min(t.row, t.slot, t.pos, t.first, *t.ancestors) < 0 or not t.first <= t.run_end:
+                raise IndexError(f"bad kernel step entry {t}: rows, slots and positions must be >= 0 and the first "
+                                 "key at most the end of its run")
+            entries.append((t.row, t.slot, t.pos, t.first, t.run_end, len(ancestors), len(t.ancestors)))
+            ancestors.extend(t.ancestors)
+        slots = max(max(t.slot, t.run_end - 1, *t.ancestors) for t in tokens) + 1
+        return cls(torch.tensor(entries, dtype=torch.int64).view(-1, 7), torch.tensor(ancestors or [0], dtype=torch.int64),
+                   1 + max(t.row for t in tokens), max(slots, 1 + max(t.pos for t in tokens)),
+                   max(t.run_end - t.first + len(t.ancestors) for t in tokens))
 
 
 class CpuKernels:
@@ -67,7 +74,7 @@ class CpuKernels:
     def __init__(self, lib: ctypes.CDLL):
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         lib.linear_bf16.argtypes = [ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
-        lib.decoder_layer.argtypes = ([ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float] + [ptr] * 11 +
+        lib.decoder_layer.argtypes = ([ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float] + [ptr] * 12 +
                                       [i64, ptr, i64, ctypes.c_int])
         lib.decoder_layer_workspace_bytes.argtypes = [i64] * 7 + [ctypes.c_int]
         lib.decoder_layer_workspace_bytes.restype = i64
@@ -140,7 +147,7 @@ class CpuKernels:
         """One TransformerBlock over a packed step x [1, n, dim]: returns the new residual stream.
 
         args: the model's ModelArgs; weights: the block's, as check_layer_weights saw them; table: each token's
-        cache row, slot and first visible key.
+        row, slot, position and keys.
         """
         n, D = x.shape[1], args.head_dim
         users, slots = k_cache.shape[0], k_cache.shape[2]
@@ -163,8 +170,8 @@ class CpuKernels:
         x = x.contiguous().clone()
         self.lib.decoder_layer(x.data_ptr(), n, args.dim, args.hidden_dim, args.n_heads, args.n_kv_heads, D,
                                args.norm_eps, *(w.data_ptr() for w in weights), table.tensor.data_ptr(),
-                               cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots,
-                               self.workspace.data_ptr(), table.max_keys, threads)
+                               table.ancestors.data_ptr(), cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
+                               v_cache.data_ptr(), slots, self.workspace.data_ptr(), table.max_keys, threads)
         return x
 
 

@@ -6,6 +6,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..speculative.backend import MAX_DRAFT_TOKENS, StepOutput, UserRows
+from .attention import ExactToken
 from .model import KVCache, Transformer
 
 
@@ -38,6 +39,7 @@ class TorchCausalLM:
         self.n_layers, self.max_batch_size = n_layers, max_batch_size
         self.max_seq_len, self.vocab_size = model.max_seq_len, model.args.vocab_size
         self.max_step_rows = max_batch_size * (MAX_DRAFT_TOKENS + 1)  # no tile to fill: any step the loop makes
+        self.supports_trees = True
         self.device = model.device
 
     def draft_view(self, n_layers: int) -> "TorchCausalLM":
@@ -50,20 +52,33 @@ class TorchCausalLM:
         return 1 + n_rows * (TOKEN_COST + KEY_COST * context_len)
 
     def prefill(self, user: int, tokens: Sequence[int], logits: bool = False) -> StepOutput:
-        return self._output(self.forward_logits([tokens], [0], [user], last_only=True), logits)
+        return self._output(self.forward_logits([tokens], [0], [user], last_only=True), logits, 0)
 
-    def step(self, rows: Sequence[UserRows], logits: bool = False) -> StepOutput:
-        return self._output(self.forward_logits([r.tokens for r in rows], [r.start_pos for r in rows],
-                                                [r.user for r in rows], last_only=False), logits)
+    def step(self, rows: Sequence[UserRows], logits: bool = False, top_k: int = 0) -> StepOutput:
+        per_user = self.forward_logits([r.tokens for r in rows], [r.start_pos for r in rows], [r.user for r in rows],
+                                       parents=[r.parents for r in rows])
+        return self._output(per_user, logits, top_k)
+
+    def commit_path(self, user: int, start_pos: int, path: Sequence[int]) -> None:
+        moved = [(depth, row) for depth, row in enumerate(path) if row != depth]
+        if moved:  # a path's rows only ever move to earlier slots, in depth order: no copy overwrites a later source
+            dst = torch.tensor([start_pos + d for d, _ in moved], device=self.device)
+            src = torch.tensor([start_pos + r for _, r in moved], device=self.device)
+            for k, v in zip(self.cache.k, self.cache.v):
+                k[user][:, dst] = k[user][:, src]
+                v[user][:, dst] = v[user][:, src]
 
     @staticmethod
-    def _output(per_user: list[torch.Tensor], logits: bool) -> StepOutput:
+    def _output(per_user: list[torch.Tensor], logits: bool, top_k: int) -> StepOutput:
         return StepOutput([row.argmax(dim=-1).tolist() for row in per_user],
-                          [row.float() for row in per_user] if logits else None)
+                          [row.float() for row in per_user] if logits else None,
+                          [row.topk(top_k, dim=-1).indices.tolist() for row in per_user] if top_k else None)
 
     def forward_logits(self, tokens: Sequence[Sequence[int]], start_pos: Sequence[int], users: Sequence[int],
-                       last_only: bool = False) -> list[torch.Tensor]:
-        """Logits [len(tokens[u]) or 1, V] per user: the ragged call behind prefill and step."""
+                       last_only: bool = False, parents: Optional[Sequence[Optional[Sequence[int]]]] = None
+                       ) -> list[torch.Tensor]:
+        """Logits [len(tokens[u]) or 1, V] per user: the ragged call behind prefill and step (parents: see
+        UserRows)."""
         lengths = [len(t) for t in tokens]
         if not len(tokens) == len(start_pos) == len(users) or min(lengths) < 1:
             raise ValueError("a step needs one start position, one cache row and at least one token per user")
@@ -74,8 +89,11 @@ class TorchCausalLM:
         kv_len = max(p + n for p, n in zip(start_pos, lengths))
         if kv_len > self.max_seq_len:
             raise ValueError(f"forward would write position {kv_len - 1} past max_seq_len {self.max_seq_len}")
+        parents = parents or [None] * len(tokens)
         if max(lengths) <= EXACT_ATTENTION_MAX_TOKENS:
-            logits = self._packed_step(tokens, start_pos, users, lengths, last_only)
+            logits = self._packed_step(tokens, start_pos, users, lengths, last_only, parents)
+        elif any(p is not None for p in parents):
+            raise ValueError(f"a token tree has at most {EXACT_ATTENTION_MAX_TOKENS} nodes")
         else:
             logits = self._padded_step(tokens, start_pos, users, lengths, kv_len, last_only)
         if last_only:
@@ -83,24 +101,43 @@ class TorchCausalLM:
         ends = list(accumulate(lengths))
         return [logits[end - n : end] for n, end in zip(lengths, ends)]
 
-    def _packed_step(self, tokens, start_pos, users, lengths, last_only) -> torch.Tensor:
+    def _exact_tokens(self, start: int, row: int, n: int, parents: Optional[Sequence[int]], first_index: int):
+        """ExactToken for each of a user's n tokens: a chain at start, start + 1, ..., or a tree rooted at start."""
+        window = self.model.args.sliding_window or self.max_seq_len
+        if parents is None:
+            return [ExactToken(first_index + i, row, start + i, start + i, max(0, start + i + 1 - window), start + i + 1)
+                    for i in range(n)]
+        if len(parents) != n or parents[0] != -1 or any(not 0 <= parents[i] < i for i in range(1, n)):
+            raise ValueError(f"tree parents {list(parents)}: parents[0] must be -1 and each parent an earlier row")
+        paths, out = [], []
+        for i in range(n):
+            path = [i] if i == 0 else paths[parents[i]] + [i]  # rows from the root
+            paths.append(path)
+            pos = start + len(path) - 1
+            first = max(0, pos + 1 - window)
+            ancestors = tuple(start + r for depth, r in enumerate(path) if start + depth >= first)
+            out.append(ExactToken(first_index + i, row, start + i, pos, first, max(first, start), ancestors))
+        return out
+
+    def _packed_step(self, tokens, start_pos, users, lengths, last_only, parents) -> torch.Tensor:
         """Decode, verification and draft catch-up: every user's tokens packed into one row, each with its own
         cache row and slot, and each attending through its own call over exactly its visible keys. A token's
         result is then bit-identical whatever else shares the step, with no padding between ragged users."""
         flat = [t for seq in tokens for t in seq]
-        rows = [u for u, n in zip(users, lengths) for _ in range(n)]
-        slots = [p + i for p, n in zip(start_pos, lengths) for i in range(n)]
-        window = self.model.args.sliding_window or self.max_seq_len
-        exact = [(j, row, max(0, slot + 1 - window), slot + 1) for j, (row, slot) in enumerate(zip(rows, slots))]
+        exact = []
+        for start, row, n, par in zip(start_pos, users, lengths, parents):
+            exact += self._exact_tokens(start, row, n, par, len(exact))
+        rows, slots, positions = [t.row for t in exact], [t.slot for t in exact], [t.pos for t in exact]
         if len(flat) == 1 and self.model.kernels is None:
             # oneDNN's bf16 matmul is row-invariant for M >= 2 but takes another kernel for M == 1, so a lone token
             # gets a padding partner that writes the scratch slot and attends to nothing
             # (tests/test_row_invariance.py checks this on the installed torch; the CPU kernels need no partner).
-            flat, rows, slots = flat + [0], rows + rows, slots + [self.cache.scratch_slot]
+            flat, rows = flat + [0], rows + rows
+            slots, positions = slots + [self.cache.scratch_slot], positions + [self.cache.scratch_slot]
         dev = self.device
         step = self.model.step_inputs(positions=torch.tensor([slots], device=dev), query_pos=None,
                                       rows=torch.tensor([rows], device=dev), kv_len=0, all_rows=False,
-                                      exact_tokens=exact)
+                                      exact_tokens=exact, rope_positions=torch.tensor([positions], device=dev))
         last = torch.tensor([end - 1 for end in accumulate(lengths)], device=dev) if last_only else None
         out = self.model(torch.tensor([flat], device=dev), step, self.cache, output_index=last)
         return out if last_only else out[0, : len(exact)]

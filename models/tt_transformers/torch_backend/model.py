@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .attention import Attention, StepInputs
+from .attention import Attention, ExactToken, StepInputs
 from .cpu_kernels import CpuKernels, StepTable, kernels_fit
 from .mlp import MLP
 from .model_config import ModelArgs
@@ -217,31 +217,34 @@ class Transformer(nn.Module):
     def new_cache(self, n_layers: int, n_users: int) -> KVCache:
         return KVCache(self.args, n_layers, n_users, self.max_seq_len, self.dtype, self.device)
 
-    def step_inputs(self, positions: torch.Tensor, query_pos: torch.Tensor, rows: torch.Tensor, kv_len: int,
-                    all_rows: bool, exact_tokens: Optional[list[tuple[int, int, int, int]]]) -> StepInputs:
+    def step_inputs(self, positions: torch.Tensor, query_pos: Optional[torch.Tensor], rows: torch.Tensor, kv_len: int,
+                    all_rows: bool, exact_tokens: Optional[list[ExactToken]] = None,
+                    rope_positions: Optional[torch.Tensor] = None) -> StepInputs:
         """Per-step tensors shared by all layers.
 
-        positions [B, T]: the cache slot each token writes; rows [B, 1] (or [B, T]): its cache row; query_pos
+        positions [B, T]: the cache slot each token writes; rope_positions: its position (default: the slot; a
+        token tree's nodes write slots past their positions); rows [B, 1] (or [B, T]): its cache row; query_pos
         [B, T]: the position it attends from (padding tokens write the scratch slot and attend like the last real
         token). all_rows: the batch is every cache row in order, so attention reads a view. exact_tokens: see
         StepInputs; when given, no mask is built and rows may differ per token (a packed step). The caller decides
         these from host-side ints, so nothing here syncs a device.
         """
         if exact_tokens is not None and self.kernels is not None:  # the kernel gathers the rotary tables itself
-            table = StepTable.of([(row, end - 1, first) for _, row, first, end in exact_tokens])
-            return StepInputs(self.rope_cos, self.rope_sin, rows, positions, None, kv_len, None, exact_tokens, table)
-        cos = self.rope_cos[positions].unsqueeze(2)
-        sin = self.rope_sin[positions].unsqueeze(2)
-        mask, read_rows = None, None
-        if exact_tokens is None:
-            key_pos = torch.arange(kv_len, device=positions.device)
-            visible = key_pos <= query_pos.unsqueeze(-1)  # [B, T, kv_len]
-            if self.args.sliding_window is not None:
-                visible &= key_pos > query_pos.unsqueeze(-1) - self.args.sliding_window
-            groups = self.args.n_heads // self.args.n_kv_heads
-            mask = visible.unsqueeze(1).repeat(1, 1, groups, 1)  # [B, 1, G*T, kv_len], rows ordered g*T + t
-            read_rows = slice(None) if all_rows else rows.view(-1)
-        return StepInputs(cos, sin, rows, positions, read_rows, kv_len, mask, exact_tokens)
+            return StepInputs(self.rope_cos, self.rope_sin, rows, positions, None, kv_len, None, exact_tokens,
+                              exact_table=StepTable.of(exact_tokens))
+        at = rope_positions if rope_positions is not None else positions
+        cos, sin = self.rope_cos[at].unsqueeze(2), self.rope_sin[at].unsqueeze(2)
+        if exact_tokens is not None:
+            return StepInputs(cos, sin, rows, positions, None, kv_len, None, exact_tokens,
+                              [tok.key_slots() for tok in exact_tokens])
+        key_pos = torch.arange(kv_len, device=positions.device)
+        visible = key_pos <= query_pos.unsqueeze(-1)  # [B, T, kv_len]
+        if self.args.sliding_window is not None:
+            visible &= key_pos > query_pos.unsqueeze(-1) - self.args.sliding_window
+        groups = self.args.n_heads // self.args.n_kv_heads
+        mask = visible.unsqueeze(1).repeat(1, 1, groups, 1)  # [B, 1, G*T, kv_len], rows ordered g*T + t
+        read_rows = slice(None) if all_rows else rows.view(-1)
+        return StepInputs(cos, sin, rows, positions, read_rows, kv_len, mask)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, step: StepInputs, cache: KVCache,

@@ -51,6 +51,7 @@ class Trace:
     trace_id: Any
     ids: Any  # [1, 1, 32] uint32 on device
     logits: Any  # [1, 1, 32, vocab] on device
+    top_ids: Any  # [1, 1, 32, k] on device when the trace computes the top k, else None
 
 
 class TtnnCausalLM:
@@ -63,10 +64,13 @@ class TtnnCausalLM:
         self.tt, self.max_batch_size, self.max_seq_len = tt, max_batch_size, max_seq_len
         self.n_layers, self.vocab_size = tt.n_layers, tt.args.vocab_size
         self.max_step_rows = TILE_ROWS
+        # Token trees need each row to see its ancestors only, which paged SDPA decode (each row sees every cached
+        # position up to its own) does not express without an attention mask per step: chains only (README).
+        self.supports_trees = False
         self.shares_target_cache = shares_target_cache
         self.device = torch.device("cpu")  # where the logits it returns live
         self.inputs = None
-        self.traces: dict[int, Trace] = {}
+        self.traces: dict[tuple[int, int], Trace] = {}  # (write passes, top k) -> trace
 
     def draft_view(self, n_layers: int) -> "TtnnCausalLM":
         """The first n_layers layers on the target's weights and cache (no copy, no catch-up), traced apart."""
@@ -87,7 +91,10 @@ class TtnnCausalLM:
         row = out.reshape(-1)[: self.vocab_size].float().view(1, -1)
         return StepOutput([row.argmax(dim=-1).tolist()], [row] if logits else None)
 
-    def step(self, rows: Sequence[UserRows], logits: bool = False) -> StepOutput:
+    def commit_path(self, user: int, start_pos: int, path: Sequence[int]) -> None:
+        raise NotImplementedError("the ttnn backend verifies chains only (supports_trees is False)")
+
+    def step(self, rows: Sequence[UserRows], logits: bool = False, top_k: int = 0) -> StepOutput:
         import ttnn
 
         n_rows = sum(len(r.tokens) for r in rows)
@@ -107,20 +114,25 @@ class TtnnCausalLM:
         host = self.tt.model.prepare_decode_inputs_host(tokens, positions, page_table)
         host_passes = [ttnn.from_torch(p, dtype=ttnn.int32, mesh_mapper=self._positions_mapper()) for p in pass_positions]
         self._refresh_inputs(host, host_passes)
-        trace = self._trace(write_passes_for(max(len(u.tokens) for u in rows)))
+        if any(r.parents is not None for r in rows):
+            raise ValueError("the ttnn backend verifies chains only (supports_trees is False)")
+        trace = self._trace(write_passes_for(max(len(u.tokens) for u in rows)), top_k)
         ttnn.execute_trace(self.tt.mesh_device, trace.trace_id, cq_id=0, blocking=False)
         ids = ttnn.to_torch(ttnn.get_device_tensors(trace.ids)[0]).reshape(-1)[:r].tolist()
         all_logits = None
         if logits:
             all_logits = ttnn.to_torch(ttnn.get_device_tensors(trace.logits)[0]).float().reshape(TILE_ROWS, -1)
-        out_ids, out_logits, start = [], [], 0
+        top = ttnn.to_torch(ttnn.get_device_tensors(trace.top_ids)[0]).reshape(TILE_ROWS, -1) if top_k else None
+        out_ids, out_logits, out_top, start = [], [], [], 0
         for user_rows in rows:
             end = start + len(user_rows.tokens)
             out_ids.append([int(i) for i in ids[start:end]])
             if logits:
                 out_logits.append(all_logits[start:end, : self.vocab_size])
+            if top_k:
+                out_top.append(top[start:end, :top_k].long().tolist())
             start = end
-        return StepOutput(out_ids, out_logits if logits else None)
+        return StepOutput(out_ids, out_logits if logits else None, out_top if top_k else None)
 
     def _positions_mapper(self):
         """How TT-Transformers places the decode positions on the mesh (prepare_decode_inputs_host): replicated,
@@ -146,29 +158,32 @@ class TtnnCausalLM:
         for source, target in zip([*host, *host_passes], targets):
             ttnn.copy_host_to_device_tensor(source, target)
 
-    def _forward(self):
-        """The traced program: the decode forward over the tile, then argmax on device."""
+    def _forward(self, top_k: int) -> list:
+        """The traced program: the decode forward over the tile, then argmax (and the top k ids) on device."""
         import ttnn
 
         i = self.inputs
         out, _ = self.tt.model.ttnn_decode_forward(i.tokens, i.current_pos, rot_mat_idxs=i.rope_idxs,
                                                    page_table=i.page_table, kv_cache=self.tt.kv_cache)
         logits = ttnn.slice(out, [0, 0, 0, 0], [1, 1, TILE_ROWS, self.vocab_size])  # drop padded vocab columns
-        return ttnn.argmax(logits, dim=-1), logits
+        outputs = [ttnn.argmax(logits, dim=-1), logits]
+        if top_k:
+            outputs += list(ttnn.topk(ttnn.to_layout(logits, ttnn.TILE_LAYOUT), k=top_k, dim=-1))[1:]  # indices
+        return outputs
 
-    def _trace(self, passes: int) -> Trace:
+    def _trace(self, passes: int, top_k: int) -> Trace:
         import ttnn
 
-        if passes not in self.traces:
+        if (passes, top_k) not in self.traces:
             mesh = self.tt.mesh_device
             self.tt.passes.positions = self.inputs.pass_positions[:passes]
-            for tensor in self._forward():  # compile run: programs are built before a trace records them
+            for tensor in self._forward(top_k):  # compile run: programs are built before a trace records them
                 ttnn.deallocate(tensor)
             trace_id = ttnn.begin_trace_capture(mesh, cq_id=0)
-            ids, logits = self._forward()
+            outputs = self._forward(top_k)
             ttnn.end_trace_capture(mesh, trace_id, cq_id=0)
-            self.traces[passes] = Trace(trace_id, ids, logits)
-        return self.traces[passes]
+            self.traces[passes, top_k] = Trace(trace_id, *outputs[:2], outputs[2] if top_k else None)
+        return self.traces[passes, top_k]
 
     def release(self) -> None:
         import ttnn

@@ -40,6 +40,8 @@ DEFAULT_PROMPTS = Path(__file__).resolve().with_name("sample_prompts.json")  # b
 SUPPORTED_BATCH_SIZES = (1, 2, 4, 8, 16, 32)  # as TT-Transformers demos
 DRAFT_MODES = ("model", "suffix", "hybrid")
 BACKENDS = ("auto", "torch", "ttnn")
+MAX_RECYCLE_TOP_K = 32  # ttnn.topk's default k; more is never worth a tree row
+MAX_CORPUS_TOKENS = 1_000_000  # about 600 MB of suffix automaton
 DTYPES = {"torch": ("bfloat16", "float32"), "ttnn": ("bfloat16", "bfloat8_b")}  # ttnn: the weights' dtype
 
 # (name, type, default, help): the pytest options (root conftest.py) and the CLI flags come from this one table.
@@ -55,7 +57,11 @@ DEMO_OPTIONS = [
     ("n_draft_tokens", int, 4, "draft tokens verified per target forward; 0 = plain decoding"),
     ("draft_mode", str, "hybrid", "model: draft model only; suffix: suffix automaton only (no draft model); "
                                   "hybrid: suffix draft when its match is long enough, else the draft model"),
-    ("sa_threshold", int, DEFAULT_SA_THRESHOLD, "minimum suffix match length (tokens) for a suffix draft"),
+    ("sa_threshold", int, DEFAULT_SA_THRESHOLD, "minimum match length (tokens) a copied draft may start from"),
+    ("draft_memory", int, 65536, "tokens of earlier responses kept to draft from (cross-request memory); 0 = off"),
+    ("draft_corpus", str, None, "a text file to draft from as well (logs, a code base): a static corpus"),
+    ("recycle_top_k", int, 4, "the target's top next tokens kept per token to draft from (token recycling); 0 = off"),
+    ("draft_trees", int, 1, "1: verify token trees (several candidates at once) where the backend can"),
     ("draft_layers", int, 8, "layers of the target used as the draft model (weights shared)"),
     ("target_layers", int, None, "truncate the target to its first N layers (default: all)"),
     ("draft_model", str, None, "separate draft checkpoint (folder or .gguf) with the same tokenizer"),
@@ -138,6 +144,21 @@ def encode(tokenizer, prompt: str, instruct: bool) -> list[int]:
     return tokenizer(prompt).input_ids
 
 
+def draft_memory(config: DemoConfig, tokenizer):
+    """--draft_memory and --draft_corpus as a DraftMemory (None when both are off)."""
+    from models.tt_transformers.speculative.draft_memory import DraftMemory
+
+    corpus = []
+    if config.draft_corpus is not None:
+        corpus = [tokenizer(Path(config.draft_corpus).read_text(errors="replace"), add_special_tokens=False).input_ids]
+        if len(corpus[0]) > MAX_CORPUS_TOKENS:
+            raise DemoInputError(f"--draft_corpus {config.draft_corpus} has {len(corpus[0]):,} tokens, more than "
+                                 f"{MAX_CORPUS_TOKENS:,}; pass the part that the requests will repeat")
+    if config.draft_memory == 0 and not corpus:
+        return None
+    return DraftMemory(config.draft_memory, corpus)
+
+
 def eos_token_ids(ckpt, tokenizer) -> list[int]:
     """Every id that ends a response: config.json's and generation_config.json's, and the tokenizer's."""
     return sorted(set(ckpt.eos_token_ids) | {tokenizer.eos_token_id} - {None})
@@ -169,6 +190,13 @@ def check_flags(config: DemoConfig, backend: str) -> None:
         raise DemoInputError(f"--draft_mode {config.draft_mode!r} is not one of {', '.join(DRAFT_MODES)}")
     if config.sa_threshold < 1:
         raise DemoInputError(f"--sa_threshold must be >= 1 (tokens of matched suffix), got {config.sa_threshold}")
+    for flag, value in (("draft_memory", config.draft_memory), ("recycle_top_k", config.recycle_top_k)):
+        if value < 0:
+            raise DemoInputError(f"--{flag} must be >= 0 (0 turns it off), got {value}")
+    if config.recycle_top_k > MAX_RECYCLE_TOP_K:
+        raise DemoInputError(f"--recycle_top_k {config.recycle_top_k} is more than {MAX_RECYCLE_TOP_K}; lower it")
+    if config.draft_corpus is not None and not Path(config.draft_corpus).is_file():
+        raise DemoInputError(f"--draft_corpus {config.draft_corpus!r} does not exist; pass a text file")
     if config.max_generated_tokens < 1:
         raise DemoInputError(f"--max_generated_tokens must be >= 1, got {config.max_generated_tokens}")
     if config.target_layers is not None and config.target_layers < 1:
@@ -243,11 +271,17 @@ def build(config: DemoConfig, mesh_device=None):
     if draft_ckpt is not None:
         check_same_tokenizer(tokenizer, load_tokenizer(draft_ckpt), config.draft_model)
 
+    copied = None
+    if config.n_draft_tokens > 0 and config.draft_mode != "model":
+        copied = SuffixDrafter(config.sa_threshold, draft_memory(config, tokenizer), config.recycle_top_k)
+
     load = ttnn_loader(config, mesh_device) if backend == "ttnn" else torch_loader(config, args)
     target = load(ckpt, target_layers)
+    if not config.draft_trees:
+        target.supports_trees = False
     drafter = None
     if config.n_draft_tokens > 0 and config.draft_mode == "suffix":
-        drafter = SuffixDrafter(config.sa_threshold)  # no draft model at all
+        drafter = copied  # no draft model at all
     elif config.n_draft_tokens > 0:
         if draft_ckpt is not None:
             draft_lm, draft_args = load(draft_ckpt, None), ModelArgs.from_hf_config(draft_ckpt.config)
@@ -258,7 +292,7 @@ def build(config: DemoConfig, mesh_device=None):
         else:  # hybrid: the model drafts only while its acceptance pays for its cost (weights read per token)
             draft_cost = (draft_args.weight_bytes_per_token(draft_lm.n_layers, 2)
                           / args.weight_bytes_per_token(target_layers, 2))
-            drafter = HybridDrafter(SuffixDrafter(config.sa_threshold), ModelDrafter(draft_lm, draft_cost))
+            drafter = HybridDrafter(copied, ModelDrafter(draft_lm, draft_cost))
     tokens = [encode(tokenizer, p, bool(config.instruct)) for p in prompts]
     return ckpt, tokenizer, target, drafter, prompts, tokens, eos_token_ids(ckpt, tokenizer)
 
@@ -274,9 +308,13 @@ def describe_drafter(config: DemoConfig) -> str:
     if config.n_draft_tokens == 0:
         return "plain decoding"
     model = config.draft_model or f"first {config.draft_layers} layers"
-    suffix = f"suffix automaton (threshold {config.sa_threshold})"
-    return {"model": f"draft model {model}", "suffix": suffix,
-            "hybrid": f"hybrid: {suffix}, else draft model {model}"}[config.draft_mode]
+    sources = [f"the request's text (matches of {config.sa_threshold}+ tokens)"]
+    sources += [f"earlier responses (up to {config.draft_memory:,} tokens)"] * (config.draft_memory > 0)
+    sources += [f"corpus {config.draft_corpus}"] * (config.draft_corpus is not None)
+    sources += [f"the target's top-{config.recycle_top_k} recycled"] * (config.recycle_top_k > 0)
+    copied = f"copied drafts from {', '.join(sources)}{', as token trees' if config.draft_trees else ''}"
+    return {"model": f"draft model {model}", "suffix": copied,
+            "hybrid": f"hybrid: {copied}, else draft model {model}"}[config.draft_mode]
 
 
 def summarize(batches: list[list[UserResult]]) -> dict:
@@ -346,7 +384,9 @@ def run_demo(config: DemoConfig, mesh_device=None) -> dict:
     batches = split_batches(len(prompts), config.batch_size)
     for batch in batches:  # every prompt fits before anything runs
         spec.check_prompts([tokens[i] for i in batch])
-    spec.generate(tokens[:1], 4, bool(config.stop_at_eos))  # warm-up (kernel set-up, first traces), not timed
+    # Warm-up (kernel set-up, the plain decode trace), not timed. Plain, so that no drafter learns from a prompt it
+    # is about to see again (the memory of earlier responses would otherwise hold part of the first answer).
+    SpeculativeGenerator(target, None, 0, eos, sampling).generate(tokens[:1], 4, bool(config.stop_at_eos))
 
     logger.info(f"Speculative decoding: {ckpt.name}, {target.n_layers} target layers, batch {config.batch_size}, "
                 f"n_draft_tokens={config.n_draft_tokens}, {describe_drafter(config)}, "

@@ -17,9 +17,14 @@ from typing import Optional, Sequence
 from loguru import logger
 
 from models.tt_transformers.speculative.backend import MAX_DRAFT_TOKENS, CausalLM, StepOutput, UserRows, extra_cost_curve
-from models.tt_transformers.speculative.drafters import Draft, Drafter
-from models.tt_transformers.speculative.sampling import SamplingParams, probabilities, verify_rejection
-from models.tt_transformers.speculative.verification import verify_greedy
+from models.tt_transformers.speculative.drafters import Draft, Drafter, Verified
+from models.tt_transformers.speculative.sampling import (
+    SamplingParams,
+    probabilities,
+    verify_rejection,
+    verify_rejection_tree,
+)
+from models.tt_transformers.speculative.verification import verify_greedy, verify_greedy_tree
 
 
 @dataclass
@@ -123,25 +128,29 @@ class SpeculativeGenerator:
                                         max_generated_tokens)
                 context_len = sum(len(contexts[u]) for u in active) / len(active)
                 drafts = self.drafter.propose(active, [contexts[u] for u in active], caps,
-                                              extra_cost_curve(self.target, len(active), context_len))
+                                              extra_cost_curve(self.target, len(active), context_len),
+                                              self.target.supports_trees)
             else:
                 drafts = [Draft([], "none") for _ in active]
-            rows = [UserRows(u, [contexts[u][-1]] + d.tokens, len(contexts[u]) - 1) for u, d in zip(active, drafts)]
-            appended = self._accept(active, drafts, self.target.step(rows, logits=not self.sampling.greedy))
+            rows = [UserRows(u, [contexts[u][-1]] + d.tokens, len(contexts[u]) - 1,
+                             None if d.parents is None else [-1] + [p + 1 for p in d.parents])
+                    for u, d in zip(active, drafts)]
+            top_k = self.drafter.top_k if self.drafter is not None else 0
+            out = self.target.step(rows, logits=not self.sampling.greedy, top_k=top_k)
+            verified = self._verify(active, drafts, rows, out)
             ms = (time.perf_counter() - start) * 1e3
             produced = accepted = 0
-            for u, draft, new in zip(active, drafts, appended):
-                n_accepted = len(new) - 1
+            for u, draft, v in zip(active, drafts, verified):
                 if self.drafter is not None:
-                    self.drafter.accept(u, new, n_accepted)
-                new = self._keep(new, results[u], max_generated_tokens, stop_at_eos)
+                    self.drafter.accept(u, v)
+                new = self._keep(v.new_tokens, results[u], max_generated_tokens, stop_at_eos)
                 contexts[u].extend(new)
                 results[u].output_tokens.extend(new)
                 results[u].decode_s += ms / 1e3
                 results[u].iterations.append(
-                    IterationStats(draft.source, len(draft.tokens), n_accepted, ms, draft.match_len))
+                    IterationStats(draft.source, len(draft.tokens), v.n_accepted, ms, draft.match_len))
                 produced += len(new)
-                accepted += n_accepted
+                accepted += v.n_accepted
             drafted = sum(len(d.tokens) for d in drafts)
             tok_s = produced / (ms / 1e3)
             logger.info(f"Iteration {iteration}: {ms:.0f}ms @ {tok_s / len(active):.1f} tok/s/user "
@@ -158,6 +167,26 @@ class SpeculativeGenerator:
             return [verify_greedy(d.tokens, ids) for d, ids in zip(drafts, out.ids)]
         return [verify_rejection(d.tokens, d.probs, probabilities(lg, self.sampling), self.streams(u, lg.device))
                 for u, d, lg in zip(users, drafts, out.logits)]
+
+    def _verify(self, users: list[int], drafts: list[Draft], rows: list[UserRows], out: StepOutput) -> list[Verified]:
+        """Verification of each user's chain or tree; a tree's accepted path then moves to its true positions."""
+        chains = [i for i, d in enumerate(drafts) if d.parents is None]
+        appended = dict(zip(chains, self._accept([users[i] for i in chains], [drafts[i] for i in chains],
+                                                 StepOutput([out.ids[i] for i in chains],
+                                                            out.logits and [out.logits[i] for i in chains]))))
+        verified = []
+        for i, (u, d, r) in enumerate(zip(users, drafts, rows)):
+            if d.parents is None:
+                new, path = appended[i], list(range(len(appended[i]) - 1))
+            else:
+                if self.sampling.greedy:
+                    new, path = verify_greedy_tree(d.tokens, d.parents, out.ids[i])
+                else:
+                    new, path = verify_rejection_tree(d.tokens, d.parents, probabilities(out.logits[i], self.sampling),
+                                                      self.streams(u, out.logits[i].device))
+                self.target.commit_path(u, r.start_pos, [0] + [j + 1 for j in path])
+            verified.append(Verified(new, path, r.tokens, out.top_ids[i] if out.top_ids else None))
+        return verified
 
     def _draft_caps(self, results: list[UserResult], contexts: list[list[int]], max_generated_tokens: int) -> list[int]:
         """Drafts each user may have verified this iteration: never more than could be kept, nor past the end of the
