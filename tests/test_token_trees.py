@@ -1,0 +1,150 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Token trees: every node verified in one step equals the chain along its path (CPU kernels and torch ops), and
+greedy and cross-request drafting with trees, recycling and memory stays token-identical to plain decoding."""
+import pytest
+import torch
+
+from models.tt_transformers.torch_backend.generator import TorchCausalLM
+
+from .conftest import CPU_KERNELS, random_model
+
+
+TREE = ([79, 32, 38, 46, 26, 43, 11], [-1, 0, 0, 1, 1, 3, 2])  # a root, two branches, depth 3
+
+
+def paths(parents):
+    out = []
+    for i in range(len(parents)):
+        path = [i] if parents[i] == -1 else out[parents[i]] + [i]
+        out.append(path)
+    return out
+
+
+@pytest.mark.parametrize("kernels", [pytest.param(True, marks=pytest.mark.skipif(
+    CPU_KERNELS is None, reason="bf16 CPU kernels need x86-64 with AVX512-BF16 and a C compiler")), False],
+    ids=["cpu-kernels", "torch-ops"])
+@pytest.mark.parametrize("sliding_window", [None, 4])
+def test_token_tree_nodes_equal_their_chains(kernels, sliding_window):
+    """Every node of a token tree verified in one step gets the logits of the chain along its path, bit for bit,
+    and after commit_path the cache holds the accepted path where a chain would have put it."""
+    model = random_model(torch.bfloat16, max_seq_len=96, std=0.3, dim=64, n_layers=2, head_dim=32, n_kv_heads=2,
+                         hidden_dim=96, vocab_size=100, sliding_window=sliding_window)
+    if kernels:
+        model.use_cpu_kernels(CPU_KERNELS)
+    prompt = [3, 14, 15, 92, 65, 35, 89]
+    tokens, parents = TREE
+
+    def fresh():
+        lm = TorchCausalLM(model, model.args.n_layers, 1)
+        lm.forward_logits([prompt], [0], [0], last_only=True)
+        return lm
+    lm = fresh()
+    tree = lm.forward_logits([tokens], [len(prompt)], [0], parents=[parents])[0]
+    for i, path in enumerate(paths(parents)):
+        chain = fresh().forward_logits([[tokens[r] for r in path]], [len(prompt)], [0])[0]
+        assert torch.equal(tree[i], chain[-1]), path
+    accepted = paths(parents)[5]  # 0 -> 1 -> 3 -> 5: rows 1, 3, 5 sit in slots past their positions
+    lm.commit_path(0, len(prompt), accepted)
+    reference = fresh()
+    reference.forward_logits([[tokens[r] for r in accepted]], [len(prompt)], [0])
+    after = len(prompt) + len(accepted)
+    assert torch.equal(lm.forward_logits([[7]], [after], [0])[0], reference.forward_logits([[7]], [after], [0])[0])
+    with pytest.raises(ValueError, match="parents"):
+        lm.forward_logits([tokens], [len(prompt)], [0], parents=[[-1, 2, 0, 1, 1, 3, 2]])  # a parent after its child
+
+
+def test_verify_greedy_tree():
+    from models.tt_transformers.speculative.verification import verify_greedy_tree
+
+    tokens, parents = [5, 6, 7, 8], [-1, -1, 0, 1]  # 5 -> 7 and 6 -> 8
+    assert verify_greedy_tree(tokens, parents, [6, 0, 8, 0, 9]) == ([6, 8, 9], [1, 3])  # second branch, bonus token
+    assert verify_greedy_tree(tokens, parents, [5, 4, 0, 0, 0]) == ([5, 4], [0])  # correction after the first node
+    assert verify_greedy_tree(tokens, parents, [3, 0, 0, 0, 0]) == ([3], [])  # no child matches
+
+
+def test_memory_store_is_bounded_and_never_matches_across_documents():
+    from models.tt_transformers.speculative.draft_memory import TokenStore
+
+    store = TokenStore(max_tokens=100)
+    for i in range(30):
+        store.add([1000 + i] * 5 + [7, 8, 9])
+        assert store.n_tokens <= 100
+    assert len(store.docs) < 30 and store.docs[-1][0] == 1029  # the oldest went first
+    state, length = store.match(0, [1, 2, 1029, 1029])
+    assert length == 2
+    tokens = store.sam.continuation(state, length, 20, [1.0] * 9, 0.0)[0]
+    # the most frequent continuations (1029 twice, then a tie), then the document's own end: never a separator
+    assert tokens[:2] == [1029, 1029] and tokens[-3:] == [7, 8, 9] and set(tokens) == {1029, 7, 8, 9}
+
+
+def test_recycled_table_keeps_the_actual_texts_rows():
+    from models.tt_transformers.speculative.drafters import SuffixDrafter, Verified
+    from models.tt_transformers.speculative.sampling import SamplingParams
+
+    drafter = SuffixDrafter(recycle=2)
+    drafter.start([0], [[1, 2]], SamplingParams())
+    # rows: last token 2, drafts 3 (accepted) and 4 (rejected): the rejected row's context never happened
+    drafter.accept(0, Verified([3, 9], [0], [2, 3, 4], [[3, 5], [9, 6], [1, 1]]))
+    assert drafter.recycled.table == {2: [3, 5], 3: [9, 6]}
+
+
+def sequence_identical_to_plain(model, prompts, drafter, n_tokens, eos=()):
+    """Prompts one after another through one drafter (as a server sees them), each equal to its plain output."""
+    from models.tt_transformers.demo.speculative_decoding.speculative_generator import SpeculativeGenerator
+
+    target = TorchCausalLM(model, model.args.n_layers, 1)
+    plain = SpeculativeGenerator(target, None, 0, eos)
+    spec = SpeculativeGenerator(target, drafter, 16, eos)
+    sources = []
+    for p in prompts:
+        result = spec.generate([p], n_tokens)[0]
+        assert result.output_tokens == plain.generate([p], n_tokens)[0].output_tokens
+        sources += [it.draft_source for it in result.iterations]
+    return sources
+
+
+def test_related_requests_draft_from_memory_losslessly(embedded_bf16, embedded_tokenizer):
+    """Tool calls with one schema, in sequence: later requests draft from earlier responses (memory), as token
+    trees with recycled predictions, and every output equals plain decoding."""
+    from models.tt_transformers.demo.speculative_decoding.speculative_demo import encode, load_prompts
+    from models.tt_transformers.speculative.draft_memory import DraftMemory
+    from models.tt_transformers.speculative.drafters import SuffixDrafter
+
+    from .conftest import REPO_ROOT
+
+    prompts = [encode(embedded_tokenizer, p, True)
+               for p in load_prompts(str(REPO_ROOT / "benchmarks/prompt_sets/related_requests.json"))[:4]]
+    sources = sequence_identical_to_plain(embedded_bf16, prompts, SuffixDrafter(1, DraftMemory(4096), recycle=4), 48,
+                                          [embedded_tokenizer.eos_token_id])
+    assert "memory" in sources and "tree" in sources
+
+
+def test_corpus_drafts_in_the_demo(tmp_path, embedded_checkpoint):
+    """--draft_corpus: text the requests repeat drafts from the start, output identical to plain decoding."""
+    from models.tt_transformers.demo.speculative_decoding.speculative_demo import DemoConfig, DemoInputError, run_demo
+
+    from .conftest import write_json
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("The quick brown fox jumps over the lazy dog near the riverbank every morning.\n")
+    prompts = write_json(tmp_path / "p.json", [{"prompt": "Repeat this sentence exactly: The quick brown fox jumps "
+                                                         "over the lazy dog near the riverbank every morning."}])
+    report = run_demo(DemoConfig(input_prompts=str(prompts), draft_mode="suffix", draft_corpus=str(corpus),
+                                 draft_memory=0, max_generated_tokens=24))
+    assert report["summary"]["identical_to_baseline"]
+    with pytest.raises(DemoInputError, match="--draft_corpus .* does not exist"):
+        run_demo(DemoConfig(input_prompts=str(prompts), draft_corpus=str(tmp_path / "missing.txt")))
+
+
+def test_corpus_store_drafts_what_the_request_lacks():
+    """A context that matches the corpus but not its own text gets the corpus's continuation."""
+    from models.tt_transformers.speculative.draft_length import linear_cost
+    from models.tt_transformers.speculative.draft_memory import DraftMemory
+    from models.tt_transformers.speculative.drafters import SuffixDrafter
+    from models.tt_transformers.speculative.sampling import SamplingParams
+
+    drafter = SuffixDrafter(1, DraftMemory(0, corpus=[[40, 41, 42, 43, 44, 45, 46, 47]]))
+    drafter.start([0], [[1, 2, 40, 41, 42]], SamplingParams())
+    for _ in range(5):  # the corpus store's rate rises as its drafts pass
+        draft = drafter.propose([0], [[1, 2, 40, 41, 42]], [4], linear_cost(0.0))[0]
+    assert draft.source == "corpus" and draft.tokens[:2] == [43, 44]
