@@ -135,12 +135,23 @@ class TransformerBlock:
         return ttnn.run_op("residual_mlp", residual_mlp, x, attn)
 
 
+class DistributedNorm:
+    """The final norm, called as TT-Transformers' forward calls it: norm(x, mode=..., norm_config=...)."""
+
+    def __init__(self, norm):
+        self.norm = norm
+
+    def __call__(self, x, mode="decode", norm_config=None):
+        return ttnn.run_op("norm", lambda t: (self.norm(t.data), ttnn.bfloat16, ttnn.TILE_LAYOUT), x)
+
+
 class Transformer:
     def __init__(self, args, dtype, mesh_device, state_dict, weight_cache_path, paged_attention_config=None,
                  use_paged_kv_cache=False, attention_class=None, rope_setup_class=None, prefetcher=None):
         state_dict = torch_model(state_dict["folder"], COMPUTE_DTYPES[dtype])  # computes in the weights' dtype
         self.args, self.mesh_device, self.model = args, mesh_device, state_dict
         self.vocab_size, self.n_layers = args.vocab_size, args.n_layers
+        self.norm = DistributedNorm(state_dict.norm)
         attention_class = attention_class or Attention
         self.layers = [TransformerBlock(state_dict.layers[i], attention_class(
             mesh_device=mesh_device, tt_ccl=None, args=args, state_dict=state_dict, weight_cache_path=weight_cache_path,
@@ -171,11 +182,11 @@ class Transformer:
             h = layer.forward_decode(h, current_pos, rot_mat_idxs, page_table, kv)
 
         def lm_head(t):  # untilized, as TT-Transformers returns it; columns past the vocabulary are padding
-            logits = m.output(m.norm(t.data)).float()
+            logits = m.output(t.data).float()
             padded = torch.full((*logits.shape[:-1], self.args.padded_vocab_size), PADDED_VOCAB_GARBAGE)
             padded[..., : self.vocab_size] = logits
             return padded, ttnn.bfloat16, ttnn.ROW_MAJOR_LAYOUT
-        return ttnn.run_op("lm_head", lm_head, h), None
+        return ttnn.run_op("lm_head", lm_head, self.norm(h, mode="decode")), None
 
     def prefill(self, ids: torch.Tensor, seq_len: int, page_row: torch.Tensor, kv_cache) -> torch.Tensor:
         """The padded prompt through every layer (causal), K/V of its real positions into the user's pages; the

@@ -214,6 +214,10 @@ def to_layout(tensor: Tensor, layout, dtype=None, memory_config=None, **kwargs) 
     return run_op("to_layout", lambda t: (t.data.clone(), t.dtype, layout), tensor)
 
 
+def to_memory_config(tensor: Tensor, memory_config=None, dtype=None, output_tensor=None, **kwargs) -> Tensor:
+    return run_op("to_memory_config", lambda t: (t.data.clone(), t.dtype, t.layout), tensor)
+
+
 def topk(input_tensor: Tensor, k=32, dim=-1, largest=True, sorted=True, **kwargs):
     if input_tensor.layout != TILE_LAYOUT:
         raise RuntimeError("stand-in: topk takes a TILE tensor")

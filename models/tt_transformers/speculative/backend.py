@@ -37,11 +37,13 @@ class UserRows:
 class StepOutput:
     """Per fed user, for each of its rows (or only the last one for a prefill): the greedy token ids, which is all
     a device sends back for greedy verification; the top-k ids per row when asked for (token recycling drafts from
-    them); float32 logits when asked for (sampling)."""
+    them); float32 logits when asked for (sampling); the final hidden states (the final norm's output, what the LM
+    head reads) when asked for: a trained draft head drafts from them."""
 
     ids: list[list[int]]
     logits: Optional[list[torch.Tensor]] = None
     top_ids: Optional[list[list[list[int]]]] = None
+    hidden: Optional[list[torch.Tensor]] = None  # [rows, dim] final hidden states (every prompt token for a prefill)
 
 
 class CausalLM(Protocol):
@@ -53,10 +55,12 @@ class CausalLM(Protocol):
 
     supports_trees: bool  # whether step takes UserRows.parents (and commit_path)
 
-    def prefill(self, user: int, tokens: Sequence[int], logits: bool = False) -> StepOutput:
-        """Fill the user's cache with `tokens` from position 0; outputs for the last token only."""
+    def prefill(self, user: int, tokens: Sequence[int], logits: bool = False, hidden: bool = False) -> StepOutput:
+        """Fill the user's cache with `tokens` from position 0; outputs for the last token only (hidden states for
+        every token)."""
 
-    def step(self, rows: Sequence[UserRows], logits: bool = False, top_k: int = 0) -> StepOutput:
+    def step(self, rows: Sequence[UserRows], logits: bool = False, top_k: int = 0, hidden: bool = False
+             ) -> StepOutput:
         """One forward over every listed user's rows; users not listed are idle. top_k > 0: also the top_k ids."""
 
     def commit_path(self, user: int, start_pos: int, path: Sequence[int]) -> None:

@@ -268,9 +268,10 @@ def _load_parameters(module: nn.Module, prefix: str, names: dict[str, list[str]]
 
 
 def load_model(ckpt: Checkpoint, dtype: torch.dtype, max_seq_len: int, device: str = "cpu",
-               cpu_kernels: bool = True) -> Transformer:
+               cpu_kernels: bool = True, n_layers: Optional[int] = None) -> Transformer:
     """Our Transformer with the checkpoint's weights; bf16 on CPU runs on the bf16 CPU kernels where they build
-    (cpu_kernels=False or TT_CPU_KERNELS=0: torch ops, oneDNN-prepacked linears).
+    (cpu_kernels=False or TT_CPU_KERNELS=0: torch ops, oneDNN-prepacked linears). n_layers: load only the first
+    n layers (0: the embedding, final norm and LM head, what a host-side draft head needs beside a TT device).
 
     Streams: one layer at a time is read (tensor by tensor, from whichever shards hold it), converted, fused and
     packed before the next; on the kernels every linear layer is packed a chunk of rows at a time straight from
@@ -286,6 +287,8 @@ def load_model(ckpt: Checkpoint, dtype: torch.dtype, max_seq_len: int, device: s
                               f"{args.model_type} checkpoint?")
     with torch.device("meta"):
         model = Transformer(args, dtype, max_seq_len)
+    if n_layers is not None:
+        model.layers = model.layers[:n_layers]
     kernels = load_cpu_kernels(cache_root() / "kernels") if cpu_kernels and model.supports_cpu_kernels(device) else None
     for i, layer in enumerate(model.layers):
         prefix = f"layers.{i}."

@@ -51,13 +51,14 @@ class TorchCausalLM:
     def step_cost(self, n_rows: int, context_len: float) -> float:
         return 1 + n_rows * (TOKEN_COST + KEY_COST * context_len)
 
-    def prefill(self, user: int, tokens: Sequence[int], logits: bool = False) -> StepOutput:
-        return self._output(self.forward_logits([tokens], [0], [user], last_only=True), logits, 0)
+    def prefill(self, user: int, tokens: Sequence[int], logits: bool = False, hidden: bool = False) -> StepOutput:
+        out, states = self._run([tokens], [0], [user], True, None, hidden)
+        return self._output(out, logits, 0, states)
 
-    def step(self, rows: Sequence[UserRows], logits: bool = False, top_k: int = 0) -> StepOutput:
-        per_user = self.forward_logits([r.tokens for r in rows], [r.start_pos for r in rows], [r.user for r in rows],
-                                       parents=[r.parents for r in rows])
-        return self._output(per_user, logits, top_k)
+    def step(self, rows: Sequence[UserRows], logits: bool = False, top_k: int = 0, hidden: bool = False) -> StepOutput:
+        out, states = self._run([r.tokens for r in rows], [r.start_pos for r in rows], [r.user for r in rows], False,
+                                [r.parents for r in rows], hidden)
+        return self._output(out, logits, top_k, states)
 
     def commit_path(self, user: int, start_pos: int, path: Sequence[int]) -> None:
         moved = [(depth, row) for depth, row in enumerate(path) if row != depth]
@@ -69,16 +70,20 @@ class TorchCausalLM:
                 v[user][:, dst] = v[user][:, src]
 
     @staticmethod
-    def _output(per_user: list[torch.Tensor], logits: bool, top_k: int) -> StepOutput:
+    def _output(per_user: list[torch.Tensor], logits: bool, top_k: int, hidden) -> StepOutput:
         return StepOutput([row.argmax(dim=-1).tolist() for row in per_user],
                           [row.float() for row in per_user] if logits else None,
-                          [row.topk(top_k, dim=-1).indices.tolist() for row in per_user] if top_k else None)
+                          [row.topk(top_k, dim=-1).indices.tolist() for row in per_user] if top_k else None, hidden)
 
     def forward_logits(self, tokens: Sequence[Sequence[int]], start_pos: Sequence[int], users: Sequence[int],
                        last_only: bool = False, parents: Optional[Sequence[Optional[Sequence[int]]]] = None
                        ) -> list[torch.Tensor]:
         """Logits [len(tokens[u]) or 1, V] per user: the ragged call behind prefill and step (parents: see
         UserRows)."""
+        return self._run(tokens, start_pos, users, last_only, parents, False)[0]
+
+    def _run(self, tokens, start_pos, users, last_only, parents, hidden):
+        """(logits per user, final hidden states per user [len(tokens[u]), dim] when `hidden`, else None)."""
         lengths = [len(t) for t in tokens]
         if not len(tokens) == len(start_pos) == len(users) or min(lengths) < 1:
             raise ValueError("a step needs one start position, one cache row and at least one token per user")
@@ -91,15 +96,16 @@ class TorchCausalLM:
             raise ValueError(f"forward would write position {kv_len - 1} past max_seq_len {self.max_seq_len}")
         parents = parents or [None] * len(tokens)
         if max(lengths) <= EXACT_ATTENTION_MAX_TOKENS:
-            logits = self._packed_step(tokens, start_pos, users, lengths, last_only, parents)
+            logits, states = self._packed_step(tokens, start_pos, users, lengths, last_only, parents)
         elif any(p is not None for p in parents):
             raise ValueError(f"a token tree has at most {EXACT_ATTENTION_MAX_TOKENS} nodes")
         else:
-            logits = self._padded_step(tokens, start_pos, users, lengths, kv_len, last_only)
-        if last_only:
-            return list(logits)  # [1, V] each
+            logits, states = self._padded_step(tokens, start_pos, users, lengths, kv_len, last_only)
         ends = list(accumulate(lengths))
-        return [logits[end - n : end] for n, end in zip(lengths, ends)]
+        hidden_states = [states[end - n : end] for n, end in zip(lengths, ends)] if hidden else None
+        if last_only:
+            return list(logits), hidden_states  # [1, V] each
+        return [logits[end - n : end] for n, end in zip(lengths, ends)], hidden_states
 
     def _exact_tokens(self, start: int, row: int, n: int, parents: Optional[Sequence[int]], first_index: int):
         """ExactToken for each of a user's n tokens: a chain at start, start + 1, ..., or a tree rooted at start."""
@@ -139,8 +145,8 @@ class TorchCausalLM:
                                       rows=torch.tensor([rows], device=dev), kv_len=0, all_rows=False,
                                       exact_tokens=exact, rope_positions=torch.tensor([positions], device=dev))
         last = torch.tensor([end - 1 for end in accumulate(lengths)], device=dev) if last_only else None
-        out = self.model(torch.tensor([flat], device=dev), step, self.cache, output_index=last)
-        return out if last_only else out[0, : len(exact)]
+        out, states = self.model(torch.tensor([flat], device=dev), step, self.cache, output_index=last, hidden=True)
+        return (out if last_only else out[0, : len(exact)]), states[0, : len(exact)]
 
     def _padded_step(self, tokens, start_pos, users, lengths, kv_len, last_only) -> torch.Tensor:
         """Prefill: users right-padded to one width and one masked attention call per layer. Padding writes the
@@ -160,7 +166,8 @@ class TorchCausalLM:
             exact_tokens=None,
         )
         last = torch.tensor([b * width + n - 1 for b, n in enumerate(lengths)], device=dev) if last_only else None
-        out = self.model(torch.tensor(padded, device=dev), step, self.cache, output_index=last)
+        out, states = self.model(torch.tensor(padded, device=dev), step, self.cache, output_index=last, hidden=True)
+        states = torch.cat([states[b, :n] for b, n in enumerate(lengths)])
         if last_only:
-            return out
-        return torch.cat([out[b, :n] for b, n in enumerate(lengths)])
+            return out, states
+        return torch.cat([out[b, :n] for b, n in enumerate(lengths)]), states

@@ -248,15 +248,16 @@ class Transformer(nn.Module):
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, step: StepInputs, cache: KVCache,
-                output_index: Optional[torch.Tensor] = None) -> torch.Tensor:
+                output_index: Optional[torch.Tensor] = None, hidden: bool = False):
         """tokens [B, T] -> logits [B, T, V] through the first `cache.n_layers` layers.
 
-        output_index [K]: keep only these tokens (flat indices b * T + t), as logits [K, 1, V]; prefill and
-        drafting need only each user's last one.
+        output_index [K]: logits only for these tokens (flat indices b * T + t), as [K, 1, V]; prefill and drafting
+        need only each user's last one. hidden: also return the final hidden states [B, T, dim] of every token (the
+        final norm's output, what the LM head reads), which a trained draft head drafts from.
         """
         x = self.tok_embeddings(tokens)
         for i in range(cache.n_layers):
             x = self.layers[i](x, step, cache.k[i], cache.v[i])
-        if output_index is not None:
-            x = x.flatten(0, 1)[output_index].unsqueeze(1)
-        return self.output(self.norm(x))
+        normed = self.norm(x)  # row by row: the same values whether or not other rows are kept
+        logits = self.output(normed.flatten(0, 1)[output_index].unsqueeze(1) if output_index is not None else normed)
+        return (logits, normed) if hidden else logits

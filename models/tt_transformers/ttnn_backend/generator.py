@@ -9,8 +9,12 @@
   -1, which every op skips. Cache writes go in ordered passes (attention.py). Argmax runs on device over the
   vocabulary (the LM head's padded columns sliced off); only the 32 token ids are read back, and the logits only
   when sampling asks for them.
-- traces: one per number of write passes (1, 2, 4, 8, 16, 32: the most rows any user has in the step), captured
-  once after a compile run and replayed; every input is a persistent device tensor refreshed with
+- hidden states (for a draft head, which runs on the host): a step asked for them also keeps the final norm's
+  output, what the LM head reads, in DRAM ([1, 1, 32, dim] per step, read back as 32 rows x dim); a prefill asked
+  for them replays the decode program over the prompt, 32 positions at a time, with every cache write switched off
+  (all write-pass positions -1): the prompt's states come from the cache the prefill wrote, which stays as it was.
+- traces: one per (write passes, top k, hidden) (passes 1, 2, 4, 8, 16, 32: the most rows any user has in the
+  step), captured once after a compile run and replayed; every input is a persistent device tensor refreshed with
   `ttnn.copy_host_to_device_tensor`, so the loop allocates nothing on the device.
 """
 from dataclasses import dataclass
@@ -52,6 +56,24 @@ class Trace:
     ids: Any  # [1, 1, 32] uint32 on device
     logits: Any  # [1, 1, 32, vocab] on device
     top_ids: Any  # [1, 1, 32, k] on device when the trace computes the top k, else None
+    hidden: Any  # [1, 1, 32, dim] on device (DRAM) when the trace keeps the final hidden states, else None
+
+
+class HiddenCapture:
+    """Stands in for TT-Transformers' final norm (`Transformer.norm`, a DistributedNorm) while a traced step is
+    captured: the norm runs as before and its output, the LM head's input, is also copied to DRAM, an output of the
+    trace like the logits. Outside the Galaxy layout the norm's decode output holds every row's whole hidden state
+    on each device (DistributedNorm gathers it for the LM head)."""
+
+    def __init__(self, norm):
+        self.norm, self.output = norm, None
+
+    def __call__(self, x, *args, **kwargs):
+        import ttnn
+
+        out = self.norm(x, *args, **kwargs)
+        self.output = ttnn.to_memory_config(out, memory_config=ttnn.DRAM_MEMORY_CONFIG)
+        return out
 
 
 class TtnnCausalLM:
@@ -70,7 +92,7 @@ class TtnnCausalLM:
         self.shares_target_cache = shares_target_cache
         self.device = torch.device("cpu")  # where the logits it returns live
         self.inputs = None
-        self.traces: dict[tuple[int, int], Trace] = {}  # (write passes, top k) -> trace
+        self.traces: dict[tuple[int, int, bool], Trace] = {}  # (write passes, top k, hidden) -> trace
 
     def draft_view(self, n_layers: int) -> "TtnnCausalLM":
         """The first n_layers layers on the target's weights and cache (no copy, no catch-up), traced apart."""
@@ -83,23 +105,38 @@ class TtnnCausalLM:
         tiles = -(-n_rows // TILE_ROWS)
         return tiles * (1 + WRITE_PASS_COST * write_passes_for(min(n_rows, TILE_ROWS)))
 
-    def prefill(self, user: int, tokens: Sequence[int], logits: bool = False) -> StepOutput:
+    def prefill(self, user: int, tokens: Sequence[int], logits: bool = False, hidden: bool = False) -> StepOutput:
         generator = self.tt.generator
         out = generator.prefill_forward_text(torch.tensor([list(tokens)]), **supported_kwargs(
             generator.prefill_forward_text, page_table=self.tt.page_table[user : user + 1], kv_cache=[self.tt.kv_cache],
             prompt_lens=[len(tokens)], empty_slots=[user], enable_trace=False))
         row = out.reshape(-1)[: self.vocab_size].float().view(1, -1)
-        return StepOutput([row.argmax(dim=-1).tolist()], [row] if logits else None)
+        states = None
+        if hidden:  # the decode program over the prompt, 32 positions a step, writing nothing
+            states = [torch.cat([self._run([UserRows(user, list(tokens[i : i + TILE_ROWS]), i)], False, 0, True,
+                                           write=False).hidden[0] for i in range(0, len(tokens), TILE_ROWS)])]
+        return StepOutput([row.argmax(dim=-1).tolist()], [row] if logits else None, hidden=states)
 
     def commit_path(self, user: int, start_pos: int, path: Sequence[int]) -> None:
         raise NotImplementedError("the ttnn backend verifies chains only (supports_trees is False)")
 
-    def step(self, rows: Sequence[UserRows], logits: bool = False, top_k: int = 0) -> StepOutput:
+    def step(self, rows: Sequence[UserRows], logits: bool = False, top_k: int = 0, hidden: bool = False
+             ) -> StepOutput:
+        if any(r.parents is not None for r in rows):
+            raise ValueError("the ttnn backend verifies chains only (supports_trees is False)")
+        return self._run(rows, logits, top_k, hidden)
+
+    def _run(self, rows: Sequence[UserRows], logits: bool, top_k: int, hidden: bool, write: bool = True
+             ) -> StepOutput:
+        """One replay of the decode trace over `rows` (write=False: no cache writes, all pass positions -1)."""
         import ttnn
 
         n_rows = sum(len(r.tokens) for r in rows)
         if n_rows > TILE_ROWS:
             raise ValueError(f"a step of {n_rows} rows does not fit the {TILE_ROWS}-row decode tile")
+        if hidden and self.tt.args.is_galaxy:
+            raise ValueError("hidden states on a Galaxy: its final norm leaves each device a slice of them, which "
+                             "this backend does not gather; use a draft mode without a draft head there")
         tokens = torch.zeros(TILE_ROWS, dtype=torch.int64)
         positions = torch.full((TILE_ROWS,), -1, dtype=torch.int64)
         page_table = self.tt.page_table[0].repeat(TILE_ROWS, 1)  # idle rows: any valid row, never read
@@ -109,21 +146,24 @@ class TtnnCausalLM:
             for j, token in enumerate(user_rows.tokens):
                 tokens[r], positions[r] = token, user_rows.start_pos + j
                 page_table[r] = self.tt.page_table[user_rows.user]
-                pass_positions[j, r] = positions[r]
+                if write:
+                    pass_positions[j, r] = positions[r]
                 r += 1
         host = self.tt.model.prepare_decode_inputs_host(tokens, positions, page_table)
         host_passes = [ttnn.from_torch(p, dtype=ttnn.int32, mesh_mapper=self._positions_mapper()) for p in pass_positions]
         self._refresh_inputs(host, host_passes)
-        if any(r.parents is not None for r in rows):
-            raise ValueError("the ttnn backend verifies chains only (supports_trees is False)")
-        trace = self._trace(write_passes_for(max(len(u.tokens) for u in rows)), top_k)
+        passes = write_passes_for(max(len(u.tokens) for u in rows)) if write else 1
+        trace = self._trace(passes, top_k, hidden)
         ttnn.execute_trace(self.tt.mesh_device, trace.trace_id, cq_id=0, blocking=False)
         ids = ttnn.to_torch(ttnn.get_device_tensors(trace.ids)[0]).reshape(-1)[:r].tolist()
         all_logits = None
         if logits:
             all_logits = ttnn.to_torch(ttnn.get_device_tensors(trace.logits)[0]).float().reshape(TILE_ROWS, -1)
         top = ttnn.to_torch(ttnn.get_device_tensors(trace.top_ids)[0]).reshape(TILE_ROWS, -1) if top_k else None
-        out_ids, out_logits, out_top, start = [], [], [], 0
+        states = None
+        if hidden:
+            states = ttnn.to_torch(ttnn.get_device_tensors(trace.hidden)[0]).reshape(TILE_ROWS, -1)[:, : self.tt.args.dim]
+        out_ids, out_logits, out_top, out_hidden, start = [], [], [], [], 0
         for user_rows in rows:
             end = start + len(user_rows.tokens)
             out_ids.append([int(i) for i in ids[start:end]])
@@ -131,8 +171,11 @@ class TtnnCausalLM:
                 out_logits.append(all_logits[start:end, : self.vocab_size])
             if top_k:
                 out_top.append(top[start:end, :top_k].long().tolist())
+            if hidden:
+                out_hidden.append(states[start:end].to(torch.bfloat16))
             start = end
-        return StepOutput(out_ids, out_logits if logits else None, out_top if top_k else None)
+        return StepOutput(out_ids, out_logits if logits else None, out_top if top_k else None,
+                          out_hidden if hidden else None)
 
     def _positions_mapper(self):
         """How TT-Transformers places the decode positions on the mesh (prepare_decode_inputs_host): replicated,
@@ -158,32 +201,42 @@ class TtnnCausalLM:
         for source, target in zip([*host, *host_passes], targets):
             ttnn.copy_host_to_device_tensor(source, target)
 
-    def _forward(self, top_k: int) -> list:
-        """The traced program: the decode forward over the tile, then argmax (and the top k ids) on device."""
+    def _forward(self, top_k: int, hidden: bool) -> list:
+        """The traced program: the decode forward over the tile, then argmax (and the top k ids) on device; with
+        `hidden`, the final norm's output too (HiddenCapture)."""
         import ttnn
 
-        i = self.inputs
-        out, _ = self.tt.model.ttnn_decode_forward(i.tokens, i.current_pos, rot_mat_idxs=i.rope_idxs,
-                                                   page_table=i.page_table, kv_cache=self.tt.kv_cache)
+        i, model = self.inputs, self.tt.model
+        capture = HiddenCapture(model.norm) if hidden else None
+        if capture:
+            model.norm = capture
+        try:
+            out, _ = model.ttnn_decode_forward(i.tokens, i.current_pos, rot_mat_idxs=i.rope_idxs,
+                                               page_table=i.page_table, kv_cache=self.tt.kv_cache)
+        finally:
+            if capture:
+                model.norm = capture.norm
         logits = ttnn.slice(out, [0, 0, 0, 0], [1, 1, TILE_ROWS, self.vocab_size])  # drop padded vocab columns
         outputs = [ttnn.argmax(logits, dim=-1), logits]
-        if top_k:
-            outputs += list(ttnn.topk(ttnn.to_layout(logits, ttnn.TILE_LAYOUT), k=top_k, dim=-1))[1:]  # indices
+        outputs.append(ttnn.topk(ttnn.to_layout(logits, ttnn.TILE_LAYOUT), k=top_k, dim=-1)[1] if top_k else None)
+        outputs.append(capture.output if capture else None)
         return outputs
 
-    def _trace(self, passes: int, top_k: int) -> Trace:
+    def _trace(self, passes: int, top_k: int, hidden: bool) -> Trace:
         import ttnn
 
-        if (passes, top_k) not in self.traces:
+        key = (passes, top_k, hidden)
+        if key not in self.traces:
             mesh = self.tt.mesh_device
             self.tt.passes.positions = self.inputs.pass_positions[:passes]
-            for tensor in self._forward(top_k):  # compile run: programs are built before a trace records them
-                ttnn.deallocate(tensor)
+            for tensor in self._forward(top_k, hidden):  # compile run: programs are built before a trace records them
+                if tensor is not None:
+                    ttnn.deallocate(tensor)
             trace_id = ttnn.begin_trace_capture(mesh, cq_id=0)
-            outputs = self._forward(top_k)
+            outputs = self._forward(top_k, hidden)
             ttnn.end_trace_capture(mesh, trace_id, cq_id=0)
-            self.traces[passes, top_k] = Trace(trace_id, *outputs[:2], outputs[2] if top_k else None)
-        return self.traces[passes, top_k]
+            self.traces[key] = Trace(trace_id, *outputs)
+        return self.traces[key]
 
     def release(self) -> None:
         import ttnn
