@@ -10,7 +10,7 @@ DEMO := models/tt_transformers/demo/speculative_decoding/speculative_demo.py
 
 ARCTIC := $(VENV)/.arctic-installed
 
-.PHONY: demo test test-slow check-ttnn-api bench bench-suffix bench-batch bench-verify-cost install
+.PHONY: demo test test-slow check-ttnn-api train-draft-head bench bench-suffix bench-batch bench-verify-cost install
 install: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
@@ -36,6 +36,11 @@ test-slow: $(STAMP)
 $(ARCTIC): $(STAMP)
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pip install -q --no-build-isolation arctic-inference==0.3.0
 	touch $@
+
+# The embedded model's draft head, from scratch: prompts, the target's responses and hidden states, training,
+# evaluation (torch_backend/train_draft_head.py); writes models/tt_transformers/draft_heads/SmolLM2-135M-Instruct.
+train-draft-head: $(STAMP)
+	$(PY) -m models.tt_transformers.torch_backend.train_draft_head $(ARGS)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_speculative.py $(ARGS)
