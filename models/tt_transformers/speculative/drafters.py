@@ -29,18 +29,21 @@ class Draft:
     match_len: int = 0  # length of the match behind a copied draft
     probs: Optional[list[torch.Tensor]] = None  # when sampling: the draft model's q for each token; None = point mass
     parents: Optional[list[int]] = None
+    expected: float = 0.0  # accepted tokens the drafter expects from it (its own estimate; the hybrid compares them)
 
 
 @dataclass
 class Verified:
     """What a verification step did for one user: `new_tokens` were appended to its context, of which the draft
     tokens `path` (indices into the draft, root to leaf) were accepted; `fed` were the step's rows and `top_ids` the
-    target's top-k next tokens after each row (when the drafter asked for them)."""
+    target's top-k next tokens after each row (when the drafter asked for them), `hidden` its final hidden states
+    per row [rows, dim] (when the drafter wants them)."""
 
     new_tokens: list[int]
     path: list[int]
     fed: list[int] = field(default_factory=list)
     top_ids: Optional[list[list[int]]] = None
+    hidden: Optional[torch.Tensor] = None
 
     @property
     def n_accepted(self) -> int:
@@ -49,10 +52,13 @@ class Verified:
 
 class Drafter(Protocol):
     top_k: int  # how many of the target's top next tokens per row accept() wants (0: none)
+    wants_hidden: bool  # whether start() and accept() want the target's final hidden states
 
-    def start(self, users: Sequence[int], prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> None:
-        """A new request per user; the prompts are what the target was prefilled with. A model drafter samples
-        its drafts with the same settings (and returns q with them) unless they are greedy."""
+    def start(self, users: Sequence[int], prompts: Sequence[Sequence[int]], sampling: SamplingParams,
+              hidden: Optional[Sequence[torch.Tensor]] = None) -> None:
+        """A new request per user; the prompts are what the target was prefilled with (hidden: its final hidden
+        states over each prompt, when wanted). A model drafter samples its drafts with the same settings (and
+        returns q with them) unless they are greedy."""
 
     def propose(self, users: Sequence[int], contexts: Sequence[Sequence[int]], max_tokens: Sequence[int],
                 extra_cost: ExtraCost, trees: bool = False) -> list[Draft]:
@@ -80,6 +86,7 @@ class ModelDrafter:
     """
 
     top_k = 0
+    wants_hidden = False
 
     def __init__(self, lm: CausalLM, draft_cost: Optional[float] = None):
         self.lm, self.draft_cost = lm, draft_cost
@@ -89,7 +96,7 @@ class ModelDrafter:
         self.policies: dict[int, DraftLengthPolicy] = {}
         self.sampling, self.streams = SamplingParams(), None
 
-    def start(self, users, prompts, sampling):
+    def start(self, users, prompts, sampling, hidden=None):
         if not self.shares_cache:
             for u, p in zip(users, prompts):
                 self.lm.prefill(u, p)
@@ -100,6 +107,13 @@ class ModelDrafter:
             self.policies = {u: copy.copy(learned) for u in users}
         self.sampling = sampling
         self.streams = None if sampling.greedy else sampling.streams()
+
+    def expected_accepted(self, user: int, n: int) -> float:
+        """Accepted tokens a draft of up to n tokens is expected to bring (0 when its acceptance is not tracked)."""
+        if user not in self.policies:
+            return 0.0
+        a = min(self.policies[user].acceptance, 0.99)
+        return a * (1 - a ** n) / (1 - a)
 
     def _next_tokens(self, rows: list[UserRows]) -> list[tuple[int, Optional[torch.Tensor]]]:
         """One draft token per user after its fed rows: greedy, or sampled from the draft's q (returned too)."""
@@ -212,6 +226,12 @@ class SuffixDrafter:
     (each node is accepted with the probability of its path, so expected tokens = 1 + the sum over nodes). When
     nothing pays there is no draft and the target decodes one token exactly as plain decoding does (with a 1-token
     probe now and then, DraftLengthPolicy.gate).
+
+    Copy mode (edits): while the text follows an earlier passage token by token (CopyCursor), an edit (a token the
+    passage does not have there) does not end the copy: the cursor re-anchors at once, past the replaced token or
+    at the edit token's next occurrence a few tokens ahead, and while the automaton's match is short it drafts the
+    passage's next tokens (source "copy") without waiting for a new long match. Its tokens are scored by the
+    length of the copied run before the edit; the copy ends after a few edits in a row.
     """
 
     ANCHORS = 2  # the longest match and one shorter: more anchors measured no better
@@ -223,27 +243,30 @@ class SuffixDrafter:
             raise ValueError(f"sa_threshold must be >= 1, got {threshold}")
         self.threshold, self.memory = threshold, memory
         self.recycled = RecycledTokens(recycle) if recycle else None
-        self.top_k = recycle
+        self.top_k, self.wants_hidden = recycle, False
         self.acceptance = {"suffix": MatchAcceptance(), "memory": MatchAcceptance(), "corpus": MatchAcceptance(),
+                           "copy": MatchAcceptance(),
                            "recycle": MatchAcceptance(prior=[0.45, 0.15, 0.08, 0.05, 0.04, 0.03, 0.02, 0.02, 0.02])}
         self.automata: dict[int, SuffixAutomaton] = {}
         self.prompt_lens: dict[int, int] = {}
         self.policies: dict[int, DraftLengthPolicy] = {}
+        self.cursors: dict[int, CopyCursor] = {}
         self.pending: dict = {}  # user -> (Candidate, length) for a chain, or the tree's nodes
 
-    def start(self, users, prompts, sampling):
+    def start(self, users, prompts, sampling, hidden=None):
         if self.memory is not None:
             self.memory.start_request([sam.tokens[self.prompt_lens[u]:] for u, sam in self.automata.items()])
         self.automata = {u: SuffixAutomaton(p) for u, p in zip(users, prompts)}
         self.prompt_lens = {u: len(p) for u, p in zip(users, prompts)}
         self.policies = {u: DraftLengthPolicy(0.0) for u in users}
+        self.cursors = {u: CopyCursor() for u in users}
         self.pending = {}
 
     def _candidates(self, user: int, context: Sequence[int], n: int, floor: float) -> list[Candidate]:
         sam = self.automata[user]
         out = []
-        anchors = sam.anchors(sam.match_state, self.threshold, self.ANCHORS)
-        stores = [("suffix", sam, [(s, sam.length[s]) for s in anchors])]
+        own = sam.anchors(sam.match_state, self.threshold, self.ANCHORS)
+        stores = [("suffix", sam, [(s, sam.length[s]) for s in own])]
         if self.memory is not None:
             for source, store in self.memory.stores:
                 if store.n_tokens:
@@ -256,6 +279,17 @@ class SuffixDrafter:
                 tokens, freqs, probs = automaton.continuation(state, match_len, n, rates, floor)
                 if tokens:
                     out.append(Candidate(tokens, probs, source, match_len, freqs, acceptance))
+        cursor = self.cursors[user]
+        if cursor.run and sam.match_len < cursor.MIN_RUN:  # a short match: the edited passage goes on where it was
+            tokens = sam.tokens[cursor.src : cursor.src + n]
+            acceptance, probs, p = self.acceptance["copy"], [], 1.0
+            for j in range(len(tokens)):
+                p *= acceptance.prob(cursor.run + j, 1.0)
+                if p < floor:
+                    break
+                probs.append(p)
+            if probs:
+                out.append(Candidate(tokens[: len(probs)], probs, "copy", cursor.run, [1.0] * len(probs), acceptance))
         return out
 
     def _recycled_chain(self, last: int, n: int, floor: float) -> Optional[Candidate]:
@@ -316,6 +350,7 @@ class SuffixDrafter:
             sam = self.automata[u]
             for t in ctx[len(sam.tokens):]:
                 sam.extend(t)
+                self.cursors[u].follow(sam)
             draft = (self._tree_draft if trees else self._chain_draft)(u, ctx, n, floor, extra_cost) if n else None
             drafts.append(draft or Draft([], "none"))
         return drafts
@@ -330,20 +365,26 @@ class SuffixDrafter:
         if best is None or k == 0:
             return None
         self.pending[user] = best, k
-        return Draft(best.tokens[:k], best.source, best.match_len if best.source != "recycle" else 0)
+        return Draft(best.tokens[:k], best.source, best.match_len if best.source != "recycle" else 0,
+                     expected=sum(best.probs[:k]))
 
     def _tree_draft(self, user, context, n, floor, extra_cost) -> Optional[Draft]:
         """A token tree over all candidates and recycled predictions, its most probable nodes while they pay."""
         candidates = sorted(self._candidates(user, context, n, floor), key=lambda c: -sum(c.probs))
-        nodes = self._tree(context[-1], candidates, min(n, self.MAX_TREE_NODES), floor)
+        nodes = self._tree(context[-1], candidates, min(n, self.MAX_TREE_NODES), floor)[: n]  # parents come first
         nodes = nodes[: self.policies[user].gate(best_length([node.prob for node in nodes], extra_cost), n)]
         if not nodes:
             return None
         self.pending[user] = nodes
+        expected = sum(node.prob for node in nodes)
         if all(node.parent == j - 1 and node.source == nodes[0].source for j, node in enumerate(nodes)):  # a chain
             return Draft([node.token for node in nodes], nodes[0].source,
-                         nodes[0].key if nodes[0].source != "recycle" else 0)
-        return Draft([node.token for node in nodes], "tree", parents=[node.parent for node in nodes])
+                         nodes[0].key if nodes[0].source != "recycle" else 0, expected=expected)
+        return Draft([node.token for node in nodes], "tree", parents=[node.parent for node in nodes], expected=expected)
+
+    def withdraw(self, user: int) -> None:
+        """The user's proposed draft will not be verified (another source drafts instead): nothing to learn."""
+        self.pending.pop(user, None)
 
     def accept(self, user, verified):
         if self.recycled is not None and verified.top_ids is not None:  # rows whose context is the actual text
@@ -352,8 +393,9 @@ class SuffixDrafter:
         pending = self.pending.pop(user, None)
         if isinstance(pending, tuple):  # a chain: its tokens up to the first rejected one were tested
             candidate, k = pending
-            for j in range(min(k, verified.n_accepted + 1)):
-                candidate.acceptance.observe(candidate.match_len + j, candidate.freqs[j], j < verified.n_accepted)
+            for j in range(min(k, verified.n_accepted + 1)):  # recycled chains: every token is a rank-1 guess
+                key = candidate.match_len + (j if candidate.source != "recycle" else 0)
+                candidate.acceptance.observe(key, candidate.freqs[j], j < verified.n_accepted)
         elif pending:  # a tree: a node was tested when its parent was accepted
             accepted = set(verified.path)
             reached = {-1} | accepted
@@ -362,27 +404,63 @@ class SuffixDrafter:
                     node.acceptance.observe(node.key, node.freq, i in accepted)
 
 
+class CopyCursor:
+    """Where the text is copying an earlier passage from: src, the index of the passage's next token, and run, how
+    many tokens in a row followed it before the last edit (0: not copying)."""
+
+    MIN_RUN = 4  # a match this long is a copy of its earlier occurrence
+    LOOKAHEAD = 4  # an edit token found this close ahead in the passage is a deletion: skip to it
+    MAX_EDITS = 2  # edits in a row before the copy is given up
+
+    def __init__(self):
+        self.src, self.run, self.aligned, self.edits = 0, 0, 0, 0
+
+    def follow(self, sam: SuffixAutomaton) -> None:
+        """After sam.extend(token): follow the passage, re-anchor after an edit, or start at a long match."""
+        pos, token = len(sam.tokens) - 1, sam.tokens[-1]
+        if sam.match_len >= self.MIN_RUN:  # a long match: its earlier occurrence is the passage
+            self.src, self.aligned, self.edits = sam.match_end + 1, sam.match_len, 0
+            self.run = self.aligned
+        elif self.run and self.src < pos and sam.tokens[self.src] == token:
+            self.src, self.aligned, self.edits = self.src + 1, self.aligned + 1, 0
+            self.run = max(self.run, self.aligned)
+        elif self.run:
+            ahead = sam.tokens[self.src + 1 : min(self.src + 1 + self.LOOKAHEAD, pos)]
+            self.src += 2 + ahead.index(token) if token in ahead else 1  # deletion, else a substitution
+            self.aligned, self.edits = 0, self.edits + 1
+            if self.edits > self.MAX_EDITS or self.src >= pos:
+                self.run = 0
+
+
 class HybridDrafter:
-    """Per user and iteration: the copied draft when one pays, else the draft model."""
+    """Per user and iteration, the copied draft or the fallback's (a trained draft head or a draft model), whichever
+    is expected to bring more accepted tokens (as SAM-Decoding picks between its automaton and EAGLE): the copied
+    draft's estimate is its own (sum of its tokens' acceptance probabilities), the fallback's comes from its recent
+    acceptance. Copied drafts cost nothing to make, so they are proposed first and the fallback runs only for the
+    users it wins."""
 
-    def __init__(self, suffix: SuffixDrafter, model: ModelDrafter):
-        self.suffix, self.model = suffix, model
-        self.top_k = suffix.top_k
+    def __init__(self, suffix: SuffixDrafter, fallback):
+        self.suffix, self.fallback = suffix, fallback
+        self.top_k, self.wants_hidden = suffix.top_k, fallback.wants_hidden
 
-    def start(self, users, prompts, sampling):
+    def start(self, users, prompts, sampling, hidden=None):
         self.suffix.start(users, prompts, sampling)
-        self.model.start(users, prompts, sampling)
+        self.fallback.start(users, prompts, sampling, hidden)
 
     def propose(self, users, contexts, max_tokens, extra_cost, trees=False):
         drafts = self.suffix.propose(users, contexts, max_tokens, extra_cost, trees)
-        fallback = [i for i, d in enumerate(drafts) if not d.tokens and max_tokens[i] > 0]
+        fallback = [i for i, d in enumerate(drafts)
+                    if max_tokens[i] > 0 and d.expected < self.fallback.expected_accepted(users[i], max_tokens[i])
+                    or max_tokens[i] > 0 and not d.tokens]
         if fallback:
-            model_drafts = self.model.propose([users[i] for i in fallback], [contexts[i] for i in fallback],
-                                              [max_tokens[i] for i in fallback], extra_cost)
-            for i, d in zip(fallback, model_drafts):
-                drafts[i] = d
+            fallback_drafts = self.fallback.propose([users[i] for i in fallback], [contexts[i] for i in fallback],
+                                                    [max_tokens[i] for i in fallback], extra_cost)
+            for i, d in zip(fallback, fallback_drafts):
+                if d.tokens or not drafts[i].tokens:
+                    self.suffix.withdraw(users[i])
+                    drafts[i] = d
         return drafts
 
     def accept(self, user, verified):
         self.suffix.accept(user, verified)  # each source learns only from its own drafts
-        self.model.accept(user, verified)
+        self.fallback.accept(user, verified)

@@ -38,7 +38,8 @@ from models.tt_transformers.ttnn_backend.device import DEVICE_PARAMS
 PACKAGE_ROOT = Path(__file__).resolve().parents[4]  # the folder holding models/: the repository, or site-packages
 DEFAULT_PROMPTS = Path(__file__).resolve().with_name("sample_prompts.json")  # beside the demo, as TT demos keep them
 SUPPORTED_BATCH_SIZES = (1, 2, 4, 8, 16, 32)  # as TT-Transformers demos
-DRAFT_MODES = ("model", "suffix", "hybrid")
+DRAFT_MODES = ("model", "suffix", "head", "hybrid")
+DRAFT_HEADS = Path(__file__).resolve().parents[2] / "draft_heads"  # shipped heads, one folder per target name
 BACKENDS = ("auto", "torch", "ttnn")
 MAX_RECYCLE_TOP_K = 32  # ttnn.topk's default k; more is never worth a tree row
 MAX_CORPUS_TOKENS = 1_000_000  # about 600 MB of suffix automaton
@@ -55,13 +56,17 @@ DEMO_OPTIONS = [
     ("max_generated_tokens", int, 128, "tokens to generate per user"),
     ("stop_at_eos", int, 1, "1: stop a user at the end-of-sequence token"),
     ("n_draft_tokens", int, 4, "draft tokens verified per target forward; 0 = plain decoding"),
-    ("draft_mode", str, "hybrid", "model: draft model only; suffix: suffix automaton only (no draft model); "
-                                  "hybrid: suffix draft when its match is long enough, else the draft model"),
+    ("draft_mode", str, "hybrid", "model: draft model only; suffix: copied drafts only (no model); head: the "
+                                  "trained draft head only; hybrid: per step, the copied draft or the head's (the "
+                                  "draft model's where no head is given or shipped), whichever is expected to bring "
+                                  "more accepted tokens"),
     ("sa_threshold", int, DEFAULT_SA_THRESHOLD, "minimum match length (tokens) a copied draft may start from"),
     ("draft_memory", int, 65536, "tokens of earlier responses kept to draft from (cross-request memory); 0 = off"),
     ("draft_corpus", str, None, "a text file to draft from as well (logs, a code base): a static corpus"),
     ("recycle_top_k", int, 4, "the target's top next tokens kept per token to draft from (token recycling); 0 = off"),
     ("draft_trees", int, 1, "1: verify token trees (several candidates at once) where the backend can"),
+    ("draft_head", str, None, "draft head folder (head.safetensors + card.json, `make train-draft-head`); default: "
+                              "the one shipped for the target in models/tt_transformers/draft_heads/<model>"),
     ("draft_layers", int, 8, "layers of the target used as the draft model (weights shared)"),
     ("target_layers", int, None, "truncate the target to its first N layers (default: all)"),
     ("draft_model", str, None, "separate draft checkpoint (folder or .gguf) with the same tokenizer"),
@@ -207,6 +212,23 @@ def check_flags(config: DemoConfig, backend: str) -> None:
         raise DemoInputError(f"--device {config.device!r} is not one of {', '.join(DEVICES)}")
 
 
+def draft_head_folder(config: DemoConfig, model_name: str) -> Optional[Path]:
+    """The draft head the run uses: --draft_head, else the one shipped for the target, else None (--draft_mode head
+    then fails with the fix)."""
+    if config.n_draft_tokens == 0 or config.draft_mode not in ("head", "hybrid"):
+        return None
+    if config.draft_head is not None:
+        return Path(config.draft_head).expanduser()
+    shipped = DRAFT_HEADS / model_name
+    if (shipped / "head.safetensors").is_file() and config.draft_model is None:
+        return shipped
+    if config.draft_mode == "head":
+        raise DemoInputError(f"--draft_mode head: no draft head ships for {model_name}; pass --draft_head FOLDER "
+                             "(train one with `make train-draft-head ARGS='--model <checkpoint> --out FOLDER'`) or "
+                             "use --draft_mode suffix or hybrid")
+    return None
+
+
 def torch_loader(config: DemoConfig, args):
     """(checkpoint, layers) -> a TorchCausalLM, on the device --device picks for this model."""
     import torch
@@ -246,7 +268,9 @@ def build(config: DemoConfig, mesh_device=None):
     """Validate every flag first, then load target, draft and tokenizer on the torch or ttnn backend (ttnn: on
     `mesh_device`)."""
     from models.tt_transformers.speculative.drafters import HybridDrafter, ModelDrafter, SuffixDrafter
+    from models.tt_transformers.speculative.head_drafter import HeadDrafter
     from models.tt_transformers.torch_backend.checkpoint import load_tokenizer, resolve_checkpoint
+    from models.tt_transformers.torch_backend.draft_head import DraftHeadError, HeadRunner, read_draft_head
     from models.tt_transformers.torch_backend.model_config import ModelArgs
 
     backend = backend_of(config)
@@ -260,7 +284,13 @@ def build(config: DemoConfig, mesh_device=None):
     if not 1 <= target_layers <= args.n_layers:
         raise DemoInputError(f"--target_layers {target_layers} is out of range: {ckpt.name} has {args.n_layers} "
                              f"layers; use 1 to {args.n_layers}, or leave it unset for all of them")
-    uses_draft_model = config.n_draft_tokens > 0 and config.draft_mode != "suffix"
+    head_folder = draft_head_folder(config, ckpt.name)
+    try:
+        head_weights = read_draft_head(head_folder, args) if head_folder is not None else None
+    except DraftHeadError as e:
+        raise DemoInputError(str(e)) from None
+    uses_draft_model = config.n_draft_tokens > 0 and (config.draft_mode == "model" or
+                                                      config.draft_mode == "hybrid" and head_weights is None)
     if uses_draft_model and not config.draft_model and not 1 <= config.draft_layers < target_layers:
         fix = "raise it to at least 1" if config.draft_layers < 1 else f"lower it to at most {target_layers - 1}"
         raise DemoInputError(f"--draft_layers {config.draft_layers} must be between 1 and {target_layers - 1} (the "
@@ -280,7 +310,12 @@ def build(config: DemoConfig, mesh_device=None):
     if not config.draft_trees:
         target.supports_trees = False
     drafter = None
-    if config.n_draft_tokens > 0 and config.draft_mode == "suffix":
+    if head_weights is not None:
+        head = HeadDrafter(HeadRunner(host_draft_head(head_weights, target, ckpt, config), config.batch_size))
+        drafter = head if config.draft_mode == "head" else HybridDrafter(copied, head)
+        logger.info(f"Draft head {head_folder}: {len(head.vocab):,}-token draft vocabulary, "
+                    f"{head.draft_cost:.3f} of a target step per drafted token")
+    elif config.n_draft_tokens > 0 and config.draft_mode == "suffix":
         drafter = copied  # no draft model at all
     elif config.n_draft_tokens > 0:
         if draft_ckpt is not None:
@@ -297,6 +332,21 @@ def build(config: DemoConfig, mesh_device=None):
     return ckpt, tokenizer, target, drafter, prompts, tokens, eos_token_ids(ckpt, tokenizer)
 
 
+def host_draft_head(weights: dict, target, ckpt, config: DemoConfig):
+    """The draft head in torch beside the target: on the torch backend it borrows the target's embedding and LM-head
+    rows; beside a TT device it runs on the host, on the checkpoint's embedding and LM head loaded there (no
+    decoder layers), fed the hidden states each traced step reads back."""
+    import torch
+
+    from models.tt_transformers.torch_backend.checkpoint import load_model
+    from models.tt_transformers.torch_backend.draft_head import build_draft_head
+
+    host = getattr(target, "model", None)
+    if not hasattr(host, "tok_embeddings"):  # a TT-Transformers model: the head's target parts on the host
+        host = load_model(ckpt, torch.bfloat16, config.max_seq_len, "cpu", n_layers=0)
+    return build_draft_head(weights, host)
+
+
 def sampling_params(config: DemoConfig) -> SamplingParams:
     try:
         return SamplingParams(config.temperature, config.top_k, config.top_p, config.seed)
@@ -304,7 +354,7 @@ def sampling_params(config: DemoConfig) -> SamplingParams:
         raise DemoInputError(f"bad sampling flags: {e}") from None
 
 
-def describe_drafter(config: DemoConfig) -> str:
+def describe_drafter(config: DemoConfig, model_name: str) -> str:
     if config.n_draft_tokens == 0:
         return "plain decoding"
     model = config.draft_model or f"first {config.draft_layers} layers"
@@ -312,9 +362,12 @@ def describe_drafter(config: DemoConfig) -> str:
     sources += [f"earlier responses (up to {config.draft_memory:,} tokens)"] * (config.draft_memory > 0)
     sources += [f"corpus {config.draft_corpus}"] * (config.draft_corpus is not None)
     sources += [f"the target's top-{config.recycle_top_k} recycled"] * (config.recycle_top_k > 0)
-    copied = f"copied drafts from {', '.join(sources)}{', as token trees' if config.draft_trees else ''}"
-    return {"model": f"draft model {model}", "suffix": copied,
-            "hybrid": f"hybrid: {copied}, else draft model {model}"}[config.draft_mode]
+    trees = config.draft_trees and backend_of(config) == "torch"  # the ttnn backend verifies chains
+    copied = f"copied drafts from {', '.join(sources)}{', as token trees' if trees else ''}"
+    head = draft_head_folder(config, model_name)
+    other = f"draft head {head}" if head else f"draft model {model}"
+    return {"model": f"draft model {model}", "suffix": copied, "head": other,
+            "hybrid": f"hybrid: {copied}, or the {other}, whichever is expected to bring more"}[config.draft_mode]
 
 
 def summarize(batches: list[list[UserResult]]) -> dict:
@@ -389,7 +442,7 @@ def run_demo(config: DemoConfig, mesh_device=None) -> dict:
     SpeculativeGenerator(target, None, 0, eos, sampling).generate(tokens[:1], 4, bool(config.stop_at_eos))
 
     logger.info(f"Speculative decoding: {ckpt.name}, {target.n_layers} target layers, batch {config.batch_size}, "
-                f"n_draft_tokens={config.n_draft_tokens}, {describe_drafter(config)}, "
+                f"n_draft_tokens={config.n_draft_tokens}, {describe_drafter(config, ckpt.name)}, "
                 f"{'greedy' if sampling.greedy else f'sampling {sampling}'}")
     results = generate_all(spec, tokens, batches, config)
     summary = summarize(results)

@@ -102,10 +102,13 @@ class SpeculativeGenerator:
         contexts = [list(p) for p in prompts]
 
         self.streams = None if self.sampling.greedy else self.sampling.streams()
+        hidden = self.drafter is not None and self.drafter.wants_hidden  # a draft head drafts from them
+        prompt_hidden = []
         # Prefill one user at a time, as TT-Transformers does; the first token comes from the prefill.
         for u in users:
             start = time.perf_counter()
-            out = self.target.prefill(u, contexts[u], logits=not self.sampling.greedy)
+            out = self.target.prefill(u, contexts[u], logits=not self.sampling.greedy, hidden=hidden)
+            prompt_hidden.append(out.hidden[0] if hidden else None)
             first = self._accept([u], [Draft([], "none")], out)[0][0]
             results[u].ttft_ms = (time.perf_counter() - start) * 1e3
             contexts[u].append(first)
@@ -114,7 +117,7 @@ class SpeculativeGenerator:
             # The draft model's prefill (or the automaton's build) happens after the first token and before the
             # second, so it is decode time: every user waits for it, as for an iteration.
             start = time.perf_counter()
-            self.drafter.start(users, prompts, self.sampling)
+            self.drafter.start(users, prompts, self.sampling, prompt_hidden if hidden else None)
             draft_prefill_s = time.perf_counter() - start
             for r in results:
                 r.decode_s += draft_prefill_s
@@ -136,7 +139,7 @@ class SpeculativeGenerator:
                              None if d.parents is None else [-1] + [p + 1 for p in d.parents])
                     for u, d in zip(active, drafts)]
             top_k = self.drafter.top_k if self.drafter is not None else 0
-            out = self.target.step(rows, logits=not self.sampling.greedy, top_k=top_k)
+            out = self.target.step(rows, logits=not self.sampling.greedy, top_k=top_k, hidden=hidden)
             verified = self._verify(active, drafts, rows, out)
             ms = (time.perf_counter() - start) * 1e3
             produced = accepted = 0
@@ -185,7 +188,8 @@ class SpeculativeGenerator:
                     new, path = verify_rejection_tree(d.tokens, d.parents, probabilities(out.logits[i], self.sampling),
                                                       self.streams(u, out.logits[i].device))
                 self.target.commit_path(u, r.start_pos, [0] + [j + 1 for j in path])
-            verified.append(Verified(new, path, r.tokens, out.top_ids[i] if out.top_ids else None))
+            verified.append(Verified(new, path, r.tokens, out.top_ids[i] if out.top_ids else None,
+                                     out.hidden[i] if out.hidden else None))
         return verified
 
     def _draft_caps(self, results: list[UserResult], contexts: list[list[int]], max_generated_tokens: int) -> list[int]:
