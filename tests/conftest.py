@@ -57,6 +57,24 @@ def random_model(dtype=torch.float32, max_seq_len: int = 64, seed: int = 0, std:
     return model
 
 
+def random_head(model: Transformer, seed: int = 0, std: float = 0.3, vocab_share: float = 0.75, attach: bool = True):
+    """A DraftHead with normal(0, std) weights on `model`, over a random share of its vocabulary (so some target
+    tokens are outside the draft vocabulary), run the way the model runs (CPU kernels or torch ops) once attached."""
+    from models.tt_transformers.torch_backend.draft_head import DraftHead
+
+    gen = torch.Generator().manual_seed(seed)
+    vocab_size = model.args.vocab_size
+    vocab = torch.randperm(vocab_size, generator=gen)[: max(1, int(vocab_size * vocab_share))].sort().values
+    head = DraftHead(model, vocab)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * std)
+    head.to(model.device)
+    if attach:
+        head.attach_lm_head()
+    return head.eval()
+
+
 def save_tiny_hf_checkpoint(folder: Path, model_type: str = "llama", seed: int = 0, max_shard_size=None, **overrides):
     """A small random Llama/Mistral checkpoint written by transformers itself (real config.json + safetensors)."""
     from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM

@@ -16,10 +16,10 @@ from models.tt_transformers.demo.speculative_decoding.speculative_demo import en
 
 def test_bench_suffix_runs_stop_at_eos(embedded_checkpoint, embedded_tokenizer, embedded_bf16):
     eos = eos_token_ids(embedded_checkpoint, embedded_tokenizer)
-    args = argparse.Namespace(n_draft_tokens=16, sa_threshold=1, draft_layers=8)
-    factories = bench_suffix.generator_factories(embedded_bf16, eos, args)
+    args = argparse.Namespace(n_draft_tokens=16, sa_threshold=1)
+    factories = bench_suffix.generator_factories(embedded_bf16, embedded_checkpoint.name, eos, args)
     prompt = encode(embedded_tokenizer, "What is the capital of France? Answer in one sentence.", True)
-    for method in ("plain", "suffix", "suffix (request only)", "hybrid"):
+    for method in ("plain", "suffix", "suffix (request only)", "head", "hybrid"):
         output = run_ours(factories[method], [prompt], 64, stop_at_eos=True)["outputs"][0]
         assert output[-1] in eos and len(output) < 64, method
     assert factories["suffix"]().drafter is not factories["suffix"]().drafter  # nothing carried between runs

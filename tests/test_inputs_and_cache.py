@@ -146,9 +146,9 @@ def demo(tmp_path, **kw):
 
 
 @pytest.mark.parametrize("overrides,message", [
-    ({"draft_layers": 30}, "--draft_layers 30 must be between 1 and 29 .*lower it to at most 29"),
-    ({"draft_layers": 0}, "--draft_layers 0 must be between 1 and 29 .*raise it to at least 1"),
-    ({"draft_layers": 6, "target_layers": 6}, "--draft_layers 6 must be between 1 and 5 .*lower it to at most 5"),
+    ({"draft_layers": 30, "draft_mode": "model"}, "--draft_layers 30 must be between 1 and 29 .*lower it to at most 29"),
+    ({"draft_layers": 0, "draft_mode": "model"}, "--draft_layers 0 must be between 1 and 29 .*raise it to at least 1"),
+    ({"draft_layers": 6, "target_layers": 6, "draft_mode": "model"}, "--draft_layers 6 must be between 1 and 5 .*lower it to at most 5"),
     ({"target_layers": 31}, "--target_layers 31 is out of range: .* use 1 to 30"),
     ({"target_layers": 0}, "--target_layers must be >= 1"),
     ({"draft_model": "/no/such/draft"}, "--draft_model '/no/such/draft' does not exist"),
@@ -159,7 +159,7 @@ def demo(tmp_path, **kw):
     ({"max_seq_len": 8}, "leaves no room to generate within max_seq_len=8"),
     ({"batch_size": 5}, "--batch_size 5 is not supported"),
     ({"dtype": "int4"}, "--dtype 'int4' is not supported"),
-    ({"draft_mode": "ngram"}, "--draft_mode 'ngram' is not one of model, suffix, hybrid"),
+    ({"draft_mode": "ngram"}, "--draft_mode 'ngram' is not one of model, suffix, head, hybrid"),
     ({"sa_threshold": 0}, "--sa_threshold must be >= 1"),
     ({"temperature": -0.5}, "bad sampling flags: temperature must be >= 0"),
     ({"top_p": 0.0}, "bad sampling flags: top_p must be in"),
@@ -227,9 +227,9 @@ def test_report_carries_tt_perf_keys_and_environment(tmp_path, embedded_checkpoi
 class SlowStartDrafter(SuffixDrafter):
     """A drafter whose start (the draft model's prefill, for a model drafter) takes a known time."""
 
-    def start(self, users, prompts, sampling):
+    def start(self, users, prompts, sampling, hidden=None):
         time.sleep(0.25)
-        super().start(users, prompts, sampling)
+        super().start(users, prompts, sampling, hidden)
 
 
 def test_drafter_start_counts_as_decode_time():

@@ -5,34 +5,54 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from models.tt_transformers.speculative.draft_length import LENGTH_BUCKETS, MatchAcceptance
+from models.tt_transformers.speculative.draft_memory import DraftMemory
 from models.tt_transformers.speculative.drafters import HybridDrafter, ModelDrafter, SuffixDrafter
+from models.tt_transformers.speculative.head_drafter import HeadDrafter
+from models.tt_transformers.torch_backend.draft_head import HeadRunner
 from models.tt_transformers.speculative.verification import verify_greedy
 from models.tt_transformers.torch_backend.generator import TorchCausalLM
 from models.tt_transformers.demo.speculative_decoding.speculative_demo import encode
 from models.tt_transformers.demo.speculative_decoding.speculative_generator import SpeculativeGenerator
 
-from .conftest import CPU_KERNELS, random_model
+from .conftest import CPU_KERNELS, random_head, random_model
 
 N_TOKENS = 32
 
 
-def make_drafter(target, mode, draft_layers, sa_threshold=4, shared_cache=True):
-    """The drafter the demo builds for --draft_mode (hybrid with an adaptive model draft). shared_cache: the draft
-    is a view of the target's first layers and cache (as the demo builds it), else it has a cache of its own."""
+def head_drafter(target, head=None, eager=True):
+    """A draft head's drafter (a random head unless given). eager: every chain runs while its tokens have any
+    chance (no price per head run, acceptance trusted): tests verification, not the length policy."""
+    drafter = HeadDrafter(HeadRunner(head or random_head(target.model), target.max_batch_size))
+    if eager:
+        drafter.draft_cost = 0.0
+        drafter.acceptance = MatchAcceptance(prior=[0.99] * len(LENGTH_BUCKETS), decay=1.0, prior_weight=1e9)
+    return drafter
+
+
+def make_drafter(target, mode, draft_layers, sa_threshold=4, shared_cache=True, memory=False, recycle=0):
+    """The drafter the demo builds for --draft_mode (hybrid: with an adaptive model draft; head / hybrid-head: a
+    random draft head alone / with the copied drafts). shared_cache: the draft is a view of the target's first
+    layers and cache (as the demo builds it), else it has a cache of its own; memory / recycle: the copied drafts
+    also come from earlier responses / the target's top `recycle` tokens."""
+    suffix = SuffixDrafter(sa_threshold, DraftMemory(4096) if memory else None, recycle)
     if mode == "suffix":
-        return SuffixDrafter(sa_threshold)
+        return suffix
+    if mode in ("head", "hybrid-head"):
+        return head_drafter(target) if mode == "head" else HybridDrafter(suffix, head_drafter(target))
     lm = (target.draft_view(draft_layers) if shared_cache else
           TorchCausalLM(target.model, draft_layers, target.max_batch_size))
     if mode == "model":
         return ModelDrafter(lm)
-    return HybridDrafter(SuffixDrafter(sa_threshold), ModelDrafter(lm, draft_cost=draft_layers / target.n_layers))
+    return HybridDrafter(suffix, ModelDrafter(lm, draft_cost=draft_layers / target.n_layers))
 
 
 def run_results(model, prompts, n_draft, draft_layers, max_tokens=N_TOKENS, eos=(), batch=None, mode="model",
-                sa_threshold=4, shared_cache=True):
+                sa_threshold=4, shared_cache=True, memory=False, recycle=0, trees=True):
     batch = batch or len(prompts)
     target = TorchCausalLM(model, model.args.n_layers, batch)
-    drafter = make_drafter(target, mode, draft_layers, sa_threshold, shared_cache) if n_draft else None
+    target.supports_trees = trees
+    drafter = make_drafter(target, mode, draft_layers, sa_threshold, shared_cache, memory, recycle) if n_draft else None
     return SpeculativeGenerator(target, drafter, n_draft, eos).generate(prompts, max_tokens)
 
 
@@ -66,17 +86,18 @@ def test_batch1_speculative_identical_to_plain(embedded_bf16, sample_prompt_toke
 @pytest.mark.parametrize("mode", ["suffix", "hybrid"])
 @pytest.mark.parametrize("n_draft", [4, 16])
 def test_suffix_and_hybrid_identical_to_plain(embedded_bf16, embedded_tokenizer, sample_prompt_tokens, mode, n_draft):
-    """Sample prompts plus a copy-heavy one, batched; suffix drafts must actually be made and accepted."""
+    """Sample prompts plus a copy-heavy one, batched, with the copied drafts as the demo builds them (memory of
+    earlier responses, recycling, token trees): copied drafts must actually be made and accepted."""
     eos = [embedded_tokenizer.eos_token_id]
     code = "def area(w, h):\n    return w * h\n\ndef perimeter(w, h):\n    return 2 * (w + h)\n"
     copy = encode(embedded_tokenizer, f"Rename w to width and h to height in this code:\n{code}", True)
     prompts = sample_prompt_tokens[:3] + [copy]
     plain = [run(embedded_bf16, [p], 0, 0, 48, eos=eos)[0] for p in prompts]
-    results = run_results(embedded_bf16, prompts, n_draft, 8, 48, eos=eos, mode=mode)
+    results = run_results(embedded_bf16, prompts, n_draft, 8, 48, eos=eos, mode=mode, memory=True, recycle=4)
     assert [r.output_tokens for r in results] == plain
-    suffix_iters = [it for it in results[-1].iterations if it.draft_source == "suffix"]
-    assert suffix_iters and sum(it.accepted for it in suffix_iters) > 0
-    assert all(it.match_len >= 4 for it in suffix_iters)
+    copied = [it for it in results[-1].iterations if it.draft_source in ("suffix", "tree")]
+    assert copied and sum(it.accepted for it in copied) > 0
+    assert all(it.match_len >= 4 for it in results[-1].iterations if it.draft_source == "suffix")
 
 
 @st.composite
@@ -93,8 +114,9 @@ def tiny_models(draw):
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(model=tiny_models(), data=st.data())
 def test_generated_cases_identical_to_plain(model, data):
-    """Random small models (torch ops or the bf16 CPU kernels), prompts, draft modes, draft lengths and depths,
-    drafts with their own cache or the target's, batch sizes, EOS and cache limits."""
+    """Random small models (torch ops or the bf16 CPU kernels), prompts, draft modes (random draft heads too), draft
+    lengths and depths, drafts with their own cache or the target's, memory, recycling and token trees on or off,
+    batch sizes, EOS and cache limits."""
     vocab = model.args.vocab_size
     n_users = data.draw(st.integers(1, 3))
     prompts = [data.draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=20)) for _ in range(n_users)]
@@ -102,12 +124,13 @@ def test_generated_cases_identical_to_plain(model, data):
     draft_layers = data.draw(st.integers(1, model.args.n_layers - 1))
     max_tokens = data.draw(st.integers(1, 60))  # up to past max_seq_len=64: must stop cleanly at the cache end
     eos = data.draw(st.sampled_from([(), (0,)]))
-    mode = data.draw(st.sampled_from(["model", "suffix", "hybrid"]))
+    mode = data.draw(st.sampled_from(["model", "suffix", "hybrid", "head", "hybrid-head"]))
     sa_threshold = data.draw(st.integers(1, 4))
-    shared_cache = data.draw(st.booleans())
+    shared_cache, memory, trees = data.draw(st.booleans()), data.draw(st.booleans()), data.draw(st.booleans())
+    recycle = data.draw(st.sampled_from([0, 3]))
     plain = [run(model, [p], 0, 0, max_tokens, eos)[0] for p in prompts]
     assert run(model, prompts, n_draft, draft_layers, max_tokens, eos, mode=mode, sa_threshold=sa_threshold,
-               shared_cache=shared_cache) == plain
+               shared_cache=shared_cache, memory=memory, recycle=recycle, trees=trees) == plain
     for p, out in zip(prompts, plain):
         assert len(p) + len(out) <= model.max_seq_len
         assert len(out) <= max_tokens
@@ -128,12 +151,16 @@ class RecordingDrafter:
     def __init__(self, inner):
         self.inner, self.log, self.pending = inner, [], {}
 
-    def start(self, users, prompts, sampling):
-        self.inner.start(users, prompts, sampling)
+    def start(self, users, prompts, sampling, hidden=None):
+        self.inner.start(users, prompts, sampling, hidden)
 
     @property
     def top_k(self):
         return self.inner.top_k
+
+    @property
+    def wants_hidden(self):
+        return self.inner.wants_hidden
 
     def propose(self, users, contexts, max_tokens, extra_cost, trees=False):
         drafts = self.inner.propose(users, contexts, max_tokens, extra_cost, trees)

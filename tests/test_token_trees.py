@@ -148,3 +148,28 @@ def test_corpus_store_drafts_what_the_request_lacks():
     for _ in range(5):  # the corpus store's rate rises as its drafts pass
         draft = drafter.propose([0], [[1, 2, 40, 41, 42]], [4], linear_cost(0.0))[0]
     assert draft.source == "corpus" and draft.tokens[:2] == [43, 44]
+
+
+@pytest.mark.parametrize("threshold", [1, 3])
+def test_copy_mode_re_anchors_after_an_edit(threshold):
+    """A rename while copying a passage: after the edit token (no 3-token match any more) the next draft copies the
+    passage from just past the replaced token at once; a deletion skips ahead to the edit token's occurrence; after
+    a few edits in a row the copy is given up."""
+    from models.tt_transformers.speculative.draft_length import linear_cost
+    from models.tt_transformers.speculative.drafters import SuffixDrafter
+    from models.tt_transformers.speculative.sampling import SamplingParams
+
+    passage = list(range(1, 21))
+    drafter = SuffixDrafter(threshold)
+    drafter.start([0], [passage + [500]], SamplingParams())
+    propose = lambda ctx: drafter.propose([0], [ctx], [6], linear_cost(0.01))[0]  # noqa: E731
+    base = passage + [500]
+    assert propose(base + [1, 2, 3, 4]).tokens[:3] == [5, 6, 7]  # a long match: copied as before
+    draft = propose(base + [1, 2, 3, 4, 99])  # 5 replaced by 99: no earlier match of (3, 4, 99)
+    assert draft.source == "copy" and draft.tokens[:3] == [6, 7, 8]
+    draft = propose(base + [1, 2, 3, 4, 99, 6, 7, 77, 9])  # 8 replaced too: still copying
+    assert draft.source == "copy" and draft.tokens[:2] == [10, 11]
+    draft = propose(base + [1, 2, 3, 4, 99, 6, 7, 77, 9, 10, 13])  # 11 and 12 deleted: skip to 13's occurrence
+    assert draft.tokens[:2] == [14, 15]
+    lost = base + [1, 2, 3, 4, 99, 6, 7, 77, 9, 10, 13, 801, 802, 803]  # edits in a row: the copy ends
+    assert propose(lost).tokens == []

@@ -14,6 +14,7 @@ from models.tt_transformers.speculative.backend import UserRows
 from models.tt_transformers.speculative.drafters import HybridDrafter, ModelDrafter, SuffixDrafter
 from models.tt_transformers.torch_backend.checkpoint import load_model
 from models.tt_transformers.torch_backend.generator import TorchCausalLM
+from models.tt_transformers.torch_backend.model_config import ModelArgs
 from models.tt_transformers.ttnn_backend import attention as ordered_attention
 from models.tt_transformers.ttnn_backend.generator import TtnnCausalLM
 from models.tt_transformers.ttnn_backend.model import build_tt_model
@@ -90,6 +91,51 @@ def test_logits_match_the_torch_backend_in_float32(tt, embedded_checkpoint, prom
     assert max(errors) < 2e-3
 
 
+def cache_contents(lm):
+    return [t.data.clone() for layer in lm.tt.kv_cache for t in layer]
+
+
+def test_hidden_states_match_the_torch_backend_in_float32(tt, embedded_checkpoint, prompts):
+    """What a draft head reads back: the final norm's output (the LM head's input) for the prompt (the decode
+    program over it, 32 positions a run, writing nothing: the cache is what prefill left) and for a verify step's rows,
+    the torch backend's hidden states (float32)."""
+    lm = tt(2, weights_dtype=stand_in_ttnn.float32)
+    torch_lm = TorchCausalLM(load_model(embedded_checkpoint, torch.float32, MAX_SEQ_LEN, cpu_kernels=False), 30, 2)
+    prompt = prompts[0][:40]  # two 32-row runs
+    lm.prefill(0, prompt)
+    written = cache_contents(lm)
+    ours = lm.prefill(0, prompt, hidden=True).hidden[0]
+    assert all(torch.equal(a, b) for a, b in zip(cache_contents(lm), written))
+    ref = torch_lm.prefill(0, prompt, hidden=True).hidden[0]
+    assert ours.shape == ref.shape == (40, torch_lm.model.args.dim)
+    errors = [((ours.float() - ref.float()).abs().max() / ref.abs().max()).item()]
+    rows = [UserRows(0, [11, 22, 33, 44], 40)]
+    ours, ref = lm.step(rows, hidden=True).hidden[0], torch_lm.step(rows, hidden=True).hidden[0]
+    assert ours.shape == (4, torch_lm.model.args.dim)
+    errors.append(((ours.float() - ref.float()).abs().max() / ref.abs().max()).item())
+    print(f"stand-in vs torch backend, hidden states (read back in bf16): max relative error {max(errors):.2e}")
+    assert max(errors) < 1e-2
+    assert {hidden for *_, hidden in lm.traces} == {True}  # the hidden-state trace is one of its own
+
+
+def test_head_drafts_identical_to_plain_through_the_verify_step(tt, embedded_checkpoint, prompts, plain_outputs):
+    """The shipped draft head beside the device as the demo builds it (on the host, on the checkpoint's embedding
+    and LM head without decoder layers), fed the hidden states every traced step reads back (the hybrid's choice is
+    backend-independent: tests/test_draft_head.py)."""
+    from models.tt_transformers.demo.speculative_decoding.speculative_demo import DRAFT_HEADS, DemoConfig, host_draft_head
+    from models.tt_transformers.speculative.head_drafter import HeadDrafter
+    from models.tt_transformers.torch_backend.draft_head import HeadRunner, read_draft_head
+
+    lm = tt(4)
+    weights = read_draft_head(DRAFT_HEADS / embedded_checkpoint.name, ModelArgs.from_hf_config(embedded_checkpoint.config))
+    head = HeadDrafter(HeadRunner(host_draft_head(weights, lm, embedded_checkpoint, DemoConfig(max_seq_len=MAX_SEQ_LEN)),
+                                  lm.max_batch_size))
+    results = SpeculativeGenerator(lm, head, 6).generate(prompts, 32)
+    assert outputs(results) == plain_outputs
+    steps = [it for r in results for it in r.iterations if it.draft_source == "head"]
+    assert steps and sum(it.accepted for it in steps) > 0
+
+
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("mode", ["suffix", "model", "hybrid"])
 def test_speculative_identical_to_plain_through_the_verify_step(tt, prompts, plain_outputs, mode, batch):
@@ -102,7 +148,7 @@ def test_speculative_identical_to_plain_through_the_verify_step(tt, prompts, pla
     assert any(it.accepted == 0 for it in steps)  # drafts rejected at their first token
     if mode != "model":  # the copy prompt's suffix drafts pass whole (the 8-layer draft never does here)
         assert any(it.accepted == it.drafted >= 2 for it in steps)
-    assert {passes for passes, _ in lm.traces} <= {1, 2, 4, 8}  # a trace per number of write passes, captured once
+    assert {passes for passes, *_ in lm.traces} <= {1, 2, 4, 8}  # a trace per number of write passes, captured once
 
 
 def test_generation_to_the_end_of_the_cache(tt, prompts):
@@ -172,9 +218,9 @@ def test_row_budget_and_idle_users(tt, prompts):
     seen = []
     step = lm.step
 
-    def recording(rows, logits=False, top_k=0):
+    def recording(rows, logits=False, top_k=0, hidden=False):
         seen.append((sum(len(r.tokens) for r in rows), len(rows)))
-        out = step(rows, logits, top_k)
+        out = step(rows, logits, top_k, hidden)
         seen[-1] += (lm.inputs.current_pos.data.tolist(),)
         return out
     lm.step = recording
