@@ -173,3 +173,20 @@ def test_copy_mode_re_anchors_after_an_edit(threshold):
     assert draft.tokens[:2] == [14, 15]
     lost = base + [1, 2, 3, 4, 99, 6, 7, 77, 9, 10, 13, 801, 802, 803]  # edits in a row: the copy ends
     assert propose(lost).tokens == []
+
+
+@pytest.mark.parametrize("cap", [2, 4, 8])
+def test_tree_never_exceeds_the_draft_cap(cap):
+    """Several copied continuations merged into one tree keep at most `cap` nodes (the cap also carries the room
+    left in the KV cache and the row budget), the most probable ones, parents first."""
+    from models.tt_transformers.speculative.draft_length import linear_cost
+    from models.tt_transformers.speculative.drafters import SuffixDrafter
+    from models.tt_transformers.speculative.sampling import SamplingParams
+
+    text = [50, 1, 2, *range(60, 65), 70, 1, 2, *range(80, 85), 71, 1, 2, *range(80, 85), 72, 1, 2, *range(80, 85)]
+    drafter = SuffixDrafter(1, recycle=2)
+    drafter.start([0], [text], SamplingParams())
+    drafter.recycled.table = {2: [60, 80], 60: [61, 7], 80: [81, 9]}
+    draft = drafter.propose([0], [text + [50, 1, 2]], [cap], linear_cost(0.0), trees=True)[0]
+    assert 0 < len(draft.tokens) <= cap
+    assert all(p < i for i, p in enumerate(draft.parents or [])), draft.parents

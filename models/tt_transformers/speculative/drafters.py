@@ -305,7 +305,7 @@ class SuffixDrafter:
 
     def _tree(self, last: int, candidates: list[Candidate], n: int, floor: float) -> list[TreeNode]:
         """Merge the candidates into a trie below `last`, grow it with recycled predictions (most probable first),
-        and return its nodes in order of probability (so parents come first)."""
+        and return its n most probable nodes in order of probability (so parents come first)."""
         nodes: list[TreeNode] = []
         index: dict[tuple[int, int], int] = {}
         for c in candidates:
@@ -330,14 +330,15 @@ class SuffixDrafter:
             push_children(-1, last, 1.0)
             for i in range(len(nodes)):
                 push_children(i, nodes[i].token, nodes[i].prob)
-            while heap and len(nodes) < n:
+            limit = len(nodes) + n  # recycled nodes compete with the copied ones for the n places
+            while heap and len(nodes) < limit:
                 q, _, parent, token, rank = heapq.heappop(heap)
                 if (parent, token) in index:
                     continue
                 index[parent, token] = len(nodes)
                 nodes.append(TreeNode(token, parent, -q, "recycle", acceptance, rank + 1, 1.0))
                 push_children(len(nodes) - 1, token, -q)
-        order = sorted(range(len(nodes)), key=lambda i: -nodes[i].prob)  # a child is never more probable
+        order = sorted(range(len(nodes)), key=lambda i: -nodes[i].prob)[:n]  # a child is never more probable
         where = {old: new for new, old in enumerate(order)}
         for node in nodes:
             node.parent = where.get(node.parent, -1)
@@ -371,7 +372,7 @@ class SuffixDrafter:
     def _tree_draft(self, user, context, n, floor, extra_cost) -> Optional[Draft]:
         """A token tree over all candidates and recycled predictions, its most probable nodes while they pay."""
         candidates = sorted(self._candidates(user, context, n, floor), key=lambda c: -sum(c.probs))
-        nodes = self._tree(context[-1], candidates, min(n, self.MAX_TREE_NODES), floor)[: n]  # parents come first
+        nodes = self._tree(context[-1], candidates, min(n, self.MAX_TREE_NODES), floor)  # at most n, parents first
         nodes = nodes[: self.policies[user].gate(best_length([node.prob for node in nodes], extra_cost), n)]
         if not nodes:
             return None
