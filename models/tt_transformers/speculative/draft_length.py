@@ -62,6 +62,12 @@ class DraftLengthPolicy:
         """Estimated probability that the next draft token is accepted."""
         return self.accepted / (self.accepted + self.rejected)
 
+    def expected_accepted(self, max_tokens: int) -> float:
+        """Accepted tokens a draft of up to max_tokens is expected to bring at this acceptance (what the hybrid weighs
+        against a copied draft's own estimate)."""
+        a = min(self.acceptance, 0.99)
+        return a * (1 - a ** max_tokens) / (1 - a)
+
     def next_length(self, max_tokens: int, extra_cost: ExtraCost) -> int:
         """Draft length for the next iteration, at most max_tokens, from the estimated per-token acceptance."""
         a = min(self.acceptance, 0.999)

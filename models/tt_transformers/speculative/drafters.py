@@ -49,6 +49,11 @@ class Verified:
     def n_accepted(self) -> int:
         return len(self.path)
 
+    @property
+    def true_rows(self) -> list[int]:
+        """The rows whose context is the actual text: the last token and the accepted drafts (not rejected ones)."""
+        return [0] + [i + 1 for i in self.path]
+
 
 class Drafter(Protocol):
     top_k: int  # how many of the target's top next tokens per row accept() wants (0: none)
@@ -110,10 +115,7 @@ class ModelDrafter:
 
     def expected_accepted(self, user: int, n: int) -> float:
         """Accepted tokens a draft of up to n tokens is expected to bring (0 when its acceptance is not tracked)."""
-        if user not in self.policies:
-            return 0.0
-        a = min(self.policies[user].acceptance, 0.99)
-        return a * (1 - a ** n) / (1 - a)
+        return self.policies[user].expected_accepted(n) if user in self.policies else 0.0
 
     def _next_tokens(self, rows: list[UserRows]) -> list[tuple[int, Optional[torch.Tensor]]]:
         """One draft token per user after its fed rows: greedy, or sampled from the draft's q (returned too)."""
@@ -388,8 +390,8 @@ class SuffixDrafter:
         self.pending.pop(user, None)
 
     def accept(self, user, verified):
-        if self.recycled is not None and verified.top_ids is not None:  # rows whose context is the actual text
-            rows = [0] + [i + 1 for i in verified.path]
+        if self.recycled is not None and verified.top_ids is not None:
+            rows = verified.true_rows
             self.recycled.observe([verified.fed[r] for r in rows], [verified.top_ids[r] for r in rows])
         pending = self.pending.pop(user, None)
         if isinstance(pending, tuple):  # a chain: its tokens up to the first rejected one were tested

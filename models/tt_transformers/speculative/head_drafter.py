@@ -77,8 +77,7 @@ class HeadDrafter:
     def expected_accepted(self, user: int, n: int) -> float:
         """Accepted tokens a head draft of up to n tokens is expected to bring, from its recent acceptance (what the
         hybrid weighs against a copied draft's estimate)."""
-        a = min(self.policies[user].acceptance, 0.99)
-        return a * (1 - a ** n) / (1 - a)
+        return self.policies[user].expected_accepted(n)
 
     def _rows(self, user: int, context: Sequence[int], end: int) -> tuple[int, torch.Tensor, list[int]]:
         """The head's next rows for positions fed_len .. end - 1: (start, hidden states, next tokens)."""
@@ -148,8 +147,8 @@ class HeadDrafter:
         return drafts
 
     def accept(self, user, verified: Verified):
-        rows = [0] + [i + 1 for i in verified.path]  # the rows whose context is the actual text: true states
-        self.known[user] = torch.cat([self.known[user], verified.hidden[rows].to(self.known[user].dtype)])
+        true_states = verified.hidden[verified.true_rows].to(self.known[user].dtype)
+        self.known[user] = torch.cat([self.known[user], true_states])
         pending = self.pending.pop(user, None)
         if pending is not None:
             for j in range(min(pending.length, verified.n_accepted + 1)):
