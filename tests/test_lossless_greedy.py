@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from models.tt_transformers.speculative.draft_length import LENGTH_BUCKETS, MatchAcceptance
 from models.tt_transformers.speculative.draft_memory import DraftMemory
 from models.tt_transformers.speculative.drafters import HybridDrafter, ModelDrafter, SuffixDrafter
-from models.tt_transformers.speculative.head_drafter import HeadDrafter
+from models.tt_transformers.speculative.head_drafter import HeadDrafter, RunCost
 from models.tt_transformers.torch_backend.draft_head import HeadRunner
 from models.tt_transformers.speculative.verification import verify_greedy
 from models.tt_transformers.torch_backend.generator import TorchCausalLM
@@ -25,7 +25,7 @@ def head_drafter(target, head=None, eager=True):
     chance (no price per head run, acceptance trusted): tests verification, not the length policy."""
     drafter = HeadDrafter(HeadRunner(head or random_head(target.model), target.max_batch_size))
     if eager:
-        drafter.draft_cost = 0.0
+        drafter.cost = RunCost(0.0, measure=False)
         drafter.acceptance = MatchAcceptance(prior=[0.99] * len(LENGTH_BUCKETS), decay=1.0, prior_weight=1e9)
     return drafter
 

@@ -161,7 +161,7 @@ def draft_source(target, kind):
     """model: the target's first layer, sharing its cache (as the demo builds it); model-own-cache: the same
     layer with a cache of its own; suffix: the automaton, trusting every copy (so its chains run to the length
     allowed: this tests verification, not the length policy), as chains; tree: the automaton and recycled target
-    predictions as token trees; plain: none."""
+    predictions as token trees, each trusted at an even rate; plain: none."""
     if kind == "model":
         return ModelDrafter(target.draft_view(1))
     if kind == "model-own-cache":
@@ -169,7 +169,9 @@ def draft_source(target, kind):
     if kind in ("suffix", "tree"):
         target.supports_trees = kind == "tree"
         drafter = SuffixDrafter(threshold=1, recycle=3 if kind == "tree" else 0)
-        trusting = MatchAcceptance(prior=[0.99] * len(LENGTH_BUCKETS), decay=1.0, prior_weight=1e9)
+        # trees: an even rate, so copied and recycled siblings share each parent's probability and trees branch
+        rate = 0.99 if kind == "suffix" else 0.5
+        trusting = MatchAcceptance(prior=[rate] * len(LENGTH_BUCKETS), decay=1.0, prior_weight=1e9)
         drafter.acceptance.update(suffix=trusting, recycle=trusting)
         return drafter
     return None

@@ -190,3 +190,25 @@ def test_tree_never_exceeds_the_draft_cap(cap):
     draft = drafter.propose([0], [text + [50, 1, 2]], [cap], linear_cost(0.0), trees=True)[0]
     assert 0 < len(draft.tokens) <= cap
     assert all(p < i for i, p in enumerate(draft.parents or [])), draft.parents
+
+
+def test_sibling_probabilities_never_exceed_their_parents():
+    """Siblings are exclusive (the target accepts one next token): two sources proposing different next tokens with
+    0.6 each must not count 1.2 expected tokens, and every node's children together stay within its probability."""
+    from models.tt_transformers.speculative.draft_length import MatchAcceptance
+    from models.tt_transformers.speculative.drafters import Candidate, SuffixDrafter
+
+    acceptance = MatchAcceptance()
+    drafter = SuffixDrafter(1)
+    candidates = [Candidate([5, 6, 7], [0.6, 0.5, 0.4], "suffix", 3, [1.0] * 3, acceptance),
+                  Candidate([8, 9], [0.6, 0.54], "memory", 3, [1.0] * 2, acceptance),
+                  Candidate([5, 10], [0.5, 0.45], "suffix", 2, [1.0] * 2, acceptance)]
+    nodes = drafter._tree(1, candidates, 16, 0.01)
+    probs = [1.0] + [n.prob for n in nodes]
+    for parent in range(-1, len(nodes)):
+        assert sum(n.prob for n in nodes if n.parent == parent) <= probs[parent + 1] + 1e-9
+    by_token = {n.token: n for n in nodes}
+    assert by_token[5].prob == pytest.approx(0.6) and by_token[8].prob == pytest.approx(0.4)  # what 5 leaves
+    assert by_token[9].prob == pytest.approx(0.4 * 0.54 / 0.6)  # 8's descendants scale with it
+    assert by_token[6].prob == pytest.approx(0.5) and by_token[7].prob == pytest.approx(0.4)
+    assert by_token[10].prob == pytest.approx(0.6 - 0.5)  # below the shared 5: what its sibling 6 leaves

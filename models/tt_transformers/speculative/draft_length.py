@@ -62,11 +62,17 @@ class DraftLengthPolicy:
         """Estimated probability that the next draft token is accepted."""
         return self.accepted / (self.accepted + self.rejected)
 
-    def expected_accepted(self, max_tokens: int) -> float:
-        """Accepted tokens a draft of up to max_tokens is expected to bring at this acceptance (what the hybrid weighs
-        against a copied draft's own estimate)."""
-        a = min(self.acceptance, 0.99)
-        return a * (1 - a ** max_tokens) / (1 - a)
+    def value(self, max_tokens: int, extra_cost: ExtraCost, fixed_cost: float = 0.0) -> float:
+        """Expected tokens per unit of work of the best draft of up to max_tokens at this acceptance,
+        max over k of (1 + a + ... + a^k) / (1 + fixed_cost + k draft_cost + extra_cost(k)) (1.0: drafting does not
+        pay); fixed_cost is what a proposal costs whatever its length (a draft head's run over the accepted rows).
+        The hybrid weighs it against a copied draft's value."""
+        a, p, total, best = min(self.acceptance, 0.99), 1.0, 1.0, 1.0
+        for k in range(1, max_tokens + 1):
+            p *= a
+            total += p
+            best = max(best, total / (1 + fixed_cost + k * self.draft_cost + extra_cost(k)))
+        return best
 
     def next_length(self, max_tokens: int, extra_cost: ExtraCost) -> int:
         """Draft length for the next iteration, at most max_tokens, from the estimated per-token acceptance."""

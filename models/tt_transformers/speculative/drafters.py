@@ -9,7 +9,7 @@ from typing import Optional, Protocol, Sequence
 import torch
 
 from .backend import CausalLM, UserRows
-from .draft_length import DraftLengthPolicy, ExtraCost, MatchAcceptance, best_length
+from .draft_length import LENGTH_BUCKETS, DraftLengthPolicy, ExtraCost, MatchAcceptance, best_length
 from .draft_memory import DraftMemory
 from .sampling import SamplingParams, probabilities, sample
 from .suffix_automaton import SuffixAutomaton
@@ -113,9 +113,10 @@ class ModelDrafter:
         self.sampling = sampling
         self.streams = None if sampling.greedy else sampling.streams()
 
-    def expected_accepted(self, user: int, n: int) -> float:
-        """Accepted tokens a draft of up to n tokens is expected to bring (0 when its acceptance is not tracked)."""
-        return self.policies[user].expected_accepted(n) if user in self.policies else 0.0
+    def draft_value(self, user: int, n: int, extra_cost: ExtraCost) -> float:
+        """Expected tokens per unit of work of a draft of up to n tokens (DraftLengthPolicy.value; 0 when its
+        acceptance is not tracked)."""
+        return self.policies[user].value(n, extra_cost) if user in self.policies else 0.0
 
     def _next_tokens(self, rows: list[UserRows]) -> list[tuple[int, Optional[torch.Tensor]]]:
         """One draft token per user after its fed rows: greedy, or sampled from the draft's q (returned too)."""
@@ -246,8 +247,10 @@ class SuffixDrafter:
         self.threshold, self.memory = threshold, memory
         self.recycled = RecycledTokens(recycle) if recycle else None
         self.top_k, self.wants_hidden = recycle, False
+        # Copy mode's prior is flat and low: its runs are keyed by the copied run's length, which spreads its few
+        # verifications over long-match buckets whose default prior (0.9) overestimated it 2-3x on chat, QA and JSON.
         self.acceptance = {"suffix": MatchAcceptance(), "memory": MatchAcceptance(), "corpus": MatchAcceptance(),
-                           "copy": MatchAcceptance(),
+                           "copy": MatchAcceptance(prior=[0.3] * len(LENGTH_BUCKETS)),
                            "recycle": MatchAcceptance(prior=[0.45, 0.15, 0.08, 0.05, 0.04, 0.03, 0.02, 0.02, 0.02])}
         self.automata: dict[int, SuffixAutomaton] = {}
         self.prompt_lens: dict[int, int] = {}
@@ -307,17 +310,40 @@ class SuffixDrafter:
 
     def _tree(self, last: int, candidates: list[Candidate], n: int, floor: float) -> list[TreeNode]:
         """Merge the candidates into a trie below `last`, grow it with recycled predictions (most probable first),
-        and return its n most probable nodes in order of probability (so parents come first)."""
+        and return its n most probable nodes in order of probability (so parents come first).
+
+        Siblings are exclusive (the target accepts one next token), so their probabilities may not sum to more than
+        their parent's: each candidate's node keeps its own conditional rate but at most what its earlier siblings
+        leave (`room`), and its descendants scale with it. Without this, two sources proposing different next tokens
+        with 0.6 each would count 1.2 expected tokens where at most one can be accepted, and trees grew past what
+        pays."""
         nodes: list[TreeNode] = []
         index: dict[tuple[int, int], int] = {}
+        taken: dict[int, float] = {}  # node (-1: the root) -> sum of its children's probabilities
+
+        def room(parent: int) -> float:
+            return (nodes[parent].prob if parent >= 0 else 1.0) - taken.get(parent, 0.0)
+
+        def add(parent: int, token: int, p: float, *fields) -> int:
+            index[parent, token] = len(nodes)
+            nodes.append(TreeNode(token, parent, p, *fields))
+            taken[parent] = taken.get(parent, 0.0) + p
+            return len(nodes) - 1
+
         for c in candidates:
-            parent = -1
+            parent, before = -1, 1.0
             for j, (token, p) in enumerate(zip(c.tokens, c.probs)):
+                parent_prob = nodes[parent].prob if parent >= 0 else 1.0
+                p, before = parent_prob * p / before, p  # this candidate's rate, applied below the node's parent
                 at = index.get((parent, token))
                 if at is None:
-                    at = index[parent, token] = len(nodes)
-                    nodes.append(TreeNode(token, parent, p, c.source, c.acceptance, c.match_len + j, c.freqs[j]))
+                    p = min(p, room(parent))
+                    if p < floor:
+                        break
+                    at = add(parent, token, p, c.source, c.acceptance, c.match_len + j, c.freqs[j])
                 elif p > nodes[at].prob:
+                    p = min(p, room(parent) + nodes[at].prob)
+                    taken[parent] += p - nodes[at].prob
                     nodes[at].prob = p
                 parent = at
         if self.recycled is not None:
@@ -337,9 +363,12 @@ class SuffixDrafter:
                 q, _, parent, token, rank = heapq.heappop(heap)
                 if (parent, token) in index:
                     continue
-                index[parent, token] = len(nodes)
-                nodes.append(TreeNode(token, parent, -q, "recycle", acceptance, rank + 1, 1.0))
-                push_children(len(nodes) - 1, token, -q)
+                if -q > room(parent):  # siblings took part of the parent's probability since: try again lower
+                    if room(parent) >= floor:
+                        heapq.heappush(heap, (-room(parent), next(order), parent, token, rank))
+                    continue
+                at = add(parent, token, -q, "recycle", acceptance, rank + 1, 1.0)
+                push_children(at, token, -q)
         order = sorted(range(len(nodes)), key=lambda i: -nodes[i].prob)[:n]  # a child is never more probable
         where = {old: new for new, old in enumerate(order)}
         for node in nodes:
@@ -437,10 +466,11 @@ class CopyCursor:
 
 class HybridDrafter:
     """Per user and iteration, the copied draft or the fallback's (a trained draft head or a draft model), whichever
-    is expected to bring more accepted tokens (as SAM-Decoding picks between its automaton and EAGLE): the copied
-    draft's estimate is its own (sum of its tokens' acceptance probabilities), the fallback's comes from its recent
-    acceptance. Copied drafts cost nothing to make, so they are proposed first and the fallback runs only for the
-    users it wins."""
+    is expected to bring more tokens per unit of work (as SAM-Decoding picks between its automaton and EAGLE): the
+    copied draft's value is (1 + the sum of its tokens' acceptance probabilities) / (1 + what verifying them costs),
+    the fallback's (draft_value) comes from its recent acceptance and what its drafts cost to make and verify.
+    Copied drafts cost nothing to make, so they are proposed first and the fallback runs only for the users it wins
+    or that have no copied draft (where it still decides for itself whether drafting pays)."""
 
     def __init__(self, suffix: SuffixDrafter, fallback):
         self.suffix, self.fallback = suffix, fallback
@@ -452,9 +482,9 @@ class HybridDrafter:
 
     def propose(self, users, contexts, max_tokens, extra_cost, trees=False):
         drafts = self.suffix.propose(users, contexts, max_tokens, extra_cost, trees)
-        fallback = [i for i, d in enumerate(drafts)
-                    if max_tokens[i] > 0 and d.expected < self.fallback.expected_accepted(users[i], max_tokens[i])
-                    or max_tokens[i] > 0 and not d.tokens]
+        fallback = [i for i, d in enumerate(drafts) if max_tokens[i] > 0 and (
+            not d.tokens or (1 + d.expected) / (1 + extra_cost(len(d.tokens)))
+            < self.fallback.draft_value(users[i], max_tokens[i], extra_cost))]
         if fallback:
             fallback_drafts = self.fallback.propose([users[i] for i in fallback], [contexts[i] for i in fallback],
                                                     [max_tokens[i] for i in fallback], extra_cost)

@@ -8,6 +8,7 @@ last step's accepted rows are fed first (one run, together with everything else 
 head drafts on its own predicted states, one run per token. Its KV cache (one layer) is rolled back by position as
 the target's is. The backend may be a TT device: the head runs where `DraftHeadModel` runs (on the host in torch).
 """
+import time
 from dataclasses import dataclass, field
 from typing import Optional, Protocol, Sequence
 
@@ -21,7 +22,7 @@ from .sampling import SamplingParams, probabilities, sample
 class DraftHeadModel(Protocol):
     vocab: torch.Tensor  # [V'] the draft vocabulary: the target's token ids the head can propose
     vocab_size: int  # the target's vocabulary
-    draft_cost: float  # one head run for one token, in units of a plain decode step of the target
+    draft_cost: float  # estimated cost of one head run, in units of a plain decode step of the target (until measured)
     max_rows: int  # rows one run may carry per user (longer catch-ups go in chunks)
 
     def run(self, users: Sequence[int], start_pos: Sequence[int], hidden: Sequence[torch.Tensor],
@@ -42,7 +43,9 @@ class HeadDraft:
 class HeadDrafter:
     """Drafts with a trained head: each token's acceptance is estimated as a learned rate (per draft depth) times the
     head's probability for it (EAGLE-2, arXiv 2406.16858: the draft's confidence predicts acceptance), and the
-    chain stops where one more token no longer pays for its head run and its verification.
+    chain stops where one more token no longer pays for its head run and its verification. What a head run costs is
+    measured as it drafts (RunCost); a user whose recent acceptance does not pay for the runs is not run at all,
+    except for a 1-token probe now and then (DraftLengthPolicy.gate).
 
     States: known[u] holds the target's hidden states the head has not been fed yet, for positions fed_len[u],
     fed_len[u] + 1, ... (from the prefill, then from every verified step's accepted rows, whichever source drafted).
@@ -52,7 +55,7 @@ class HeadDrafter:
     wants_hidden = True
 
     def __init__(self, head: DraftHeadModel):
-        self.head, self.draft_cost = head, head.draft_cost
+        self.head, self.cost = head, RunCost(head.draft_cost)
         self.vocab = head.vocab
         # prior: a token with the head's probability c is accepted with probability ~0.9 c at any depth
         self.acceptance = MatchAcceptance(prior=[0.9] * len(LENGTH_BUCKETS))
@@ -70,14 +73,21 @@ class HeadDrafter:
         self.fed_len = {u: 0 for u in users}
         self.pending = {}
         self.policies = {u: DraftLengthPolicy.learned_from(self.policies.values(), self.draft_cost) for u in users}
+        self.cost.proposed_at = None
         self.sampling = sampling
         self.streams = None if sampling.greedy else sampling.streams()
         self._catch_up([(u, p) for u, p in zip(users, prompts)], 0)  # the head's prefill: every prompt row but one
 
-    def expected_accepted(self, user: int, n: int) -> float:
-        """Accepted tokens a head draft of up to n tokens is expected to bring, from its recent acceptance (what the
-        hybrid weighs against a copied draft's estimate)."""
-        return self.policies[user].expected_accepted(n)
+    @property
+    def draft_cost(self) -> float:
+        return self.cost.value
+
+    def draft_value(self, user: int, n: int, extra_cost: ExtraCost) -> float:
+        """Expected tokens per unit of work of a head draft of up to n tokens, from its recent acceptance: k tokens
+        take k + 1 runs (the first feeds the last step's accepted rows, the last finds a token that no longer pays)."""
+        policy = self.policies[user]
+        policy.draft_cost = self.draft_cost
+        return policy.value(n, extra_cost, fixed_cost=self.draft_cost)
 
     def _rows(self, user: int, context: Sequence[int], end: int) -> tuple[int, torch.Tensor, list[int]]:
         """The head's next rows for positions fed_len .. end - 1: (start, hidden states, next tokens)."""
@@ -117,9 +127,18 @@ class HeadDrafter:
 
     def propose(self, users, contexts, max_tokens, extra_cost: ExtraCost, trees=False):
         """Chains only: a head tree (EAGLE-2) would need the head's top candidates per depth, left for later."""
-        # a one-token context has no row yet (the head's first row predicts the state at position 1)
-        live = [(u, ctx) for u, ctx, n in zip(users, contexts, max_tokens) if n > 0 and len(ctx) > 1]
+        # a one-token context has no row yet (the head's first row predicts the state at position 1); a user whose
+        # head drafts do not pay is not run, but for a probe now and then
+        live, probes = [], set()
+        for u, ctx, n in zip(users, contexts, max_tokens):
+            if n > 0 and len(ctx) > 1:
+                pays = self.draft_value(u, n, extra_cost) > 1.0
+                if self.policies[u].gate(int(pays), n):
+                    live.append((u, ctx))
+                    if not pays:
+                        probes.add(u)
         wanted = dict(zip(users, max_tokens))
+        start, runs = time.perf_counter(), 1
         self._catch_up(live, 1)
         going = [u for u, _ in live]
         outs = self._feed(going, [self._rows(u, ctx, len(ctx) - 1) for u, ctx in live]) if live else []
@@ -132,12 +151,17 @@ class HeadDrafter:
             if going:
                 outs = self.head.run(going, [state[u][0] for u in going], [state[u][1] for u in going],
                                      [[chains[u].tokens[-1]] for u in going])
+                runs += 1
                 for u, (h, logits) in zip(going, outs):
                     state[u] = (state[u][0] + 1, h, logits)
+        if live:  # a proposal's head work, per run (catch-up runs of a long gap count in the first)
+            self.cost.ran((time.perf_counter() - start) / runs)
+            self.cost.proposed_at = time.perf_counter()
         drafts = []
         for u, n in zip(users, max_tokens):
             chain = chains.get(u)
-            k = self.policies[u].gate(chain.paying, n) if chain else 0  # gate: a 1-token probe now and then
+            # a probe drafts one token; the runs being spent, a first token pays if it is likelier than its row costs
+            k = 0 if chain is None else chain.paying or int(u in probes or chain.path_probs[0] > extra_cost(1))
             if k == 0:
                 drafts.append(Draft([], "none"))
                 continue
@@ -149,6 +173,7 @@ class HeadDrafter:
     def accept(self, user, verified: Verified):
         true_states = verified.hidden[verified.true_rows].to(self.known[user].dtype)
         self.known[user] = torch.cat([self.known[user], true_states])
+        self.cost.verified()
         pending = self.pending.pop(user, None)
         if pending is not None:
             for j in range(min(pending.length, verified.n_accepted + 1)):
@@ -158,8 +183,8 @@ class HeadDrafter:
 
 @dataclass
 class HeadChain:
-    """A head draft being built: its tokens, and how many of them pay for their run and verification (the value
-    (1 + sum of path probabilities) / (1 + k draft_cost + extra_cost(k)) grows with each paying token)."""
+    """A head draft being built: its tokens, and how many of them pay for their runs and verification (the value
+    (1 + sum of path probabilities) / (1 + (k + 1) draft_cost + extra_cost(k)) grows with each paying token)."""
 
     tokens: list[int] = field(default_factory=list)
     confidences: list[float] = field(default_factory=list)
@@ -172,10 +197,39 @@ class HeadChain:
                draft_cost: float, extra_cost: ExtraCost) -> None:
         k = len(self.tokens) + 1
         path = (self.path_probs[-1] if self.path_probs else 1.0) * acceptance.prob(k, confidence)
-        value = (1 + sum(self.path_probs) + path) / (1 + k * draft_cost + extra_cost(k))
+        value = (1 + sum(self.path_probs) + path) / (1 + (k + 1) * draft_cost + extra_cost(k))
         self.tokens.append(token)
         self.confidences.append(confidence)
         self.probs.append(q)
         self.path_probs.append(path)
         if value > self.value and self.paying == k - 1:
             self.paying, self.value = k, value
+
+
+class RunCost:
+    """What one head run costs, in target steps, measured on this machine: decayed means of a run's seconds and of a
+    target step's (from the end of a proposal to its verification). Until both are measured, the estimate from the
+    weights each streams; on the 2-core CPU a one-row run took ~1 ms against the ~0.7 ms that estimate implies
+    (a run's op launches do not shrink with its weights), and on a TT device the head runs on the host beside the
+    device's step. measure=False keeps the estimate (drafts that do not depend on timing, for tests)."""
+
+    decay = 0.9
+
+    def __init__(self, estimate: float, measure: bool = True):
+        self.estimate, self.measure, self.run_s, self.step_s = estimate, measure, None, None
+        self.proposed_at: Optional[float] = None
+
+    @property
+    def value(self) -> float:
+        if not self.measure or self.run_s is None or self.step_s is None:
+            return self.estimate
+        return self.run_s / self.step_s
+
+    def ran(self, seconds: float) -> None:
+        self.run_s = seconds if self.run_s is None else self.decay * self.run_s + (1 - self.decay) * seconds
+
+    def verified(self) -> None:
+        """The target verified the last proposal (the first call after it times the step)."""
+        if self.proposed_at is not None:
+            seconds, self.proposed_at = time.perf_counter() - self.proposed_at, None
+            self.step_s = seconds if self.step_s is None else self.decay * self.step_s + (1 - self.decay) * seconds
