@@ -18,8 +18,9 @@ category's prompts run in order through one fresh generator per run, as one serv
 - Hugging Face `generate(prompt_lookup_num_tokens=10)` on the same weights and dtype (plain HF `generate` is in
   `make bench`: 4-5x slower than our plain decoding);
 - the host cost per iteration of drafting (extend + propose + accept) on a 4,000-token context, ours and arctic's.
-Greedy, stopping at EOS. Our methods run --repeats times each, interleaved; the median run is reported with the
-spread of the speedup over the runs. Prints tables, checks issues 13's and 14's goals, writes JSON and PNG charts.
+Greedy, stopping at EOS. Our methods run --repeats times, interleaved prompt by prompt (common.run_interleaved_by_prompt);
+a speedup is the median over the repeats of plain's ms/token over the method's in the same repeat, with the spread
+(min-max) over the repeats. Prints tables, checks issues 13's and 14's goals, writes JSON and PNG charts.
 """
 import argparse
 import math
@@ -29,7 +30,7 @@ import time
 from functools import partial
 from pathlib import Path
 
-from common import REPO, hf_ms_per_token, load_hf, machine_info, median_of_interleaved, print_table, quiet_logs, run_ours
+from common import REPO, hf_ms_per_token, load_hf, machine_info, print_table, quiet_logs, run_interleaved_by_prompt
 
 import torch
 
@@ -219,15 +220,16 @@ def main():
 
     for category in args.categories:
         prompts = [encode(tok, p, True) for p in load_prompts(str(PROMPT_SETS / f"{category}.json"))]
-        ours = median_of_interleaved({m: partial(run_ours, factories[m], prompts, n, stop_at_eos=True)
-                                      for m in METHODS}, args.repeats)
+        runs = run_interleaved_by_prompt({m: factories[m] for m in METHODS}, prompts, n, args.repeats,
+                                         stop_at_eos=True)
+        ours = {m: sorted(rs, key=lambda r: r["ms_per_token"])[len(rs) // 2] for m, rs in runs.items()}  # median run
         row = {m: {key: r[key] for key in ("ms_per_token", "acceptance_rate", "tokens_per_step")}
                for m, r in ours.items()}
         row["plain"]["speedup"] = 1.0
-        for m in METHODS[1:]:
-            row[m]["speedup"] = ours["plain"]["ms_per_token"] / ours[m]["ms_per_token"]
-            row[m]["spread"] = [ours["plain"]["ms_per_token"] / ms for ms in reversed(ours[m]["spread"])]
-            row[m]["identical_to_plain"] = ours[m]["outputs"] == ours["plain"]["outputs"]
+        for m in METHODS[1:]:  # paired: each repeat's plain over the same repeat's method
+            speedups = sorted(p["ms_per_token"] / r["ms_per_token"] for p, r in zip(runs["plain"], runs[m]))
+            row[m]["speedup"], row[m]["spread"] = statistics.median(speedups), [speedups[0], speedups[-1]]
+            row[m]["identical_to_plain"] = all(r["outputs"] == p["outputs"] for p, r in zip(runs["plain"], runs[m]))
         if hf is not None:
             for m, kwargs in (("HF prompt lookup 10", {"prompt_lookup_num_tokens": 10}),):
                 ms = hf_ms_per_token(hf, prompts, n, stop_at_eos=True, **kwargs)
@@ -241,7 +243,7 @@ def main():
     report["host_cost"] = host_cost_us((sample * (4000 // len(sample) + 1))[:4000], args.n_draft_tokens)
 
     print(f"\nGreedy, {ckpt.name} bf16, up to {n} tokens per prompt (stopping at EOS), n_draft_tokens="
-          f"{args.n_draft_tokens}, {args.repeats} runs of each of ours (median; spread = min-max speedup); "
+          f"{args.n_draft_tokens}, {args.repeats} repeats interleaved prompt by prompt (median paired speedup; spread = min-max over repeats); "
           f"{machine_info()}")
     table = []
     for category, row in report["categories"].items():

@@ -27,9 +27,36 @@ def machine_info() -> dict:
 def run_ours(make_generator, prompts, n_tokens: int, stop_at_eos: bool = False) -> dict:
     """A fresh generator (and drafter: nothing learned from an earlier run) over the prompts in order, each its own
     batch of one, after a plain warm-up; figures from the demo's summarize()."""
+    generator = warmed_up(make_generator)
+    return figures([generator.generate([p], n_tokens, stop_at_eos=stop_at_eos)[0] for p in prompts])
+
+
+def run_interleaved_by_prompt(factories: dict, prompts, n_tokens: int, repeats: int, stop_at_eos: bool = False) -> dict:
+    """Every method over the same prompts, `repeats` times: each repeat builds a fresh generator per method, then runs
+    the prompts in order, each prompt through every method in turn (a, b, c, a, b, c, ...). A method still sees the
+    prompts in order through one generator, as one server would, while this shared machine's drifts (its speed
+    wanders by 10-40% over minutes) reach every method within the same few seconds, so the per-repeat ratios between
+    methods are paired. Returns each method's figures, one per repeat."""
+    out = {name: [] for name in factories}
+    for _ in range(repeats):
+        generators = {name: warmed_up(make) for name, make in factories.items()}
+        results = {name: [] for name in factories}
+        for p in prompts:
+            for name, generator in generators.items():
+                results[name].append(generator.generate([p], n_tokens, stop_at_eos=stop_at_eos)[0])
+        for name, rs in results.items():
+            out[name].append(figures(rs))
+    return out
+
+
+def warmed_up(make_generator) -> SpeculativeGenerator:
     generator = make_generator()
-    SpeculativeGenerator(generator.target, None, 0).generate(prompts[:1], 4, stop_at_eos=False)
-    results = [generator.generate([p], n_tokens, stop_at_eos=stop_at_eos)[0] for p in prompts]
+    SpeculativeGenerator(generator.target, None, 0).generate([[1, 2, 3, 4]], 4, stop_at_eos=False)
+    return generator
+
+
+def figures(results) -> dict:
+    """One run's figures (one result per prompt) from the demo's summarize()."""
     s = summarize([[r] for r in results])
     return {"ms_per_token": 1e3 / s["decode_tok_s"], "tok_s": s["decode_tok_s"],
             "acceptance_rate": s["acceptance_rate"], "tokens_per_step": s["mean_tokens_per_step"],

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The benchmarks measure what they say: their generators stop at EOS (they once never did, and every figure
-included text generated past the end of the answer) and each run starts from a fresh drafter."""
+included text generated past the end of the answer), each run starts from a fresh drafter, and interleaving the
+methods prompt by prompt keeps each one's outputs."""
 import argparse
 import sys
 
@@ -9,7 +10,7 @@ from .conftest import REPO_ROOT
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
 
 import bench_suffix  # noqa: E402
-from common import run_ours  # noqa: E402
+from common import run_interleaved_by_prompt  # noqa: E402
 
 from models.tt_transformers.demo.speculative_decoding.speculative_demo import encode, eos_token_ids  # noqa: E402
 
@@ -19,7 +20,11 @@ def test_bench_suffix_runs_stop_at_eos(embedded_checkpoint, embedded_tokenizer, 
     args = argparse.Namespace(n_draft_tokens=16, sa_threshold=1)
     factories = bench_suffix.generator_factories(embedded_bf16, embedded_checkpoint.name, eos, args)
     prompt = encode(embedded_tokenizer, "What is the capital of France? Answer in one sentence.", True)
-    for method in ("plain", "suffix", "suffix (request only)", "head", "hybrid"):
-        output = run_ours(factories[method], [prompt], 64, stop_at_eos=True)["outputs"][0]
-        assert output[-1] in eos and len(output) < 64, method
+    methods = ("plain", "suffix", "suffix (request only)", "head", "hybrid")
+    runs = run_interleaved_by_prompt({m: factories[m] for m in methods}, [prompt, prompt], 64, 1, stop_at_eos=True)
+    for method in methods:
+        (run,) = runs[method]
+        for output in run["outputs"]:
+            assert output[-1] in eos and len(output) < 64, method
+        assert run["outputs"] == runs["plain"][0]["outputs"], method  # interleaving changes nothing a method sees
     assert factories["suffix"]().drafter is not factories["suffix"]().drafter  # nothing carried between runs
