@@ -302,7 +302,7 @@ def build(config: DemoConfig, mesh_device=None):
         check_same_tokenizer(tokenizer, load_tokenizer(draft_ckpt), config.draft_model)
 
     copied = None
-    if config.n_draft_tokens > 0 and config.draft_mode != "model":
+    if config.n_draft_tokens > 0 and config.draft_mode in ("suffix", "hybrid"):  # head and model modes copy nothing
         copied = SuffixDrafter(config.sa_threshold, draft_memory(config, tokenizer), config.recycle_top_k)
 
     load = ttnn_loader(config, mesh_device) if backend == "ttnn" else torch_loader(config, args)
