@@ -62,17 +62,13 @@ class DraftLengthPolicy:
         """Estimated probability that the next draft token is accepted."""
         return self.accepted / (self.accepted + self.rejected)
 
-    def value(self, max_tokens: int, extra_cost: ExtraCost, fixed_cost: float = 0.0) -> float:
+    def value(self, max_tokens: int, extra_cost: ExtraCost, draft_cost: float, fixed_cost: float = 0.0) -> float:
         """Expected tokens per unit of work of the best draft of up to max_tokens at this acceptance,
-        max over k of (1 + a + ... + a^k) / (1 + fixed_cost + k draft_cost + extra_cost(k)) (1.0: drafting does not
-        pay); fixed_cost is what a proposal costs whatever its length (a draft head's run over the accepted rows).
-        The hybrid weighs it against a copied draft's value."""
-        a, p, total, best = min(self.acceptance, 0.99), 1.0, 1.0, 1.0
-        for k in range(1, max_tokens + 1):
-            p *= a
-            total += p
-            best = max(best, total / (1 + fixed_cost + k * self.draft_cost + extra_cost(k)))
-        return best
+        (1 + a + ... + a^k) / (1 + fixed_cost + k draft_cost + extra_cost(k)) (1.0: drafting does not pay);
+        fixed_cost is what a proposal costs whatever its length (a draft head's run over the accepted rows). The
+        hybrid weighs it against a copied draft's value."""
+        a = min(self.acceptance, 0.99)
+        return max(1.0, best_draft((a ** i for i in range(1, max_tokens + 1)), extra_cost, draft_cost, fixed_cost)[1])
 
     def next_length(self, max_tokens: int, extra_cost: ExtraCost) -> int:
         """Draft length for the next iteration, at most max_tokens, from the estimated per-token acceptance."""
@@ -103,16 +99,24 @@ class DraftLengthPolicy:
 def best_length(path_probs: Iterable[float], extra_cost: ExtraCost, draft_cost: float = 0.0) -> int:
     """The draft length k (0: no draft) that maximises expected tokens per unit of work,
     (1 + P_1 + ... + P_k) / (1 + k draft_cost + extra_cost(k)), where P_i is the probability that the first i draft
-    tokens are all accepted (non-increasing). The scan stops at the first k that does not improve: the value is
+    tokens are all accepted (non-increasing)."""
+    return best_draft(path_probs, extra_cost, draft_cost, beat=1.0)[0]
+
+
+def best_draft(path_probs: Iterable[float], extra_cost: ExtraCost, draft_cost: float = 0.0,
+               fixed_cost: float = 0.0, beat: float = 0.0) -> tuple[int, float]:
+    """The draft length k with the most expected tokens per unit of work,
+    (1 + P_1 + ... + P_k) / (1 + fixed_cost + k draft_cost + extra_cost(k)), and that value: (0, beat) when no k
+    beats `beat` (best_length: 1.0, not drafting). The scan stops at the first k that does not improve: the value is
     unimodal for the costs backends report within a step's row budget (linear, or flat inside one 32-row tile)."""
-    best_k, best, total = 0, 1.0, 1.0
+    best_k, best, total = 0, beat, 1.0
     for k, p in enumerate(path_probs, 1):
         total += p
-        value = total / (1 + k * draft_cost + extra_cost(k))
+        value = total / (1 + fixed_cost + k * draft_cost + extra_cost(k))
         if value <= best:
             break
         best_k, best = k, value
-    return best_k
+    return best_k, best
 
 
 # Context lengths (matched tokens) that share one acceptance estimate: short matches predict poorly, long ones well.

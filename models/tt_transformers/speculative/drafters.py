@@ -116,7 +116,7 @@ class ModelDrafter:
     def draft_value(self, user: int, n: int, extra_cost: ExtraCost) -> float:
         """Expected tokens per unit of work of a draft of up to n tokens (DraftLengthPolicy.value; 0 when its
         acceptance is not tracked)."""
-        return self.policies[user].value(n, extra_cost) if user in self.policies else 0.0
+        return self.policies[user].value(n, extra_cost, self.draft_cost) if user in self.policies else 0.0
 
     def _next_tokens(self, rows: list[UserRows]) -> list[tuple[int, Optional[torch.Tensor]]]:
         """One draft token per user after its fed rows: greedy, or sampled from the draft's q (returned too)."""

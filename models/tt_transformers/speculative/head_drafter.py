@@ -73,7 +73,6 @@ class HeadDrafter:
         self.fed_len = {u: 0 for u in users}
         self.pending = {}
         self.policies = {u: DraftLengthPolicy.learned_from(self.policies.values(), self.draft_cost) for u in users}
-        self.cost.proposed_at = None
         self.sampling = sampling
         self.streams = None if sampling.greedy else sampling.streams()
         self._catch_up([(u, p) for u, p in zip(users, prompts)], 0)  # the head's prefill: every prompt row but one
@@ -85,9 +84,7 @@ class HeadDrafter:
     def draft_value(self, user: int, n: int, extra_cost: ExtraCost) -> float:
         """Expected tokens per unit of work of a head draft of up to n tokens, from its recent acceptance: k tokens
         take k + 1 runs (the first feeds the last step's accepted rows, the last finds a token that no longer pays)."""
-        policy = self.policies[user]
-        policy.draft_cost = self.draft_cost
-        return policy.value(n, extra_cost, fixed_cost=self.draft_cost)
+        return self.policies[user].value(n, extra_cost, self.draft_cost, fixed_cost=self.draft_cost)
 
     def _rows(self, user: int, context: Sequence[int], end: int) -> tuple[int, torch.Tensor, list[int]]:
         """The head's next rows for positions fed_len .. end - 1: (start, hidden states, next tokens)."""
