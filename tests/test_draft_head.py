@@ -282,6 +282,7 @@ def test_demo_head_and_hybrid_use_the_shipped_head(tmp_path):
         report = run_demo(DemoConfig(input_prompts=str(prompts), draft_mode=mode, max_generated_tokens=24))
         assert report["summary"]["identical_to_baseline"]
         assert any(it["draft_source"] == "head" for it in report["prompts"][0]["iterations"])
+        assert 0 < report["summary"]["draft_head_run_cost"] < 1  # measured: a run costs a fraction of a step
 
 
 # ---- training ------------------------------------------------------------------------------------------------------

@@ -367,7 +367,8 @@ def describe_drafter(config: DemoConfig, model_name: str) -> str:
     head = draft_head_folder(config, model_name)
     other = f"draft head {head}" if head else f"draft model {model}"
     return {"model": f"draft model {model}", "suffix": copied, "head": other,
-            "hybrid": f"hybrid: {copied}, or the {other}, whichever is expected to bring more"}[config.draft_mode]
+            "hybrid": f"hybrid: {copied}, or the {other}, whichever is expected to bring more tokens per "
+                      "unit of work"}[config.draft_mode]
 
 
 def summarize(batches: list[list[UserResult]]) -> dict:
@@ -431,6 +432,8 @@ def generate_all(generator: SpeculativeGenerator, tokens: list[list[int]], batch
 
 def run_demo(config: DemoConfig, mesh_device=None) -> dict:
     """The demo on the backend --backend picks (ttnn: on `mesh_device`); returns the report."""
+    from models.tt_transformers.speculative.head_drafter import HeadDrafter
+
     ckpt, tokenizer, target, drafter, prompts, tokens, eos = build(config, mesh_device)
     sampling = sampling_params(config)
     spec = SpeculativeGenerator(target, drafter, config.n_draft_tokens, eos, sampling)
@@ -446,6 +449,10 @@ def run_demo(config: DemoConfig, mesh_device=None) -> dict:
                 f"{'greedy' if sampling.greedy else f'sampling {sampling}'}")
     results = generate_all(spec, tokens, batches, config)
     summary = summarize(results)
+    head = getattr(drafter, "fallback", drafter)
+    if isinstance(head, HeadDrafter):  # what a head run cost on this machine, as its length policy priced it
+        summary["draft_head_run_cost"] = head.draft_cost
+        logger.info(f"Draft head: a run measured at {head.draft_cost:.3f} of a target step")
     log_performance("speculative", summary)
 
     baseline = None
