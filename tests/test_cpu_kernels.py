@@ -37,17 +37,19 @@ def test_linear_close_to_float_and_row_invariant(n_out, n_in):
         torch.set_num_threads(threads)
 
 
-def tiny_bf16_model(head_dim, n_kv_heads, sliding_window) -> Transformer:
+def tiny_bf16_model(head_dim, n_kv_heads, sliding_window, n_heads=4) -> Transformer:
     return random_model(torch.bfloat16, max_seq_len=96, std=0.3, dim=64, n_layers=2, head_dim=head_dim,
-                        n_kv_heads=n_kv_heads, hidden_dim=96, vocab_size=100, tie_word_embeddings=True,
+                        n_heads=n_heads, n_kv_heads=n_kv_heads, hidden_dim=96, vocab_size=100, tie_word_embeddings=True,
                         sliding_window=sliding_window, model_type="mistral")
 
 
-@pytest.mark.parametrize("head_dim,n_kv_heads,sliding_window", [(32, 2, None), (32, 2, 5), (64, 4, None),
-                                                                (128, 1, None)])
-def test_packed_steps_bit_exact_and_close_to_torch_ops(head_dim, n_kv_heads, sliding_window):
-    """A ragged two-user verification step equals one-token steps bit for bit, and the torch-ops model closely."""
-    torch_ops = tiny_bf16_model(head_dim, n_kv_heads, sliding_window)
+@pytest.mark.parametrize("head_dim,n_kv_heads,sliding_window,n_heads", [
+    (32, 2, None, 4), (32, 2, 5, 4), (64, 4, None, 4), (128, 1, None, 4), (64, 1, None, 3), (96, 1, None, 6)])
+def test_packed_steps_bit_exact_and_close_to_torch_ops(head_dim, n_kv_heads, sliding_window, n_heads):
+    """A ragged two-user verification step equals one-token steps bit for bit, and the torch-ops model closely
+    (query heads per key/value head: 1, 2, 3 as in SmolLM2, 4, and 6, which the kernel attends in groups of 4 and 2;
+    head_dim 96 weighs values in chunks of 64 and 32 lanes)."""
+    torch_ops = tiny_bf16_model(head_dim, n_kv_heads, sliding_window, n_heads)
     kernel_model = copy.deepcopy(torch_ops)
     kernel_model.use_cpu_kernels(CPU_KERNELS)
     prompts = [[3, 14, 15, 92, 65, 35, 89, 79], [2, 71, 82]]

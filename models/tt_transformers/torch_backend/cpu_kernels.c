@@ -197,11 +197,111 @@ static inline __m512 sum_lanes16(const __m512 *v) {
     return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), sums);
 }
 
-// scores: per-thread scratch of `stride` floats (>= the most keys of any token, rounded up to 16) for `threads` threads.
+// The weighted sum of values for up to 4 query heads (probabilities p + gh * stride, gh < NG) over chunks c0 ..
+// c0 + NC - 1 of 16 lanes: each value is loaded and widened once for all heads, and every head's accumulator adds
+// the keys in order j = 0, 1, ..., so the sums are those of one head at a time. NG and NC are compile-time constants
+// at every call site (see weigh_values), so the NG x NC accumulators live in registers.
+static inline __attribute__((always_inline)) void weigh_values_tile(const int NG, const int NC, const bf16 *const *vals,
+                                                                    const float *p, int64_t stride, int64_t len,
+                                                                    int64_t c0, __m512 (*acc)[16]) {
+    __m512 a[4][4];
+    for (int g = 0; g < NG; g++)
+        for (int c = 0; c < NC; c++) a[g][c] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < len; j++) {
+        __m512 v[4];
+        for (int c = 0; c < NC; c++) v[c] = load16(vals[j] + 16 * (c0 + c));
+        for (int g = 0; g < NG; g++) {
+            const __m512 pj = _mm512_set1_ps(p[g * stride + j]);
+            for (int c = 0; c < NC; c++) a[g][c] = _mm512_fmadd_ps(pj, v[c], a[g][c]);
+        }
+    }
+    for (int g = 0; g < NG; g++)
+        for (int c = 0; c < NC; c++) acc[g][c0 + c] = a[g][c];
+}
+
+#define WEIGH_CASE(NG, NC) \
+    case (NG - 1) * 4 + NC - 1: weigh_values_tile(NG, NC, vals, p, stride, len, c0, acc); break;
+
+static void weigh_values(int ng, int64_t chunks, const bf16 *const *vals, const float *p, int64_t stride,
+                         int64_t len, __m512 (*acc)[16]) {
+    for (int64_t c0 = 0; c0 < chunks; c0 += 4) {
+        const int nc = chunks - c0 < 4 ? (int)(chunks - c0) : 4;
+        switch ((ng - 1) * 4 + nc - 1) {
+            WEIGH_CASE(1, 1) WEIGH_CASE(1, 2) WEIGH_CASE(1, 3) WEIGH_CASE(1, 4)
+            WEIGH_CASE(2, 1) WEIGH_CASE(2, 2) WEIGH_CASE(2, 3) WEIGH_CASE(2, 4)
+            WEIGH_CASE(3, 1) WEIGH_CASE(3, 2) WEIGH_CASE(3, 3) WEIGH_CASE(3, 4)
+            WEIGH_CASE(4, 1) WEIGH_CASE(4, 2) WEIGH_CASE(4, 3) WEIGH_CASE(4, 4)
+        }
+    }
+}
+
+// Up to 4 query heads of one token that share a key/value head: each key and value is read from the cache once for
+// all of them (the step's cost over a long context is reading the cache). Per head the arithmetic is the same
+// whichever heads share the call: the dot products, the softmax and then the values added in key order.
+// p: scratch of 4 x stride floats, vals: of stride pointers.
+static void attend_heads(const bf16 *q_rot, int ng, int64_t D, const int64_t *e, const int64_t *ancestors,
+                         const bf16 *keys, const bf16 *values, float scale, float *p, int64_t stride,
+                         const bf16 **vals, bf16 *out) {
+    const int64_t len = e[RUN_END] - e[FIRST] + e[ANC_COUNT];
+    __m512 top[4];
+    for (int g = 0; g < ng; g++) top[g] = _mm512_set1_ps(-INFINITY);
+    for (int64_t j0 = 0; j0 < len; j0 += 16) {  // scores of 16 keys at a time
+        const int64_t count = len - j0 < 16 ? len - j0 : 16;
+        const __mmask16 valid = count == 16 ? 0xffff : (__mmask16)((1u << count) - 1);
+        const bf16 *block[16];
+        for (int64_t j = 0; j < count; j++) block[j] = keys + key_slot(e, ancestors, j0 + j) * D;
+        for (int g = 0; g < ng; g++) {
+            const bf16 *q = q_rot + g * D;
+            __m512 dots[16];
+            for (int64_t j = 0; j < 16; j++) {
+                dots[j] = _mm512_setzero_ps();
+                if (j >= count) continue;
+                for (int64_t i = 0; i < D; i += 32)
+                    dots[j] = _mm512_dpbf16_ps(dots[j], (__m512bh)_mm512_loadu_si512((const void *)(block[j] + i)),
+                                               (__m512bh)_mm512_loadu_si512((const void *)(q + i)));
+            }
+            const __m512 scores16 = _mm512_mul_ps(sum_lanes16(dots), _mm512_set1_ps(scale));
+            top[g] = _mm512_mask_max_ps(top[g], valid, top[g], scores16);
+            _mm512_storeu_ps(p + g * stride + j0, scores16);
+        }
+    }
+    float inv[4];
+    for (int g = 0; g < ng; g++) {
+        float *pg = p + g * stride;
+        const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(top[g]));
+        __m512 total = _mm512_setzero_ps();
+        for (int64_t j = 0; j < len; j += 16) {
+            const __mmask16 valid = len - j >= 16 ? 0xffff : (__mmask16)((1u << (len - j)) - 1);
+            const __m512 e16 = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(_mm512_loadu_ps(pg + j), max)));
+            total = _mm512_add_ps(total, e16);
+            _mm512_storeu_ps(pg + j, e16);
+        }
+        inv[g] = 1.0f / _mm512_reduce_add_ps(total);
+    }
+    for (int64_t j = 0; j < len; j++) vals[j] = values + key_slot(e, ancestors, j) * D;
+    __m512 acc[4][16];
+    weigh_values(ng, D / 16, vals, p, stride, len, acc);
+    for (int g = 0; g < ng; g++)
+        for (int64_t c = 0; c < D / 16; c++)
+            _mm256_storeu_si256((void *)(out + g * D + 16 * c),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[g][c], _mm512_set1_ps(inv[g]))));
+}
+
+// Heads per work item: the query heads of one key/value head, in groups of up to 4, or single heads when there
+// are too few tokens x groups to keep every thread busy (a one-token decode step).
+static int64_t heads_per_item(int64_t n, int64_t H, int64_t Hk, int threads) {
+    const int64_t G = H / Hk, group = G < 4 ? G : 4;
+    return n * Hk * ((G + group - 1) / group) >= 2 * threads ? group : 1;
+}
+
+// scratch: per-thread floats (4 x stride of probabilities, then stride key pointers) for `threads` threads.
+static int64_t scratch_floats(int64_t stride) { return 4 * stride + stride * (int64_t)(sizeof(bf16 *) / sizeof(float)); }
+
 static void attend_exact(const bf16 *qkv, int64_t n, int64_t H, int64_t Hk, int64_t D, const int64_t *table,
                          const int64_t *ancestors, const bf16 *cos, const bf16 *sin, bf16 *k_cache, bf16 *v_cache,
-                         int64_t slots, bf16 *q_rot, bf16 *out, float *scores, int64_t stride, int threads) {
-    const int64_t width = (H + 2 * Hk) * D, G = H / Hk;
+                         int64_t slots, bf16 *q_rot, bf16 *out, float *scratch, int64_t stride, int threads) {
+    const int64_t width = (H + 2 * Hk) * D, G = H / Hk, hp = heads_per_item(n, H, Hk, threads);
+    const int64_t groups = (G + hp - 1) / hp;
     const float scale = 1.0f / sqrtf((float)D);
 #pragma omp parallel for num_threads(threads) if (n > 1)
     for (int64_t t = 0; t < n; t++) {
@@ -220,50 +320,18 @@ static void attend_exact(const bf16 *qkv, int64_t n, int64_t H, int64_t Hk, int6
 #ifdef _OPENMP
         thread = omp_get_thread_num();
 #endif
-        float *p = scores + thread * stride;
-#pragma omp for collapse(2)
+        float *p = scratch + thread * scratch_floats(stride);
+        const bf16 **vals = (const bf16 **)(p + 4 * stride);
+#pragma omp for collapse(3) schedule(dynamic, 1)
         for (int64_t t = 0; t < n; t++)
-            for (int64_t h = 0; h < H; h++) {
-                const int64_t *e = table + TABLE_COLUMNS * t;
-                const int64_t len = e[RUN_END] - e[FIRST] + e[ANC_COUNT], kv = e[ROW] * Hk + h / G;
-                const bf16 *keys = k_cache + kv * slots * D, *values = v_cache + kv * slots * D;
-                const bf16 *q = q_rot + (t * H + h) * D;
-                __m512 top = _mm512_set1_ps(-INFINITY);
-                for (int64_t j0 = 0; j0 < len; j0 += 16) {  // scores of 16 keys at a time
-                    const int64_t count = len - j0 < 16 ? len - j0 : 16;
-                    __m512 dots[16];
-                    for (int64_t j = 0; j < 16; j++) {
-                        dots[j] = _mm512_setzero_ps();
-                        if (j >= count) continue;
-                        const bf16 *key = keys + key_slot(e, ancestors, j0 + j) * D;
-                        for (int64_t i = 0; i < D; i += 32)
-                            dots[j] = _mm512_dpbf16_ps(dots[j], (__m512bh)_mm512_loadu_si512((const void *)(key + i)),
-                                                       (__m512bh)_mm512_loadu_si512((const void *)(q + i)));
-                    }
-                    const __mmask16 valid = count == 16 ? 0xffff : (__mmask16)((1u << count) - 1);
-                    const __m512 scores16 = _mm512_mul_ps(sum_lanes16(dots), _mm512_set1_ps(scale));
-                    top = _mm512_mask_max_ps(top, valid, top, scores16);
-                    _mm512_storeu_ps(p + j0, scores16);
+            for (int64_t kv = 0; kv < Hk; kv++)
+                for (int64_t group = 0; group < groups; group++) {
+                    const int64_t *e = table + TABLE_COLUMNS * t, h = kv * G + group * hp;
+                    const int ng = (int)(G - group * hp < hp ? G - group * hp : hp);
+                    const int64_t at = (e[ROW] * Hk + kv) * slots * D;
+                    attend_heads(q_rot + (t * H + h) * D, ng, D, e, ancestors, k_cache + at, v_cache + at, scale, p,
+                                 stride, vals, out + (t * H + h) * D);
                 }
-                const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(top));
-                __m512 total = _mm512_setzero_ps();
-                for (int64_t j = 0; j < len; j += 16) {
-                    const __mmask16 valid = len - j >= 16 ? 0xffff : (__mmask16)((1u << (len - j)) - 1);
-                    const __m512 e16 = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(_mm512_loadu_ps(p + j), max)));
-                    total = _mm512_add_ps(total, e16);
-                    _mm512_storeu_ps(p + j, e16);
-                }
-                __m512 acc[16];
-                for (int64_t c = 0; c < D / 16; c++) acc[c] = _mm512_setzero_ps();
-                for (int64_t j = 0; j < len; j++) {
-                    const __m512 pj = _mm512_set1_ps(p[j]);
-                    const bf16 *value = values + key_slot(e, ancestors, j) * D;
-                    for (int64_t c = 0; c < D / 16; c++) acc[c] = _mm512_fmadd_ps(pj, load16(value + 16 * c), acc[c]);
-                }
-                const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
-                for (int64_t c = 0; c < D / 16; c++)
-                    _mm256_storeu_si256((void *)(out + (t * H + h) * D + 16 * c), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[c], inv)));
-            }
     }
 }
 
@@ -273,8 +341,9 @@ static void add_bf16(bf16 *x, const bf16 *delta, int64_t count) {
     for (int64_t i = 0; i < count; i++) x[i] = f32_to_bf16(bf16_to_f32(x[i]) + bf16_to_f32(delta[i]));
 }
 
-// The scratch a decoder_layer call needs, in bytes: bf16 activations for n tokens, then float scores for each of
-// `threads` threads over up to max_keys keys. The caller allocates it once and reuses it (cpu_kernels.py).
+// The scratch a decoder_layer call needs, in bytes: bf16 activations for n tokens, then each of `threads` threads'
+// attention scratch (scratch_floats) over up to max_keys keys. The caller allocates it once and reuses it
+// (cpu_kernels.py).
 static int64_t score_stride(int64_t max_keys) { return (max_keys + 15) / 16 * 16; }
 
 static int64_t activation_bytes(int64_t n, int64_t dim, int64_t hidden, int64_t H, int64_t Hk, int64_t D) {
@@ -284,7 +353,8 @@ static int64_t activation_bytes(int64_t n, int64_t dim, int64_t hidden, int64_t 
 
 int64_t decoder_layer_workspace_bytes(int64_t n, int64_t dim, int64_t hidden, int64_t H, int64_t Hk, int64_t D,
                                       int64_t max_keys, int threads) {
-    return activation_bytes(n, dim, hidden, H, Hk, D) + threads * score_stride(max_keys) * (int64_t)sizeof(float);
+    return activation_bytes(n, dim, hidden, H, Hk, D) +
+           threads * scratch_floats(score_stride(max_keys)) * (int64_t)sizeof(float);
 }
 
 void decoder_layer(bf16 *x, int64_t n, int64_t dim, int64_t hidden, int64_t H, int64_t Hk, int64_t D, float eps,
