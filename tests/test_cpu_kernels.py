@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from models.tt_transformers.torch_backend import cpu_kernels
+from models.tt_transformers.speculative.backend import UserRows
 from models.tt_transformers.torch_backend.attention import ExactToken
 from models.tt_transformers.torch_backend.cpu_kernels import StepTable
 from models.tt_transformers.torch_backend.generator import TorchCausalLM
@@ -151,3 +152,40 @@ def test_tied_embedding_reads_the_packed_head():
     assert torch.equal(model.tok_embeddings(tokens), expected)
     vocab_by_dim = (model.args.vocab_size, model.args.dim)
     assert not any(tuple(t.shape) == vocab_by_dim for t in [*model.parameters(), *model.buffers()])  # no unpacked copy
+
+
+@pytest.mark.parametrize("k", [0, 1, 4, 16])
+def test_argmax_topk_as_torch(k):
+    """The greedy ids are torch.argmax's (the first index on ties, a NaN row as torch has it) and the top k are the
+    k largest, descending, ties by lower index; vocabularies not a multiple of the 16-lane vectors included."""
+    torch.manual_seed(0)
+    logits = torch.randn(6, 49159).round(decimals=1)  # many equal values: ties everywhere in the top k
+    logits[1, [5, 900, 49158]] = 50.0  # the maximum three times
+    logits[2] = float("-inf")
+    logits[2, 49157] = 0.0
+    logits[3, 17] = float("nan")
+    logits[4] = 1.0  # every value tied
+    short = torch.randn(2, 7)
+    for x in (logits, short):
+        ids, top = CPU_KERNELS.argmax_topk(x, min(k, x.shape[1]))
+        assert ids == x.argmax(dim=-1).tolist()
+        if k == 0:
+            assert top is None
+            continue
+        for r, row in enumerate(x):
+            if row.isnan().any():
+                continue
+            want = sorted(range(len(row)), key=lambda i: (-row[i].item(), i))[: min(k, x.shape[1])]
+            assert top[r] == want, r
+
+
+def test_greedy_ids_on_kernels_equal_torch_argmax():
+    """A step on the kernels returns the argmax of the logits the same step computes (torch's own argmax)."""
+    model = tiny_bf16_model(32, 2, None)
+    model.use_cpu_kernels(CPU_KERNELS)
+    lm = TorchCausalLM(model, model.args.n_layers, 1)
+    prompt = [3, 14, 15, 92, 65, 35]
+    logits = lm.forward_logits([prompt], [0], [0])[0]
+    out = TorchCausalLM(model, model.args.n_layers, 1).step([UserRows(0, prompt, 0)], top_k=3)
+    assert out.ids == [logits.argmax(dim=-1).tolist()]
+    assert out.top_ids == [logits.topk(3, dim=-1).indices.tolist()]

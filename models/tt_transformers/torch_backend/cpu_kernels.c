@@ -155,6 +155,53 @@ void silu_mul_bf16(const bf16 *gate_up, bf16 *out, int64_t rows, int64_t hidden)
         }
 }
 
+// ---- the next tokens of each row of logits ---------------------------------------------------------------------
+// ids[r] = the index of row r's largest logit, the first one on ties (torch.argmax); top[r * k ..] = its k largest in
+// descending order, ties by lower index (k <= 16, or 0: none). A row with a NaN gets ids[r] = -1 (the caller asks
+// torch, whose argmax treats NaN as the largest). One pass over each row in 16-lane vectors: a vector with no
+// lane above the current k-th best (or the running maximum) is skipped, so the top k cost about what argmax does.
+void argmax_topk_f32(const float *logits, int64_t rows, int64_t V, int k, int64_t *ids, int64_t *top) {
+#pragma omp parallel for if (rows > 1)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *x = logits + r * V;
+        float best_v[17];
+        int64_t best_i[17];
+        int have = 0, nan = 0;
+        const int want = k > 1 ? k : 1;
+        float bar = -INFINITY;  // a value must beat this to enter (the k-th best once there are k)
+        int64_t i = 0;
+        for (; i + 16 <= V; i += 16) {
+            const __m512 v = _mm512_loadu_ps(x + i);
+            if (_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)) { nan = 1; break; }
+            __mmask16 above = _mm512_cmp_ps_mask(v, _mm512_set1_ps(bar), _CMP_GT_OQ);
+            if (have < want) above = 0xffff;
+            while (above) {
+                const int lane = __builtin_ctz(above);
+                above &= above - 1;
+                const float value = x[i + lane];
+                if (have == want && !(value > bar)) continue;
+                int at = have < want ? have++ : want - 1;  // insert below every value >= this one (earlier index wins)
+                while (at > 0 && best_v[at - 1] < value) { best_v[at] = best_v[at - 1]; best_i[at] = best_i[at - 1]; at--; }
+                best_v[at] = value;
+                best_i[at] = i + lane;
+                if (have == want) bar = best_v[want - 1];
+            }
+        }
+        for (; !nan && i < V; i++) {
+            const float value = x[i];
+            if (value != value) { nan = 1; break; }
+            if (have == want && !(value > bar)) continue;
+            int at = have < want ? have++ : want - 1;
+            while (at > 0 && best_v[at - 1] < value) { best_v[at] = best_v[at - 1]; best_i[at] = best_i[at - 1]; at--; }
+            best_v[at] = value;
+            best_i[at] = i;
+            if (have == want) bar = best_v[want - 1];
+        }
+        ids[r] = nan ? -1 : best_i[0];
+        for (int j = 0; j < k; j++) top[r * k + j] = nan || j >= have ? -1 : best_i[j];
+    }
+}
+
 // ---- attention for packed decode and verification steps ------------------------------------------------------
 // qkv [n, (H + 2 Hk) D]: this step's projections. table [n, 7]: each token's cache row, cache slot it writes, position
 // (rotary), first visible key, end of its contiguous run of keys, and where its other keys start in `ancestors` and

@@ -78,6 +78,7 @@ class CpuKernels:
                                       [i64, ptr, i64, ctypes.c_int])
         lib.decoder_layer_workspace_bytes.argtypes = [i64] * 7 + [ctypes.c_int]
         lib.decoder_layer_workspace_bytes.restype = i64
+        lib.argmax_topk_f32.argtypes = [ptr, i64, i64, ctypes.c_int, ptr, ptr]
         self.lib = lib
         self.workspace = torch.empty(0, dtype=torch.uint8)
 
@@ -131,6 +132,27 @@ class CpuKernels:
         self.lib.linear_bf16(x.data_ptr(), packed.data_ptr(), y.data_ptr(), x.numel() // k, k, n_out,
                              int(out_dtype == torch.float32))
         return y
+
+    MAX_TOP_K = 16
+
+    def argmax_topk(self, logits: torch.Tensor, k: int) -> tuple[list[int], Optional[list[list[int]]]]:
+        """For logits [rows, V] (float32): each row's argmax, the first index on ties as torch.argmax, and (k > 0)
+        its k largest ids in descending order, ties by lower index; in one pass over the logits instead of torch's
+        argmax and topk (about 0.4 ms a 7-row verification step on a 2-core CPU). Rows with a NaN go to torch."""
+        logits = logits.contiguous()
+        if logits.dtype != torch.float32 or logits.dim() != 2 or logits.device.type != "cpu" or not 0 <= k <= min(
+                self.MAX_TOP_K, logits.shape[1]):
+            raise ValueError(f"argmax_topk needs float32 CPU logits [rows, V] and 0 <= k <= {self.MAX_TOP_K}, got "
+                             f"{logits.dtype} {tuple(logits.shape)} on {logits.device}, k={k}")
+        rows = logits.shape[0]
+        ids, top = torch.empty(rows, dtype=torch.int64), torch.empty(rows, max(k, 1), dtype=torch.int64)
+        self.lib.argmax_topk_f32(logits.data_ptr(), rows, logits.shape[1], k, ids.data_ptr(), top.data_ptr())
+        ids, top = ids.tolist(), top[:, :k].tolist() if k else None
+        for r in [r for r, i in enumerate(ids) if i < 0]:
+            ids[r] = int(logits[r].argmax())
+            if top is not None:
+                top[r] = logits[r].topk(k).indices.tolist()
+        return ids, top
 
     def check_layer_weights(self, args, weights: tuple) -> None:
         """Once, when a block moves onto the kernels (its modules then refuse .to() and casts): the weights

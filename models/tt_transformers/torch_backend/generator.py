@@ -69,11 +69,17 @@ class TorchCausalLM:
                 k[user][:, dst] = k[user][:, src]
                 v[user][:, dst] = v[user][:, src]
 
-    @staticmethod
-    def _output(per_user: list[torch.Tensor], logits: bool, top_k: int, hidden) -> StepOutput:
-        return StepOutput([row.argmax(dim=-1).tolist() for row in per_user],
-                          [row.float() for row in per_user] if logits else None,
-                          [row.topk(top_k, dim=-1).indices.tolist() for row in per_user] if top_k else None, hidden)
+    def _output(self, per_user: list[torch.Tensor], logits: bool, top_k: int, hidden) -> StepOutput:
+        """Each user's greedy ids (and top-k ids) after each of its rows: on the CPU kernels in one pass over its
+        logits, else torch's argmax and topk."""
+        kernels = self.model.kernels
+        if kernels is not None:
+            ids, top = map(list, zip(*(kernels.argmax_topk(row, top_k) for row in per_user)))
+            top = top if top_k else None
+        else:
+            ids = [row.argmax(dim=-1).tolist() for row in per_user]
+            top = [row.topk(top_k, dim=-1).indices.tolist() for row in per_user] if top_k else None
+        return StepOutput(ids, [row.float() for row in per_user] if logits else None, top, hidden)
 
     def forward_logits(self, tokens: Sequence[Sequence[int]], start_pos: Sequence[int], users: Sequence[int],
                        last_only: bool = False, parents: Optional[Sequence[Optional[Sequence[int]]]] = None
