@@ -13,7 +13,8 @@ from .model import KVCache, Transformer
 # Compute cost of one token relative to streaming the weights once (step_cost): TOKEN_COST plus KEY_COST per
 # cached token it attends to. `make bench-verify-cost` fits both from steps of 1 user x 1-17 tokens and 8 users x
 # 1-3 tokens over 100-1,000 cached tokens; on the 2-core CPU for SmolLM2-135M on the bf16 CPU kernels three runs
-# gave 0.080-0.099 and 7.6e-5-1.1e-4 (7.2-8.8 ms per step to stream the weights, ~0.7 ms per token).
+# gave 0.080-0.099 and 7.6e-5-1.1e-4 (7.2-8.8 ms per step to stream the weights, ~0.7 ms per token), and one run
+# with the grouped-head attention (README, "What a verified token costs") 0.072 and 7.7e-5.
 TOKEN_COST = 0.08
 KEY_COST = 7e-5
 
