@@ -161,6 +161,8 @@ def demo(tmp_path, **kw):
     ({"dtype": "int4"}, "--dtype 'int4' is not supported"),
     ({"draft_mode": "ngram"}, "--draft_mode 'ngram' is not one of model, suffix, head, hybrid"),
     ({"sa_threshold": 0}, "--sa_threshold must be >= 1"),
+    ({"draft_head": "/some/head", "draft_mode": "suffix"}, "--draft_head is read only by --draft_mode head or hybrid, "
+                                                            "not 'suffix'; drop --draft_head"),
     ({"temperature": -0.5}, "bad sampling flags: temperature must be >= 0"),
     ({"top_p": 0.0}, "bad sampling flags: top_p must be in"),
     ({"top_k": -3}, "bad sampling flags: top_k must be >= 0"),

@@ -200,6 +200,9 @@ def check_flags(config: DemoConfig, backend: str) -> None:
             raise DemoInputError(f"--{flag} must be >= 0 (0 turns it off), got {value}")
     if config.recycle_top_k > MAX_RECYCLE_TOP_K:
         raise DemoInputError(f"--recycle_top_k {config.recycle_top_k} is more than {MAX_RECYCLE_TOP_K}; lower it")
+    if config.draft_head is not None and config.draft_mode not in ("head", "hybrid"):
+        raise DemoInputError(f"--draft_head is read only by --draft_mode head or hybrid, not {config.draft_mode!r}; "
+                             "drop --draft_head or pick one of those modes")
     if config.draft_corpus is not None and not Path(config.draft_corpus).is_file():
         raise DemoInputError(f"--draft_corpus {config.draft_corpus!r} does not exist; pass a text file")
     if config.max_generated_tokens < 1:
