@@ -156,6 +156,28 @@ void silu_mul_bf16(const bf16 *gate_up, bf16 *out, int64_t rows, int64_t hidden)
 }
 
 // ---- the next tokens of each row of logits ---------------------------------------------------------------------
+// The `want` largest values seen so far, descending, ties by earlier index (values arrive in index order); bar is the
+// value a newcomer must beat once the list is full (its last entry).
+typedef struct {
+    float value[16];
+    int64_t index[16];
+    int have, want;
+    float bar;
+} TopList;
+
+static inline void top_offer(TopList *top, float value, int64_t index) {
+    if (top->have == top->want && !(value > top->bar)) return;
+    int at = top->have < top->want ? top->have++ : top->want - 1;  // below every value >= this one
+    while (at > 0 && top->value[at - 1] < value) {
+        top->value[at] = top->value[at - 1];
+        top->index[at] = top->index[at - 1];
+        at--;
+    }
+    top->value[at] = value;
+    top->index[at] = index;
+    if (top->have == top->want) top->bar = top->value[top->want - 1];
+}
+
 // ids[r] = the index of row r's largest logit, the first one on ties (torch.argmax); top[r * k ..] = its k largest in
 // descending order, ties by lower index (k <= 16, or 0: none). A row with a NaN gets ids[r] = -1 (the caller asks
 // torch, whose argmax treats NaN as the largest). One pass over each row in 16-lane vectors: a vector with no
@@ -164,41 +186,25 @@ void argmax_topk_f32(const float *logits, int64_t rows, int64_t V, int k, int64_
 #pragma omp parallel for if (rows > 1)
     for (int64_t r = 0; r < rows; r++) {
         const float *x = logits + r * V;
-        float best_v[17];
-        int64_t best_i[17];
-        int have = 0, nan = 0;
-        const int want = k > 1 ? k : 1;
-        float bar = -INFINITY;  // a value must beat this to enter (the k-th best once there are k)
+        TopList best = {.have = 0, .want = k > 1 ? k : 1, .bar = -INFINITY};
+        int nan = 0;
         int64_t i = 0;
-        for (; i + 16 <= V; i += 16) {
+        for (; i + 16 <= V && !nan; i += 16) {
             const __m512 v = _mm512_loadu_ps(x + i);
-            if (_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)) { nan = 1; break; }
-            __mmask16 above = _mm512_cmp_ps_mask(v, _mm512_set1_ps(bar), _CMP_GT_OQ);
-            if (have < want) above = 0xffff;
-            while (above) {
-                const int lane = __builtin_ctz(above);
-                above &= above - 1;
-                const float value = x[i + lane];
-                if (have == want && !(value > bar)) continue;
-                int at = have < want ? have++ : want - 1;  // insert below every value >= this one (earlier index wins)
-                while (at > 0 && best_v[at - 1] < value) { best_v[at] = best_v[at - 1]; best_i[at] = best_i[at - 1]; at--; }
-                best_v[at] = value;
-                best_i[at] = i + lane;
-                if (have == want) bar = best_v[want - 1];
+            nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) != 0;
+            __mmask16 above = best.have < best.want ? 0xffff
+                                                    : _mm512_cmp_ps_mask(v, _mm512_set1_ps(best.bar), _CMP_GT_OQ);
+            for (; above && !nan; above &= above - 1) {
+                const int64_t at = i + __builtin_ctz(above);
+                top_offer(&best, x[at], at);
             }
         }
-        for (; !nan && i < V; i++) {
-            const float value = x[i];
-            if (value != value) { nan = 1; break; }
-            if (have == want && !(value > bar)) continue;
-            int at = have < want ? have++ : want - 1;
-            while (at > 0 && best_v[at - 1] < value) { best_v[at] = best_v[at - 1]; best_i[at] = best_i[at - 1]; at--; }
-            best_v[at] = value;
-            best_i[at] = i;
-            if (have == want) bar = best_v[want - 1];
+        for (; i < V && !nan; i++) {
+            nan = x[i] != x[i];
+            if (!nan) top_offer(&best, x[i], i);
         }
-        ids[r] = nan ? -1 : best_i[0];
-        for (int j = 0; j < k; j++) top[r * k + j] = nan || j >= have ? -1 : best_i[j];
+        ids[r] = nan ? -1 : best.index[0];
+        for (int j = 0; j < k; j++) top[r * k + j] = nan || j >= best.have ? -1 : best.index[j];
     }
 }
 
@@ -342,7 +348,9 @@ static int64_t heads_per_item(int64_t n, int64_t H, int64_t Hk, int threads) {
 }
 
 // scratch: per-thread floats (4 x stride of probabilities, then stride key pointers) for `threads` threads.
-static int64_t scratch_floats(int64_t stride) { return 4 * stride + stride * (int64_t)(sizeof(bf16 *) / sizeof(float)); }
+static int64_t scratch_floats(int64_t stride) {
+    return 4 * stride + stride * (int64_t)(sizeof(bf16 *) / sizeof(float));
+}
 
 static void attend_exact(const bf16 *qkv, int64_t n, int64_t H, int64_t Hk, int64_t D, const int64_t *table,
                          const int64_t *ancestors, const bf16 *cos, const bf16 *sin, bf16 *k_cache, bf16 *v_cache,
