@@ -138,7 +138,7 @@ class CpuKernels:
     def argmax_topk(self, logits: torch.Tensor, k: int) -> tuple[list[int], Optional[list[list[int]]]]:
         """For logits [rows, V] (float32): each row's argmax, the first index on ties as torch.argmax, and (k > 0)
         its k largest ids in descending order, ties by lower index; in one pass over the logits instead of torch's
-        argmax and topk (two passes, and a sort of the top k, per call). Rows with a NaN go to torch."""
+        argmax and topk (two separate ops). Rows with a NaN go to torch."""
         logits = logits.contiguous()
         if logits.dtype != torch.float32 or logits.dim() != 2 or logits.device.type != "cpu" or not 0 <= k <= min(
                 self.MAX_TOP_K, logits.shape[1]):
