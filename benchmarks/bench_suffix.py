@@ -127,12 +127,14 @@ def generator_factories(model, model_name, eos, args) -> dict:
 def host_cost_us(context: list[int], n_draft: int, n_iterations: int = 400) -> dict:
     """Median µs per iteration of drafting on a context of len(context) tokens, accepted runs of 1-4 tokens as in
     decoding: ours (SuffixDrafter.propose + accept, with the automaton's extension; chains, and trees with recycled
-    predictions) and arctic's (add_active_response + speculate)."""
+    predictions: each step hands accept() top-k ids for its rows as the target does, the true next token first, so
+    the recycling table fills as in decoding) and arctic's (add_active_response + speculate)."""
     from arctic_inference.suffix_decoding import SuffixDecodingCache
 
     rng = random.Random(0)
     steps = [rng.randint(1, 4) for _ in range(n_iterations)]
     prefix_len = len(context) - sum(steps)
+    vocab = sorted(set(context))
     out = {"context_tokens": len(context)}
     for name, trees, recycle in (("ours_chain", False, 0), ("ours_tree_recycle", True, RECYCLE_TOP_K)):
         drafter = SuffixDrafter(DEFAULT_SA_THRESHOLD, recycle=recycle)
@@ -140,9 +142,11 @@ def host_cost_us(context: list[int], n_draft: int, n_iterations: int = 400) -> d
         times, pos = [], prefix_len
         for k in steps:
             ctx = context[: pos + k]
+            top = [ctx[pos], *rng.sample(vocab, recycle - 1)] if recycle else None
             start = time.perf_counter()
             draft = drafter.propose([0], [ctx], [n_draft], linear_cost(0.09), trees)[0]
-            drafter.accept(0, Verified(ctx[pos : pos + 1], [], [ctx[pos - 1]] + draft.tokens))
+            fed = [ctx[pos - 1]] + draft.tokens
+            drafter.accept(0, Verified(ctx[pos : pos + 1], [], fed, [top] * len(fed) if top else None))
             times.append(time.perf_counter() - start)
             pos += k
         out[f"{name}_median_us"] = 1e6 * statistics.median(times)
