@@ -17,6 +17,7 @@ import torch
 from loguru import logger
 from torch import nn
 
+from ..native_build import cache_root
 from .cpu_kernels import load_cpu_kernels, packed_shape
 from .model import Transformer, can_prepack
 from .model_config import ModelArgs
@@ -47,10 +48,6 @@ class Checkpoint:
             eos = json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None
             ids += eos if isinstance(eos, list) else [] if eos is None else [eos]
         return ids
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("TT_CACHE_PATH") or Path.home() / ".cache" / "tt_speculative")
 
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # owner/name, as TT users set HF_MODEL

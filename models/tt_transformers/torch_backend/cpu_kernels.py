@@ -12,17 +12,16 @@ they need x86-64 with AVX512-BF16 (Intel Cooper Lake / Sapphire Rapids, AMD Zen 
 with TT_CPU_KERNELS=0, the model runs on torch ops.
 """
 import ctypes
-import hashlib
 import os
 import platform
-import shutil
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import torch
 from loguru import logger
+
+from ..native_build import build_library
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 BLOCK = 16  # output rows per packed weight block (cpu_kernels.c)
@@ -209,23 +208,10 @@ def load_cpu_kernels(build_dir: Path) -> Optional[CpuKernels]:
     if os.environ.get("TT_CPU_KERNELS", "1") == "0":
         return None
     flags = _cpu_flags()
-    cc = os.environ.get("CC", "cc")
-    if platform.machine() != "x86_64" or " avx512_bf16" not in flags or not shutil.which(cc):
+    if platform.machine() != "x86_64" or " avx512_bf16" not in flags:
         logger.info("bf16 CPU kernels need x86-64 with AVX512-BF16 and a C compiler; using torch ops")
         return None
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + flags.encode()).hexdigest()[:16]
-    path = build_dir / f"cpu_kernels-{key}.so"
-    if not path.exists():
-        build_dir.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        cmd = [cc, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(SOURCE), "-o", str(tmp), "-lm"]
-        result = subprocess.run(cmd, capture_output=True, text=True)
-        if result.returncode != 0:
-            tmp.unlink(missing_ok=True)
-            logger.warning(f"building the bf16 CPU kernels failed ({' '.join(cmd)}): {result.stderr.strip()}; "
-                           "using torch ops")
-            return None
-        tmp.replace(path)  # atomic: a concurrent or interrupted build never leaves a half-written library
+    path = build_library(SOURCE, build_dir, ["-O3", "-march=native", "-fopenmp"], ("-lm",), depends_on=flags,
+                         fallback="using torch ops")
     # Loaded after torch, the library's libgomp.so.1 is torch's own, so both share one OpenMP thread pool.
-    return CpuKernels(ctypes.CDLL(str(path)))
+    return CpuKernels(ctypes.CDLL(str(path))) if path else None
