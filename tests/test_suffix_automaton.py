@@ -1,7 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """The suffix automaton against a brute-force longest-earlier-suffix search, and the draft-length policy."""
 import random
-import sys
 
 import pytest
 from hypothesis import given, settings
@@ -17,8 +16,7 @@ from models.tt_transformers.speculative.draft_length import (
     linear_cost,
 )
 from models.tt_transformers.speculative.drafters import ModelDrafter
-from models.tt_transformers.speculative.draft_memory import BYTES_PER_TOKEN
-from models.tt_transformers.speculative.suffix_automaton import SuffixAutomaton
+from models.tt_transformers.speculative.suffix_automaton import ReferenceSuffixAutomaton, SuffixAutomaton
 from models.tt_transformers.torch_backend.generator import TorchCausalLM
 
 from .conftest import random_model
@@ -41,16 +39,20 @@ def occurrences(seq: list[int], sub: list[int]) -> list[int]:
     return [e for e in range(n - 1, len(seq)) if seq[e - n + 1 : e + 1] == sub]
 
 
-def state_string(sam: SuffixAutomaton, state: int) -> list[int]:
+# Both implementations: the Python reference, and what drafting runs (its C port where that builds, test_suffix_native.py).
+AUTOMATA = pytest.mark.parametrize("automaton", [ReferenceSuffixAutomaton, SuffixAutomaton], ids=["reference", "running"])
+
+
+def state_string(sam, state: int) -> list[int]:
     """The longest string of a state: the last length[state] tokens before one of its end positions."""
-    end = sam.recent[state]
-    return sam.tokens[end - sam.length[state] + 1 : end + 1]
+    length, _, end, *_ = sam.state(state)
+    return sam.tokens[end - length + 1 : end + 1]
 
 
-def check_against_brute_force(seq: list[int]) -> None:
+def check_against_brute_force(seq: list[int], automaton=SuffixAutomaton) -> None:
     """After every token: the longest earlier match, and for the states a draft reads (the match and its
     suffix-link ancestors) their occurrence counts, continuations and most frequent next token."""
-    sam = SuffixAutomaton()
+    sam = automaton()
     for i, token in enumerate(seq):
         sam.extend(token)
         prefix = seq[: i + 1]
@@ -58,20 +60,23 @@ def check_against_brute_force(seq: list[int]) -> None:
         assert sam.match_len == length, (prefix, sam.match_len, length)
         if length:
             assert sam.match_end in ends
-        for state in sam.anchors(sam.match_state, 1, 100):
+        for state, length in sam.anchors(sam.match_state, 1, 100):
             sub = state_string(sam, state)
+            assert len(sub) == length
             ends = occurrences(prefix, sub)
-            assert sam.count[state] == len(ends), (prefix, sub)
+            _, _, _, count, cont, best = sam.state(state)
+            assert count == len(ends), (prefix, sub)
             followed = [e for e in ends if e + 1 < len(prefix)]
-            assert sam.cont[state] == len(followed), (prefix, sub)
+            assert cont == len(followed), (prefix, sub)
             if followed:
                 nexts = [prefix[e + 1] for e in followed]
                 most = max(nexts.count(t) for t in set(nexts))
                 latest = max(e for e in followed if nexts.count(prefix[e + 1]) == most)  # ties: the most recent
-                assert sam.best[state] == prefix[latest + 1], (prefix, sub, nexts)
+                assert best == prefix[latest + 1], (prefix, sub, nexts)
 
 
-def test_matches_brute_force_on_random_and_repetitive_sequences():
+@AUTOMATA
+def test_matches_brute_force_on_random_and_repetitive_sequences(automaton):
     rng = random.Random(0)
     cases = [[rng.randrange(3) for _ in range(120)],  # small alphabet: many repeats and clones
              [rng.randrange(50) for _ in range(120)],  # few repeats
@@ -79,29 +84,31 @@ def test_matches_brute_force_on_random_and_repetitive_sequences():
              ([1, 2, 3, 4, 5] * 12)[:57] + [9] + [1, 2, 3, 4, 5] * 6,  # a period broken once
              [t for w in ["the", "cat", "the", "dog", "the", "cat", "sat"] * 6 for t in map(ord, w)]]
     for seq in cases:
-        check_against_brute_force(seq)
+        check_against_brute_force(seq, automaton)
 
 
+@AUTOMATA
 @settings(max_examples=200, deadline=None)
 @given(seq=st.lists(st.integers(0, 4), min_size=1, max_size=60))
-def test_matches_brute_force_generated(seq):
-    check_against_brute_force(seq)
+def test_matches_brute_force_generated(automaton, seq):
+    check_against_brute_force(seq, automaton)
 
 
-def state_of(sam: SuffixAutomaton, string: list[int]) -> int:
+def state_of(sam, string: list[int]) -> int:
     state = 0
     for t in string:
-        state = sam.next[state][t]
+        state = sam.transition(state, t)
     return state
 
 
-def test_continuation_follows_the_most_frequent_next_token():
+@AUTOMATA
+def test_continuation_follows_the_most_frequent_next_token(automaton):
     # "a b" is followed by c twice and by d once: its draft copies c, at frequency 2/3; "a b c" was followed by e
     # both times (frequency 1), and "a b c e" by a once and the end of the text once (1/1 of its continuations).
     a, b, c, d, e = 1, 2, 3, 4, 5
-    sam = SuffixAutomaton([a, b, c, e, a, b, d, e, a, b, c, e, a, b])
+    sam = automaton([a, b, c, e, a, b, d, e, a, b, c, e, a, b])
     state = state_of(sam, [a, b])
-    assert (sam.count[state], sam.cont[state], sam.best[state]) == (4, 3, c)
+    assert sam.state(state)[3:] == (4, 3, c)  # count, cont, best
     rates = [1.0] * 9
     tokens, freqs, probs = sam.continuation(state, 2, 3, rates, 0.0)
     assert tokens == [c, e, a] and freqs == [2 / 3, 1.0, 1.0]
@@ -109,23 +116,23 @@ def test_continuation_follows_the_most_frequent_next_token():
     assert sam.continuation(state, 2, 3, [0.5] * 9, 0.3)[0] == [c]  # 0.5 * 2/3, then 0.5 * 1 more: below the floor
 
 
-def test_continuation_stops_at_a_document_separator():
-    sam = SuffixAutomaton([7, 8, 9, -1, 7, 8])
+@AUTOMATA
+def test_continuation_stops_at_a_document_separator(automaton):
+    sam = automaton([7, 8, 9, -1, 7, 8])
     assert sam.continuation(state_of(sam, [7, 8]), 2, 5, [1.0] * 9, 0.0)[0] == [9]
 
 
-def test_size_bounds():
+@AUTOMATA
+def test_size_bounds(automaton):
     rng = random.Random(1)
     for seq in ([rng.randrange(2) for _ in range(3000)], [rng.randrange(30000) for _ in range(3000)]):
-        sam = SuffixAutomaton(seq)
+        sam = automaton(seq)
         n = len(seq)
         assert sam.n_states <= 2 * n - 1
-        assert sum(len(t) for t in sam.next) <= 3 * n - 4
-        # Memory: lists of ints plus one small dict per state; bound it per token.
-        size = sum(sys.getsizeof(t) for t in sam.next) + sum(
-            sys.getsizeof(x) for x in (sam.link, sam.length, sam.recent, sam.tokens, sam.count, sam.cont, sam.best))
-        assert size / n < 1200, f"{size / n:.0f} bytes per token"
-    assert size / n < 2 * BYTES_PER_TOKEN  # what the memory log line estimates with
+        assert sam.n_transitions <= 3 * n - 4
+        # Memory (what the draft memory's log line reports): lists of ints and a dict per state in the reference,
+        # arrays and one hash table in C (capacities doubled as they grow).
+        assert sam.nbytes / n < (1200 if automaton is ReferenceSuffixAutomaton else 400), f"{sam.nbytes / n:.0f} B/token"
 
 
 def test_policy_drafts_long_when_accepted_and_pauses_when_rejected():

@@ -4,6 +4,7 @@ greedy and cross-request drafting with trees, recycling and memory stays token-i
 import pytest
 import torch
 
+from models.tt_transformers.speculative.token_tree import build_tree, reference_build_tree
 from models.tt_transformers.torch_backend.generator import TorchCausalLM
 
 from .conftest import CPU_KERNELS, random_model
@@ -85,7 +86,8 @@ def test_recycled_table_keeps_the_actual_texts_rows():
     drafter.start([0], [[1, 2]], SamplingParams())
     # rows: last token 2, drafts 3 (accepted) and 4 (rejected): the rejected row's context never happened
     drafter.accept(0, Verified([3, 9], [0], [2, 3, 4], [[3, 5], [9, 6], [1, 1]]))
-    assert drafter.recycled.table == {2: [3, 5], 3: [9, 6]}
+    table = drafter.recycled
+    assert (len(table), table.get(2), table.get(3), table.get(4)) == (2, [3, 5], [9, 6], None)
 
 
 def sequence_identical_to_plain(model, prompts, drafter, n_tokens, eos=()):
@@ -186,29 +188,24 @@ def test_tree_never_exceeds_the_draft_cap(cap):
     text = [50, 1, 2, *range(60, 65), 70, 1, 2, *range(80, 85), 71, 1, 2, *range(80, 85), 72, 1, 2, *range(80, 85)]
     drafter = SuffixDrafter(1, recycle=2)
     drafter.start([0], [text], SamplingParams())
-    drafter.recycled.table = {2: [60, 80], 60: [61, 7], 80: [81, 9]}
+    drafter.recycled.observe([2, 60, 80], [[60, 80], [61, 7], [81, 9]])
     draft = drafter.propose([0], [text + [50, 1, 2]], [cap], linear_cost(0.0), trees=True)[0]
     assert 0 < len(draft.tokens) <= cap
     assert all(p < i for i, p in enumerate(draft.parents or [])), draft.parents
 
 
-def test_sibling_probabilities_never_exceed_their_parents():
+@pytest.mark.parametrize("build", [reference_build_tree, build_tree], ids=["reference", "running"])
+def test_sibling_probabilities_never_exceed_their_parents(build):
     """Siblings are exclusive (the target accepts one next token): two sources proposing different next tokens with
     0.6 each must not count 1.2 expected tokens, and every node's children together stay within its probability."""
-    from models.tt_transformers.speculative.draft_length import MatchAcceptance
-    from models.tt_transformers.speculative.drafters import Candidate, SuffixDrafter
-
-    acceptance = MatchAcceptance()
-    drafter = SuffixDrafter(1)
-    candidates = [Candidate([5, 6, 7], [0.6, 0.5, 0.4], "suffix", 3, [1.0] * 3, acceptance),
-                  Candidate([8, 9], [0.6, 0.54], "memory", 3, [1.0] * 2, acceptance),
-                  Candidate([5, 10], [0.5, 0.45], "suffix", 2, [1.0] * 2, acceptance)]
-    nodes = drafter._tree(1, candidates, 16, 0.01)
-    probs = [1.0] + [n.prob for n in nodes]
-    for parent in range(-1, len(nodes)):
-        assert sum(n.prob for n in nodes if n.parent == parent) <= probs[parent + 1] + 1e-9
-    by_token = {n.token: n for n in nodes}
-    assert by_token[5].prob == pytest.approx(0.6) and by_token[8].prob == pytest.approx(0.4)  # what 5 leaves
-    assert by_token[9].prob == pytest.approx(0.4 * 0.54 / 0.6)  # 8's descendants scale with it
-    assert by_token[6].prob == pytest.approx(0.5) and by_token[7].prob == pytest.approx(0.4)
-    assert by_token[10].prob == pytest.approx(0.6 - 0.5)  # below the shared 5: what its sibling 6 leaves
+    candidates = [([5, 6, 7], [0.6, 0.5, 0.4]), ([8, 9], [0.6, 0.54]), ([5, 10], [0.5, 0.45])]
+    tokens, parents, probs, origins, offsets = build(1, candidates, None, None, 16, 0.01)
+    for parent in range(-1, len(tokens)):
+        assert sum(p for p, up in zip(probs, parents) if up == parent) <= (probs[parent] if parent >= 0 else 1) + 1e-9
+    prob = dict(zip(tokens, probs))
+    assert prob[5] == pytest.approx(0.6) and prob[8] == pytest.approx(0.4)  # what 5 leaves
+    assert prob[9] == pytest.approx(0.4 * 0.54 / 0.6)  # 8's descendants scale with it
+    assert prob[6] == pytest.approx(0.5) and prob[7] == pytest.approx(0.4)
+    assert prob[10] == pytest.approx(0.6 - 0.5)  # below the shared 5: what its sibling 6 leaves
+    at = {t: i for i, t in enumerate(tokens)}
+    assert (origins[at[10]], offsets[at[10]]) == (2, 1) and (origins[at[9]], offsets[at[9]]) == (1, 1)  # where from

@@ -146,17 +146,18 @@ class MatchAcceptance:
         self.decay = decay
         self.hits = [prior_weight * rate for rate in prior]
         self.trials = [prior_weight] * len(LENGTH_BUCKETS)
+        self._rates = [h / t for h, t in zip(self.hits, self.trials)]
 
     def rates(self) -> list[float]:
         """rate per bucket: probability of acceptance per unit of frequency (a token's is capped at 0.99)."""
-        return [h / t for h, t in zip(self.hits, self.trials)]
+        return self._rates
 
     def prob(self, length: int, freq: float) -> float:
-        b = bucket_of(length)
-        return min(0.99, self.hits[b] / self.trials[b] * freq)
+        return min(0.99, self._rates[BUCKET_OF[length if length < LONGEST else LONGEST]] * freq)
 
     def observe(self, length: int, freq: float, accepted: bool) -> None:
         """A verified draft token (its parent was accepted): whether it passed."""
         b = bucket_of(length)
         self.hits[b] = self.decay * self.hits[b] + accepted
         self.trials[b] = self.decay * self.trials[b] + freq
+        self._rates[b] = self.hits[b] / self.trials[b]

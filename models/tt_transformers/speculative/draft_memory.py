@@ -17,18 +17,6 @@ from loguru import logger
 from .suffix_automaton import SuffixAutomaton
 
 MATCH_WINDOW = 64  # context tokens a new match starts from (a longer match is not needed)
-BYTES_PER_TOKEN = 600  # measured (tests/test_suffix_automaton.py::test_size_bounds bounds it)
-
-
-def advance(sam: SuffixAutomaton, state: int, length: int, token: int) -> tuple[int, int]:
-    """The longest suffix of (matched text + token) that occurs in `sam`: follow `token`, or shorten first."""
-    nxt, link = sam.next, sam.link
-    while state > 0 and token not in nxt[state]:
-        state = link[state]
-        length = sam.length[state]
-    if token in nxt[state]:
-        return nxt[state][token], length + 1
-    return 0, 0
 
 
 class TokenStore:
@@ -63,7 +51,7 @@ class TokenStore:
         """(state, length) of the longest suffix of `context` that occurs in the store."""
         state, length, seen = self.matches.get(user, (0, 0, max(0, len(context) - MATCH_WINDOW)))
         for t in context[seen:]:
-            state, length = advance(self.sam, state, length, t)
+            state, length = self.sam.advance(state, length, t)
         self.matches[user] = (state, length, len(context))
         return state, length
 
@@ -92,4 +80,4 @@ class DraftMemory:
             store.forget_matches()
         logger.info(f"Draft memory: {len(self.responses.docs)} earlier responses, {self.responses.n_tokens:,} tokens "
                     f"(limit {self.responses.max_tokens:,}), corpus {self.corpus.n_tokens:,} tokens; "
-                    f"~{(self.responses.n_tokens + self.corpus.n_tokens) * BYTES_PER_TOKEN / 2**20:.1f} MB")
+                    f"{(self.responses.sam.nbytes + self.corpus.sam.nbytes) / 2**20:.1f} MB")

@@ -1,8 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """Draft sources behind one small interface, so the generation loop never knows what drafted."""
 import copy
-import heapq
-import itertools
 from dataclasses import dataclass, field
 from typing import Optional, Protocol, Sequence
 
@@ -13,6 +11,7 @@ from .draft_length import LENGTH_BUCKETS, DraftLengthPolicy, ExtraCost, MatchAcc
 from .draft_memory import DraftMemory
 from .sampling import SamplingParams, probabilities, sample
 from .suffix_automaton import SuffixAutomaton
+from .token_tree import RecycledTokens, build_tree
 
 DEFAULT_SA_THRESHOLD = 1  # shortest match a copied draft may start from; its score decides whether it drafts
 DRAFT_RNG_STREAM = 1 << 20  # the draft model samples from streams of its own, apart from the target's
@@ -186,31 +185,23 @@ class Candidate:
     acceptance: MatchAcceptance
 
 
-class RecycledTokens:
-    """Token Recycling's adjacency table (Luo et al. 2024, arXiv 2408.08696): for each token, the target's top-k
-    next tokens from the last time it computed them after that token, in any request. Every verification step
-    computes them anyway; the rows kept are those whose context is the actual text (the last token and the accepted
-    drafts), not rejected branches."""
-
-    def __init__(self, k: int):
-        self.k = k
-        self.table: dict[int, list[int]] = {}
-
-    def observe(self, fed: Sequence[int], top_ids: Sequence[Sequence[int]]) -> None:
-        for token, ids in zip(fed, top_ids):
-            if ids:
-                self.table[token] = list(ids)
-
-
 @dataclass
-class TreeNode:
-    token: int
-    parent: int  # index among the tree's nodes, -1: the context's last token
-    prob: float  # estimated probability that the path to this node is accepted
-    source: str
-    acceptance: MatchAcceptance  # what scored it, and learns from it
-    key: int  # MatchAcceptance's length key (match length, or recycling rank + 1)
-    freq: float
+class PendingTree:
+    """A proposed tree awaiting verification: its nodes' parents, and where each came from (build_tree's origins
+    and offsets: a candidate's token, or a recycled prediction's rank - 1), to learn from what was accepted."""
+
+    candidates: list[Candidate]
+    parents: list[int]
+    origins: list[int]
+    offsets: list[int]
+
+    def scored_by(self, node: int, recycle: MatchAcceptance) -> tuple[MatchAcceptance, int, float]:
+        """What scored the node: (its source's acceptance, the length key it was scored at, its frequency)."""
+        c, j = self.origins[node], self.offsets[node]
+        if c < 0:
+            return recycle, j + 1, 1.0
+        candidate = self.candidates[c]
+        return candidate.acceptance, candidate.match_len + j, candidate.freqs[j]
 
 
 class SuffixDrafter:
@@ -271,8 +262,7 @@ class SuffixDrafter:
     def _candidates(self, user: int, context: Sequence[int], n: int, floor: float) -> list[Candidate]:
         sam = self.automata[user]
         out = []
-        own = sam.anchors(sam.match_state, self.threshold, self.ANCHORS)
-        stores = [("suffix", sam, [(s, sam.length[s]) for s in own])]
+        stores = [("suffix", sam, sam.anchors(sam.match_state, self.threshold, self.ANCHORS))]
         if self.memory is not None:
             for source, store in self.memory.stores:
                 if store.n_tokens:
@@ -300,81 +290,9 @@ class SuffixDrafter:
 
     def _recycled_chain(self, last: int, n: int, floor: float) -> Optional[Candidate]:
         """The target's top next token after `last`, after that one, and so on."""
-        acceptance, table = self.acceptance["recycle"], self.recycled.table
-        p_step = acceptance.prob(1, 1.0)
-        tokens, probs, p, token = [], [], 1.0, last
-        while len(tokens) < n and token in table and p * p_step >= floor:
-            token, p = table[token][0], p * p_step
-            tokens.append(token)
-            probs.append(p)
+        acceptance = self.acceptance["recycle"]
+        tokens, probs = self.recycled.chain(last, n, acceptance.prob(1, 1.0), floor)
         return Candidate(tokens, probs, "recycle", 1, [1.0] * len(tokens), acceptance) if tokens else None
-
-    def _tree(self, last: int, candidates: list[Candidate], n: int, floor: float) -> list[TreeNode]:
-        """Merge the candidates into a trie below `last`, grow it with recycled predictions (most probable first),
-        and return its n most probable nodes in order of probability (so parents come first).
-
-        Siblings are exclusive (the target accepts one next token), so their probabilities may not sum to more than
-        their parent's: each candidate's node keeps its own conditional rate but at most what its earlier siblings
-        leave (`room`), and its descendants scale with it. Without this, two sources proposing different next tokens
-        with 0.6 each would count 1.2 expected tokens where at most one can be accepted, and trees grew past what
-        pays."""
-        nodes: list[TreeNode] = []
-        index: dict[tuple[int, int], int] = {}
-        taken: dict[int, float] = {}  # node (-1: the root) -> sum of its children's probabilities
-
-        def room(parent: int) -> float:
-            return (nodes[parent].prob if parent >= 0 else 1.0) - taken.get(parent, 0.0)
-
-        def add(parent: int, token: int, p: float, *fields) -> int:
-            index[parent, token] = len(nodes)
-            nodes.append(TreeNode(token, parent, p, *fields))
-            taken[parent] = taken.get(parent, 0.0) + p
-            return len(nodes) - 1
-
-        for c in candidates:
-            parent, before = -1, 1.0
-            for j, (token, p) in enumerate(zip(c.tokens, c.probs)):
-                parent_prob = nodes[parent].prob if parent >= 0 else 1.0
-                p, before = parent_prob * p / before, p  # this candidate's rate, applied below the node's parent
-                at = index.get((parent, token))
-                if at is None:
-                    p = min(p, room(parent))
-                    if p < floor:
-                        break
-                    at = add(parent, token, p, c.source, c.acceptance, c.match_len + j, c.freqs[j])
-                elif p > nodes[at].prob:
-                    p = min(p, room(parent) + nodes[at].prob)
-                    taken[parent] += p - nodes[at].prob
-                    nodes[at].prob = p
-                parent = at
-        if self.recycled is not None:
-            acceptance, table = self.acceptance["recycle"], self.recycled.table
-            heap, order = [], itertools.count()
-
-            def push_children(parent: int, token: int, p: float):
-                for rank, child in enumerate(table.get(token, ())):
-                    q = p * acceptance.prob(rank + 1, 1.0)
-                    if q >= floor and (parent, child) not in index:
-                        heapq.heappush(heap, (-q, next(order), parent, child, rank))
-            push_children(-1, last, 1.0)
-            for i in range(len(nodes)):
-                push_children(i, nodes[i].token, nodes[i].prob)
-            limit = len(nodes) + n  # recycled nodes compete with the copied ones for the n places
-            while heap and len(nodes) < limit:
-                q, _, parent, token, rank = heapq.heappop(heap)
-                if (parent, token) in index:
-                    continue
-                if -q > room(parent):  # siblings took part of the parent's probability since: try again lower
-                    if room(parent) >= floor:
-                        heapq.heappush(heap, (-room(parent), next(order), parent, token, rank))
-                    continue
-                at = add(parent, token, -q, "recycle", acceptance, rank + 1, 1.0)
-                push_children(at, token, -q)
-        order = sorted(range(len(nodes)), key=lambda i: -nodes[i].prob)[:n]  # a child is never more probable
-        where = {old: new for new, old in enumerate(order)}
-        for node in nodes:
-            node.parent = where.get(node.parent, -1)
-        return [nodes[i] for i in order]
 
     def propose(self, users, contexts, max_tokens, extra_cost, trees=False):
         floor = max(0.02, 0.5 * extra_cost(1))  # a token less likely than this is never worth a row
@@ -402,18 +320,24 @@ class SuffixDrafter:
                      expected=sum(best.probs[:k]))
 
     def _tree_draft(self, user, context, n, floor, extra_cost) -> Optional[Draft]:
-        """A token tree over all candidates and recycled predictions, its most probable nodes while they pay."""
+        """A token tree over all candidates and recycled predictions (token_tree.build_tree), its most probable
+        nodes while they pay."""
         candidates = sorted(self._candidates(user, context, n, floor), key=lambda c: -sum(c.probs))
-        nodes = self._tree(context[-1], candidates, min(n, self.MAX_TREE_NODES), floor)  # at most n, parents first
-        nodes = nodes[: self.policies[user].gate(best_length([node.prob for node in nodes], extra_cost), n)]
-        if not nodes:
+        recycle = self.acceptance["recycle"]
+        tokens, parents, probs, origins, offsets = build_tree(
+            context[-1], [(c.tokens, c.probs) for c in candidates], self.recycled, recycle.rates(),
+            min(n, self.MAX_TREE_NODES), floor)  # at most n nodes, parents first
+        k = self.policies[user].gate(best_length(probs, extra_cost), n)
+        if k == 0 or not tokens:
             return None
-        self.pending[user] = nodes
-        expected = sum(node.prob for node in nodes)
-        if all(node.parent == j - 1 and node.source == nodes[0].source for j, node in enumerate(nodes)):  # a chain
-            return Draft([node.token for node in nodes], nodes[0].source,
-                         nodes[0].key if nodes[0].source != "recycle" else 0, expected=expected)
-        return Draft([node.token for node in nodes], "tree", parents=[node.parent for node in nodes], expected=expected)
+        tree = self.pending[user] = PendingTree(candidates, parents[:k], origins[:k], offsets[:k])
+        if tree.parents == list(range(-1, k - 1)):  # a chain: one Draft source if it has one
+            sources = {candidates[c].source if c >= 0 else "recycle" for c in tree.origins}
+            if len(sources) == 1:
+                source = sources.pop()
+                match_len = tree.scored_by(0, recycle)[1] if source != "recycle" else 0
+                return Draft(tokens[:k], source, match_len, expected=sum(probs[:k]))
+        return Draft(tokens[:k], "tree", parents=tree.parents, expected=sum(probs[:k]))
 
     def withdraw(self, user: int) -> None:
         """The user's proposed draft will not be verified (another source drafts instead): nothing to learn."""
@@ -432,9 +356,10 @@ class SuffixDrafter:
         elif pending:  # a tree: a node was tested when its parent was accepted
             accepted = set(verified.path)
             reached = {-1} | accepted
-            for i, node in enumerate(pending):
-                if node.parent in reached:
-                    node.acceptance.observe(node.key, node.freq, i in accepted)
+            for i, parent in enumerate(pending.parents):
+                if parent in reached:
+                    acceptance, key, freq = pending.scored_by(i, self.acceptance["recycle"])
+                    acceptance.observe(key, freq, i in accepted)
 
 
 class CopyCursor:
@@ -450,15 +375,20 @@ class CopyCursor:
 
     def follow(self, sam: SuffixAutomaton) -> None:
         """After sam.extend(token): follow the passage, re-anchor after an edit, or start at a long match."""
-        pos, token = len(sam.tokens) - 1, sam.tokens[-1]
-        if sam.match_len >= self.MIN_RUN:  # a long match: its earlier occurrence is the passage
-            self.src, self.aligned, self.edits = sam.match_end + 1, sam.match_len, 0
+        match_len = sam.match_len
+        if match_len >= self.MIN_RUN:  # a long match: its earlier occurrence is the passage
+            self.src, self.aligned, self.edits = sam.match_end + 1, match_len, 0
             self.run = self.aligned
-        elif self.run and self.src < pos and sam.tokens[self.src] == token:
+            return
+        if not self.run:
+            return
+        text = sam.tokens
+        pos, token = len(text) - 1, text[-1]
+        if self.src < pos and text[self.src] == token:
             self.src, self.aligned, self.edits = self.src + 1, self.aligned + 1, 0
             self.run = max(self.run, self.aligned)
-        elif self.run:
-            ahead = sam.tokens[self.src + 1 : min(self.src + 1 + self.LOOKAHEAD, pos)]
+        else:
+            ahead = text[self.src + 1 : min(self.src + 1 + self.LOOKAHEAD, pos)]
             self.src += 2 + ahead.index(token) if token in ahead else 1  # deletion, else a substitution
             self.aligned, self.edits = 0, self.edits + 1
             if self.edits > self.MAX_EDITS or self.src >= pos:

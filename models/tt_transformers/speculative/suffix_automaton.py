@@ -18,16 +18,20 @@ at most 2|S| - 1 states and 3|S| - 4 transitions, and appending a token costs am
   a draft copies and how it is scored.
 - `recent[state]` is an end position of the state's strings, the most recent one at which it was the longest
   earlier match (or where it was created).
-"""
 
+This Python class is the reference; drafting runs its port in suffix_native.c (native.py) where that builds, which
+tests/test_suffix_native.py holds to the same matches, counts and continuations. `SuffixAutomaton` is whichever runs.
+"""
+import sys
 from typing import Sequence
 
 from .draft_length import BUCKET_OF, LONGEST
+from .native import suffix_native
 
 CHAIN_CAP = 64
 
 
-class SuffixAutomaton:
+class ReferenceSuffixAutomaton:
     def __init__(self, tokens=()):
         self.tokens: list[int] = []
         self.next: list[dict[int, int]] = [{}]  # per state: token -> state
@@ -45,6 +49,25 @@ class SuffixAutomaton:
     @property
     def n_states(self) -> int:
         return len(self.length)
+
+    @property
+    def n_transitions(self) -> int:
+        return sum(len(t) for t in self.next)
+
+    @property
+    def nbytes(self) -> int:
+        """Memory held (the lists and dicts; the ints in them are mostly shared small ints)."""
+        return sum(sys.getsizeof(t) for t in self.next) + sum(sys.getsizeof(x) for x in (
+            self.next, self.link, self.length, self.recent, self.tokens, self.count, self.cont, self.best))
+
+    def state(self, state: int) -> tuple[int, int, int, int, int, int]:
+        """(length, link, recent, count, cont, best) of a state."""
+        return (self.length[state], self.link[state], self.recent[state], self.count[state], self.cont[state],
+                self.best[state])
+
+    def transition(self, state: int, token: int) -> int:
+        """The state reached from `state` by `token`, -1 when none."""
+        return self.next[state].get(token, -1)
 
     def extend(self, token: int) -> None:
         """Append one token (amortised O(1)) and update the longest earlier match and the counts."""
@@ -129,10 +152,25 @@ class SuffixAutomaton:
             state, context_len = child, context_len + 1
         return tokens, freqs, probs
 
-    def anchors(self, state: int, min_len: int, limit: int) -> list[int]:
-        """`state` and up to limit - 1 of its suffix-link ancestors (shorter contexts) at least min_len long."""
+    def anchors(self, state: int, min_len: int, limit: int) -> list[tuple[int, int]]:
+        """`state` and up to limit - 1 of its suffix-link ancestors (shorter contexts) at least min_len long, with
+        their lengths."""
         out = []
         while state > 0 and self.length[state] >= min_len and len(out) < limit:
-            out.append(state)
+            out.append((state, self.length[state]))
             state = self.link[state]
         return out
+
+    def advance(self, state: int, length: int, token: int) -> tuple[int, int]:
+        """The longest suffix of (a matched string of `length` tokens at `state`, then token) that occurs in the
+        text: follow `token`, or shorten first; (0, 0) when not even `token` occurs."""
+        nxt, link = self.next, self.link
+        while state > 0 and token not in nxt[state]:
+            state = link[state]
+            length = self.length[state]
+        if token in nxt[state]:
+            return nxt[state][token], length + 1
+        return 0, 0
+
+
+SuffixAutomaton = suffix_native.SuffixAutomaton if suffix_native else ReferenceSuffixAutomaton
