@@ -39,8 +39,10 @@ def occurrences(seq: list[int], sub: list[int]) -> list[int]:
     return [e for e in range(n - 1, len(seq)) if seq[e - n + 1 : e + 1] == sub]
 
 
-# Both implementations: the Python reference, and what drafting runs (its C port where that builds, test_suffix_native.py).
-AUTOMATA = pytest.mark.parametrize("automaton", [ReferenceSuffixAutomaton, SuffixAutomaton], ids=["reference", "running"])
+# Both implementations: the Python reference, and what drafting runs (its C port where that builds,
+# test_suffix_native.py).
+AUTOMATA = pytest.mark.parametrize("automaton", [ReferenceSuffixAutomaton, SuffixAutomaton],
+                                   ids=["reference", "running"])
 
 
 def state_string(sam, state: int) -> list[int]:
@@ -132,7 +134,8 @@ def test_size_bounds(automaton):
         assert sam.n_transitions <= 3 * n - 4
         # Memory (what the draft memory's log line reports): lists of ints and a dict per state in the reference,
         # arrays and one hash table in C (capacities doubled as they grow).
-        assert sam.nbytes / n < (1200 if automaton is ReferenceSuffixAutomaton else 400), f"{sam.nbytes / n:.0f} B/token"
+        bound = 1200 if automaton is ReferenceSuffixAutomaton else 400
+        assert sam.nbytes / n < bound, f"{sam.nbytes / n:.0f} bytes per token"
 
 
 def test_policy_drafts_long_when_accepted_and_pauses_when_rejected():

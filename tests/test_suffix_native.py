@@ -26,7 +26,8 @@ needs_native = pytest.mark.skipif(NATIVE is None, reason="the drafting extension
 
 def test_extension_builds_where_a_compiler_and_headers_are():
     """Guards against a silent fallback: on a machine that can build it, drafting runs the C port."""
-    buildable = shutil.which(os.environ.get("CC", "cc")) and (Path(sysconfig.get_paths()["include"]) / "Python.h").is_file()
+    headers = Path(sysconfig.get_paths()["include"]) / "Python.h"
+    buildable = shutil.which(os.environ.get("CC", "cc")) and headers.is_file()
     if not buildable or os.environ.get("TT_NATIVE_DRAFTING") == "0":
         pytest.skip("no C compiler or Python headers here (or TT_NATIVE_DRAFTING=0)")
     assert NATIVE is not None

@@ -19,8 +19,9 @@ def cache_root() -> Path:
 def build_library(source: Path, build_dir: Path, flags: list[str], libs: tuple[str, ...] = (), depends_on: str = "",
                   suffix: str = ".so", fallback: str = "") -> Optional[Path]:
     """The compiled `source` (cc <flags> -shared -fPIC <source> <libs>), built once into build_dir; None (with a
-    warning that says what happens instead, `fallback`) when there is no compiler or the build fails. The build goes to a temporary file that
-    is renamed into place, so a concurrent or interrupted build never leaves a half-written library."""
+    warning that says what happens instead, `fallback`) when there is no compiler or the build fails. The build goes
+    to a temporary file that is renamed into place, so a concurrent or interrupted build never leaves a half-written
+    library."""
     cc = os.environ.get("CC", "cc")
     if not shutil.which(cc):
         logger.warning(f"no C compiler ({cc}; set CC) to build {source.name}: {fallback}")

@@ -153,7 +153,7 @@ class MatchAcceptance:
         return self._rates
 
     def prob(self, length: int, freq: float) -> float:
-        return min(0.99, self._rates[BUCKET_OF[length if length < LONGEST else LONGEST]] * freq)
+        return min(0.99, self._rates[bucket_of(length)] * freq)
 
     def observe(self, length: int, freq: float, accepted: bool) -> None:
         """A verified draft token (its parent was accepted): whether it passed."""

@@ -207,7 +207,8 @@ class RunCost:
     """What one head run costs, in target steps, measured on this machine: decayed means of a run's seconds and of a
     target step's (from the end of a proposal to its verification). Until both are measured, the estimate from the
     weights each streams, which is low on a CPU (a run's op launches do not shrink with its weights); on a TT device
-    the head runs on the host beside the device's step. measure=False keeps the estimate (drafts that do not depend on timing, for tests)."""
+    the head runs on the host beside the device's step. measure=False keeps the estimate (drafts that do not depend
+    on timing, for tests)."""
 
     decay = 0.9
 

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """The drafting extension (suffix_native.c: the suffix automaton, the recycled-token table and the token-tree builder
-in C, a few microseconds per iteration instead of tens), built with the system C compiler on first import and cached
+in C, so drafting's host time per iteration stays small beside a device step; `make bench-suffix` measures it), built with the system C compiler on first import and cached
 under TT_CACHE_PATH. Without a compiler, or with TT_NATIVE_DRAFTING=0, the Python references in suffix_automaton.py
 and token_tree.py run instead: the same drafts, slower."""
 import importlib.machinery
@@ -15,6 +15,7 @@ from ..native_build import build_library, cache_root
 from .draft_length import LENGTH_BUCKETS
 
 SOURCE = Path(__file__).with_name("suffix_native.c")
+FALLBACK = "drafting runs its Python reference (slower, same drafts)"
 
 
 def load_suffix_native():
@@ -24,10 +25,10 @@ def load_suffix_native():
     include, suffix = sysconfig.get_paths()["include"], importlib.machinery.EXTENSION_SUFFIXES[0]
     if not (Path(include) / "Python.h").is_file():
         logger.warning(f"no Python.h in {include} (install your Python's development headers) to build {SOURCE.name}: "
-                       "drafting runs its Python reference (slower, same drafts)")
+                       f"{FALLBACK}")
         return None
     path = build_library(SOURCE, cache_root() / "native", ["-O2", f"-I{include}"], depends_on=suffix, suffix=suffix,
-                         fallback="drafting runs its Python reference (slower, same drafts)")
+                         fallback=FALLBACK)
     if path is None:
         return None
     spec = importlib.util.spec_from_file_location("suffix_native", path)

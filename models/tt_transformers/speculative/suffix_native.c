@@ -6,6 +6,7 @@
 // boundary only as ints, floats and lists, read and built in place (no ctypes marshalling).
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -86,7 +87,21 @@ static int grow(void **array, int64_t *cap, int64_t need, size_t item) {
     return 0;
 }
 
-static uint64_t edge_key(int32_t state, int64_t token) { return ((uint64_t)(uint32_t)state << 32) | (uint32_t)(int32_t)token; }
+static uint64_t edge_key(int32_t state, int64_t token) {
+    return ((uint64_t)(uint32_t)state << 32) | (uint32_t)(int32_t)token;
+}
+
+// Appends a new reference (NULL: its creation failed) and drops it: -1 on any failure.
+static int append_new(PyObject *list, PyObject *item) {
+    int bad = !item || PyList_Append(list, item);
+    Py_XDECREF(item);
+    return bad ? -1 : 0;
+}
+
+static Py_ssize_t shorter(PyObject *fast_a, PyObject *fast_b) {
+    Py_ssize_t a = PySequence_Fast_GET_SIZE(fast_a), b = PySequence_Fast_GET_SIZE(fast_b);
+    return a < b ? a : b;
+}
 
 // ---------------------------------------------------------------------------------------------------------------
 // The suffix automaton (see suffix_automaton.py for what each field means).
@@ -107,6 +122,7 @@ typedef struct {
     int64_t n_edges, edges_cap;
     Map transitions;  // (state, token) -> edge
     int32_t last, match_state, match_len, match_end;
+    int initialised;  // __init__ ran (it extends with the given tokens once)
 } Automaton;
 
 static int32_t transition(const Automaton *a, int32_t state, int64_t token) {
@@ -134,12 +150,7 @@ static int add_edge(Automaton *a, int32_t from, int32_t token, int32_t to) {
 static int automaton_extend(Automaton *a, int64_t token64) {
     int32_t token = (int32_t)token64;
     int32_t pos = (int32_t)PyList_GET_SIZE(a->tokens);
-    PyObject *t = PyLong_FromLongLong(token64);
-    if (!t || PyList_Append(a->tokens, t)) {
-        Py_XDECREF(t);
-        return -1;
-    }
-    Py_DECREF(t);
+    if (append_new(a->tokens, PyLong_FromLongLong(token64))) return -1;
     int32_t previous = a->last;
     int32_t cur = new_state(a, (State){0, a->states[previous].length + 1, pos, 0, 0, -1, -1});
     if (cur < 0) return -1;
@@ -154,7 +165,8 @@ static int automaton_extend(Automaton *a, int64_t token64) {
             a->states[cur].link = q;
         } else {  // split q: the clone keeps the strings up to length[p] + 1, and q's occurrences so far
             State sq = a->states[q];
-            int32_t clone = new_state(a, (State){sq.link, a->states[p].length + 1, sq.recent, sq.count, sq.cont, sq.best, -1});
+            int32_t clone =
+                new_state(a, (State){sq.link, a->states[p].length + 1, sq.recent, sq.count, sq.cont, sq.best, -1});
             if (clone < 0) return -1;
             for (int32_t e = a->states[q].first_edge; e >= 0; e = a->edges[e].next)
                 if (add_edge(a, clone, a->edges[e].token, a->edges[e].to)) return -1;
@@ -197,23 +209,35 @@ static void automaton_dealloc(Automaton *a) {
 static PyObject *automaton_extend_py(Automaton *a, PyObject *token) {
     long long t = PyLong_AsLongLong(token);
     if (t == -1 && PyErr_Occurred()) return NULL;
-    if (t < INT32_MIN || t > INT32_MAX) return PyErr_Format(PyExc_OverflowError, "token id %lld does not fit 32 bits", t);
+    if (t < INT32_MIN || t > INT32_MAX)
+        return PyErr_Format(PyExc_OverflowError, "token id %lld does not fit 32 bits", t);
     if (automaton_extend(a, t)) return NULL;
     Py_RETURN_NONE;
+}
+
+// The empty automaton (the root state) exists from allocation on, so no method meets a half-made object.
+static PyObject *automaton_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    Automaton *a = (Automaton *)PyType_GenericNew(type, args, kwds);
+    if (!a) return NULL;
+    a->tokens = PyList_New(0);
+    if (!a->tokens || new_state(a, (State){-1, 0, -1, 0, 0, -1, -1}) < 0) {
+        Py_DECREF(a);
+        return NULL;
+    }
+    a->last = a->match_state = a->match_len = 0;
+    a->match_end = -1;
+    return (PyObject *)a;
 }
 
 static int automaton_init(Automaton *a, PyObject *args, PyObject *kwds) {
     PyObject *tokens = NULL;
     static char *kwlist[] = {"tokens", NULL};
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "|O", kwlist, &tokens)) return -1;
-    if (a->tokens) {
+    if (a->initialised) {
         PyErr_SetString(PyExc_RuntimeError, "SuffixAutomaton is initialised once");
         return -1;
     }
-    a->tokens = PyList_New(0);
-    if (!a->tokens || new_state(a, (State){-1, 0, -1, 0, 0, -1, -1}) < 0) return -1;
-    a->last = a->match_state = a->match_len = 0;
-    a->match_end = -1;
+    a->initialised = 1;
     if (tokens) {
         PyObject *seq = PySequence_Fast(tokens, "tokens must be a sequence of ints");
         if (!seq) return -1;
@@ -277,12 +301,9 @@ static PyObject *automaton_continuation(Automaton *a, PyObject *args) {
         double q = rates[bucket_of(context_len)] * f;
         p *= q < 0.99 ? q : 0.99;
         if (p < floor_) break;
-        PyObject *t = PyLong_FromLong(token), *fo = PyFloat_FromDouble(f), *po = PyFloat_FromDouble(p);
-        int bad = !t || !fo || !po || PyList_Append(tokens, t) || PyList_Append(freqs, fo) || PyList_Append(probs, po);
-        Py_XDECREF(t);
-        Py_XDECREF(fo);
-        Py_XDECREF(po);
-        if (bad) goto fail;
+        if (append_new(tokens, PyLong_FromLong(token)) || append_new(freqs, PyFloat_FromDouble(f)) ||
+            append_new(probs, PyFloat_FromDouble(p)))
+            goto fail;
         state = child;
         context_len++;
     }
@@ -300,13 +321,10 @@ static PyObject *automaton_anchors(Automaton *a, PyObject *args) {
     if (check_state(a, state)) return NULL;
     PyObject *out = PyList_New(0);
     while (out && state > 0 && a->states[state].length >= min_len && PyList_GET_SIZE(out) < limit) {
-        PyObject *s = Py_BuildValue("(Li)", state, a->states[state].length);
-        if (!s || PyList_Append(out, s)) {
-            Py_XDECREF(s);
+        if (append_new(out, Py_BuildValue("(Li)", state, a->states[state].length))) {
             Py_DECREF(out);
             return NULL;
         }
-        Py_DECREF(s);
         state = a->states[state].link;
     }
     return out;
@@ -339,48 +357,42 @@ static PyObject *automaton_transition(Automaton *a, PyObject *args) {
     return PyLong_FromLong(token < INT32_MIN || token > INT32_MAX ? -1 : transition(a, (int32_t)state, token));
 }
 
-static PyObject *automaton_get(Automaton *a, void *field) {
-    intptr_t f = (intptr_t)field;
-    if (f == 0) return PyLong_FromLong(a->match_state);
-    if (f == 1) return PyLong_FromLong(a->match_len);
-    if (f == 2) return PyLong_FromLong(a->match_end);
-    if (f == 3) return PyLong_FromLongLong(a->n_states);
-    if (f == 4) return PyLong_FromLongLong(a->n_edges);
-    if (f == 5)
-        return PyLong_FromLongLong(a->states_cap * sizeof(State) + a->edges_cap * sizeof(Edge) +
-                                   a->transitions.cap * (sizeof(uint64_t) + sizeof(int32_t)));
-    Py_INCREF(a->tokens);
-    return a->tokens;
+static PyObject *automaton_nbytes(Automaton *a, void *unused) {
+    return PyLong_FromLongLong(a->states_cap * sizeof(State) + a->edges_cap * sizeof(Edge) +
+                               a->transitions.cap * (sizeof(uint64_t) + sizeof(int32_t)));
 }
 
 static PyMethodDef automaton_methods[] = {
     {"extend", (PyCFunction)automaton_extend_py, METH_O, "Append one token."},
-    {"continuation", (PyCFunction)automaton_continuation, METH_VARARGS, "(state, context_len, max_tokens, rates, floor)"},
+    {"continuation", (PyCFunction)automaton_continuation, METH_VARARGS,
+     "(state, context_len, max_tokens, rates, floor)"},
     {"anchors", (PyCFunction)automaton_anchors, METH_VARARGS, "(state, min_len, limit) -> [(state, length)]"},
     {"advance", (PyCFunction)automaton_advance, METH_VARARGS, "(state, length, token) -> (state, length)"},
     {"state", (PyCFunction)automaton_state, METH_O, "state -> (length, link, recent, count, cont, best)"},
     {"transition", (PyCFunction)automaton_transition, METH_VARARGS, "(state, token) -> state, -1 when none"},
     {NULL}};
 
-static PyGetSetDef automaton_getset[] = {
-    {"match_state", (getter)automaton_get, NULL, NULL, (void *)0},
-    {"match_len", (getter)automaton_get, NULL, NULL, (void *)1},
-    {"match_end", (getter)automaton_get, NULL, NULL, (void *)2},
-    {"n_states", (getter)automaton_get, NULL, NULL, (void *)3},
-    {"n_transitions", (getter)automaton_get, NULL, NULL, (void *)4},
-    {"nbytes", (getter)automaton_get, NULL, NULL, (void *)5},
-    {"tokens", (getter)automaton_get, NULL, NULL, (void *)6},
+static PyMemberDef automaton_members[] = {
+    {"match_state", T_INT, offsetof(Automaton, match_state), READONLY, NULL},
+    {"match_len", T_INT, offsetof(Automaton, match_len), READONLY, NULL},
+    {"match_end", T_INT, offsetof(Automaton, match_end), READONLY, NULL},
+    {"n_states", T_LONGLONG, offsetof(Automaton, n_states), READONLY, NULL},
+    {"n_transitions", T_LONGLONG, offsetof(Automaton, n_edges), READONLY, NULL},
+    {"tokens", T_OBJECT_EX, offsetof(Automaton, tokens), READONLY, NULL},
     {NULL}};
+
+static PyGetSetDef automaton_getset[] = {{"nbytes", (getter)automaton_nbytes, NULL, "memory held", NULL}, {NULL}};
 
 static PyTypeObject AutomatonType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "suffix_native.SuffixAutomaton",
     .tp_basicsize = sizeof(Automaton),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "Online suffix automaton with occurrence counts (suffix_automaton.py is the reference).",
-    .tp_new = PyType_GenericNew,
+    .tp_new = automaton_new,
     .tp_init = (initproc)automaton_init,
     .tp_dealloc = (destructor)automaton_dealloc,
     .tp_methods = automaton_methods,
+    .tp_members = automaton_members,
     .tp_getset = automaton_getset,
 };
 
@@ -396,11 +408,17 @@ typedef struct {
 
 static int recycled_init(Recycled *r, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"k", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "i", kwlist, &r->k)) return -1;
-    if (r->k < 1) {
+    int k;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "i", kwlist, &k)) return -1;
+    if (r->k) {  // the rows are sized by k
+        PyErr_SetString(PyExc_RuntimeError, "RecycledTokens is initialised once");
+        return -1;
+    }
+    if (k < 1) {
         PyErr_SetString(PyExc_ValueError, "k must be >= 1");
         return -1;
     }
+    r->k = k;
     return 0;
 }
 
@@ -418,9 +436,10 @@ static const int32_t *recycled_row(const Recycled *r, int64_t token) {
 static PyObject *recycled_observe(Recycled *r, PyObject *args) {
     PyObject *fed, *top;
     if (!PyArg_ParseTuple(args, "OO", &fed, &top)) return NULL;
-    PyObject *f = PySequence_Fast(fed, "fed must be a sequence"), *t = f ? PySequence_Fast(top, "top_ids must be a sequence") : NULL;
+    PyObject *f = PySequence_Fast(fed, "fed must be a sequence");
+    PyObject *t = f ? PySequence_Fast(top, "top_ids must be a sequence") : NULL;
     if (!t) goto fail;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(f) < PySequence_Fast_GET_SIZE(t) ? PySequence_Fast_GET_SIZE(f) : PySequence_Fast_GET_SIZE(t);
+    Py_ssize_t n = shorter(f, t);
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *ids = PySequence_Fast(PySequence_Fast_GET_ITEM(t, i), "top_ids rows must be sequences");
         if (!ids) goto fail;
@@ -466,26 +485,15 @@ fail:
     return NULL;
 }
 
-static PyObject *row_list(const Recycled *r, const int32_t *row) {
-    PyObject *out = PyList_New(0);
-    for (int j = 0; out && j < r->k && row[j] >= 0; j++) {
-        PyObject *id = PyLong_FromLong(row[j]);
-        if (!id || PyList_Append(out, id)) {
-            Py_XDECREF(id);
-            Py_DECREF(out);
-            return NULL;
-        }
-        Py_DECREF(id);
-    }
-    return out;
-}
-
 static PyObject *recycled_get(Recycled *r, PyObject *arg) {
     long long token = PyLong_AsLongLong(arg);
     if (token == -1 && PyErr_Occurred()) return NULL;
     const int32_t *row = recycled_row(r, token);
     if (!row) Py_RETURN_NONE;
-    return row_list(r, row);
+    PyObject *out = PyList_New(0);
+    for (int j = 0; out && j < r->k && row[j] >= 0; j++)
+        if (append_new(out, PyLong_FromLong(row[j]))) Py_CLEAR(out);
+    return out;
 }
 
 static PyObject *recycled_chain(Recycled *r, PyObject *args) {
@@ -499,10 +507,7 @@ static PyObject *recycled_chain(Recycled *r, PyObject *args) {
     while (!bad && PyList_GET_SIZE(tokens) < n && (row = recycled_row(r, token)) && p * p_step >= floor_) {
         token = row[0];
         p = p * p_step;
-        PyObject *t = PyLong_FromLongLong(token), *po = PyFloat_FromDouble(p);
-        bad = !t || !po || PyList_Append(tokens, t) || PyList_Append(probs, po);
-        Py_XDECREF(t);
-        Py_XDECREF(po);
+        bad = append_new(tokens, PyLong_FromLongLong(token)) || append_new(probs, PyFloat_FromDouble(p));
     }
     if (bad) {
         Py_XDECREF(tokens);
@@ -520,9 +525,8 @@ static PyMethodDef recycled_methods[] = {
     {"chain", (PyCFunction)recycled_chain, METH_VARARGS, "(last, n, p_step, floor) -> (tokens, probs)"},
     {NULL}};
 
-static PyObject *recycled_k(Recycled *r, void *unused) { return PyLong_FromLong(r->k); }
-
-static PyGetSetDef recycled_getset[] = {{"k", (getter)recycled_k, NULL, "top ids kept per token", NULL}, {NULL}};
+static PyMemberDef recycled_members[] = {
+    {"k", T_INT, offsetof(Recycled, k), READONLY, "top ids kept per token"}, {NULL}};
 
 static PySequenceMethods recycled_as_sequence = {.sq_length = (lenfunc)recycled_len};
 
@@ -535,7 +539,7 @@ static PyTypeObject RecycledType = {
     .tp_init = (initproc)recycled_init,
     .tp_dealloc = (destructor)recycled_dealloc,
     .tp_methods = recycled_methods,
-    .tp_getset = recycled_getset,
+    .tp_members = recycled_members,
     .tp_as_sequence = &recycled_as_sequence,
 };
 
@@ -563,12 +567,17 @@ typedef struct {
 
 static double *taken_of(Tree *t, int32_t parent) { return parent >= 0 ? &t->nodes[parent].taken : &t->root_taken; }
 
-static double room(Tree *t, int32_t parent) { return (parent >= 0 ? t->nodes[parent].prob : 1.0) - *taken_of(t, parent); }
+static double room(Tree *t, int32_t parent) {
+    return (parent >= 0 ? t->nodes[parent].prob : 1.0) - *taken_of(t, parent);
+}
 
-static int32_t tree_find(Tree *t, int32_t parent, int64_t token) { return map_get(&t->index, edge_key(parent + 1, token)); }
+static int32_t tree_find(Tree *t, int32_t parent, int64_t token) {
+    return map_get(&t->index, edge_key(parent + 1, token));
+}
 
 static int32_t tree_add(Tree *t, int32_t parent, int32_t token, double p, int32_t origin, int32_t offset) {
-    if (grow((void **)&t->nodes, &t->cap, t->n + 1, sizeof(Node)) || map_put(&t->index, edge_key(parent + 1, token), (int32_t)t->n))
+    if (grow((void **)&t->nodes, &t->cap, t->n + 1, sizeof(Node)) ||
+        map_put(&t->index, edge_key(parent + 1, token), (int32_t)t->n))
         return -1;
     t->nodes[t->n] = (Node){token, parent, origin, offset, p, 0.0};
     *taken_of(t, parent) += p;
@@ -627,12 +636,13 @@ static int grow_tree(Tree *t, long long last, PyObject *candidates, PyObject *ta
     for (Py_ssize_t c = 0; c < PySequence_Fast_GET_SIZE(cands); c++) {
         PyObject *pair = PySequence_Fast_GET_ITEM(cands, c), *toks, *probs;
         if (!PyArg_ParseTuple(pair, "OO", &toks, &probs)) goto fail;
-        PyObject *tk = PySequence_Fast(toks, "candidate tokens"), *pr = tk ? PySequence_Fast(probs, "candidate probs") : NULL;
+        PyObject *tk = PySequence_Fast(toks, "candidate tokens");
+        PyObject *pr = tk ? PySequence_Fast(probs, "candidate probs") : NULL;
         if (!pr) {
             Py_XDECREF(tk);
             goto fail;
         }
-        Py_ssize_t m = PySequence_Fast_GET_SIZE(tk) < PySequence_Fast_GET_SIZE(pr) ? PySequence_Fast_GET_SIZE(tk) : PySequence_Fast_GET_SIZE(pr);
+        Py_ssize_t m = shorter(tk, pr);
         int32_t parent = -1;
         double prior = 1.0;
         int bad = 0;
@@ -695,8 +705,8 @@ static int grow_tree(Tree *t, long long last, PyObject *candidates, PyObject *ta
             Pending item = heap_pop(t);
             if (tree_find(t, item.parent, item.token) >= 0) continue;
             if (item.q > room(t, item.parent)) {  // siblings took part of the parent's probability since
-                if (room(t, item.parent) >= floor_ && heap_push(t, room(t, item.parent), item.parent, item.token, item.rank))
-                    return -1;
+                double r = room(t, item.parent);
+                if (r >= floor_ && heap_push(t, r, item.parent, item.token, item.rank)) return -1;
                 continue;
             }
             int32_t at = tree_add(t, item.parent, item.token, item.q, -1, item.rank);
@@ -739,8 +749,10 @@ static PyObject *build_tree(PyObject *self, PyObject *args) {
             int ok = lists[0] && lists[1] && lists[2] && lists[3] && lists[4];
             for (int64_t i = 0; ok && i < kept; i++) {
                 const Node *node = &t.nodes[order[i]];
-                PyObject *v[5] = {PyLong_FromLong(node->token), PyLong_FromLong(node->parent >= 0 ? where[node->parent] : -1),
-                                  PyFloat_FromDouble(node->prob), PyLong_FromLong(node->origin), PyLong_FromLong(node->offset)};
+                PyObject *v[5] = {PyLong_FromLong(node->token),
+                                  PyLong_FromLong(node->parent >= 0 ? where[node->parent] : -1),
+                                  PyFloat_FromDouble(node->prob), PyLong_FromLong(node->origin),
+                                  PyLong_FromLong(node->offset)};
                 for (int l = 0; l < 5; l++) {
                     if (!v[l]) ok = 0;
                     else PyList_SET_ITEM(lists[l], i, v[l]);
@@ -767,7 +779,8 @@ static PyObject *set_length_buckets(PyObject *self, PyObject *arg) {
     int bad = n < 1 || n > MAX_BUCKETS;
     for (Py_ssize_t i = 0; !bad && i < n; i++) {
         bounds[i] = PyLong_AsLong(PySequence_Fast_GET_ITEM(seq, i));
-        bad = (bounds[i] == -1 && PyErr_Occurred()) || bounds[i] < 0 || bounds[i] >= 4096 || (i && bounds[i] <= bounds[i - 1]);
+        bad = (bounds[i] == -1 && PyErr_Occurred()) || bounds[i] < 0 || bounds[i] >= 4096 ||
+              (i && bounds[i] <= bounds[i - 1]);
     }
     Py_DECREF(seq);
     if (bad) {

@@ -52,9 +52,9 @@ def reference_build_tree(last: int, candidates: Sequence[tuple[Sequence[int], Se
                          table: Optional[ReferenceRecycledTokens], recycle_rates: Optional[Sequence[float]], n: int,
                          floor: float) -> tuple[list[int], list[int], list[float], list[int], list[int]]:
     """Merge the candidates (copied continuations: tokens and P_i, most valuable first) into a trie below `last`,
-    grow it with recycled predictions from `table` (a rank-r prediction is accepted with
-    MatchAcceptance.prob(r, 1.0) at the rates per length bucket `recycle_rates`), most probable first, and return its n most probable nodes in order of probability, so parents come first, as
-    (tokens, parents, probs, origins, offsets): parents[i] indexes the returned nodes (-1: a child of `last`);
+    grow it with recycled predictions from `table` (a rank-r prediction is accepted with MatchAcceptance.prob(r, 1.0)
+    at the rates per length bucket `recycle_rates`), most probable first, and return its n most probable nodes in
+    order of probability, so parents come first, as (tokens, parents, probs, origins, offsets): parents[i] indexes the returned nodes (-1: a child of `last`);
     node i is token offsets[i] of candidate origins[i], or (origin -1) the rank offsets[i] + 1 recycled prediction.
 
     Siblings are exclusive (the target accepts one next token), so their probabilities may not sum to more than
