@@ -163,6 +163,12 @@ def host_cost_us(context: list[int], n_draft: int, n_iterations: int = 400) -> d
     return out
 
 
+def print_host_cost(h: dict) -> None:
+    print(f"\nHost cost per iteration on a {h['context_tokens']}-token context (median): ours "
+          f"{h['ours_chain_median_us']:.1f} µs (chains), {h['ours_tree_recycle_median_us']:.1f} µs (trees + recycling); "
+          f"arctic {h['arctic_median_us']:.1f} µs")
+
+
 def plot(report: dict, folder: Path) -> list[Path]:
     """Speedup and tokens per target forward by category, ours vs the peers."""
     import matplotlib
@@ -209,11 +215,19 @@ def main():
     ap.add_argument("--repeats", type=int, default=3, help="runs of each of our methods; the median is reported")
     ap.add_argument("--skip_hf", action="store_true", help="leave out the Hugging Face rows (they take longest)")
     ap.add_argument("--output_json", default=str(REPO / "bench_results" / "bench_suffix.json"))
+    ap.add_argument("--host_cost_only", action="store_true",
+                    help="only the host cost of drafting (a few seconds; prints it, writes nothing; TT_NATIVE_DRAFTING=0 "
+                         "measures the Python reference)")
     args = ap.parse_args()
     quiet_logs()
 
     ckpt = resolve_checkpoint(None)
     tok = load_tokenizer(ckpt)
+    sample = [t for f in sorted(PROMPT_SETS.glob("*.json")) for p in load_prompts(str(f)) for t in encode(tok, p, False)]
+    host_context = (sample * (4000 // len(sample) + 1))[:4000]
+    if args.host_cost_only:
+        print_host_cost(host_cost_us(host_context, args.n_draft_tokens))
+        return
     model = load_model(ckpt, torch.bfloat16, 4096)
     n = args.max_generated_tokens
     factories = generator_factories(model, ckpt.name, eos_token_ids(ckpt, tok), args)
@@ -243,8 +257,7 @@ def main():
         report["categories"][category] = row
         print(f"{category}: done", flush=True)
 
-    sample = [t for f in sorted(PROMPT_SETS.glob("*.json")) for p in load_prompts(str(f)) for t in encode(tok, p, False)]
-    report["host_cost"] = host_cost_us((sample * (4000 // len(sample) + 1))[:4000], args.n_draft_tokens)
+    report["host_cost"] = host_cost_us(host_context, args.n_draft_tokens)
 
     print(f"\nGreedy, {ckpt.name} bf16, up to {n} tokens per prompt (stopping at EOS), n_draft_tokens="
           f"{args.n_draft_tokens}, {args.repeats} repeats interleaved prompt by prompt (median paired speedup; spread = min-max over repeats); "
@@ -291,9 +304,7 @@ def main():
     print("\nGoals (issues 13 and 14):")
     for name, g in report["goals"].items():
         print(f"  {name}: {g}")
-    print(f"\nHost cost per iteration on a {h['context_tokens']}-token context (median): ours "
-          f"{h['ours_chain_median_us']:.1f} µs (chains), {h['ours_tree_recycle_median_us']:.1f} µs (trees + recycling); "
-          f"arctic {h['arctic_median_us']:.1f} µs")
+    print_host_cost(h)
     write_json_atomic(Path(args.output_json), report)
     for path in plot(report, Path(args.output_json).parent):
         print(f"Plot: {path}")
