@@ -6,16 +6,14 @@ never deselected silently: `tt_hardware` runs where /dev/tenstorrent* exists, `c
 device, and `slow` (long end-to-end runs) with --run_slow (`make test-slow`).
 """
 import glob
-import os
 
 import pytest
 
-from models.tt_transformers.demo.speculative_decoding.speculative_demo import DEMO_OPTIONS
+from models.tt_transformers.demo.speculative_decoding.speculative_demo import add_demo_options
 
 
 def pytest_addoption(parser):
-    for name, type_, _, help_ in DEMO_OPTIONS:
-        parser.addoption(f"--{name}", action="store", type=type_, default=None, help=help_)
+    add_demo_options(parser)
     parser.addoption("--run_slow", action="store_true", default=False, help="also run tests marked slow")
 
 
@@ -33,14 +31,19 @@ def device_params(request):
 
 
 @pytest.fixture
-def mesh_device(device_params):
-    """The Tenstorrent mesh named by MESH_DEVICE (N150 when unset), as tt-metal's `mesh_device` fixture opens it;
-    skipped with the reason on machines without a device (the ttnn backend then cannot run)."""
-    from models.tt_transformers.ttnn_backend.device import open_mesh, tt_device_present
+def mesh_device(request, device_params):
+    """The Tenstorrent mesh named by MESH_DEVICE (every device when unset), opened as tt-metal's `mesh_device`
+    fixture opens it (ttnn_backend/device.py: the fabric on meshes of several devices); its trace region is
+    device_params' trace_region_size, else sized for the demo options this run was given. Skipped with the reason
+    on machines without a device (the ttnn backend then cannot run)."""
+    from models.tt_transformers.demo.speculative_decoding.speculative_demo import config_from_pytest, trace_region_size
+    from models.tt_transformers.ttnn_backend.device import mesh_shape, open_mesh, tt_device_present
 
     if not tt_device_present():
         pytest.skip("needs a Tenstorrent device: no /dev/tenstorrent* here")
-    with open_mesh(os.environ.get("MESH_DEVICE", "N150"), **device_params) as mesh:
+    params = dict(device_params)
+    region = params.pop("trace_region_size", None) or trace_region_size(config_from_pytest(request), mesh_shape())
+    with open_mesh(trace_region_size=region, **params) as mesh:
         yield mesh
 
 

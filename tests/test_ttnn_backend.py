@@ -20,26 +20,31 @@ from models.tt_transformers.ttnn_backend.generator import TtnnCausalLM
 from models.tt_transformers.ttnn_backend.model import build_tt_model
 
 from .tt_stand_in import install
+from .tt_stand_in import tt_transformers as stand_in_tt
 from .tt_stand_in import ttnn as stand_in_ttnn
 
 MAX_SEQ_LEN = 192
+STAND_IN_TRACE_REGION = 10**9  # bytes of the stand-in's own trace accounting (ttnn.TRACE_OP_BYTES per op)
 
 
-def backend_builder(monkeypatch, checkpoint):
+def backend_builder(monkeypatch, checkpoint, shape=(1, 1)):
     install(monkeypatch)
-    mesh = stand_in_ttnn.open_mesh_device(stand_in_ttnn.MeshShape(1, 1))
+    mesh = stand_in_ttnn.open_mesh_device(stand_in_ttnn.MeshShape(*shape), trace_region_size=STAND_IN_TRACE_REGION)
 
-    def build(max_users, max_seq_len=MAX_SEQ_LEN, weights_dtype=None):
-        """weights_dtype: TT-Transformers' default bfloat8_b unless given; the stand-in computes bfloat8_b and
-        bfloat16 weights in torch bfloat16, float32 in float32."""
-        model = build_tt_model(mesh, str(checkpoint.folder), max_users, max_seq_len, True, weights_dtype=weights_dtype)
+    def build(max_users, max_seq_len=MAX_SEQ_LEN, float32=False):
+        """The demo's default bfloat8_b weights, which the stand-in computes in torch bfloat16; float32: the
+        stand-in computes them in float32 instead (TT has no float32 weights: a way to compare with the torch
+        backend's float32 numerics, not a device setting)."""
+        if float32:
+            monkeypatch.setitem(stand_in_tt.COMPUTE_DTYPES, stand_in_ttnn.bfloat8_b, torch.float32)
+        model = build_tt_model(mesh, checkpoint.folder, checkpoint.name, max_users, max_seq_len, True)
         return TtnnCausalLM(model, max_users, max_seq_len)
     return build
 
 
 @pytest.fixture
 def tt(monkeypatch, embedded_checkpoint):
-    """Build a backend on the stand-in: tt(max_users, max_seq_len=MAX_SEQ_LEN, weights_dtype=None)."""
+    """Build a backend on the stand-in: tt(max_users, max_seq_len=MAX_SEQ_LEN, float32=False)."""
     return backend_builder(monkeypatch, embedded_checkpoint)
 
 
@@ -73,7 +78,7 @@ def outputs(results):
 
 def test_logits_match_the_torch_backend_in_float32(tt, embedded_checkpoint, prompts):
     """The stand-in's decode and verification steps compute the same model as the torch backend (float32)."""
-    lm = tt(2, weights_dtype=stand_in_ttnn.float32)
+    lm = tt(2, float32=True)
     torch_lm = TorchCausalLM(load_model(embedded_checkpoint, torch.float32, MAX_SEQ_LEN, cpu_kernels=False), 30, 2)
     prompt_a, prompt_b = prompts[0][:40], prompts[1][:25]
     errors = []
@@ -99,7 +104,7 @@ def test_hidden_states_match_the_torch_backend_in_float32(tt, embedded_checkpoin
     """What a draft head reads back: the final norm's output (the LM head's input) for the prompt (the decode
     program over it, 32 positions a run, writing nothing: the cache is what prefill left) and for a verify step's rows,
     the torch backend's hidden states (float32)."""
-    lm = tt(2, weights_dtype=stand_in_ttnn.float32)
+    lm = tt(2, float32=True)
     torch_lm = TorchCausalLM(load_model(embedded_checkpoint, torch.float32, MAX_SEQ_LEN, cpu_kernels=False), 30, 2)
     prompt = prompts[0][:40]  # two 32-row runs
     lm.prefill(0, prompt)
@@ -152,27 +157,63 @@ def test_speculative_identical_to_plain_through_the_verify_step(tt, prompts, pla
 
 
 def test_generation_to_the_end_of_the_cache(tt, prompts):
-    """Long drafts up to the last page of a user's cache: stops at max_seq_len exactly like plain decoding."""
-    lm = tt(1, max_seq_len=len(prompts[0]) + 40)
-    plain = outputs(SpeculativeGenerator(lm, None, 0).generate(prompts[:1], 1000))
-    assert len(prompts[0]) + len(plain[0]) == lm.max_seq_len
-    assert outputs(SpeculativeGenerator(lm, SuffixDrafter(1), 16).generate(prompts[:1], 1000)) == plain
+    """Long drafts up to the last page of a user's cache: stops at max_seq_len exactly like plain decoding. Each run
+    on a fresh backend, so nothing plain decoding wrote can stand in for a write the speculative run lost."""
+    max_seq_len = len(prompts[0]) + 40
+    plain = outputs(SpeculativeGenerator(tt(1, max_seq_len), None, 0).generate(prompts[:1], 1000))
+    assert len(prompts[0]) + len(plain[0]) == max_seq_len
+    assert outputs(SpeculativeGenerator(tt(1, max_seq_len), SuffixDrafter(1), 16).generate(prompts[:1], 1000)) == plain
 
 
-def test_ordered_cache_writes_are_needed(tt, prompts, monkeypatch):
+def recorded_cache_writes(monkeypatch) -> list:
+    """Every paged_update_cache the stand-in runs, as (cache, rows' update, positions, page table) tensors: the
+    update's data is what the op wrote, read after the step."""
+    writes, update = [], stand_in_ttnn._paged_update
+
+    def recording(cache, data, positions, page_table):
+        writes.append((cache, data, positions, page_table))
+        update(cache, data, positions, page_table)
+    monkeypatch.setattr(stand_in_ttnn, "_paged_update", recording)
+    return writes
+
+
+def lost_writes(writes) -> int:
+    """Rows whose keys or values are not in the cache as sequential writes (one row at a time) would leave them."""
+    lost = 0
+    for cache, data, positions, page_table in writes:
+        for b, pos in enumerate(positions.data.tolist()):
+            if pos != -1:
+                block = int(page_table.data[b, pos // stand_in_ttnn.BLOCK])
+                lost += not torch.equal(cache.data[block, :, pos % stand_in_ttnn.BLOCK], data.data[0, b])
+    return lost
+
+
+def test_every_row_of_a_verify_step_is_written(tt, prompts, monkeypatch):
+    """One verify step of 2 users x 7 rows, each user's rows inside one 32-position block: after it, every row's
+    keys and values are in the cache (checked against what each update op was given); with the batched write
+    TT-Transformers issues (every row in one op) rows are lost."""
+    def verify_step(lm):
+        lm.step([UserRows(0, [0] * 7, 100)])  # compiles and captures the 8-pass trace: what follows is a replay
+        for user in (0, 1):
+            lm.prefill(user, prompts[user][:40])
+        writes = recorded_cache_writes(monkeypatch)
+        lm.step([UserRows(0, prompts[0][40:47], 40), UserRows(1, prompts[1][40:47], 40)])
+        return writes
+
+    writes = verify_step(tt(2))
+    assert len(writes) == 2 * 8 * 30  # (K, V) x 8 passes (7 rows round up to the ladder's 8) x 30 layers
+    assert lost_writes(writes) == 0
+    monkeypatch.setattr(ordered_attention, "ordered_update", lambda update_op, passes: update_op)
+    assert lost_writes(verify_step(tt(2))) > 0
+
+
+def test_ordered_cache_writes_are_needed(tt, prompts, plain_outputs, monkeypatch):
     """With one batched paged_update_cache (the race), a user's verify rows that share a cache block lose their
-    keys and values, and speculative output drifts from plain decoding: the ordered passes are what prevent it."""
-    lm = tt(1)
-    plain = outputs(SpeculativeGenerator(lm, None, 0).generate(prompts[:1], 24))
-    assert outputs(SpeculativeGenerator(lm, SuffixDrafter(2), 6).generate(prompts[:1], 24)) == plain
-
-    def racing(update_op, passes):  # every row in one op, as TT-Transformers writes a decode step
-        def write(cache, input_tensor, *, update_idxs_tensor=None, **kwargs):
-            update_op(cache, input_tensor, update_idxs_tensor=lm.inputs.current_pos, **kwargs)
-        return write
-    monkeypatch.setattr(ordered_attention, "ordered_update", racing)
-    racy = tt(1)
-    assert outputs(SpeculativeGenerator(racy, SuffixDrafter(2), 6).generate(prompts[:1], 24)) != plain
+    keys and values, and speculative output drifts from plain decoding: the ordered passes are what prevent it.
+    Both runs on fresh backends whose caches hold only what they wrote."""
+    assert outputs(SpeculativeGenerator(tt(1), SuffixDrafter(2), 6).generate(prompts[:1], 32)) == plain_outputs[:1]
+    monkeypatch.setattr(ordered_attention, "ordered_update", lambda update_op, passes: update_op)
+    assert outputs(SpeculativeGenerator(tt(1), SuffixDrafter(2), 6).generate(prompts[:1], 32)) != plain_outputs[:1]
 
 
 def test_racing_write_model():
@@ -256,7 +297,8 @@ def test_demo_on_the_ttnn_backend(tt, tmp_path, monkeypatch):
     config = DemoConfig(input_prompts=str(write_json(tmp_path / "p.json", [{"prompt": "Repeat: a b c d e f g"}])),
                         max_generated_tokens=12, max_seq_len=256, draft_layers=4, batch_size=2)
     assert backend_of(config) == "ttnn" and backend_of(DemoConfig(backend="torch")) == "torch"
-    report = run_demo(config, stand_in_ttnn.open_mesh_device(stand_in_ttnn.MeshShape(1, 1)))
+    report = run_demo(config, stand_in_ttnn.open_mesh_device(stand_in_ttnn.MeshShape(1, 1),
+                                                             trace_region_size=STAND_IN_TRACE_REGION))
     assert report["summary"]["identical_to_baseline"] and report["summary"]["decode_t/s/u"] > 0
     with pytest.raises(ValueError, match="--dtype 'float32' is not supported on the ttnn backend"):
         run_demo(DemoConfig(**{**vars(config), "dtype": "float32"}), None)

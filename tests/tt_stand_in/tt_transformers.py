@@ -1,15 +1,23 @@
 # SPDX-License-Identifier: Apache-2.0
-"""TEST DOUBLE standing in for the TT-Transformers surface the ttnn backend drives (models.tt_transformers.tt at
-tt-metal v0.81.1: ModelArgs, Transformer, Attention, PagedAttentionConfig, copy_host_to_device, Generator). It is
-not TT-Transformers: it computes the checkpoint's model in float32 torch through the stand-in ttnn ops
-(stand-in ttnn.py), keeping the interfaces and the constraints the real code has (names, keyword arguments,
-HF_MODEL, max_batch_size in {1, 2, 4, 8, 16, 32}, tokens padded to a 32-row tile, per-row RoPE positions clamped at
-0, the attention_class hook, the cache update through ttnn.experimental.paged_update_cache with
-update_idxs_tensor=current_pos, paged SDPA decode bounded by each row's position, 128-padded prefill into a user's
-page-table row, an LM head padded past the vocabulary)."""
+"""TEST DOUBLE standing in for the TT-Transformers surface the ttnn backend drives (models.tt_transformers.tt:
+ModelArgs, Transformer, TransformerBlock, Attention, DistributedNorm, TT_CCL, PagedAttentionConfig,
+copy_host_to_device, Generator). It is not TT-Transformers: it computes the checkpoint's model in torch through the
+stand-in ttnn ops (stand-in ttnn.py). What it keeps of the real code, each piece naming the tt-metal file and
+function it mirrors, is what the backend depends on and what can fail there: the signatures and keyword arguments,
+the module-name map behind get_state_dict_prefix, model_name and the weight-cache folder from HF_MODEL and
+TT_CACHE_PATH, the device name from the mesh, the optimizations default, the prefill warm-up's power-of-two rule,
+the vocabulary padded per device, CCL ops on meshes of several devices, tokens padded to a 32-row tile, RoPE
+positions clamped at 0, the cache update through ttnn.experimental.paged_update_cache with
+update_idxs_tensor=current_pos, paged SDPA decode bounded by each row's position.
+
+The tt-metal tag the backend pins (v0.81.1, d80d9482) is not in the searchable index: the files were read at the
+nearest versions found (model_config.py and generator.py at 87700c07, model.py, attention.py, common.py and ccl.py
+at 3c5c3944, decoder.py and distributed_norm.py at 01229001), and ttnn's own checks against the 0.81.1 wheel."""
 import json
 import math
 import os
+import re
+from enum import Enum
 from functools import lru_cache
 from pathlib import Path
 
@@ -35,56 +43,184 @@ def torch_model(folder: str, dtype: torch.dtype):
     return load_model(resolve_checkpoint(folder), dtype, 2048, cpu_kernels=False)
 
 
-class PagedAttentionConfig:
+class PagedAttentionConfig:  # tt/common.py
     def __init__(self, block_size=32, max_num_blocks=1024):
         self.block_size = block_size
         self.max_num_blocks = max_num_blocks
 
 
-def copy_host_to_device(host_tensors, device_tensors=None, mesh_device=None):
+class Mode(Enum):  # tt/common.py
+    DECODE = "decode"
+    PREFILL = "prefill"
+
+
+def copy_host_to_device(host_tensors, device_tensors=None, mesh_device=None, shard_specs=None):
+    """tt/common.py copy_host_to_device."""
     if device_tensors is None:
+        assert mesh_device is not None, "mesh_device is required when device_tensors is None"
         return [ttnn.to_device(t, device=mesh_device) if t else None for t in host_tensors]
     for host, device in zip(host_tensors, device_tensors):
-        if host is not None:
-            ttnn.copy_host_to_device_tensor(host, device)
+        if host is None:
+            assert device is None
+            continue
+        ttnn.copy_host_to_device_tensor(host, device)
     return device_tensors
 
 
 def get_padded_prefill_len(seq_len: int) -> int:
-    """As TT-Transformers: 128 for short prompts, else the next power of two (then multiples of 2048)."""
+    """tt/common.py get_padded_prefill_len: 128, then 1024, then the next power of two."""
     if seq_len <= 128:
         return 128
-    return 2 ** math.ceil(math.log2(seq_len)) if seq_len <= 2048 else 2048 * math.ceil(seq_len / 2048)
+    if seq_len <= 1024:
+        return 1024
+    return 2 ** (seq_len - 1).bit_length()
+
+
+def get_base_model_name(model_name: str) -> str:
+    """tt/common.py get_base_model_name: "Llama-3.1-8B-Instruct" -> "Llama-3.1-8B"."""
+    match = re.search(r"(.*?\d+[bB])-", model_name)
+    return match.group(1) if match else model_name
+
+
+def calculate_prefill_warmup_seq_lens(max_seq_len_to_warmup: int, trace_supported_seq_lens) -> list[int]:
+    """tt/common.py: 128 and 1024 * 2^k up to the cap, plus the traced lengths."""
+    lengths, k = [128], 0
+    while (v := (1 << k) * 1024) <= max_seq_len_to_warmup:
+        lengths.append(v)
+        k += 1
+    return sorted(set(lengths) | set(trace_supported_seq_lens))
+
+
+def determine_device_name(mesh_device) -> str:
+    """tt/model_config.py determine_device_name (Wormhole's table; the stand-in is a Wormhole system)."""
+    names = {1: "N150", 2: "N300", 4: "N150x4", 8: "T3K", 32: "TG"}
+    num_devices = mesh_device.get_num_devices()
+    if num_devices not in names:
+        raise ValueError(f"Unsupported number of devices: {num_devices} for wormhole_b0")
+    return names[num_devices]
+
+
+class DecodersPrecision:
+    """tt/model_config.py DecodersPrecision: the per-decoder precision preset ModelArgs keeps as its optimizations."""
+
+    def __init__(self, num_decoders, model_name, name="accuracy"):
+        self.num_decoders, self.model_name, self.__name__ = num_decoders, model_name, name
+
+    @classmethod
+    def accuracy(cls, num_decoders, model_name):
+        return cls(num_decoders, model_name, "accuracy")
+
+    @classmethod
+    def performance(cls, num_decoders, model_name):
+        return cls(num_decoders, model_name, "performance")
+
+
+# tt/model_config.py get_max_prefill_chunk_size (div 1024; an unknown model or device gets 4)
+MAX_PREFILL_CHUNK_SIZES_DIV1024 = {"Llama-3.1-8B": {"N150": 4, "N300": 64, "T3K": 128, "TG": 128},
+                                   "Llama-3.2-1B": {"N150": 128, "N300": 128, "T3K": 128, "TG": 128}}
+# tt/model_config.py get_trace_prefill_supported_seq_lens, default_supported_seq_lens
+TRACE_PREFILL_SEQ_LENS = {"N150": [128], "N300": [128, 1024], "T3K": [128, 1024], "TG": [128, 1024]}
 
 
 class ModelArgs:
+    """tt/model_config.py ModelArgs (read at 87700c07, a post-April-2026 version): the checks and derived settings the
+    backend depends on."""
+
     def __init__(self, mesh_device, instruct=False, dummy_weights=False, max_batch_size=1, max_seq_len=1024 * 128,
-                 optimizations=None, cache_hf=False):
-        hf_model = os.getenv("HF_MODEL")
-        assert hf_model, "Please set HF_MODEL to a HuggingFace name e.g. meta-llama/Llama-3.1-8B-Instruct"
-        if max_batch_size not in {1, 2, 4, 8, 16, 32}:
-            raise ValueError(f"Batch size {max_batch_size} not supported")
-        self.CKPT_DIR, self.mesh_device, self.instruct = hf_model, mesh_device, instruct
+                 optimizations=None, cache_hf=False, prefetcher=None, use_hf_rope=False):
+        self.num_devices = mesh_device.get_num_devices() if mesh_device else 0
+        self.device_name = determine_device_name(mesh_device)
+        self.cluster_shape = list(mesh_device.shape)
+        self.is_galaxy = self.num_devices == 32
+        self.is_multichip = self.num_devices > 1
+        self.mesh_device, self.instruct, self.dummy_weights = mesh_device, instruct, dummy_weights
         self.max_batch_size, self.max_seq_len, self.tile_size = max_batch_size, max_seq_len, 32
-        config = TorchModelArgs.from_hf_config(json.loads((Path(hf_model) / "config.json").read_text()))
-        self.torch_args = config
-        self.n_layers, self.vocab_size, self.dim = config.n_layers, config.vocab_size, config.dim
-        self.padded_vocab_size = (config.vocab_size // 128 + 2) * 128
-        self.is_galaxy, self.cluster_shape, self.use_qk_fused = False, list(mesh_device.shape), True
-        cache = os.getenv("TT_CACHE_PATH")
-        self.model_cache_path = Path(cache) / "N150" if cache else Path("model_cache") / hf_model / "N150"
+        supported_batches = {1, 2, 4, 8, 16, 32}
+        if self.max_batch_size not in supported_batches:
+            raise ValueError(f"Batch size {self.max_batch_size} not supported")
+        hf_model = os.getenv("HF_MODEL")
+        self.CACHE_PATH = os.getenv("TT_CACHE_PATH")
+        if not hf_model:
+            raise ValueError("Please set HF_MODEL to a HuggingFace name e.g. meta-llama/Llama-3.1-8B-Instruct")
+        self.CKPT_DIR = self.TOKENIZER_PATH = hf_model
+        if not self.CACHE_PATH:
+            self.CACHE_PATH = os.path.join("model_cache", hf_model, self.device_name)
+        else:  # "For HF models, always append the device name (e.g. N150/N300/T3K/TG) to the cache path"
+            self.CACHE_PATH = os.path.join(self.CACHE_PATH, self.device_name)
+        self.model_name = hf_model.strip("/").split("/")[-1]
+        self.model_cache_path = Path(self.CACHE_PATH)
+        # _set_hf_params: AutoConfig.from_pretrained(CKPT_DIR), which records the path it was given as
+        # _name_or_path; _set_params_from_dict then takes model_name from it.
+        config_file = Path(hf_model) / "config.json"
+        if not config_file.is_file():
+            raise OSError(f"stand-in: AutoConfig.from_pretrained({hf_model!r}) finds no config.json")
+        config = {**json.loads(config_file.read_text()), "_name_or_path": hf_model}
+        normalized_path = os.path.normpath(config["_name_or_path"])
+        if "snapshots" in normalized_path:  # "<model_name>/snapshots/<snapshot_id>/"
+            self.model_name = normalized_path.split(os.path.sep)[-3].split("--")[-1]
+        else:
+            self.model_name = os.path.basename(normalized_path)
+        self.torch_args = TorchModelArgs.from_hf_config(config)
+        a = self.torch_args
+        self.n_layers = self.full_model_n_layers = a.n_layers
+        self.vocab_size, self.dim, self.n_heads, self.n_kv_heads = a.vocab_size, a.dim, a.n_heads, a.n_kv_heads
+        shard_unit = 32 * self.num_devices  # compute_padded_vocab_size: each device's shard tile-aligned
+        self.padded_vocab_size = 128 * 1024 if self.is_galaxy else math.ceil(a.vocab_size / shard_unit) * shard_unit
+        assert self.n_heads % self.cluster_shape[1] == 0, "n_heads must be divisible by num_devices"
+        assert self.n_kv_heads % self.cluster_shape[1] == 0, "n_kv_heads must be divisible by num_devices"
+        self.use_qk_fused = not use_hf_rope and prefetcher is None
+        self.optimizations = optimizations(self) if callable(optimizations) else optimizations
+        if self.optimizations is None:
+            self.optimizations = DecodersPrecision.accuracy(num_decoders=self.n_layers, model_name=self.model_name)
+        div1024 = MAX_PREFILL_CHUNK_SIZES_DIV1024.get(self.base_model_name, {}).get(self.device_name, 4)
+        self.max_prefill_chunk_size = div1024 * 1024
+        self.capped_warmup_seq_len = min(self.max_prefill_chunk_size, self.max_seq_len)
+        self.trace_prefill_supported_seq_lens = [
+            n for n in TRACE_PREFILL_SEQ_LENS.get(self.device_name, []) if n <= self.capped_warmup_seq_len]
+
+    @property
+    def base_model_name(self) -> str:
+        return get_base_model_name(self.model_name)
+
+    def get_warmup_prefill_supported_seq_lens(self) -> list[int]:
+        assert self.capped_warmup_seq_len > 0 and (self.capped_warmup_seq_len & (self.capped_warmup_seq_len - 1)) == 0, \
+            f"capped_warmup_seq_len must be a power of 2, but got {self.capped_warmup_seq_len}"
+        return calculate_prefill_warmup_seq_lens(self.capped_warmup_seq_len, self.trace_prefill_supported_seq_lens)
+
+    def get_state_dict_prefix(self, module_name, layer_num, is_vision=False):
+        layer_prefix = f"layers.{layer_num}." if layer_num is not None else ""
+        text_module_map = {"MLP": "feed_forward", "Attention": "attention", "TransformerBlock": "", "": ""}
+        return layer_prefix + text_module_map[module_name]  # any other module name: KeyError, as in TT
 
     def weight_cache_path(self, dtype):
-        return self.model_cache_path / ("tensor_cache_instruct_bfp8" if self.instruct else "tensor_cache_bfp8")
+        kind = {ttnn.bfloat16: "bf16", ttnn.bfloat8_b: "bfp8"}[dtype]  # KeyError for other dtypes, as in TT
+        return self.model_cache_path / (f"tensor_cache_instruct_{kind}" if self.instruct else f"tensor_cache_{kind}")
 
     def load_state_dict(self):
         return {"folder": self.CKPT_DIR}  # the stand-in's "state dict": where the weights are
 
 
+class TT_CCL:
+    """tt/ccl.py TT_CCL: built by every Transformer, one mesh or many; it makes global semaphores only."""
+
+    def __init__(self, mesh_device):
+        grid = mesh_device.compute_with_storage_grid_size()
+        self.mesh_device = mesh_device
+        self.semaphores = [ttnn.create_global_semaphore(mesh_device, (grid.x, grid.y), 0) for _ in range(36)]
+
+
 class Attention:
+    """tt/attention.py Attention (read at 3c5c3944): __init__ finds its weights under
+    configuration.get_state_dict_prefix(self.__class__.__name__, layer_num), and caches them as files named from that
+    prefix under weight_cache_path; forward_decode updates the paged cache then runs paged SDPA decode."""
+
     def __init__(self, mesh_device, tt_ccl, args, state_dict, weight_cache_path, layer_num, dtype,
                  transformation_mats, configuration, paged_attention_config=None, use_paged_kv_cache=False,
                  prefetcher=None):
+        layer_name = configuration.get_state_dict_prefix(self.__class__.__name__, layer_num)
+        if weight_cache_path is not None:  # ttnn.as_tensor(..., cache_file_name=weight_cache_path / f"{layer_name}.wqkv")
+            weight_cache_path.mkdir(parents=True, exist_ok=True)
+            (weight_cache_path / f"{layer_name}.wqkv").touch()
         a = args.torch_args
         self.args, self.model, self.block = args, state_dict, state_dict.layers[layer_num]
         self.n_heads, self.n_kv_heads, self.head_dim = a.n_heads, a.n_kv_heads, a.head_dim
@@ -104,6 +240,12 @@ class Attention:
                 (qk[:, :, H:].contiguous(), ttnn.bfloat16, ttnn.TILE_LAYOUT),
                 (qkv[:, :, H + Hk :].contiguous(), ttnn.bfloat16, ttnn.TILE_LAYOUT))
 
+    def forward(self, x, current_pos, rot_mats=None, user_id=0, mode=Mode.DECODE, page_table=None,
+                chunk_page_table=None, chunk_start_idx=None, kv_cache=None):
+        if mode != Mode.DECODE:
+            raise NotImplementedError("stand-in: prefill goes through Transformer.prefill")
+        return self.forward_decode(x, current_pos, rot_mats, page_table=page_table, kv_cache=kv_cache)
+
     def forward_decode(self, x, current_pos, rot_mats=None, page_table=None, kv_cache=None):
         q, k, v = ttnn.run_op("qkv_rope", self._qkv_rope, x, rot_mats)
         keys, values = kv_cache if kv_cache else self.layer_past
@@ -121,13 +263,25 @@ class Attention:
 
 
 class TransformerBlock:
-    def __init__(self, block, attention):
-        self.block, self.attention = block, attention
+    """tt/decoder.py TransformerBlock: builds attention_class (TT's Attention when None) with keyword arguments and
+    calls it as attention.forward(x, current_pos, rot_mats, user_id, mode, page_table=..., kv_cache=...)."""
 
-    def forward_decode(self, x, current_pos, rot_mats, page_table, kv_cache):
+    def __init__(self, args, mesh_device, tt_ccl, dtype, state_dict, layer_num, weight_cache_path,
+                 transformation_mats, paged_attention_config=None, use_paged_kv_cache=False, attention_class=None,
+                 prefetcher=None):
+        self.block = state_dict.layers[layer_num]
+        self.attention = (attention_class or Attention)(
+            mesh_device=mesh_device, tt_ccl=tt_ccl, args=args, state_dict=state_dict,
+            weight_cache_path=weight_cache_path, layer_num=layer_num, dtype=dtype,
+            transformation_mats=transformation_mats, configuration=args, paged_attention_config=paged_attention_config,
+            use_paged_kv_cache=use_paged_kv_cache, prefetcher=prefetcher)
+
+    def forward(self, x, current_pos, rot_mats_global=None, rot_mats_local=None, user_id=0, mode=Mode.DECODE,
+                page_table=None, chunk_page_table=None, chunk_start_idx=None, kv_cache=None, batch_size=1):
         normed = ttnn.run_op("attention_norm", lambda t: (self.block.attention_norm(t.data), t.dtype, t.layout), x)
-        attn = self.attention.forward_decode(normed, current_pos, rot_mats=rot_mats, page_table=page_table,
-                                             kv_cache=kv_cache)
+        attn = self.attention.forward(normed, current_pos, rot_mats_global, user_id, mode, page_table=page_table,
+                                      chunk_page_table=chunk_page_table, chunk_start_idx=chunk_start_idx,
+                                      kv_cache=kv_cache)
 
         def residual_mlp(h, a):
             h = h.data + a.data
@@ -136,28 +290,37 @@ class TransformerBlock:
 
 
 class DistributedNorm:
-    """The final norm, called as TT-Transformers' forward calls it: norm(x, mode=..., norm_config=...)."""
+    """tt/distributed_norm.py DistributedNorm: on a multi-chip mesh the decode input is all-gathered
+    (ttnn.experimental.all_gather_async) before the norm, so every device holds every row's whole hidden state."""
 
-    def __init__(self, norm):
-        self.norm = norm
+    def __init__(self, norm, args, tt_ccl=None, prefetcher=None, TG=False):
+        self.norm, self.args = norm, args
 
-    def __call__(self, x, mode="decode", norm_config=None):
+    def __call__(self, x, mode=Mode.DECODE, norm_config=None):
+        if self.args.is_multichip:
+            x = ttnn.experimental.all_gather_async(x, persistent_output_buffer=None, dim=3)
         return ttnn.run_op("norm", lambda t: (self.norm(t.data), ttnn.bfloat16, ttnn.TILE_LAYOUT), x)
 
 
 class Transformer:
+    """tt/model.py Transformer (read at 3c5c3944)."""
+
     def __init__(self, args, dtype, mesh_device, state_dict, weight_cache_path, paged_attention_config=None,
                  use_paged_kv_cache=False, attention_class=None, rope_setup_class=None, prefetcher=None):
-        state_dict = torch_model(state_dict["folder"], COMPUTE_DTYPES[dtype])  # computes in the weights' dtype
-        self.args, self.mesh_device, self.model = args, mesh_device, state_dict
+        model = torch_model(state_dict["folder"], COMPUTE_DTYPES[dtype])  # computes in the weights' dtype
+        self.args, self.mesh_device, self.model = args, mesh_device, model
         self.vocab_size, self.n_layers = args.vocab_size, args.n_layers
-        self.norm = DistributedNorm(state_dict.norm)
-        attention_class = attention_class or Attention
-        self.layers = [TransformerBlock(state_dict.layers[i], attention_class(
-            mesh_device=mesh_device, tt_ccl=None, args=args, state_dict=state_dict, weight_cache_path=weight_cache_path,
-            layer_num=i, dtype=dtype, transformation_mats={}, configuration=args,
-            paged_attention_config=paged_attention_config, use_paged_kv_cache=use_paged_kv_cache, prefetcher=prefetcher))
-            for i in range(args.n_layers)]
+        self.tt_ccl = TT_CCL(mesh_device)
+        self.norm = DistributedNorm(model.norm, args, tt_ccl=self.tt_ccl, prefetcher=prefetcher, TG=args.is_galaxy)
+        self.layers = [TransformerBlock(args=args, mesh_device=mesh_device, tt_ccl=self.tt_ccl, dtype=dtype,
+                                        state_dict=model, weight_cache_path=weight_cache_path, layer_num=i,
+                                        transformation_mats={}, paged_attention_config=paged_attention_config,
+                                        use_paged_kv_cache=use_paged_kv_cache, attention_class=attention_class,
+                                        prefetcher=prefetcher)
+                       for i in range(self.n_layers)]
+        # On-device sampling (and the split-sampling trace hook) where each device's vocabulary share fits 64k
+        splits = args.num_devices if list(mesh_device.shape) != [1, 1] else 2
+        self.sampling = object() if prefetcher is None and args.vocab_size // splits <= 64 * 1024 else None
 
     def prepare_decode_inputs_host(self, tokens, current_pos, page_table=None):
         B = tokens.shape[0]
@@ -166,7 +329,9 @@ class Transformer:
         tokens = F.pad(tokens.view(-1), (0, 32 - len(tokens)), "constant", 0)
         tokens = ttnn.unsqueeze_to_4D(ttnn.from_torch(tokens, device=None, dtype=ttnn.uint32,
                                                       mesh_mapper=ttnn.ReplicateTensorToMesh(self.mesh_device)))
-        rope_idxs = ttnn.from_torch(torch.clamp(current_pos, min=0), dtype=ttnn.int32)
+        rope_idxs = ttnn.from_torch(torch.maximum(current_pos, torch.tensor(0)), dtype=ttnn.int32)
+        if self.args.is_galaxy and B > 1:
+            raise NotImplementedError("stand-in: a Galaxy's row-sharded positions")
         mapper = ttnn.ShardTensor2dMesh(self.mesh_device, dims=(None, None), mesh_shape=self.args.cluster_shape)
         current_pos_tt = ttnn.from_torch(current_pos, device=None, dtype=ttnn.int32, mesh_mapper=mapper)
         if page_table is not None:
@@ -175,18 +340,32 @@ class Transformer:
 
     def ttnn_decode_forward(self, x, current_pos, rot_mat_idxs=None, page_table=None, kv_cache=None,
                             sampling_on_device=False, capture_sampling_trace=False):
+        """The decode step to the LM head, whose output is split over the devices by vocabulary (TILE). With
+        sampling_on_device (and on-device sampling supported): the position inputs are advanced on device
+        (ttnn.plus_one) and, capture_sampling_trace, the per-device logits returned as they are. Otherwise they are
+        all-gathered (more than one device) and untilized: (logits, None)."""
         m = self.model
         h = ttnn.run_op("embedding", lambda t: (m.tok_embeddings(t.data.view(-1)[:32]).view(1, 1, 32, -1),
                                                 ttnn.bfloat16, ttnn.TILE_LAYOUT), x)
         for layer, kv in zip(self.layers, kv_cache):
-            h = layer.forward_decode(h, current_pos, rot_mat_idxs, page_table, kv)
+            h = layer.forward(h, current_pos, rot_mats_global=rot_mat_idxs, mode=Mode.DECODE, page_table=page_table,
+                              kv_cache=kv)
 
-        def lm_head(t):  # untilized, as TT-Transformers returns it; columns past the vocabulary are padding
+        def lm_head(t):  # columns past the vocabulary are padding, not vocabulary
             logits = m.output(t.data).float()
             padded = torch.full((*logits.shape[:-1], self.args.padded_vocab_size), PADDED_VOCAB_GARBAGE)
             padded[..., : self.vocab_size] = logits
-            return padded, ttnn.bfloat16, ttnn.ROW_MAJOR_LAYOUT
-        return ttnn.run_op("lm_head", lm_head, self.norm(h, mode="decode")), None
+            return padded, ttnn.bfloat16, ttnn.TILE_LAYOUT
+        tt_logits = ttnn.run_op("lm_head", lm_head, self.norm(h, mode=Mode.DECODE), shards=self.args.num_devices)
+        if sampling_on_device and self.sampling is not None:
+            ttnn.plus_one(current_pos, skip_negative_entries=True)
+            ttnn.plus_one(rot_mat_idxs)
+            if capture_sampling_trace:
+                return tt_logits
+            raise NotImplementedError("stand-in: TT's on-device sampling")
+        if self.args.num_devices > 1:
+            tt_logits = ttnn.experimental.all_gather_async(tt_logits, persistent_output_buffer=None, dim=3)
+        return ttnn.untilize(tt_logits, use_multicore=True, memory_config=ttnn.DRAM_MEMORY_CONFIG), None
 
     def prefill(self, ids: torch.Tensor, seq_len: int, page_row: torch.Tensor, kv_cache) -> torch.Tensor:
         """The padded prompt through every layer (causal), K/V of its real positions into the user's pages; the
@@ -216,12 +395,30 @@ class Transformer:
 
 
 class Generator:
+    """tt/generator.py Generator (read at 87700c07): the first prefill_forward_text (warmup_prefill=True) runs the
+    prefill warm-up sweep over ModelArgs.get_warmup_prefill_supported_seq_lens(), on user 0 with a page table of
+    zeros, once per Generator."""
+
     def __init__(self, model, model_args, mesh_device, processor=None, tokenizer=None):
         self.model, self.model_args, self.mesh_device = model, model_args, mesh_device
+        self.already_warmed_up_prefill = False
+
+    def warmup_model_prefill(self, kv_cache, enable_trace, can_sample_on_device=False,
+                             non_greedy_decoding_on_device=False):
+        if self.already_warmed_up_prefill:
+            return
+        self.already_warmed_up_prefill = True
+        for seq_len in self.model_args[0].get_warmup_prefill_supported_seq_lens():
+            blocks = math.ceil(seq_len / kv_cache[0][0][0].shape[2])
+            self.prefill_forward_text(torch.zeros(1, seq_len, dtype=torch.long), kv_cache=kv_cache,
+                                      page_table=torch.zeros(1, blocks, dtype=torch.int32), prompt_lens=[seq_len],
+                                      empty_slots=[0], enable_trace=enable_trace, model_id_warmup=0)
 
     def prefill_forward_text(self, tokens, page_table=None, kv_cache=None, prompt_lens=None, empty_slots=None,
                              enable_trace=True, model_id_warmup=None, sampling_params=None, start_pos=None,
                              return_hidden_states=False, warmup_prefill=True, **kwargs):
+        if warmup_prefill:
+            self.warmup_model_prefill(kv_cache=kv_cache, enable_trace=enable_trace)
         batch_size = tokens.shape[0]
         out = torch.zeros(batch_size, 1, self.model_args[0].vocab_size)
         for idx, user_id in enumerate(empty_slots if empty_slots is not None else range(batch_size)):

@@ -10,6 +10,11 @@ against the constraints a device imposes (names and keywords are those of ttnn 0
 - the KV cache is paged, blocks of 32 positions, [blocks, kv heads, 32, head_dim], addressed through page tables;
 - paged_update_cache read-modify-writes a whole cache tile per row, all rows at once: when several rows of one
   op land in the same block, only the last row's write survives (the race tt-metal's Gemma-4 work hit).
+- meshes of several devices: tensors are replicated, or sharded along their last dim (`shards`), and ops on a
+  sharded tensor work on each device's shard in its local coordinates; CCL ops need the fabric configured before
+  the mesh opened; the trace region is a budget that traces can overflow.
+Each rule that mirrors a tt-metal check names the file and function it follows (read at versions near v0.81.1; the
+error texts are the ones in the ttnn 0.81.1 wheel's libraries).
 """
 import builtins
 import types
@@ -18,27 +23,80 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-uint32, int32, bfloat16, bfloat8_b, float32 = "uint32", "int32", "bfloat16", "bfloat8_b", "float32"
+uint16, uint32, int32, bfloat16, bfloat8_b, float32 = "uint16", "uint32", "int32", "bfloat16", "bfloat8_b", "float32"
 ROW_MAJOR_LAYOUT, TILE_LAYOUT = "ROW_MAJOR", "TILE"
 DRAM_MEMORY_CONFIG = "DRAM"
-TORCH_DTYPES = {uint32: torch.int64, int32: torch.int64, bfloat16: torch.float32, bfloat8_b: torch.float32,
+TORCH_DTYPES = {uint16: torch.int64, uint32: torch.int64, int32: torch.int64, bfloat16: torch.float32, bfloat8_b: torch.float32,
                 float32: torch.float32}
 
 
-class MeshDevice:
-    """One device's worth of state: tensors it holds, compiled programs, traces."""
+TRACE_OP_BYTES = 4096  # what one recorded op takes in the stand-in's trace region (a stand-in figure)
+AVAILABLE_DEVICES = 8  # Wormhole chips the stand-in "system" has (a T3K)
 
-    def __init__(self, shape=(1, 1)):
+
+class FabricConfig:  # ttnn.FabricConfig members (ttnn 0.81.1)
+    DISABLED, FABRIC_1D_NEIGHBOR_EXCHANGE, FABRIC_1D, FABRIC_1D_RING, FABRIC_2D = range(5)
+
+
+class FabricReliabilityMode:
+    STRICT_INIT, RELAXED_INIT, DYNAMIC_RECONFIG = range(3)
+
+
+FABRIC = {"config": FabricConfig.DISABLED, "open_meshes": 0}
+
+
+def set_fabric_config(config, reliability_mode=FabricReliabilityMode.STRICT_INIT, num_planes=None,
+                      fabric_tensix_config=None, fabric_udm_mode=None, fabric_manager_mode=None, router_config=None):
+    """tt_metal's SetFabricConfig (libtt_metal.so, 0.81.1): no change to a non-DISABLED config while a mesh is open."""
+    if config != FabricConfig.DISABLED and FABRIC["open_meshes"]:
+        raise RuntimeError(f"SetFabricConfig({config}) is not allowed while devices are still open: Close the mesh "
+                           "device before changing the fabric config to a non-DISABLED value.")
+    FABRIC["config"] = config
+
+
+def get_fabric_config():
+    return FABRIC["config"]
+
+
+def get_num_devices() -> int:
+    return AVAILABLE_DEVICES
+
+
+def get_device_ids() -> list:  # ttnn/distributed/distributed.py
+    return list(range(get_num_devices()))
+
+
+class CoreCoord:
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+
+class MeshDevice:
+    """A mesh's worth of state: tensors it holds, compiled programs, traces and the trace region they fill."""
+
+    def __init__(self, shape=(1, 1), trace_region_size=0):
         self.shape = tuple(shape)
+        self.trace_region_size = trace_region_size
+        self.fabric = FABRIC["config"]
         self.allocations = 0  # device tensors created outside trace replay
         self.compiled: set = set()
         self.capturing: Optional[list] = None
+        self.capture_allocations = 0
         self.traces: dict[int, list] = {}
+        self.trace_sizes: dict[int, int] = {}
+        self.next_trace_id = 1
         self.replaying = False
         self.ops_run = 0
+        self.single_core_topk = 0  # topk calls that took the single-core program
 
     def get_num_devices(self) -> int:
         return self.shape[0] * self.shape[1]
+
+    def dram_grid_size(self) -> CoreCoord:
+        return CoreCoord(12, 1)  # Wormhole: 12 DRAM channels
+
+    def compute_with_storage_grid_size(self) -> CoreCoord:
+        return CoreCoord(8, 8)
 
 
 class MeshShape(tuple):
@@ -46,20 +104,47 @@ class MeshShape(tuple):
         return super().__new__(cls, (rows, cols))
 
 
-def open_mesh_device(mesh_shape=None, l1_small_size=0, trace_region_size=0, num_command_queues=1, **kwargs):
-    return MeshDevice(mesh_shape or (1, 1))
+def open_mesh_device(mesh_shape=None, l1_small_size=0, trace_region_size=0, num_command_queues=1,
+                     dispatch_core_config=None, offset=None, physical_device_ids=(), worker_l1_size=0):
+    """ttnn/distributed/distributed.py open_mesh_device: these keywords only (a fabric keyword is a TypeError). A
+    fabric on one chip fails as tt-metal's control plane does (libtt_metal.so, 0.81.1)."""
+    mesh = MeshDevice(mesh_shape or (1, get_num_devices()), trace_region_size)
+    if mesh.get_num_devices() > get_num_devices():
+        raise RuntimeError(f"stand-in: {mesh.get_num_devices()} devices requested, {get_num_devices()} available")
+    if mesh.fabric != FabricConfig.DISABLED and mesh.get_num_devices() < 2:
+        raise RuntimeError(f"Fabric config {mesh.fabric} requires at least 2 participating chips, but the opened mesh "
+                           f"has {mesh.get_num_devices()} local device(s) on a single host.")
+    FABRIC["open_meshes"] += 1
+    return mesh
 
 
 def close_mesh_device(mesh_device) -> None:
     mesh_device.traces.clear()
+    FABRIC["open_meshes"] -= 1
+
+
+device = types.SimpleNamespace(is_wormhole_b0=lambda mesh_device: True, is_blackhole=lambda mesh_device: False)
+
+
+def get_arch_name() -> str:
+    return "wormhole_b0"
+
+
+def create_global_semaphore(mesh_device, cores, initial_value, buffer_type=None):
+    return object()
 
 
 class Tensor:
-    def __init__(self, data: torch.Tensor, dtype: str, layout: str, device: Optional[MeshDevice]):
-        self._data, self.dtype, self.layout, self.device = data, dtype, layout, device
+    """`shards` > 1: split along the last dim over the mesh's devices in order (device d holds the d-th chunk);
+    otherwise replicated."""
+
+    def __init__(self, data: torch.Tensor, dtype: str, layout: str, device: Optional[MeshDevice], shards: int = 1):
+        self._data, self.dtype, self.layout, self.device, self.shards = data, dtype, layout, device, shards
         self.deallocated = False
         if device is not None and not device.replaying:
             device.allocations += 1
+            if device.capturing is not None:
+                device.capture_allocations += 1
 
     @property
     def data(self) -> torch.Tensor:
@@ -78,28 +163,41 @@ class ReplicateTensorToMesh:
 
 
 class ShardTensor2dMesh:
-    def __init__(self, mesh_device, dims, mesh_shape):
-        if tuple(dims) != (None, None):
-            raise NotImplementedError("stand-in: only replicated placement on a 1x1 mesh")
-        self.mesh_device = mesh_device
+    def __init__(self, mesh_device, mesh_shape=None, dims=None):
+        if dims is None or tuple(dims) not in ((None, None), (None, 3), (None, -1)):
+            raise NotImplementedError("stand-in: replicated, or sharded along the last dim over the mesh, only")
+        self.mesh_device, self.shards = mesh_device, 1 if tuple(dims) == (None, None) else mesh_device.get_num_devices()
 
 
 def from_torch(tensor, dtype=None, *, layout=ROW_MAJOR_LAYOUT, device=None, mesh_mapper=None, memory_config=None,
                **kwargs) -> Tensor:
     dtype = dtype or float32
-    return Tensor(tensor.detach().to(TORCH_DTYPES[dtype]).clone(), dtype, layout, device)
+    shards = getattr(mesh_mapper, "shards", 1)
+    return Tensor(tensor.detach().to(TORCH_DTYPES[dtype]).clone(), dtype, layout, device, shards)
 
 
 def to_torch(tensor: Tensor, dtype=None, **kwargs) -> torch.Tensor:
-    return tensor.data.clone()
+    """uint16 comes back as torch's int16 (torch has no uint16 for these ops): ids >= 32768 read negative unless the
+    reader masks them (the index dtype topk returns for widths <= 65535, topk_device_operation.cpp)."""
+    data = tensor.data.clone()
+    return data.to(torch.int16) if tensor.dtype == uint16 else data
 
 
 def to_device(tensor: Tensor, device: MeshDevice, memory_config=None) -> Tensor:
-    return Tensor(tensor.data.clone(), tensor.dtype, tensor.layout, device)
+    return Tensor(tensor.data.clone(), tensor.dtype, tensor.layout, device, tensor.shards)
 
 
 def get_device_tensors(tensor: Tensor) -> list:
-    return [tensor]
+    """One tensor per device: its shard, or the replicated whole."""
+    n = tensor.device.get_num_devices() if tensor.device is not None else 1
+    if tensor.shards == 1:
+        return [tensor] * n
+    return [Tensor(part.clone(), tensor.dtype, tensor.layout, None) for part in tensor.data.chunk(tensor.shards, -1)]
+
+
+def per_shard(tensor: Tensor, fn) -> torch.Tensor:
+    """fn applied to each device's shard (its local coordinates), the results put back side by side."""
+    return torch.cat([fn(part) for part in tensor.data.chunk(tensor.shards, -1)], dim=-1)
 
 
 def unsqueeze_to_4D(tensor: Tensor) -> Tensor:
@@ -132,42 +230,58 @@ def _device_of(values) -> MeshDevice:
     raise RuntimeError("stand-in: ops run on device tensors only")
 
 
-def run_op(name: str, fn, *args, inplace: bool = False, **kwargs) -> Any:
+def run_op(name: str, fn, *args, inplace: bool = False, shards: Optional[int] = None, **kwargs) -> Any:
     """fn computes on the tensors' data (torch) and returns torch tensors (with dtype/layout) or None when it works
     in place. Captured ops are recorded, not run; their outputs are garbage until the trace replays."""
     device = _device_of([*args, *kwargs.values()])
     key = (name, tuple(a.shape for a in [*args, *kwargs.values()] if isinstance(a, Tensor)))
+    if shards is None:  # outputs are placed like the first input
+        shards = next((a.shards for a in [*args, *kwargs.values()] if isinstance(a, Tensor)), 1)
     if device.capturing is not None:
         if key not in device.compiled:
             raise RuntimeError(f"stand-in: {name} was not compiled before trace capture (run the step once first)")
         if inplace:
             device.capturing.append((fn, args, kwargs, None))
             return None
-        outputs = _wrap(fn(*args, **kwargs), device, garbage=True)
+        outputs = _wrap(fn(*args, **kwargs), device, shards, garbage=True)
         device.capturing.append((fn, args, kwargs, outputs))
         return outputs
     device.compiled.add(key)
     device.ops_run += 1
     result = fn(*args, **kwargs)
-    return None if inplace else _wrap(result, device)
+    return None if inplace else _wrap(result, device, shards)
 
 
-def _wrap(result, device, garbage=False):
+def _wrap(result, device, shards, garbage=False):
     if isinstance(result, tuple) and not isinstance(result[0], torch.Tensor):
-        return tuple(_wrap(r, device, garbage) for r in result)
+        return tuple(_wrap(r, device, shards, garbage) for r in result)
     data, dtype, layout = result
     if garbage:
-        data = torch.full_like(data, -7 if dtype in (uint32, int32) else float("nan"))
-    return Tensor(data, dtype, layout, device)
+        data = torch.full_like(data, -7 if dtype in (uint16, uint32, int32) else float("nan"))
+    return Tensor(data, dtype, layout, device, shards)
 
 
 def begin_trace_capture(mesh_device: MeshDevice, *, cq_id=None) -> int:
-    mesh_device.capturing = []
-    return len(mesh_device.traces) + 1
+    mesh_device.capturing, mesh_device.capture_allocations = [], 0
+    trace_id, mesh_device.next_trace_id = mesh_device.next_trace_id, mesh_device.next_trace_id + 1
+    return trace_id
 
 
 def end_trace_capture(mesh_device: MeshDevice, trace_id: int, *, cq_id=None) -> None:
-    mesh_device.traces[trace_id], mesh_device.capturing = mesh_device.capturing, None
+    """The trace's commands go to the trace region: with a region, live traces must fit it (tt-metal's
+    "Creating trace buffers ... only {}B is allocated for trace region", libtt_metal.so 0.81.1); without one (0,
+    dynamic), a capture that allocated device buffers overlaps them ("Trace buffer at address {} overlaps with
+    buffers allocated during trace capture ... set a non-zero trace_region_size")."""
+    ops, mesh_device.capturing = mesh_device.capturing, None
+    size = len(ops) * TRACE_OP_BYTES
+    if mesh_device.trace_region_size == 0 and mesh_device.capture_allocations:
+        raise RuntimeError("Trace buffer overlaps with buffers allocated during trace capture. Reduce allocations "
+                           "during trace capture or set a non-zero trace_region_size.")
+    used = sum(mesh_device.trace_sizes.values())
+    if mesh_device.trace_region_size and used + size > mesh_device.trace_region_size:
+        raise RuntimeError(f"Creating trace buffers of size {used + size}B on MeshDevice, but only "
+                           f"{mesh_device.trace_region_size}B is allocated for trace region.")
+    mesh_device.traces[trace_id], mesh_device.trace_sizes[trace_id] = ops, size
 
 
 def execute_trace(mesh_device: MeshDevice, trace_id: int, *, cq_id=None, blocking: bool = True) -> None:
@@ -188,7 +302,7 @@ def execute_trace(mesh_device: MeshDevice, trace_id: int, *, cq_id=None, blockin
 
 
 def release_trace(mesh_device: MeshDevice, trace_id: int) -> None:
-    del mesh_device.traces[trace_id]
+    del mesh_device.traces[trace_id], mesh_device.trace_sizes[trace_id]
 
 
 def synchronize_device(device, cq_id=None, sub_device_ids=()) -> None:
@@ -196,18 +310,43 @@ def synchronize_device(device, cq_id=None, sub_device_ids=()) -> None:
 
 
 def slice(input_tensor: Tensor, slice_start, slice_end, slice_step=None, *, memory_config=None, **kwargs) -> Tensor:
+    """On a sharded tensor each device slices its own shard (local coordinates)."""
     index = tuple(builtins.slice(start, end) for start, end in zip(slice_start, slice_end))
-    return run_op("slice", lambda t: (t.data[index].clone(), t.dtype, t.layout), input_tensor)
+    return run_op("slice", lambda t: (per_shard(t, lambda d: d[index].clone()), t.dtype, t.layout), input_tensor)
 
 
-def argmax(input_tensor: Tensor, dim=None, keepdim=False, *, memory_config=None, output_tensor=None,
-           **kwargs) -> Tensor:
-    if input_tensor.layout != ROW_MAJOR_LAYOUT or dim not in (-1, input_tensor.data.dim() - 1):
-        raise NotImplementedError("stand-in: argmax over the last dim of a ROW_MAJOR tensor only")
-    if input_tensor.shape[-2] % 32:
-        raise RuntimeError("stand-in: multi-core argmax needs tile-aligned (32) rows")
-    return run_op("argmax", lambda t: (t.data.argmax(dim=-1, keepdim=keepdim), uint32, ROW_MAJOR_LAYOUT),
+def _last_dim(t: Tensor, dim) -> None:
+    if dim not in (-1, t.data.dim() - 1):
+        raise NotImplementedError("stand-in: reductions over the last dim only")
+
+
+def argmax(input_tensor: Tensor, dim=None, keepdim=False, *, sub_core_grids=None, memory_config=None,
+           output_tensor=None, enable_secondary_dm=None) -> Tensor:
+    """argmax's wheel signature (no use_multicore keyword: a TypeError there too). Multi-core over the last dim of a
+    ROW_MAJOR tensor; a TILE tensor takes the single-core program (its docstring), which the backend avoids."""
+    _last_dim(input_tensor, dim)
+    if input_tensor.layout != ROW_MAJOR_LAYOUT:
+        raise NotImplementedError("stand-in: argmax of a TILE tensor runs on one core; untilize first")
+    return run_op("argmax", lambda t: (per_shard(t, lambda d: d.argmax(dim=-1, keepdim=keepdim)), uint32,
+                                       ROW_MAJOR_LAYOUT), input_tensor)
+
+
+def max(input_tensor: Tensor, dim=None, keepdim=False, *, memory_config=None, **kwargs) -> Tensor:
+    _last_dim(input_tensor, dim)
+    return run_op("max", lambda t: (per_shard(t, lambda d: d.amax(dim=-1, keepdim=keepdim)), t.dtype, t.layout),
                   input_tensor)
+
+
+def add(input_tensor_a: Tensor, input_tensor_b: Tensor, *, memory_config=None, **kwargs) -> Tensor:
+    if input_tensor_a.shape != input_tensor_b.shape or input_tensor_a.shards != input_tensor_b.shards:
+        raise RuntimeError("stand-in: add of tensors of one shape and placement only")
+    return run_op("add", lambda a, b: (a.data + b.data, a.dtype, a.layout), input_tensor_a, input_tensor_b)
+
+
+def untilize(input_tensor: Tensor, *, memory_config=None, use_multicore=True, sub_core_grids=None) -> Tensor:
+    if input_tensor.layout != TILE_LAYOUT:
+        raise RuntimeError("stand-in: untilize takes a TILE tensor")
+    return run_op("untilize", lambda t: (t.data.clone(), bfloat16, ROW_MAJOR_LAYOUT), input_tensor)
 
 
 def to_layout(tensor: Tensor, layout, dtype=None, memory_config=None, **kwargs) -> Tensor:
@@ -218,14 +357,70 @@ def to_memory_config(tensor: Tensor, memory_config=None, dtype=None, output_tens
     return run_op("to_memory_config", lambda t: (t.data.clone(), t.dtype, t.layout), tensor)
 
 
-def topk(input_tensor: Tensor, k=32, dim=-1, largest=True, sorted=True, **kwargs):
+def pad(input_tensor: Tensor, padding, value, *, use_multicore=None, memory_config=None, **kwargs) -> Tensor:
+    widths = [w for pair in reversed(padding) for w in pair]
+    return run_op("pad", lambda t: (per_shard(t, lambda d: F.pad(d, widths, value=value)), t.dtype, t.layout),
+                  input_tensor)
+
+
+def plus_one(input_tensor: Tensor, *, skip_negative_entries=False, **kwargs) -> None:
+    def fn(t):
+        t.data.add_(torch.where(t.data < 0, 0, 1) if skip_negative_entries else 1)
+    run_op("plus_one", fn, input_tensor, inplace=True)
+
+
+TOPK_MULTICORE_MAX_WIDTH = 65535  # topk_constants.hpp: std::numeric_limits<uint16_t>::max(), exclusive
+TOPK_MULTICORE_MAX_K = 64
+
+
+def topk(input_tensor, k=32, dim=-1, largest=True, sorted=True, *, memory_config=None, sub_core_grids=None,
+         indices_tensor=None, output_tensor=None, stable=False):
+    """topk_device_operation.cpp: validate_on_program_cache_miss (4D, TILE, inner dim >= 64, height a multiple of
+    32, k != 0, last dim), select_program_factory with topk_utils.cpp's multi-core rule (a power-of-two width below
+    65535, at least 8192, or 1024 at <= 2 tile rows; k <= 64; the rest single-core, counted here), and
+    resolve_index_dtype (uint16 unless the padded width is over 65535 or the input is float32)."""
+    shape = input_tensor.shape
+    width = shape[-1] // input_tensor.shards
+    if len(shape) != 4:
+        raise RuntimeError(f"Input shape must be 4D, got {shape}")
     if input_tensor.layout != TILE_LAYOUT:
-        raise RuntimeError("stand-in: topk takes a TILE tensor")
+        raise RuntimeError("The input must be in tiled format")
+    if width < 64:
+        raise RuntimeError(f"Input shape inner dim {width} must be >= 64, pad with +/-infinity if necessary")
+    if (shape[0] * shape[1] * shape[2]) % 32:
+        raise RuntimeError(f"Input height (combined input_shape[0-3]) {shape[0] * shape[1] * shape[2]} must be a "
+                           "multiple of 32")
+    if k == 0:
+        raise RuntimeError("K must be non-zero")
+    if dim not in (-1, 3):
+        raise RuntimeError("TopK device operation expects reduction on the last dimension")
+    tile_rows = shape[0] * shape[1] * shape[2] // 32
+    power_of_two = width & (width - 1) == 0
+    wide_enough = width >= 8192 or (tile_rows <= 2 and width >= 1024)
+    if not (wide_enough and width < TOPK_MULTICORE_MAX_WIDTH and power_of_two and k <= TOPK_MULTICORE_MAX_K):
+        input_tensor.device.single_core_topk += 1
+    index_dtype = uint32 if width > TOPK_MULTICORE_MAX_WIDTH or input_tensor.dtype == float32 else uint16
 
     def fn(t):
-        values, indices = t.data.topk(k, dim=dim, largest=largest, sorted=sorted)
-        return (values, t.dtype, TILE_LAYOUT), (indices, uint32, TILE_LAYOUT)
+        parts = [d.topk(k, dim=-1, largest=largest, sorted=sorted) for d in t.data.chunk(t.shards, -1)]
+        values = torch.cat([p.values for p in parts], dim=-1)
+        indices = torch.cat([p.indices for p in parts], dim=-1)
+        if index_dtype == uint16:  # the device writes 16 bits
+            indices = indices.to(torch.int32) & 0xFFFF
+        return (values, t.dtype, TILE_LAYOUT), (indices, index_dtype, TILE_LAYOUT)
     return run_op("topk", fn, input_tensor)
+
+
+def _all_gather_async(input_tensor, persistent_output_buffer=None, dim=None, multi_device_global_semaphore=None, *,
+                      num_links=None, memory_config=None, topology=None, subdevice_id=None, cluster_axis=None,
+                      barrier_semaphore=None, chunks_per_sync=None, num_workers_per_link=None,
+                      num_buffers_per_channel=None, **kwargs):
+    """A CCL op: on a mesh opened without a fabric, tt-metal's control plane stops it ("Trying to get
+    un-initialized fabric context", ControlPlane::get_fabric_context; libtt_metal.so 0.81.1)."""
+    mesh = input_tensor.device
+    if mesh.get_num_devices() > 1 and mesh.fabric == FabricConfig.DISABLED:
+        raise RuntimeError("TT_FATAL: Trying to get un-initialized fabric context")
+    return run_op("all_gather_async", lambda t: (t.data.clone(), t.dtype, t.layout), input_tensor, shards=1)
 
 
 # ---- the paged KV cache -----------------------------------------------------------------------------------------
@@ -279,7 +474,7 @@ def _sdpa_decode(q: Tensor, k: Tensor, v: Tensor, page_table: Tensor, positions:
     for b, pos in enumerate(positions.data.tolist()):
         if pos == -1:
             continue  # "If a position is given as (-1), compute for the corresponding index in the batch is skipped."
-        first = 0 if window is None else max(0, pos + 1 - window)
+        first = 0 if window is None else builtins.max(0, pos + 1 - window)
         keys = paged_keys(k.data, page_table.data[b], first, pos + 1)
         values = paged_keys(v.data, page_table.data[b], first, pos + 1)
         query = q.data[0, b].view(kv_heads, heads // kv_heads, -1)
@@ -294,5 +489,5 @@ def _paged_sdpa_decode(input_tensor_q, input_tensor_k, input_tensor_v, page_tabl
 
 
 experimental = types.SimpleNamespace(paged_update_cache=_paged_update_op,
-                                     paged_fused_update_cache=_paged_fused_update_op)
+                                     paged_fused_update_cache=_paged_fused_update_op, all_gather_async=_all_gather_async)
 transformer = types.SimpleNamespace(paged_scaled_dot_product_attention_decode=_paged_sdpa_decode)

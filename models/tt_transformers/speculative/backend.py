@@ -52,6 +52,7 @@ class CausalLM(Protocol):
     max_batch_size: int
     vocab_size: int
     max_step_rows: int  # tokens one step may carry over all users
+    device_name: str  # where it runs, for reports: "cpu", "cuda:0", "N150 (1x1 mesh)"
 
     supports_trees: bool  # whether step takes UserRows.parents (and commit_path)
 
@@ -70,6 +71,14 @@ class CausalLM(Protocol):
     def step_cost(self, n_rows: int, context_len: float) -> float:
         """Time of a step computing n_rows tokens over contexts of about context_len tokens, in units of the part
         that does not depend on the rows (streaming the weights once)."""
+
+    def warm_up(self, max_rows_per_user: int, top_k: int, hidden: bool) -> dict:
+        """Compile (on a TT device also capture the traces of) every program that prefills and steps of up to
+        max_rows_per_user rows per user with these outputs will run, before anything is timed; seconds spent, as
+        {"compile_prefill": s, "compile_decode": s} (TT's perf keys). May write user 0's cache."""
+
+    def release(self) -> None:
+        """Give back device resources (a TT device's traces) before the model is dropped."""
 
 
 def extra_cost_curve(lm: CausalLM, n_users: int, context_len: float):

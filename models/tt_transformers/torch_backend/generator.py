@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """Torch implementation of the `CausalLM` backend interface over a `Transformer` and a KV cache."""
+import time
 from itertools import accumulate
 from typing import Optional, Sequence
 
@@ -42,6 +43,20 @@ class TorchCausalLM:
         self.max_step_rows = max_batch_size * (MAX_DRAFT_TOKENS + 1)  # no tile to fill: any step the loop makes
         self.supports_trees = True
         self.device = model.device
+        self.device_name = str(model.device)
+
+    def warm_up(self, max_rows_per_user: int, top_k: int, hidden: bool) -> dict:
+        """A prefill and a step of the longest shape on user 0 (its cache is rewritten by the next prefill): the
+        kernels and torch's first-call set-up, outside any timed run."""
+        start = time.perf_counter()
+        self.prefill(0, [0], hidden=hidden)
+        prefill_s = time.perf_counter() - start
+        rows = min(max_rows_per_user, EXACT_ATTENTION_MAX_TOKENS, self.max_seq_len - 1)
+        self.step([UserRows(0, [0] * rows, 0)], top_k=top_k, hidden=hidden)
+        return {"compile_prefill": prefill_s, "compile_decode": time.perf_counter() - start - prefill_s}
+
+    def release(self) -> None:
+        """Nothing to give back: the cache is host (or CUDA) memory, freed with the object."""
 
     def draft_view(self, n_layers: int) -> "TorchCausalLM":
         """The first n_layers layers reading and writing this backend's cache for those layers."""

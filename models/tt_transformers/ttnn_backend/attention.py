@@ -39,10 +39,15 @@ def ordered_update(update_op, passes: KVWritePasses):
 
 
 def ordered_write_attention(base: type, passes: KVWritePasses) -> type:
-    """A subclass of TT-Transformers' Attention whose decode cache writes go through `passes`."""
+    """A subclass of TT-Transformers' Attention whose decode cache writes go through `passes`.
+
+    It must be named `Attention`: TT-Transformers' Attention.__init__ finds its weights with
+    `configuration.get_state_dict_prefix(self.__class__.__name__, layer_num)`, whose module map
+    (tt/model_config.py, ModelArgs.get_state_dict_prefix) knows only "MLP", "Attention", "TransformerBlock" and "",
+    and the same name keys TT's weight-cache files."""
     import ttnn
 
-    class OrderedKVWriteAttention(base):
+    class Attention(base):
         def forward_decode(self, *args, **kwargs):
             batched = ttnn.experimental.paged_update_cache
             ttnn.experimental.paged_update_cache = ordered_update(batched, passes)
@@ -51,4 +56,4 @@ def ordered_write_attention(base: type, passes: KVWritePasses) -> type:
             finally:
                 ttnn.experimental.paged_update_cache = batched
 
-    return OrderedKVWriteAttention
+    return Attention

@@ -1,34 +1,74 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Opening the mesh device named by MESH_DEVICE, as tt-metal's text demo does (for the CLI; pytest uses the
-`mesh_device` fixture, conftest.py)."""
+"""Opening the mesh device named by MESH_DEVICE the way tt-metal's `mesh_device` fixture does (for the CLI and our
+pytest fixture, conftest.py): the mesh shape from tt-metal's name table, the fabric configured before a mesh of
+more than one device opens (TT-Transformers' decode runs CCL ops there) and reset after it closes, and a trace
+region sized for the traces the run will capture (trace_plan.py)."""
 import glob
 import os
 from contextlib import contextmanager
+from typing import Optional
 
-MESH_SHAPES = {"N150": (1, 1), "N300": (1, 2), "T3K": (1, 8), "TG": (8, 4)}
-DEVICE_PARAMS = {"trace_region_size": 50_000_000, "num_command_queues": 1}  # tt-metal's text demo uses the same
-
-
-def mesh_shape(name: str = None) -> tuple[int, int]:
-    name = name or os.environ.get("MESH_DEVICE")
-    if name not in MESH_SHAPES:
-        raise ValueError(f"MESH_DEVICE={name!r} is not one of {', '.join(MESH_SHAPES)}; set it to the machine's mesh")
-    return MESH_SHAPES[name]
+# MESH_DEVICE -> mesh shape, as models/tt_transformers/conftest.py (device_params) and simple_text_demo.py
+# parametrize it; P100 is one Blackhole chip (trace_region_config.py, get_mesh_device_name passes it through).
+# Unset or unknown: every device, (1, N), as the same table's fallback len(ttnn.get_device_ids()).
+MESH_SHAPES = {"N150": (1, 1), "N300": (1, 2), "N150x4": (1, 4), "T3K": (1, 8), "TG": (8, 4),
+               "P100": (1, 1), "P150": (1, 1), "P300": (1, 2), "P150x4": (1, 4), "P150x8": (1, 8), "BHGLX": (8, 4)}
+NUM_COMMAND_QUEUES = 1  # as tt-metal's text demo
+# Trace region sizes already opened, by mesh object: what trace_plan checks a run's traces against.
+TRACE_REGIONS: dict[int, int] = {}
 
 
 def tt_device_present() -> bool:
     return bool(glob.glob("/dev/tenstorrent*"))
 
 
+def mesh_shape(name: Optional[str] = None) -> tuple[int, int]:
+    """The shape tt-metal opens for MESH_DEVICE=name; unset: all devices in one row (needs ttnn and a device)."""
+    name = name if name is not None else os.environ.get("MESH_DEVICE")
+    if name in MESH_SHAPES:
+        return MESH_SHAPES[name]
+    if name:
+        raise ValueError(f"MESH_DEVICE={name!r} is not one of {', '.join(MESH_SHAPES)}; set it to the machine's "
+                         "mesh, or unset it to open every device")
+    import ttnn
+
+    return (1, len(ttnn.get_device_ids()))
+
+
+def fabric_config_for(shape: tuple[int, int]):
+    """The fabric TT-Transformers' CCL ops need on a mesh of more than one device (None for one device: the fabric
+    needs at least two chips). models/tt_transformers/conftest.py, device_params, turns `fabric_config: True` into
+    FABRIC_1D (FABRIC_1D_RING on a 6U Galaxy, FABRIC_2D_TORUS_XY on a Blackhole Galaxy); FABRIC_1D is what it picks
+    for N300, T3K, N150x4 and the P300/P150x4/P150x8 meshes."""
+    import ttnn
+
+    if shape[0] * shape[1] == 1:
+        return None
+    return ttnn.FabricConfig.FABRIC_1D
+
+
 @contextmanager
-def open_mesh(name: str = None, **device_params):
-    """The mesh device for MESH_DEVICE, closed on exit."""
+def open_mesh(name: Optional[str] = None, trace_region_size: int = 0, **device_params):
+    """The mesh device for MESH_DEVICE, closed on exit. As tt-metal's root conftest.py `mesh_device` fixture:
+    set_fabric before open_mesh_device (which takes no fabric keyword), close, then reset_fabric (the fabric
+    config cannot change while a mesh is open)."""
     import ttnn
 
     if not tt_device_present():
         raise ValueError("the ttnn backend needs a Tenstorrent device (no /dev/tenstorrent* here); use --backend torch")
-    mesh = ttnn.open_mesh_device(mesh_shape=ttnn.MeshShape(*mesh_shape(name)), **{**DEVICE_PARAMS, **device_params})
+    shape = mesh_shape(name)
+    fabric = fabric_config_for(shape)
+    if fabric is not None:
+        ttnn.set_fabric_config(fabric, ttnn.FabricReliabilityMode.STRICT_INIT)
     try:
-        yield mesh
+        mesh = ttnn.open_mesh_device(mesh_shape=ttnn.MeshShape(*shape), trace_region_size=trace_region_size,
+                                     num_command_queues=NUM_COMMAND_QUEUES, **device_params)
+        TRACE_REGIONS[id(mesh)] = trace_region_size
+        try:
+            yield mesh
+        finally:
+            TRACE_REGIONS.pop(id(mesh), None)
+            ttnn.close_mesh_device(mesh)
     finally:
-        ttnn.close_mesh_device(mesh)
+        if fabric is not None:
+            ttnn.set_fabric_config(ttnn.FabricConfig.DISABLED)

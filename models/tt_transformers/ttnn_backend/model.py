@@ -4,18 +4,23 @@ the release of the ttnn 0.81.1 wheel; README "On a Tenstorrent machine").
 
 A model is TT-Transformers' `Transformer` built from `ModelArgs` for HF_MODEL, with a paged KV cache
 (`PagedAttentionConfig`, blocks of 32 positions) and the decode batch of one 32-row tile (`max_batch_size=32`,
-the row budget of a verification step). Each user owns a fixed run of cache blocks: its page-table row. The
-attention is TT-Transformers' own through the `attention_class` hook, with ordered cache writes (attention.py).
+the row budget of a verification step), in tt-metal's text-demo configuration (bfloat8_b weights, the performance
+precision preset). Each user owns a fixed run of cache blocks: its page-table row. The attention is
+TT-Transformers' own through the `attention_class` hook, with ordered cache writes (attention.py).
 """
+import hashlib
 import inspect
 import math
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from loguru import logger
 
+from ..native_build import cache_root
 from .attention import KVWritePasses, ordered_write_attention
 
 TILE_ROWS = 32  # rows of the decode batch: one tile; every verify row of every user shares it
@@ -30,23 +35,64 @@ def supported_kwargs(fn, **kwargs) -> dict:
     return {k: v for k, v in kwargs.items() if k in params}
 
 
+def named_checkpoint(folder: Path, name: str) -> Path:
+    """The checkpoint under a path whose last component is the model's name, for HF_MODEL. TT-Transformers' ModelArgs
+    takes model_name from there (tt/model_config.py, ModelArgs.__init__ and _set_params_from_dict, via the path
+    AutoConfig records) and keys per-model settings on it (precision presets, prefill chunk sizes, trace sizes); a
+    hub snapshot's folder is named by its hash and a converted GGUF's by "hf", so those get a link named after the
+    model in our cache."""
+    if folder.name == name:
+        return folder
+    link = cache_root() / "hf_model" / hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:12] / name
+    if not link.is_symlink():
+        link.parent.mkdir(parents=True, exist_ok=True)
+        tmp = link.with_name(f".{name}.tmp-{os.getpid()}")
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(folder.resolve(), target_is_directory=True)
+        os.replace(tmp, link)
+    return link
+
+
+def weight_cache_root(folder: Path, name: str) -> Path:
+    """TT_CACHE_PATH for ModelArgs, which caches converted weights under TT_CACHE_PATH/<device> (without it,
+    model_cache/<HF_MODEL>/<device>: inside the checkpoint store for an absolute HF_MODEL). One folder per model name
+    and resolved checkpoint under our cache root ($TT_CACHE_PATH, else ~/.cache/tt_speculative), so two checkpoints
+    never read each other's tensors."""
+    return cache_root() / "tt_transformers" / f"{name}-{hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:12]}"
+
+
 @contextmanager
-def hf_model_env(folder: str):
-    """TT-Transformers' ModelArgs reads the checkpoint from HF_MODEL and caches converted weights under
-    TT_CACHE_PATH/<device> (model_cache/<HF_MODEL>/<device> when unset): a target and a separate draft checkpoint
-    get a cache folder each, TT_CACHE_PATH/<model>/<device>."""
-    saved = {name: os.environ.get(name) for name in ("HF_MODEL", "TT_CACHE_PATH")}
-    os.environ["HF_MODEL"] = folder
-    if saved["TT_CACHE_PATH"]:
-        os.environ["TT_CACHE_PATH"] = os.path.join(saved["TT_CACHE_PATH"], os.path.basename(folder.rstrip("/")))
+def model_env(folder: Path, name: str):
+    """HF_MODEL and TT_CACHE_PATH as ModelArgs reads them, for one model's construction."""
+    saved = {key: os.environ.get(key) for key in ("HF_MODEL", "TT_CACHE_PATH")}
+    os.environ["HF_MODEL"] = str(named_checkpoint(folder, name))
+    os.environ["TT_CACHE_PATH"] = str(weight_cache_root(folder, name))
     try:
         yield
     finally:
-        for name, value in saved.items():
+        for key, value in saved.items():
             if value is None:
-                os.environ.pop(name, None)
+                os.environ.pop(key, None)
             else:
-                os.environ[name] = value
+                os.environ[key] = value
+
+
+def precision(optimizations: str):
+    """TT-Transformers' decoder precision preset as ModelArgs takes it: a function of the ModelArgs, the way
+    tt-metal's text demo parametrizes it (simple_text_demo.py, optimizations)."""
+    from models.tt_transformers.tt.model_config import DecodersPrecision
+
+    preset = {"performance": DecodersPrecision.performance, "accuracy": DecodersPrecision.accuracy}[optimizations]
+    return lambda model_args: preset(model_args.n_layers, model_args.model_name)
+
+
+def model_args_seq_len(max_seq_len: int) -> int:
+    """What ModelArgs gets as max_seq_len: the next power of two. Its prefill warm-up (the first
+    Generator.prefill_forward_text) asserts that min(max_prefill_chunk_size, max_seq_len) is a power of two
+    (tt/model_config.py, get_warmup_prefill_supported_seq_lens), so --max_seq_len 1280 would stop there. ModelArgs'
+    max_seq_len sizes the rotary tables and bounds prefill; the KV cache is our paged one, sized by the real
+    max_seq_len."""
+    return 1 << (max_seq_len - 1).bit_length()
 
 
 @dataclass
@@ -77,11 +123,11 @@ class TTModel:
                        None)
 
 
-def build_tt_model(mesh_device, checkpoint_folder: str, max_users: int, max_seq_len: int, instruct: bool,
-                   n_layers: Optional[int] = None, weights_dtype=None, optimizations=None) -> TTModel:
-    """TT-Transformers' Transformer for the checkpoint, with ordered cache writes and a page-table row per user.
-    n_layers: the first N layers only (TT-Transformers' `num_layers`); weights_dtype: default bfloat8_b, as
-    create_tt_model."""
+def build_tt_model(mesh_device, checkpoint_folder: Path, name: str, max_users: int, max_seq_len: int, instruct: bool,
+                   n_layers: Optional[int] = None, weights_dtype=None, optimizations: str = "performance") -> TTModel:
+    """TT-Transformers' Transformer for the checkpoint (named `name`, its real model name), with ordered cache writes
+    and a page-table row per user. n_layers: the first N layers only (as create_tt_model's num_layers);
+    weights_dtype: default bfloat8_b and optimizations "performance", what tt-metal's text demo runs."""
     import ttnn
     from models.tt_transformers.tt.attention import Attention
     from models.tt_transformers.tt.common import PagedAttentionConfig
@@ -91,9 +137,10 @@ def build_tt_model(mesh_device, checkpoint_folder: str, max_users: int, max_seq_
 
     weights_dtype = weights_dtype or ttnn.bfloat8_b
     blocks_per_user = math.ceil(max_seq_len / BLOCK_SIZE)
-    with hf_model_env(checkpoint_folder):
-        args = ModelArgs(mesh_device, instruct=instruct, max_batch_size=TILE_ROWS, max_seq_len=max_seq_len,
-                         optimizations=optimizations)
+    with model_env(Path(checkpoint_folder), name):
+        args = ModelArgs(mesh_device, instruct=instruct, max_batch_size=TILE_ROWS,
+                         max_seq_len=model_args_seq_len(max_seq_len), optimizations=precision(optimizations))
+    logger.info(f"TT-Transformers {args.model_name} on {args.device_name}: weights cached in {args.model_cache_path}")
     if n_layers is not None:
         args.n_layers = n_layers
     args.use_qk_fused = False  # the cache update is paged_update_cache, which attention.py orders

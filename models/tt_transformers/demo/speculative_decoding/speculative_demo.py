@@ -33,7 +33,6 @@ from models.tt_transformers.demo.speculative_decoding.speculative_generator impo
 from models.tt_transformers.speculative.drafters import DEFAULT_SA_THRESHOLD
 from models.tt_transformers.speculative.sampling import SamplingParams
 from models.tt_transformers.torch_backend.device import DEVICES
-from models.tt_transformers.ttnn_backend.device import DEVICE_PARAMS
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[4]  # the folder holding models/: the repository, or site-packages
 DEFAULT_PROMPTS = Path(__file__).resolve().with_name("sample_prompts.json")  # beside the demo, as TT demos keep them
@@ -43,7 +42,12 @@ DRAFT_HEADS = Path(__file__).resolve().parents[2] / "draft_heads"  # shipped hea
 BACKENDS = ("auto", "torch", "ttnn")
 MAX_RECYCLE_TOP_K = 32  # ttnn.topk's default k; more is never worth a tree row
 MAX_CORPUS_TOKENS = 1_000_000  # about 600 MB of suffix automaton
-DTYPES = {"torch": ("bfloat16", "float32"), "ttnn": ("bfloat16", "bfloat8_b")}  # ttnn: the weights' dtype
+# The weights' dtype per backend, the default first: on ttnn bfloat8_b, what tt-metal's text demo runs
+# (simple_text_demo.py -> create_tt_model(dtype=ttnn.bfloat8_b)): an 8B model's LM head alone is ~1 GB in bf16.
+DTYPES = {"torch": ("bfloat16", "float32"), "ttnn": ("bfloat8_b", "bfloat16")}
+# TT-Transformers' decoder precision presets (tt/model_config.py, DecodersPrecision.performance / .accuracy);
+# tt-metal's text demo runs performance unless told otherwise.
+OPTIMIZATIONS = ("performance", "accuracy")
 
 # (name, type, default, help): the pytest options (root conftest.py) and the CLI flags come from this one table.
 DEMO_OPTIONS = [
@@ -77,11 +81,27 @@ DEMO_OPTIONS = [
     ("compare_baseline", int, 1, "1: also run plain decoding, check identical tokens and report the speedup"),
     ("output_json", str, None, "write a JSON report here"),
     ("model", str, None, "target checkpoint folder or .gguf file (default: HF_MODEL, else the embedded model)"),
-    ("dtype", str, "bfloat16", "torch: bfloat16 or float32; ttnn: the weights, bfloat16 or bfloat8_b"),
+    ("dtype", str, None, "weights: torch bfloat16 (default) or float32; ttnn bfloat8_b (default, as tt-metal's "
+                         "text demo) or bfloat16"),
+    ("optimizations", str, "performance", "ttnn: TT-Transformers' decoder precision, performance (bfp4 MLP, LoFi; "
+                                          "tt-metal's text demo default) or accuracy"),
     ("device", str, "auto", "torch device: auto (the faster of cpu and cuda for this model, logged), cpu or cuda"),
     ("backend", str, "auto", "torch, ttnn (a Tenstorrent mesh through TT-Transformers) or auto: ttnn when "
                              "MESH_DEVICE is set"),
 ]
+
+
+def add_demo_options(parser) -> None:
+    """Register the demo's pytest options (read as getoption(...) or default). Inside a tt-metal checkout, tt-metal's
+    models/tt_transformers/demo/conftest.py has already registered the ones TT demos share (--input_prompts,
+    --max_seq_len, --batch_size, ...), and pytest refuses a second registration ("option names ... already
+    added"): theirs are kept, read the same way."""
+    for name, type_, _, help_ in DEMO_OPTIONS:
+        try:
+            parser.addoption(f"--{name}", action="store", type=type_, default=None, help=help_)
+        except ValueError as e:
+            if "already added" not in str(e):
+                raise
 
 
 class DemoInputError(ValueError):
@@ -184,9 +204,16 @@ def backend_of(config: DemoConfig) -> str:
     return config.backend
 
 
+def dtype_of(config: DemoConfig) -> str:
+    """--dtype, or the backend's default."""
+    return config.dtype or DTYPES[backend_of(config)][0]
+
+
 def check_flags(config: DemoConfig, backend: str) -> None:
     """Every flag that can be checked before anything loads."""
-    if config.dtype not in DTYPES[backend]:
+    if config.optimizations not in OPTIMIZATIONS:
+        raise DemoInputError(f"--optimizations {config.optimizations!r} is not one of {', '.join(OPTIMIZATIONS)}")
+    if config.dtype is not None and config.dtype not in DTYPES[backend]:
         raise DemoInputError(f"--dtype {config.dtype!r} is not supported on the {backend} backend; use "
                              f"{' or '.join(DTYPES[backend])}")
     check_n_draft_tokens(config.n_draft_tokens)
@@ -241,7 +268,7 @@ def torch_loader(config: DemoConfig, args):
     from models.tt_transformers.torch_backend.device import choose_device
     from models.tt_transformers.torch_backend.generator import TorchCausalLM
 
-    dtype = getattr(torch, config.dtype)
+    dtype = getattr(torch, dtype_of(config))
     choice = choose_device(config.device, args, dtype,
                            kernels_fit(args, dtype) and load_cpu_kernels(cache_root() / "kernels") is not None,
                            torch.cuda.is_available())
@@ -261,15 +288,66 @@ def ttnn_loader(config: DemoConfig, mesh_device):
     from models.tt_transformers.ttnn_backend.model import build_tt_model
 
     def load(ckpt, n_layers):
-        tt = build_tt_model(mesh_device, str(ckpt.folder), config.batch_size, config.max_seq_len,
-                            bool(config.instruct), n_layers, weights_dtype=getattr(ttnn, config.dtype))
+        tt = build_tt_model(mesh_device, ckpt.folder, ckpt.name, config.batch_size, config.max_seq_len,
+                            bool(config.instruct), n_layers, weights_dtype=getattr(ttnn, dtype_of(config)),
+                            optimizations=config.optimizations)
         return TtnnCausalLM(tt, config.batch_size, config.max_seq_len)
     return load
 
 
-def build(config: DemoConfig, mesh_device=None):
+def trace_region_size(config: DemoConfig, shape: tuple[int, int]) -> int:
+    """The trace region a ttnn run on a mesh of this shape needs: every decode trace of the target and of the draft
+    model (ttnn_backend/trace_plan.py), for the draft mode's most demanding choice (hybrid: recycling's top k, a head's
+    hidden states and a draft model's traces all counted)."""
+    from models.tt_transformers.torch_backend.checkpoint import resolve_checkpoint
+    from models.tt_transformers.torch_backend.model_config import ModelArgs
+    from models.tt_transformers.ttnn_backend.model import TILE_ROWS
+    from models.tt_transformers.ttnn_backend.trace_plan import device_name_for, model_trace_bytes, region_bytes
+
+    ckpt = resolve_checkpoint(config.model, "--model" if config.model else "HF_MODEL")
+    args = ModelArgs.from_hf_config(ckpt.config)
+    device, n_devices = device_name_for(shape, os.environ.get("MESH_DEVICE")), shape[0] * shape[1]
+    drafting = config.n_draft_tokens > 0
+    top_k = config.recycle_top_k if drafting and config.draft_mode in ("suffix", "hybrid") else 0
+    hidden = drafting and config.draft_mode in ("head", "hybrid")
+    target_layers = config.target_layers or args.n_layers
+    traces = model_trace_bytes(ckpt.name, device, n_devices, args.n_layers, target_layers, args.vocab_size,
+                               config.n_draft_tokens + 1, top_k, hidden)
+    if drafting and config.draft_mode in ("model", "hybrid"):  # a draft steps up to a whole tile per user
+        draft = resolve_checkpoint(config.draft_model, "--draft_model") if config.draft_model else ckpt
+        draft_args = ModelArgs.from_hf_config(draft.config)
+        layers = draft_args.n_layers if config.draft_model else min(config.draft_layers, target_layers)
+        traces += model_trace_bytes(draft.name, device, n_devices, draft_args.n_layers, layers, draft_args.vocab_size,
+                                    TILE_ROWS, 0, False)
+    return region_bytes(traces)
+
+
+class ModelPool:
+    """The models runs build, kept so that a later run with the same settings reuses them (the perf test runs
+    several draft modes on one 8B target: building it again would put a second copy in the device's DRAM) and
+    released together when the pool closes (a TT model's traces hold the trace region until released)."""
+
+    def __init__(self):
+        self.models: dict = {}
+
+    def get(self, key: tuple, make):
+        if key not in self.models:
+            self.models[key] = make()
+        return self.models[key]
+
+    def close(self) -> None:
+        import gc
+
+        for lm in self.models.values():
+            lm.release()
+        self.models.clear()
+        gc.collect()  # device tensors are freed when their last reference goes
+
+
+def build(config: DemoConfig, mesh_device=None, pool: Optional[ModelPool] = None):
     """Validate every flag first, then load target, draft and tokenizer on the torch or ttnn backend (ttnn: on
-    `mesh_device`)."""
+    `mesh_device`); models come from `pool` when an earlier run built them with the same settings. Returns the
+    checkpoint, tokenizer, target, drafter, draft model (None without one), prompts, their tokens and the EOS ids."""
     from models.tt_transformers.speculative.drafters import HybridDrafter, ModelDrafter, SuffixDrafter
     from models.tt_transformers.speculative.head_drafter import HeadDrafter
     from models.tt_transformers.torch_backend.checkpoint import load_tokenizer, resolve_checkpoint
@@ -308,11 +386,18 @@ def build(config: DemoConfig, mesh_device=None):
     if config.n_draft_tokens > 0 and config.draft_mode in ("suffix", "hybrid"):  # head and model modes copy nothing
         copied = SuffixDrafter(config.sa_threshold, draft_memory(config, tokenizer), config.recycle_top_k)
 
-    load = ttnn_loader(config, mesh_device) if backend == "ttnn" else torch_loader(config, args)
+    pool = pool if pool is not None else ModelPool()
+    loader = ttnn_loader(config, mesh_device) if backend == "ttnn" else torch_loader(config, args)
+    built_with = (backend, dtype_of(config), config.optimizations, config.device, config.batch_size,
+                  config.max_seq_len, config.instruct, config.draft_trees)
+
+    def load(ckpt, n_layers):
+        return pool.get(("model", str(ckpt.folder), n_layers, built_with), lambda: loader(ckpt, n_layers))
+
     target = load(ckpt, target_layers)
     if not config.draft_trees:
         target.supports_trees = False
-    drafter = None
+    drafter = draft_lm = None
     if head_weights is not None:
         head = HeadDrafter(HeadRunner(host_draft_head(head_weights, target, ckpt, config), config.batch_size))
         drafter = head if config.draft_mode == "head" else HybridDrafter(copied, head)
@@ -324,7 +409,9 @@ def build(config: DemoConfig, mesh_device=None):
         if draft_ckpt is not None:
             draft_lm, draft_args = load(draft_ckpt, None), ModelArgs.from_hf_config(draft_ckpt.config)
         else:  # the target's first layers, reading and writing the target's cache for them
-            draft_lm, draft_args = target.draft_view(config.draft_layers), args
+            draft_lm = pool.get(("view", str(ckpt.folder), target_layers, config.draft_layers, built_with),
+                                lambda: target.draft_view(config.draft_layers))
+            draft_args = args
         if config.draft_mode == "model":
             drafter = ModelDrafter(draft_lm)  # every draft has the full n_draft_tokens
         else:  # hybrid: the model drafts only while its acceptance pays for its cost (weights read per token)
@@ -332,7 +419,7 @@ def build(config: DemoConfig, mesh_device=None):
                           / args.weight_bytes_per_token(target_layers, 2))
             drafter = HybridDrafter(copied, ModelDrafter(draft_lm, draft_cost))
     tokens = [encode(tokenizer, p, bool(config.instruct)) for p in prompts]
-    return ckpt, tokenizer, target, drafter, prompts, tokens, eos_token_ids(ckpt, tokenizer)
+    return ckpt, tokenizer, target, drafter, draft_lm, prompts, tokens, eos_token_ids(ckpt, tokenizer)
 
 
 def host_draft_head(weights: dict, target, ckpt, config: DemoConfig):
@@ -433,25 +520,52 @@ def generate_all(generator: SpeculativeGenerator, tokens: list[list[int]], batch
             for batch in batches]
 
 
-def run_demo(config: DemoConfig, mesh_device=None) -> dict:
-    """The demo on the backend --backend picks (ttnn: on `mesh_device`); returns the report."""
+def warm_up(target, drafter, draft_lm, config: DemoConfig) -> dict:
+    """Compile (and on a TT device trace) every program the run can use, on the target and the draft model, before
+    anything is timed; TT's compile_prefill / compile_decode keys, in seconds. No drafter learns anything here (the
+    memory of earlier responses would otherwise hold part of the first answer)."""
+    times = {"compile_prefill": 0.0, "compile_decode": 0.0}
+    top_k = drafter.top_k if drafter is not None else 0
+    hidden = drafter is not None and drafter.wants_hidden
+    work = [(target, config.n_draft_tokens + 1, top_k, hidden)]
+    if draft_lm is not None:  # a draft model catches up on accepted text in steps of up to its whole row budget
+        work.append((draft_lm, draft_lm.max_step_rows, 0, False))
+    for lm, rows, k, h in work:
+        for key, seconds in lm.warm_up(min(rows, lm.max_step_rows), k, h).items():
+            times[key] += seconds
+    return times
+
+
+def run_demo(config: DemoConfig, mesh_device=None, pool: Optional[ModelPool] = None) -> dict:
+    """The demo on the backend --backend picks (ttnn: on `mesh_device`); returns the report. Models come from
+    `pool` (reused across runs, released by its owner); without one the run builds its own and releases them."""
+    own_pool = pool is None
+    pool = ModelPool() if own_pool else pool
+    try:
+        return run_on(config, mesh_device, pool)
+    finally:
+        if own_pool:
+            pool.close()
+
+
+def run_on(config: DemoConfig, mesh_device, pool: ModelPool) -> dict:
     from models.tt_transformers.speculative.head_drafter import HeadDrafter
 
-    ckpt, tokenizer, target, drafter, prompts, tokens, eos = build(config, mesh_device)
+    ckpt, tokenizer, target, drafter, draft_lm, prompts, tokens, eos = build(config, mesh_device, pool)
     sampling = sampling_params(config)
     spec = SpeculativeGenerator(target, drafter, config.n_draft_tokens, eos, sampling)
     batches = split_batches(len(prompts), config.batch_size)
     for batch in batches:  # every prompt fits before anything runs
         spec.check_prompts([tokens[i] for i in batch])
-    # Warm-up (kernel set-up, the plain decode trace), not timed. Plain, so that no drafter learns from a prompt it
-    # is about to see again (the memory of earlier responses would otherwise hold part of the first answer).
-    SpeculativeGenerator(target, None, 0, eos, sampling).generate(tokens[:1], 4, bool(config.stop_at_eos))
+    compile_times = warm_up(target, drafter, draft_lm, config)
+    logger.info(f"Compile and warm-up (not timed): prefill {compile_times['compile_prefill']:.1f}s, decode "
+                f"{compile_times['compile_decode']:.1f}s")
 
     logger.info(f"Speculative decoding: {ckpt.name}, {target.n_layers} target layers, batch {config.batch_size}, "
                 f"n_draft_tokens={config.n_draft_tokens}, {describe_drafter(config, ckpt.name)}, "
                 f"{'greedy' if sampling.greedy else f'sampling {sampling}'}")
     results = generate_all(spec, tokens, batches, config)
-    summary = summarize(results)
+    summary = {**summarize(results), **compile_times}
     head = getattr(drafter, "fallback", drafter)
     if isinstance(head, HeadDrafter):  # what a head run cost on this machine, as its length policy priced it
         summary["draft_head_run_cost"] = head.draft_cost
@@ -474,7 +588,7 @@ def run_demo(config: DemoConfig, mesh_device=None) -> dict:
         logger.info(f"Speedup over plain decoding: {summary['speedup']:.2f}x{same}")
 
     report = {"config": {**vars(config), "model_name": ckpt.name, "target_layers": target.n_layers},
-              "environment": environment(str(target.device)), "prompts": [], "summary": summary}
+              "environment": environment(target.device_name), "prompts": [], "summary": summary}
     seen = set()
     for b, batch in enumerate(batches):
         for u, i in enumerate(batch):
@@ -513,10 +627,10 @@ def config_from_pytest(request) -> DemoConfig:
     return DemoConfig(**values)
 
 
-@pytest.mark.parametrize("device_params", [DEVICE_PARAMS], ids=["trace"], indirect=True)
-def test_speculative_demo(request, device_params):
+def test_speculative_demo(request):
     """The demo as a pytest test; on the ttnn backend (MESH_DEVICE set, or --backend ttnn) it runs on the
-    `mesh_device` fixture opened with `device_params`, as tt-metal's text demo does."""
+    `mesh_device` fixture (conftest.py: the fabric and a trace region sized for these options, as tt-metal's
+    fixture opens a mesh for its text demo)."""
     config = config_from_pytest(request)
     mesh_device = request.getfixturevalue("mesh_device") if backend_of(config) == "ttnn" else None
     report = run_demo(config, mesh_device)
@@ -532,9 +646,10 @@ def main(argv=None) -> int:
     config = DemoConfig(**vars(parser.parse_args(argv)))
     try:
         if backend_of(config) == "ttnn":
-            from models.tt_transformers.ttnn_backend.device import open_mesh
+            from models.tt_transformers.ttnn_backend.device import mesh_shape, open_mesh
 
-            with open_mesh() as mesh_device:
+            check_flags(config, "ttnn")
+            with open_mesh(trace_region_size=trace_region_size(config, mesh_shape())) as mesh_device:
                 report = run_demo(config, mesh_device)
         else:
             report = run_demo(config)

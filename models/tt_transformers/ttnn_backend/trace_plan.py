@@ -1,0 +1,117 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Which decode traces a run captures, and how much of the device's trace region they take.
+
+A trace is keyed by (write passes, top k, hidden): the number of ordered cache-write passes (attention.py) is part
+of the program. A run whose steps carry at most R rows per user (R = n_draft_tokens + 1 for the target) captures
+the pass counts of `pass_ladder(R)`: 1, the powers of two below R, and R itself. A step with r rows replays the
+smallest count >= r, so it never launches as many as r empty passes (fewer than r: at most 2r - 1 in all), and the
+number of traces grows with log2 R instead of R.
+
+Sizes: tt-metal sizes the trace region per model and device (models/tt_transformers/demo/trace_region_config.py,
+get_supported_trace_region_size) for TT-Transformers' own decode trace; TT_TRACE_REGION below is that table and
+TT_DEFAULT_TRACE_REGION the text demo's parametrized default (simple_text_demo.py, device_params). One of our
+traces is that size scaled by its op count over a plain TT-Transformers decode step's: each extra write pass adds
+two `paged_update_cache` ops per layer, each top-k slice a slice, a pad and a topk, the hidden states one copy.
+"""
+import math
+import re
+from typing import Optional
+
+from .model import TILE_ROWS
+
+# Decode ops per layer in TT-Transformers' traced decode step on one device (tt/decoder.py TransformerBlock.forward,
+# tt/attention.py forward_decode, tt/mlp.py forward, tt/distributed_norm.py): norms, QKV matmul, create heads,
+# rotary x2, cache update x2, SDPA decode, concat heads, WO, residual adds, MLP matmuls x3 and the gate multiply,
+# with the memory-config moves between them. An estimate to scale TT's measured region by, not a count from a device.
+OPS_PER_LAYER = 30
+HEAD_OPS = 8  # embedding, final norm, LM head matmul(s), untilize / gather
+TT_TRACE_REGION = {  # trace_region_config.py, get_supported_trace_region_size (bytes per device)
+    "Llama-3.1-8B": {"N150": 25_000_000, "N300": 38_000_000, "T3K": 50_000_000, "TG": 50_000_000},
+    "Llama-3.3-70B": {"T3K": 90_000_000, "TG": 80_000_000, "P150": 80_000_000, "P300": 80_000_000,
+                      "P150x4": 95_000_000, "P150x8": 83_000_000},
+    "Llama-3.1-70B": {"T3K": 90_000_000, "TG": 90_000_000, "P150": 90_000_000, "P300": 90_000_000,
+                      "P150x4": 90_000_000, "P150x8": 90_000_000},
+    "Qwen3-32B": {"T3K": 90_000_000, "TG": 102_000_000, "P150": 90_000_000, "P300": 90_000_000,
+                  "P150x4": 90_000_000, "P150x8": 90_000_000},
+    "Qwen2.5-72B": {"T3K": 70_000_000, "TG": 70_000_000},
+    "DeepSeek-R1-Distill-Llama-70B": {"P150x4": 90_000_000},
+    "Llama-3.2-3B": {"N150": 10_000_000},
+}
+TT_DEFAULT_TRACE_REGION = 30_000_000  # simple_text_demo.py's device_params when the table has no entry
+MARGIN = 1.25  # the op-count scaling is an estimate: room for it to be low
+
+
+def pass_ladder(max_rows_per_user: int) -> list[int]:
+    """The write-pass counts traced for steps of up to max_rows_per_user rows per user."""
+    top = max(1, min(max_rows_per_user, TILE_ROWS))
+    return sorted({1, top} | {2 ** i for i in range(1, math.ceil(math.log2(top)))})
+
+
+def passes_for(rows_per_user: int, ladder: list[int]) -> int:
+    """The traced pass count a step whose longest user has rows_per_user rows replays."""
+    for passes in ladder:
+        if passes >= rows_per_user:
+            return passes
+    raise ValueError(f"a step with {rows_per_user} rows for one user is longer than the {ladder[-1]} rows the traces "
+                     "were planned for (warm_up)")
+
+
+def trace_keys(max_rows_per_user: int, top_k: int, hidden: bool) -> list[tuple[int, int, bool]]:
+    """Every trace a run uses: its steps at each pass count; one plain step (a baseline or warm-up run: 1 pass, no
+    top k or hidden states); with hidden states, the prompt-state replay (1 pass, writing nothing)."""
+    keys = {(passes, top_k, hidden) for passes in pass_ladder(max_rows_per_user)} | {(1, 0, False)}
+    if hidden:
+        keys.add((1, 0, True))
+    return sorted(keys)
+
+
+def vocab_slices(vocab_size: int) -> tuple[int, int]:
+    """(slice width, slices) for the top k. ttnn.topk runs multi-core only on a width that is a power of two below
+    65535 and at least 8192, or at least 1024 when the input is at most 2 tile rows, as our 32 rows are
+    (topk_utils.cpp, topk_multicore_structurally_eligible; topk_constants.hpp); otherwise one core walks every
+    tile. So the vocabulary is cut into slices of such a width, the last padded: the fewest slices, then the least
+    padding."""
+    widths = [2 ** i for i in range(10, 16)]  # 1024 .. 32768
+    return min(((w, math.ceil(vocab_size / w)) for w in widths), key=lambda ws: (ws[1], ws[0] * ws[1]))
+
+
+def trace_ops(n_layers: int, key: tuple[int, int, bool], vocab_size: int) -> int:
+    passes, top_k, hidden = key
+    ops = n_layers * (OPS_PER_LAYER + 2 * (passes - 1)) + HEAD_OPS + 2  # + slice off the padded vocab, argmax
+    if top_k:
+        ops += 3 * vocab_slices(vocab_size)[1]
+    return ops + hidden
+
+
+def base_model_name(model_name: str) -> str:
+    """trace_region_config.py, get_base_model_name: "Llama-3.1-8B-Instruct" -> "Llama-3.1-8B"."""
+    match = re.search(r"(.*?\d+[bB])-", model_name)
+    return match.group(1) if match else model_name
+
+
+def trace_bytes(model_name: str, device_name: Optional[str], full_layers: int, n_layers: int,
+                key: tuple[int, int, bool], vocab_size: int) -> int:
+    """One trace of an n_layers model (a view of a full_layers model: TT's figure is for the whole model)."""
+    tt_region = TT_TRACE_REGION.get(base_model_name(model_name), {}).get(device_name, TT_DEFAULT_TRACE_REGION)
+    tt_ops = full_layers * OPS_PER_LAYER + HEAD_OPS
+    return math.ceil(tt_region * trace_ops(n_layers, key, vocab_size) / tt_ops)
+
+
+def region_bytes(traces: list[int]) -> int:
+    """The trace_region_size for traces of these sizes, with the margin, rounded up to a MB."""
+    return math.ceil(sum(traces) * MARGIN / 1e6) * 1_000_000
+
+
+def device_name_for(shape: tuple[int, int], mesh_name: Optional[str]) -> str:
+    """TT's device name for a mesh (MESH_DEVICE where set; else Wormhole's by device count, as
+    tt/model_config.py determine_device_name)."""
+    return mesh_name or {1: "N150", 2: "N300", 4: "N150x4", 8: "T3K", 32: "TG"}.get(shape[0] * shape[1], "")
+
+
+def model_trace_bytes(model_name: str, device_name: str, n_devices: int, full_layers: int, n_layers: int,
+                      vocab_size: int, max_rows_per_user: int, top_k: int, hidden: bool) -> list[int]:
+    """Every trace one model of a run captures, before it is built (its vocabulary share per device as TT pads it,
+    tt/model_config.py compute_padded_vocab_size)."""
+    share = math.ceil(vocab_size / (32 * n_devices)) * 32 if n_devices > 1 else vocab_size
+    return [trace_bytes(model_name, device_name, full_layers, n_layers, key, share)
+            for key in trace_keys(max_rows_per_user, top_k, hidden)]
