@@ -10,7 +10,7 @@ DEMO := models/tt_transformers/demo/speculative_decoding/speculative_demo.py
 
 ARCTIC := $(VENV)/.arctic-installed
 
-.PHONY: demo test test-slow check-ttnn-api train-draft-head bench bench-suffix bench-batch bench-verify-cost install
+.PHONY: demo test test-slow check-ttnn-api tt-smoke train-draft-head bench bench-suffix bench-batch bench-verify-cost install
 install: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
@@ -66,3 +66,8 @@ $(TTNN_VENV)/.installed:
 
 check-ttnn-api: $(TTNN_VENV)/.installed
 	$(TTNN_VENV)/bin/python tools/check_ttnn_api.py
+
+# The first run on a Tenstorrent machine, in tt-metal's Python environment (MESH_DEVICE and HF_MODEL set): the ttnn
+# backend stage by stage, stopping at the first failure with what to send back (tools/tt_smoke.py).
+tt-smoke:
+	$(PYTHON) tools/tt_smoke.py $(ARGS)

@@ -12,7 +12,7 @@ from models.tt_transformers.demo.speculative_decoding.speculative_demo import en
 from models.tt_transformers.demo.speculative_decoding.speculative_generator import SpeculativeGenerator
 from models.tt_transformers.speculative.backend import UserRows
 from models.tt_transformers.speculative.drafters import HybridDrafter, ModelDrafter, SuffixDrafter
-from models.tt_transformers.torch_backend.checkpoint import load_model
+from models.tt_transformers.torch_backend.checkpoint import load_model, resolve_checkpoint
 from models.tt_transformers.torch_backend.generator import TorchCausalLM
 from models.tt_transformers.torch_backend.model_config import ModelArgs
 from models.tt_transformers.ttnn_backend import attention as ordered_attention
@@ -302,3 +302,40 @@ def test_demo_on_the_ttnn_backend(tt, tmp_path, monkeypatch):
     assert report["summary"]["identical_to_baseline"] and report["summary"]["decode_t/s/u"] > 0
     with pytest.raises(ValueError, match="--dtype 'float32' is not supported on the ttnn backend"):
         run_demo(DemoConfig(**{**vars(config), "dtype": "float32"}), None)
+
+
+@pytest.mark.parametrize("kind", ["suffix", "model", "accept-all"])
+def test_sampling_through_the_verify_step_follows_the_target(monkeypatch, tmp_path, kind):
+    """Rejection sampling through the ttnn backend (logits read back from the traced verify step, padded vocabulary
+    columns sliced off): the first 5 tokens of 8-user batches follow the target's exact distribution (chi-square,
+    as tests/test_lossless_sampling.py), with suffix and first-layer drafts verified whole chains at a time; a
+    verifier that accepts every draft fails the same test."""
+    from models.tt_transformers.demo.speculative_decoding import speculative_generator
+    from models.tt_transformers.speculative.sampling import SamplingParams
+
+    from .conftest import save_tiny_hf_checkpoint
+    from .test_lossless_sampling import (N_DRAFT, N_TOKENS, PROMPT, SETTINGS, VOCAB, chi_square_p_value, draft_source,
+                                         exact_joint, sequence_index)
+
+    folder = tmp_path / "Tiny-4"
+    save_tiny_hf_checkpoint(folder, vocab_size=VOCAB, initializer_range=0.4, seed=3)
+    ckpt = resolve_checkpoint(str(folder))
+    expected = exact_joint(load_model(ckpt, torch.float32, 64, cpu_kernels=False), SETTINGS)
+    lm = backend_builder(monkeypatch, ckpt)(8, 64, float32=True)
+    lm.step_cost = lambda n_rows, context_len: 1.0  # draft whole chains: this tests verification, not the policy
+    drafter = draft_source(lm, "model" if kind == "model" else "suffix")
+    if kind == "accept-all":
+        monkeypatch.setattr(speculative_generator, "verify_rejection",
+                            lambda draft, draft_probs, target_probs, rng: draft + [int(target_probs[-1].argmax())])
+    counts, full_chains = torch.zeros(VOCAB ** N_TOKENS), 0
+    for b in range(300):
+        gen = SpeculativeGenerator(lm, drafter, N_DRAFT, (), SamplingParams(SETTINGS.temperature, SETTINGS.top_k,
+                                                                            SETTINGS.top_p, seed=b))
+        for r in gen.generate([PROMPT] * 8, N_TOKENS, stop_at_eos=False):
+            counts[sequence_index(r.output_tokens)] += 1
+            full_chains += sum(it.drafted >= N_DRAFT for it in r.iterations)
+    p_value = chi_square_p_value(counts, expected)
+    if kind == "accept-all":
+        assert p_value < 1e-3
+    else:
+        assert p_value > 1e-3 and full_chains >= 300 * 8 // 2, (p_value, full_chains)

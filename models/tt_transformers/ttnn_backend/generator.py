@@ -236,7 +236,10 @@ class TtnnCausalLM:
         host = self.tt.model.prepare_decode_inputs_host(tokens, positions, page_table)
         host_passes = [ttnn.from_torch(p, dtype=ttnn.int32, mesh_mapper=self._replicated()) for p in pass_positions]
         self._refresh_inputs(host, host_passes)
-        trace = self._trace(passes, top_k, hidden)
+        if (passes, top_k, hidden) not in self.traces:
+            self._trace(passes, top_k, hidden)
+            self._refresh_inputs(host, host_passes)  # the compile run may have advanced the positions (split vocab)
+        trace = self.traces[(passes, top_k, hidden)]
         start = time.perf_counter()
         ttnn.execute_trace(self.tt.mesh_device, trace.trace_id, cq_id=0, blocking=False)
         ids = self._argmax(trace)[:r]
@@ -374,19 +377,17 @@ class TtnnCausalLM:
             top.append(ttnn.topk(piece, k=k, dim=-1))
         return top
 
-    def _trace(self, passes: int, top_k: int, hidden: bool) -> Trace:
+    def _trace(self, passes: int, top_k: int, hidden: bool) -> None:
+        """Compile, then capture, the program for this key (its outputs are the trace's persistent tensors)."""
         import ttnn
 
-        key = (passes, top_k, hidden)
-        if key not in self.traces:
-            mesh = self.tt.mesh_device
-            self.tt.passes.positions = self.inputs.pass_positions[:passes]
-            for tensor in device_tensors(self._forward(top_k, hidden)):  # compile run: programs are built first
-                ttnn.deallocate(tensor)
-            trace_id = ttnn.begin_trace_capture(mesh, cq_id=0)
-            outputs = self._forward(top_k, hidden)
-            ttnn.end_trace_capture(mesh, trace_id, cq_id=0)
-            size = self._trace_bytes(key)
-            TRACE_BYTES[id(mesh)] += size
-            self.traces[key] = Trace(trace_id, size, *outputs)
-        return self.traces[key]
+        key, mesh = (passes, top_k, hidden), self.tt.mesh_device
+        self.tt.passes.positions = self.inputs.pass_positions[:passes]
+        for tensor in device_tensors(self._forward(top_k, hidden)):  # compile run: programs are built first
+            ttnn.deallocate(tensor)
+        trace_id = ttnn.begin_trace_capture(mesh, cq_id=0)
+        outputs = self._forward(top_k, hidden)
+        ttnn.end_trace_capture(mesh, trace_id, cq_id=0)
+        size = self._trace_bytes(key)
+        TRACE_BYTES[id(mesh)] += size
+        self.traces[key] = Trace(trace_id, size, *outputs)

@@ -1,0 +1,55 @@
+# SPDX-License-Identifier: Apache-2.0
+"""`make tt-smoke` (tools/tt_smoke.py) on the stand-in (a TEST DOUBLE for ttnn and TT-Transformers, not a device):
+every stage runs and reports, and a failing stage stops the run there with the failure in the report."""
+import json
+import sys
+
+from models.tt_transformers.demo.speculative_decoding import speculative_demo as demo
+from models.tt_transformers.ttnn_backend import device as tt_device
+
+from .conftest import REPO_ROOT
+from .tt_stand_in import install
+from .tt_stand_in import ttnn as stand_in_ttnn
+
+sys.path.insert(0, str(REPO_ROOT / "tools"))
+
+import tt_smoke  # noqa: E402
+
+
+def smoke_config(tmp_path):
+    prompts = demo.write_json_atomic(tmp_path / "p.json", [{"prompt": "Repeat: a b c d e f g a b c d e f g"}])
+    return demo.DemoConfig(backend="ttnn", draft_mode="suffix", max_generated_tokens=8, max_seq_len=256,
+                           input_prompts=str(tmp_path / "p.json"))
+
+
+def stand_in_machine(monkeypatch, tmp_path):
+    install(monkeypatch)
+    monkeypatch.setattr(stand_in_ttnn, "FABRIC", {"config": stand_in_ttnn.FabricConfig.DISABLED, "open_meshes": 0})
+    monkeypatch.setattr(tt_device, "tt_device_present", lambda: True)
+    monkeypatch.setenv("MESH_DEVICE", "N150")
+    monkeypatch.setenv("TT_CACHE_PATH", str(tmp_path / "cache"))
+
+
+def test_every_stage_runs_and_reports(monkeypatch, tmp_path):
+    stand_in_machine(monkeypatch, tmp_path)
+    report = tt_smoke.run(smoke_config(tmp_path), tmp_path / "report.json")
+    assert report["ok"] and [s["stage"] for s in report["stages"]] == [name for name, _ in tt_smoke.STAGES]
+    facts = report["facts"]
+    assert facts["device"] == "N150" and facts["model"] == "SmolLM2-135M-Instruct" and facts["mesh"] == [1, 1]
+    assert facts["weight_cache"].startswith(str(tmp_path / "cache"))
+    assert len(facts["verify_ids"]) == 5 and facts["perf"]["identical_to_baseline"]
+    assert json.loads((tmp_path / "report.json").read_text())["ok"]
+
+
+def test_a_failing_stage_stops_the_run(monkeypatch, tmp_path):
+    stand_in_machine(monkeypatch, tmp_path)
+    ran = []
+
+    def broken(s):
+        raise RuntimeError("TT_FATAL: out of DRAM")
+    stages = [("device open", tt_smoke.open_device), ("model build", broken), ("after", lambda s: ran.append(1))]
+    report = tt_smoke.run(smoke_config(tmp_path), tmp_path / "report.json", stages)
+    assert not report["ok"] and ran == [] and len(report["stages"]) == 2
+    assert report["stages"][-1]["error"] == "RuntimeError: TT_FATAL: out of DRAM"
+    assert "out of DRAM" in report["stages"][-1]["traceback"]
+    assert stand_in_ttnn.FABRIC["open_meshes"] == 0  # the mesh was closed on the way out

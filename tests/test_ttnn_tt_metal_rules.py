@@ -1,0 +1,279 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The ttnn backend held to the rules of tt-metal's own code, on the stand-in (tests/tt_stand_in: a TEST DOUBLE
+whose every rule names the tt-metal file and function it mirrors; it is not a device and proves nothing about one).
+Each test names the review finding it covers (issue 21); each failed on the backend before that review's fixes."""
+import pytest
+import torch
+
+from models.tt_transformers.demo.speculative_decoding import speculative_demo as demo
+from models.tt_transformers.demo.speculative_decoding.speculative_generator import SpeculativeGenerator
+from models.tt_transformers.speculative.backend import UserRows
+from models.tt_transformers.speculative.drafters import ModelDrafter, SuffixDrafter
+from models.tt_transformers.torch_backend.checkpoint import resolve_checkpoint
+from models.tt_transformers.ttnn_backend import device as tt_device
+from models.tt_transformers.ttnn_backend.generator import TtnnCausalLM
+from models.tt_transformers.ttnn_backend.model import build_tt_model, weight_cache_root
+from models.tt_transformers.ttnn_backend.trace_plan import pass_ladder
+
+from .conftest import save_tiny_hf_checkpoint, write_json
+from .test_ttnn_backend import STAND_IN_TRACE_REGION
+from .tt_stand_in import install
+from .tt_stand_in import tt_transformers as stand_in_tt
+from .tt_stand_in import ttnn as stand_in_ttnn
+
+
+@pytest.fixture
+def stand_in(monkeypatch, tmp_path):
+    """The stand-in installed, a clean fabric state, a Tenstorrent device 'present' and our cache in tmp_path."""
+    install(monkeypatch)
+    monkeypatch.setattr(stand_in_ttnn, "FABRIC", {"config": stand_in_ttnn.FabricConfig.DISABLED, "open_meshes": 0})
+    monkeypatch.setattr(tt_device, "tt_device_present", lambda: True)
+    monkeypatch.setenv("TT_CACHE_PATH", str(tmp_path / "cache"))
+    return monkeypatch
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A small Llama checkpoint whose heads split over 2 devices and whose 120-token vocabulary TT pads to 128 on
+    two devices (so device 1's share ends in 8 padded columns)."""
+    folder = tmp_path_factory.mktemp("tiny") / "Tiny-1B-Instruct"
+    save_tiny_hf_checkpoint(folder, vocab_size=120, initializer_range=0.5)
+    return resolve_checkpoint(str(folder))
+
+
+def build(mesh, ckpt, users=1, max_seq_len=192, **kwargs):
+    return TtnnCausalLM(build_tt_model(mesh, ckpt.folder, ckpt.name, users, max_seq_len, True, **kwargs), users,
+                        max_seq_len)
+
+
+def mesh_of(shape):
+    return stand_in_ttnn.open_mesh_device(stand_in_ttnn.MeshShape(*shape), trace_region_size=STAND_IN_TRACE_REGION)
+
+
+def plain(lm, prompts, n):
+    return [r.output_tokens for r in SpeculativeGenerator(lm, None, 0).generate(prompts, n)]
+
+
+def test_attention_subclass_finds_tt_weights(stand_in, embedded_checkpoint):
+    """Finding 1: TT-Transformers' Attention looks its weights up under get_state_dict_prefix(class name), whose map
+    knows "Attention" and not a subclass's own name; the weight cache is named from that prefix."""
+    lm = build(mesh_of((1, 1)), embedded_checkpoint)
+    assert type(lm.tt.model.layers[0].attention).__name__ == "Attention"
+    assert (lm.tt.args.weight_cache_path(stand_in_ttnn.bfloat8_b) / "layers.29.attention.wqkv").is_file()
+    with pytest.raises(KeyError):  # what a subclass of another name meets in TT's own __init__
+        lm.tt.args.get_state_dict_prefix("OrderedKVWriteAttention", 0)
+
+
+@pytest.mark.parametrize("name,shape", [("N150", (1, 1)), ("N300", (1, 2)), ("T3K", (1, 8))])
+def test_fabric_for_meshes_of_several_devices(stand_in, name, shape, tiny):
+    """Finding 2: a mesh of several devices opens with the fabric set (TT-Transformers' CCL ops need it) and resets
+    it after closing; one device opens without (the fabric needs two chips). Decode runs there."""
+    stand_in.setenv("MESH_DEVICE", name)
+    with tt_device.open_mesh(trace_region_size=STAND_IN_TRACE_REGION) as mesh:
+        assert mesh.shape == shape
+        assert (mesh.fabric != stand_in_ttnn.FabricConfig.DISABLED) == (shape != (1, 1))
+        if shape[1] <= 2:
+            lm = build(mesh, tiny)
+            assert SpeculativeGenerator(lm, SuffixDrafter(1), 4).generate([[1, 2, 3, 1, 2, 3]], 8)
+    assert stand_in_ttnn.get_fabric_config() == stand_in_ttnn.FabricConfig.DISABLED
+
+
+def test_ccl_without_fabric_is_refused(stand_in, tiny):
+    """The stand-in's side of finding 2: a mesh of two devices opened without the fabric cannot decode."""
+    lm = build(mesh_of((1, 2)), tiny)
+    with pytest.raises(RuntimeError, match="un-initialized fabric context"):
+        lm.step([UserRows(0, [1], 0)])
+
+
+def test_split_vocabulary_argmax_and_top_k_per_device(stand_in, tiny):
+    """Finding 10: on a two-device mesh each device reduces its own vocabulary share (the padded columns of the
+    last one masked) and the host merges 32 ids and maxima per device; the logits are never all-gathered. Ids, top k
+    and speculative output equal one device's."""
+    prompt = [[5, 9, 17, 5, 9, 17, 5, 9]]
+    one_device = mesh_of((1, 1))
+    reference = build(one_device, tiny).step([UserRows(0, prompt[0], 0)], logits=True, top_k=4)
+    reference_output = plain(build(one_device, tiny), prompt, 12)
+    stand_in_ttnn.close_mesh_device(one_device)  # the fabric cannot change while a mesh is open
+    stand_in.setenv("MESH_DEVICE", "N300")
+    with tt_device.open_mesh(trace_region_size=STAND_IN_TRACE_REGION) as mesh:
+        two = build(mesh, tiny)
+        assert two.split_vocab and two.share == 64 and two.tt.args.padded_vocab_size == 128
+        out = two.step([UserRows(0, prompt[0], 0)], logits=True, top_k=4)
+        assert out.ids == reference.ids and out.top_ids == reference.top_ids
+        assert torch.equal(out.logits[0], reference.logits[0])
+        gathered = {key for key in mesh.compiled if key[0] == "all_gather_async"}
+        assert gathered == {("all_gather_async", ((1, 1, 32, 64),))}  # the final norm's input only
+        assert plain(build(mesh, tiny), prompt, 12) == reference_output
+        spec = SpeculativeGenerator(build(mesh, tiny), SuffixDrafter(1, recycle=4), 4).generate(prompt, 12)
+        assert [r.output_tokens for r in spec] == reference_output
+
+
+def test_model_name_and_weight_cache_from_the_real_name(stand_in, tmp_path, embedded_checkpoint, tiny):
+    """Findings 3, 13 and 14: ModelArgs takes model_name from HF_MODEL's last component (and the path AutoConfig
+    records); a hub snapshot (named by its hash) and a converted GGUF (folder "hf") still give the model's name, each
+    checkpoint gets a weight-cache folder of its own, and nothing is written inside the checkpoint."""
+    hub = tmp_path / "hub"
+    snapshot = hub / "models--tiny-org--Tiny-1B-Instruct" / "snapshots" / "0123abcd"
+    snapshot.parent.mkdir(parents=True)
+    snapshot.symlink_to(tiny.folder, target_is_directory=True)
+    stand_in.setenv("HF_HUB_CACHE", str(hub))
+    hub_ckpt = resolve_checkpoint("tiny-org/Tiny-1B-Instruct")
+    mesh = mesh_of((1, 1))
+    before = sorted(p.name for p in tiny.folder.iterdir())
+    for ckpt, name in ((embedded_checkpoint, "SmolLM2-135M-Instruct"), (hub_ckpt, "Tiny-1B-Instruct"),
+                       (tiny, "Tiny-1B-Instruct")):
+        args = build(mesh, ckpt).tt.args
+        assert args.model_name == name and args.model_cache_path.parent.name.startswith(f"{name}-")
+        assert args.model_cache_path.is_relative_to(tmp_path / "cache")
+    assert sorted(p.name for p in tiny.folder.iterdir()) == before
+    other = tmp_path / "other" / "hf"
+    save_tiny_hf_checkpoint(other, vocab_size=120)
+    assert weight_cache_root(other, "hf") != weight_cache_root(tmp_path / "another" / "hf", "hf")
+
+
+def test_tt_text_demo_configuration_by_default(stand_in, embedded_checkpoint):
+    """Finding 4: bfloat8_b weights and the performance precision preset unless told otherwise."""
+    config = demo.DemoConfig(backend="ttnn")
+    assert demo.dtype_of(config) == "bfloat8_b" and demo.dtype_of(demo.DemoConfig(backend="torch")) == "bfloat16"
+    assert build(mesh_of((1, 1)), embedded_checkpoint).tt.args.optimizations.__name__ == "performance"
+    accurate = build(mesh_of((1, 1)), embedded_checkpoint, optimizations="accuracy")
+    assert accurate.tt.args.optimizations.__name__ == "accuracy"
+    with pytest.raises(demo.DemoInputError, match="--optimizations"):
+        demo.check_flags(demo.DemoConfig(optimizations="fast"), "ttnn")
+
+
+def demo_config(tmp_path, **overrides):
+    prompts = write_json(tmp_path / "p.json", [{"prompt": "Repeat: a b c d e f g a b c d e f g"}])
+    return demo.DemoConfig(**{**dict(input_prompts=str(prompts), max_generated_tokens=10, max_seq_len=256,
+                                     draft_layers=4, backend="ttnn", compare_baseline=1), **overrides})
+
+
+def test_runs_share_one_model_and_release_their_traces(stand_in, tmp_path):
+    """Finding 5: runs given one pool build the target once; every trace is released when the pool closes, and a
+    run without a pool releases its own."""
+    built = []
+    transformer = stand_in_tt.Transformer
+    stand_in.setattr(stand_in_tt, "Transformer", lambda *a, **k: built.append(1) or transformer(*a, **k))
+    mesh = mesh_of((1, 1))
+    pool = demo.ModelPool()
+    for mode in ("suffix", "hybrid", "model"):
+        assert demo.run_demo(demo_config(tmp_path, draft_mode=mode), mesh, pool)["summary"]["identical_to_baseline"]
+    assert len(built) == 1 and mesh.traces
+    pool.close()
+    assert mesh.traces == {}
+    demo.run_demo(demo_config(tmp_path), mesh)
+    assert mesh.traces == {}
+
+
+def test_traces_are_planned_and_fit_the_region(stand_in, tmp_path):
+    """Finding 6: a run captures the pass counts it can use (n_draft_tokens 4: 1, 2, 4 and 5 passes), the trace
+    region grows with the draft length and follows TT's per-model sizes, and traces that would not fit the region the
+    mesh was opened with stop the run first with an error that names the fix."""
+    assert pass_ladder(5) == [1, 2, 4, 5] and pass_ladder(17) == [1, 2, 4, 8, 16, 17] and pass_ladder(1) == [1]
+    stand_in.setenv("MESH_DEVICE", "N150")
+    mesh = mesh_of((1, 1))
+    pool = demo.ModelPool()
+    demo.run_demo(demo_config(tmp_path, draft_mode="suffix", recycle_top_k=0, compare_baseline=0), mesh, pool)
+    target = next(iter(pool.models.values()))
+    assert {passes for passes, _, _ in target.traces} == {1, 2, 4, 5}
+    pool.close()
+    small, large = (demo.trace_region_size(demo_config(tmp_path, n_draft_tokens=n), (1, 1)) for n in (1, 16))
+    assert 0 < small < large
+    with tt_device.open_mesh(trace_region_size=small) as narrow:
+        with pytest.raises(ValueError, match="trace_region_size >= .*lower --n_draft_tokens"):
+            demo.run_demo(demo_config(tmp_path, n_draft_tokens=16), narrow)
+
+
+def test_trace_region_overflow_on_the_stand_in(stand_in, tiny):
+    """The stand-in's side of finding 6: traces past the region fail as tt-metal's do; no region and allocations in
+    the capture fail too."""
+    lm = build(stand_in_ttnn.open_mesh_device(stand_in_ttnn.MeshShape(1, 1), trace_region_size=10_000), tiny)
+    with pytest.raises(RuntimeError, match="allocated for trace region"):
+        lm.step([UserRows(0, [1], 0)])
+    lm = build(stand_in_ttnn.open_mesh_device(stand_in_ttnn.MeshShape(1, 1)), tiny)
+    with pytest.raises(RuntimeError, match="non-zero trace_region_size"):
+        lm.step([UserRows(0, [1], 0)])
+
+
+def test_nothing_compiles_while_timed(stand_in, tmp_path, embedded_checkpoint):
+    """Findings 7 and 12: every trace of the target and of the draft (a first-layers view, and a separate draft
+    checkpoint with its prefill warm-up) is compiled and captured before timing; the report carries TT's compile keys
+    apart from decode."""
+    events = []
+    generate = SpeculativeGenerator.generate
+    capture = stand_in_ttnn.begin_trace_capture
+    warmup = stand_in_tt.Generator.warmup_model_prefill
+
+    def timed(self, *args, **kwargs):
+        events.append("timed")
+        return generate(self, *args, **kwargs)
+    stand_in.setattr(SpeculativeGenerator, "generate", timed)
+    stand_in.setattr(stand_in_ttnn, "begin_trace_capture", lambda *a, **k: events.append("capture") or capture(*a, **k))
+    stand_in.setattr(stand_in_tt.Generator, "warmup_model_prefill",
+                     lambda self, *a, **k: (events.append("prefill warm-up") if not self.already_warmed_up_prefill
+                                            else None) or warmup(self, *a, **k))
+    mesh = mesh_of((1, 1))
+    for overrides, models in (({"draft_mode": "model"}, 1), ({"draft_mode": "hybrid", "recycle_top_k": 4}, 1),
+                              ({"draft_mode": "model", "draft_model": str(embedded_checkpoint.folder)}, 2)):
+        events.clear()
+        summary = demo.run_demo(demo_config(tmp_path, **overrides), mesh)["summary"]
+        first_timed = events.index("timed")
+        assert "capture" in events[:first_timed] and "capture" not in events[first_timed:], overrides
+        assert events[:first_timed].count("prefill warm-up") == models  # the target's, and a separate draft's
+        assert "prefill warm-up" not in events[first_timed:], overrides
+        assert summary["compile_decode"] > 0 and summary["compile_prefill"] > 0
+
+
+def test_top_k_on_multi_core_widths_with_unsigned_ids(stand_in, embedded_checkpoint, prompts_for_top_k):
+    """Finding 8: the 49,152-token vocabulary's top k runs on power-of-two slices (never the single-core program),
+    and ids >= 32,768 (uint16 indices) come back as themselves."""
+    lm = build(mesh_of((1, 1)), embedded_checkpoint)
+    lm.prefill(0, prompts_for_top_k)
+    out = lm.step([UserRows(0, prompts_for_top_k[-3:], len(prompts_for_top_k) - 3)], logits=True, top_k=8)
+    assert lm.tt.mesh_device.single_core_topk == 0
+    logits = out.logits[0]
+    ids = torch.tensor(out.top_ids[0])
+    assert torch.equal(logits.gather(1, ids), logits.topk(8, dim=-1).values)  # the 8 best (ties in either order)
+    assert all(len(set(row)) == 8 for row in out.top_ids[0])
+    assert any(i >= 32768 for row in out.top_ids[0] for i in row)
+
+
+@pytest.fixture
+def prompts_for_top_k(embedded_tokenizer):
+    """Text whose next tokens include ids above 32,768 among the top 8 (checked by the test)."""
+    return embedded_tokenizer("Die Gesellschaft für Naturkunde veröffentlicht jährlich Berichte über").input_ids
+
+
+def test_max_seq_len_need_not_be_a_power_of_two(stand_in, embedded_checkpoint):
+    """Finding 11: TT's first prefill runs its warm-up, which asserts min(max_prefill_chunk_size, max_seq_len) is a
+    power of two; ModelArgs gets the next one (2048 for 1280) and prefill works."""
+    lm = build(mesh_of((1, 1)), embedded_checkpoint, max_seq_len=1280)
+    assert lm.tt.args.max_seq_len == 2048 and lm.max_seq_len == 1280
+    assert lm.prefill(0, [1, 2, 3]).ids
+
+
+def test_mesh_names_follow_tt_metal(stand_in):
+    """Finding 15: every MESH_DEVICE name tt-metal maps, and all devices in one row when it is unset."""
+    assert tt_device.mesh_shape("N150x4") == (1, 4) and tt_device.mesh_shape("P150x8") == (1, 8)
+    assert tt_device.mesh_shape("P100") == (1, 1) and tt_device.mesh_shape("BHGLX") == (8, 4)
+    stand_in.delenv("MESH_DEVICE", raising=False)
+    assert tt_device.mesh_shape() == (1, stand_in_ttnn.AVAILABLE_DEVICES)
+    with pytest.raises(ValueError, match="MESH_DEVICE='N151'"):
+        tt_device.mesh_shape("N151")
+
+
+def test_options_beside_tt_metal_demo_conftest(stand_in, tmp_path):
+    """Finding 16: inside a tt-metal checkout its demo conftest registers the options TT demos share before ours;
+    ours registers the rest and reads theirs. The report names the TT device, not the host."""
+    from _pytest.config.argparsing import Parser
+
+    parser = Parser()
+    for name in ("input_prompts", "instruct", "max_seq_len", "batch_size", "max_generated_tokens", "stop_at_eos",
+                 "optimizations"):  # models/tt_transformers/demo/conftest.py (tt-metal)
+        parser.addoption(f"--{name}", action="store", default=None)
+    demo.add_demo_options(parser)
+    names = {name for option in parser._anonymous.options for name in option.names()}
+    assert {"--n_draft_tokens", "--draft_mode", "--max_seq_len"} <= names
+    stand_in.setenv("MESH_DEVICE", "N150")
+    report = demo.run_demo(demo_config(tmp_path, draft_mode="suffix"), mesh_of((1, 1)))
+    assert report["environment"]["device"] == "N150 (1 x 1 mesh)"

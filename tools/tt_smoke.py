@@ -1,0 +1,167 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The first thing to run on a Tenstorrent machine (`make tt-smoke`): the ttnn backend stage by stage, each logged
+with its time, stopping at the first failure with what to send back.
+
+    MESH_DEVICE=N150 HF_MODEL=meta-llama/Llama-3.1-8B-Instruct make tt-smoke
+
+Stages: ttnn import and version; device open (the fabric on meshes of several devices); model build (weight
+conversion into the cache folder, logged); compile and trace capture (TT's prefill warm-up and every decode trace
+the run uses); prefill of one prompt; one plain traced decode step; one verify step with
+drafts; speculative decoding identical to plain decoding through the same verify-shaped step for 32 tokens; the
+TT perf keys of a short demo run. The report (every stage, its seconds, the failure with its traceback, the
+versions) is written to --report as JSON.
+"""
+import argparse
+import importlib
+import importlib.metadata
+import json
+import os
+import sys
+import time
+import traceback
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Callable
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from loguru import logger  # noqa: E402
+
+from models.tt_transformers.demo.speculative_decoding import speculative_demo as demo  # noqa: E402
+
+SMOKE_TOKENS = 32
+PROMPT = "Repeat this list exactly: apples, pears, plums, figs, dates, limes, apples, pears, plums, figs, dates, limes."
+SEND_BACK = ("send back the report file, `pip show ttnn`, the tt-metal commit (git -C $TT_METAL_HOME rev-parse HEAD), "
+             "MESH_DEVICE and HF_MODEL")
+
+
+class Smoke:
+    """What the stages build on one another: the mesh, the model, the prompt's tokens."""
+
+    def __init__(self, config: demo.DemoConfig, exits: ExitStack):
+        self.config, self.exits = config, exits
+        self.mesh = self.lm = self.drafter = self.tokens = None
+        self.pool = demo.ModelPool()  # the demo run of the last stage reuses the model built here
+        self.facts: dict = {}
+
+
+def import_ttnn(s: Smoke) -> None:
+    import ttnn  # noqa: F401
+
+    model = importlib.import_module("models.tt_transformers.tt.model")  # TT-Transformers, from the tt-metal checkout
+
+    try:
+        version = importlib.metadata.version("ttnn")
+    except importlib.metadata.PackageNotFoundError:  # a tt-metal build on PYTHONPATH, not a pip install
+        version = "not installed as a package"
+    s.facts.update(ttnn=version, tt_transformers=str(Path(model.__file__).parent))
+
+
+def open_device(s: Smoke) -> None:
+    from models.tt_transformers.ttnn_backend.device import fabric_config_for, mesh_shape, open_mesh
+
+    shape = mesh_shape()
+    region = demo.trace_region_size(s.config, shape)
+    s.mesh = s.exits.enter_context(open_mesh(trace_region_size=region))
+    s.exits.callback(s.pool.close)  # traces released before the mesh closes
+    s.facts.update(mesh=list(shape), fabric=str(fabric_config_for(shape)), trace_region_size=region)
+
+
+def build_model(s: Smoke) -> None:
+    _, tokenizer, s.lm, s.drafter, *_ = demo.build(s.config, s.mesh, s.pool)
+    s.tokens = demo.encode(tokenizer, PROMPT, bool(s.config.instruct))
+    args = s.lm.tt.args
+    s.facts.update(model=args.model_name, device=args.device_name, weight_cache=str(args.model_cache_path))
+
+
+def compile_and_capture(s: Smoke) -> None:
+    s.facts.update(demo.warm_up(s.lm, s.drafter, None, s.config))
+
+
+def prefill(s: Smoke) -> None:
+    s.facts["first_token"] = s.lm.prefill(0, s.tokens).ids[0][0]
+
+
+def decode_step(s: Smoke) -> None:
+    from models.tt_transformers.speculative.backend import UserRows
+
+    step = s.lm.step([UserRows(0, [s.facts["first_token"]], len(s.tokens))], top_k=s.drafter.top_k)
+    s.facts["decode_ids"] = step.ids[0]
+
+
+def verify_step(s: Smoke) -> None:
+    from models.tt_transformers.speculative.backend import UserRows
+
+    rows = [s.facts["first_token"], *s.tokens[-4:]]  # a draft of 4 copied tokens
+    s.facts["verify_ids"] = s.lm.step([UserRows(0, rows, len(s.tokens))], top_k=s.drafter.top_k).ids[0]
+
+
+def lossless(s: Smoke) -> None:
+    from models.tt_transformers.demo.speculative_decoding.speculative_generator import SpeculativeGenerator
+
+    plain = SpeculativeGenerator(s.lm, None, 0).generate([s.tokens], SMOKE_TOKENS, False)[0]
+    spec = SpeculativeGenerator(s.lm, s.drafter, s.config.n_draft_tokens).generate([s.tokens], SMOKE_TOKENS, False)[0]
+    s.facts["tokens_per_step"] = round(len(spec.output_tokens) / max(1, len(spec.iterations) + 1), 2)
+    if spec.output_tokens != plain.output_tokens:
+        raise AssertionError(f"speculative output differs from plain decoding through the same step: "
+                             f"{spec.output_tokens} vs {plain.output_tokens}")
+
+
+def perf_keys(s: Smoke) -> None:
+    report = demo.run_demo(s.config, s.mesh, s.pool)
+    keys = ("compile_prefill", "compile_decode", "prefill_time_to_token", "prefill_t/s", "decode_t/s/u", "decode_t/s",
+            "mean_tokens_per_step", "speedup", "identical_to_baseline")
+    s.facts["perf"] = {k: report["summary"].get(k) for k in keys}
+
+
+STAGES: list[tuple[str, Callable[[Smoke], None]]] = [
+    ("ttnn import", import_ttnn), ("device open", open_device), ("model build", build_model),
+    ("compile and trace capture", compile_and_capture), ("prefill", prefill), ("plain decode step", decode_step), ("verify step", verify_step),
+    (f"lossless over {SMOKE_TOKENS} tokens", lossless), ("perf keys", perf_keys)]
+
+
+def run(config: demo.DemoConfig, report_path: Path, stages=None) -> dict:
+    """Every stage in order until one fails; the report, also written to report_path."""
+    report = {"stages": [], "ok": True}
+    with ExitStack() as exits:
+        smoke = Smoke(config, exits)
+        for i, (name, stage) in enumerate(stages or STAGES, 1):
+            start = time.perf_counter()
+            try:
+                stage(smoke)
+            except Exception as e:  # noqa: BLE001: any failure is the finding this tool reports
+                seconds = time.perf_counter() - start
+                report["stages"].append({"stage": name, "seconds": seconds, "error": f"{type(e).__name__}: {e}",
+                                         "traceback": traceback.format_exc()})
+                report["ok"] = False
+                logger.error(f"stage {i} ({name}) FAILED after {seconds:.1f}s: {type(e).__name__}: {e}")
+                logger.error(f"stopped there; {SEND_BACK}: {report_path}")
+                break
+            seconds = time.perf_counter() - start
+            report["stages"].append({"stage": name, "seconds": seconds})
+            logger.info(f"stage {i} ({name}) passed in {seconds:.1f}s")
+        report["facts"] = smoke.facts
+    report["environment"] = {"MESH_DEVICE": os.environ.get("MESH_DEVICE"), "HF_MODEL": os.environ.get("HF_MODEL"),
+                             "TT_CACHE_PATH": os.environ.get("TT_CACHE_PATH"),
+                             **demo.environment(smoke.facts.get("device", "not opened"))}
+    demo.write_json_atomic(report_path, report)
+    if report["ok"]:
+        logger.info(f"all {len(report['stages'])} stages passed: {json.dumps(smoke.facts.get('perf'))}; report "
+                    f"{report_path}")
+    return report
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--report", default="tt_smoke_report.json", help="where the JSON report goes")
+    parser.add_argument("--max_seq_len", type=int, default=1024)
+    parser.add_argument("--optimizations", default="performance", choices=demo.OPTIMIZATIONS)
+    args = parser.parse_args(argv)
+    config = demo.DemoConfig(backend="ttnn", max_seq_len=args.max_seq_len, optimizations=args.optimizations,
+                             draft_mode="suffix", max_generated_tokens=SMOKE_TOKENS)
+    return 0 if run(config, Path(args.report))["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
