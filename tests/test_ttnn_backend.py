@@ -245,7 +245,7 @@ def test_traces_replay_without_allocating(tt, prompts):
         t.execute_trace(mesh, 999, cq_id=0)
     with pytest.raises(RuntimeError, match="same shape"):
         t.copy_host_to_device_tensor(t.from_torch(torch.zeros(31, dtype=torch.int64), dtype=t.int32),
-                                     lm.inputs.current_pos)
+                                     lm.inputs.step.current_pos)
     t.begin_trace_capture(mesh, cq_id=0)
     with pytest.raises(RuntimeError, match="not compiled before trace capture"):
         t.argmax(t.from_torch(torch.zeros(1, 1, 64, 8), device=mesh), dim=-1)
@@ -262,7 +262,7 @@ def test_row_budget_and_idle_users(tt, prompts):
     def recording(rows, logits=False, top_k=0, hidden=False):
         seen.append((sum(len(r.tokens) for r in rows), len(rows)))
         out = step(rows, logits, top_k, hidden)
-        seen[-1] += (lm.inputs.current_pos.data.tolist(),)
+        seen[-1] += (lm.inputs.step.current_pos.data.tolist(),)
         return out
     lm.step = recording
     with pytest.raises(ValueError, match="does not fit the 32-row decode tile"):

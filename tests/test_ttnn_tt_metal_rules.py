@@ -78,6 +78,22 @@ def test_fabric_for_meshes_of_several_devices(stand_in, name, shape, tiny):
     assert stand_in_ttnn.get_fabric_config() == stand_in_ttnn.FabricConfig.DISABLED
 
 
+def test_fabric_choice_and_tt_style_device_params(stand_in):
+    """The fabric tt-metal's device_params picks per cluster (a 6U Galaxy a ring, a Blackhole Galaxy a 2-D torus), and
+    device_params written as tt-metal's demos write them ({"fabric_config": True, "trace_region_size": ...,
+    "num_command_queues": 1}) open the mesh."""
+    clusters = stand_in_ttnn.ClusterType
+    for cluster, fabric in ((clusters.T3K, "FABRIC_1D"), (clusters.GALAXY, "FABRIC_1D_RING"),
+                            (clusters.BLACKHOLE_GALAXY, "FABRIC_2D_TORUS_XY")):
+        stand_in.setattr(stand_in_ttnn.cluster, "get_cluster_type", lambda cluster=cluster: cluster)
+        assert tt_device.fabric_config_for((1, 8)) == getattr(stand_in_ttnn.FabricConfig, fabric)
+    assert tt_device.fabric_config_for((1, 1)) is None
+    stand_in.setattr(stand_in_ttnn.cluster, "get_cluster_type", lambda: clusters.N300)
+    stand_in.setenv("MESH_DEVICE", "N300")
+    with tt_device.open_mesh(**{"fabric_config": True, "trace_region_size": 30_000_000, "num_command_queues": 1}) as m:
+        assert m.fabric == stand_in_ttnn.FabricConfig.FABRIC_1D and m.trace_region_size == 30_000_000
+
+
 def test_ccl_without_fabric_is_refused(stand_in, tiny):
     """The stand-in's side of finding 2: a mesh of two devices opened without the fabric cannot decode."""
     lm = build(mesh_of((1, 2)), tiny)
@@ -138,8 +154,8 @@ def test_tt_text_demo_configuration_by_default(stand_in, embedded_checkpoint):
     assert build(mesh_of((1, 1)), embedded_checkpoint).tt.args.optimizations.__name__ == "performance"
     accurate = build(mesh_of((1, 1)), embedded_checkpoint, optimizations="accuracy")
     assert accurate.tt.args.optimizations.__name__ == "accuracy"
-    with pytest.raises(demo.DemoInputError, match="--optimizations"):
-        demo.check_flags(demo.DemoConfig(optimizations="fast"), "ttnn")
+    with pytest.raises(demo.DemoInputError, match="--precision"):
+        demo.check_flags(demo.DemoConfig(precision="fast"), "ttnn")
 
 
 def demo_config(tmp_path, **overrides):
@@ -179,9 +195,28 @@ def test_traces_are_planned_and_fit_the_region(stand_in, tmp_path):
     pool.close()
     small, large = (demo.trace_region_size(demo_config(tmp_path, n_draft_tokens=n), (1, 1)) for n in (1, 16))
     assert 0 < small < large
+    truncated = demo_config(tmp_path, target_layers=10, draft_layers=4, draft_mode="hybrid", compare_baseline=0)
+    with tt_device.open_mesh(trace_region_size=demo.trace_region_size(truncated, (1, 1))) as sized:
+        demo.run_demo(truncated, sized)  # the plan and the model agree on a truncated target's traces
     with tt_device.open_mesh(trace_region_size=small) as narrow:
         with pytest.raises(ValueError, match="trace_region_size >= .*lower --n_draft_tokens"):
             demo.run_demo(demo_config(tmp_path, n_draft_tokens=16), narrow)
+
+
+def test_buffers_allocated_under_a_live_trace_on_the_stand_in(stand_in, tiny):
+    """The stand-in's side of the trace-allocation rule (allocator.cpp verify_safe_allocation): a buffer allocated
+    while a trace is live, still alive when that trace replays, fails; the backend makes the mesh's traces anew (all
+    released, all allocated and compiled, then all captured) when a model on it needs another."""
+    mesh = mesh_of((1, 1))
+    first = build(mesh, tiny)
+    first.step([UserRows(0, [1], 0)])
+    held = stand_in_ttnn.from_torch(torch.zeros(4), device=mesh)  # allocated under first's live trace
+    with pytest.raises(RuntimeError, match="allocated while a trace was live"):
+        first.step([UserRows(0, [1], 0)])
+    stand_in_ttnn.deallocate(held)
+    second = build(mesh, tiny)  # its weights and cache are allocated under first's traces too
+    second.step([UserRows(0, [1, 2], 0)])  # remakes every trace on the mesh: safe again
+    assert first.step([UserRows(0, [1], 0)]).ids and mesh.unsafe == []
 
 
 def test_trace_region_overflow_on_the_stand_in(stand_in, tiny):

@@ -156,9 +156,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--report", default="tt_smoke_report.json", help="where the JSON report goes")
     parser.add_argument("--max_seq_len", type=int, default=1024)
-    parser.add_argument("--optimizations", default="performance", choices=demo.OPTIMIZATIONS)
+    parser.add_argument("--precision", default="performance", choices=demo.PRECISIONS)
     args = parser.parse_args(argv)
-    config = demo.DemoConfig(backend="ttnn", max_seq_len=args.max_seq_len, optimizations=args.optimizations,
+    config = demo.DemoConfig(backend="ttnn", max_seq_len=args.max_seq_len, precision=args.precision,
                              draft_mode="suffix", max_generated_tokens=SMOKE_TOKENS)
     return 0 if run(config, Path(args.report))["ok"] else 1
 

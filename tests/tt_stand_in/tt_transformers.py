@@ -222,6 +222,7 @@ class Attention:
             weight_cache_path.mkdir(parents=True, exist_ok=True)
             (weight_cache_path / f"{layer_name}.wqkv").touch()
         a = args.torch_args
+        self.use_qk_fused = configuration.use_qk_fused  # read once, at construction, as TT's Attention
         self.args, self.model, self.block = args, state_dict, state_dict.layers[layer_num]
         self.n_heads, self.n_kv_heads, self.head_dim = a.n_heads, a.n_kv_heads, a.head_dim
         self.scale, self.sliding_window = a.head_dim ** -0.5, a.sliding_window
@@ -249,7 +250,7 @@ class Attention:
     def forward_decode(self, x, current_pos, rot_mats=None, page_table=None, kv_cache=None):
         q, k, v = ttnn.run_op("qkv_rope", self._qkv_rope, x, rot_mats)
         keys, values = kv_cache if kv_cache else self.layer_past
-        if self.args.use_qk_fused:
+        if self.use_qk_fused:
             ttnn.experimental.paged_fused_update_cache(keys, k, values, v, update_idxs_tensor=current_pos,
                                                        page_table=page_table)
         else:
@@ -351,11 +352,11 @@ class Transformer:
             h = layer.forward(h, current_pos, rot_mats_global=rot_mat_idxs, mode=Mode.DECODE, page_table=page_table,
                               kv_cache=kv)
 
-        def lm_head(t):  # columns past the vocabulary are padding, not vocabulary
+        def lm_head(t):  # bfloat8_b (tt/lm_head.py LMHead.forward); columns past the vocabulary are padding
             logits = m.output(t.data).float()
             padded = torch.full((*logits.shape[:-1], self.args.padded_vocab_size), PADDED_VOCAB_GARBAGE)
             padded[..., : self.vocab_size] = logits
-            return padded, ttnn.bfloat16, ttnn.TILE_LAYOUT
+            return padded, ttnn.bfloat8_b, ttnn.TILE_LAYOUT
         tt_logits = ttnn.run_op("lm_head", lm_head, self.norm(h, mode=Mode.DECODE), shards=self.args.num_devices)
         if sampling_on_device and self.sampling is not None:
             ttnn.plus_one(current_pos, skip_negative_entries=True)

@@ -18,6 +18,7 @@ error texts are the ones in the ttnn 0.81.1 wheel's libraries).
 """
 import builtins
 import types
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -34,8 +35,9 @@ TRACE_OP_BYTES = 4096  # what one recorded op takes in the stand-in's trace regi
 AVAILABLE_DEVICES = 8  # Wormhole chips the stand-in "system" has (a T3K)
 
 
-class FabricConfig:  # ttnn.FabricConfig members (ttnn 0.81.1)
-    DISABLED, FABRIC_1D_NEIGHBOR_EXCHANGE, FABRIC_1D, FABRIC_1D_RING, FABRIC_2D = range(5)
+class FabricConfig:  # ttnn.FabricConfig members and values (ttnn 0.81.1)
+    (DISABLED, FABRIC_1D_NEIGHBOR_EXCHANGE, FABRIC_1D, FABRIC_1D_RING, FABRIC_2D, FABRIC_2D_TORUS_X, FABRIC_2D_TORUS_Y,
+     FABRIC_2D_TORUS_XY, CUSTOM) = range(9)
 
 
 class FabricReliabilityMode:
@@ -88,6 +90,11 @@ class MeshDevice:
         self.replaying = False
         self.ops_run = 0
         self.single_core_topk = 0  # topk calls that took the single-core program
+        # Buffers allocated and programs compiled while a trace is live (outside any capture): a later replay may
+        # overwrite them (allocator.cpp verify_safe_allocation: "Allocating device buffers is potentially unsafe due
+        # to the existence of an active trace. These buffers may be corrupted once a trace is executed if they are
+        # not released before then"; program.cpp allocates kernel binaries through the same allocator).
+        self.unsafe: list = []
 
     def get_num_devices(self) -> int:
         return self.shape[0] * self.shape[1]
@@ -126,6 +133,13 @@ def close_mesh_device(mesh_device) -> None:
 device = types.SimpleNamespace(is_wormhole_b0=lambda mesh_device: True, is_blackhole=lambda mesh_device: False)
 
 
+class ClusterType:  # ttnn.cluster.ClusterType (some members)
+    N150, N300, T3K, GALAXY, TG, P150, BLACKHOLE_GALAXY = range(7)
+
+
+cluster = types.SimpleNamespace(ClusterType=ClusterType, get_cluster_type=lambda: ClusterType.T3K)
+
+
 def get_arch_name() -> str:
     return "wormhole_b0"
 
@@ -145,6 +159,8 @@ class Tensor:
             device.allocations += 1
             if device.capturing is not None:
                 device.capture_allocations += 1
+            elif device.traces:
+                device.unsafe.append(weakref.ref(self))
 
     @property
     def data(self) -> torch.Tensor:
@@ -162,9 +178,21 @@ class ReplicateTensorToMesh:
         self.mesh_device = mesh_device
 
 
+class ConcatMeshToTensor:
+    """Reads a mesh tensor back with the devices' parts concatenated along `dim` (the stand-in keeps them that way
+    along the last dim already)."""
+
+    def __init__(self, mesh_device, dim):
+        if dim not in (3, -1):
+            raise NotImplementedError("stand-in: concatenation along the last dim only")
+        self.mesh_device = mesh_device
+
+
 class ShardTensor2dMesh:
-    def __init__(self, mesh_device, mesh_shape=None, dims=None):
-        if dims is None or tuple(dims) not in ((None, None), (None, 3), (None, -1)):
+    """ttnn.ShardTensor2dMesh(mesh_device, mesh_shape, dims): both required, as the wheel's signature."""
+
+    def __init__(self, mesh_device, mesh_shape, dims):
+        if tuple(dims) not in ((None, None), (None, 3), (None, -1)):
             raise NotImplementedError("stand-in: replicated, or sharded along the last dim over the mesh, only")
         self.mesh_device, self.shards = mesh_device, 1 if tuple(dims) == (None, None) else mesh_device.get_num_devices()
 
@@ -176,11 +204,14 @@ def from_torch(tensor, dtype=None, *, layout=ROW_MAJOR_LAYOUT, device=None, mesh
     return Tensor(tensor.detach().to(TORCH_DTYPES[dtype]).clone(), dtype, layout, device, shards)
 
 
-def to_torch(tensor: Tensor, dtype=None, **kwargs) -> torch.Tensor:
-    """uint16 comes back as torch's int16 (torch has no uint16 for these ops): ids >= 32768 read negative unless the
-    reader masks them (the index dtype topk returns for widths <= 65535, topk_device_operation.cpp)."""
+def to_torch(tensor: Tensor, dtype=None, *, mesh_composer=None, **kwargs) -> torch.Tensor:
+    """uint16 comes back as torch.uint16 (ttnn/core.py ttnn_dtype_to_torch_dtype), the index dtype topk returns for
+    widths <= 65535 (topk_device_operation.cpp). A tensor split over several devices is read whole only through a
+    mesh composer."""
+    if tensor.shards > 1 and mesh_composer is None:
+        raise RuntimeError("stand-in: a tensor split over the mesh's devices needs a mesh_composer to read whole")
     data = tensor.data.clone()
-    return data.to(torch.int16) if tensor.dtype == uint16 else data
+    return data.to(torch.uint16) if tensor.dtype == uint16 else data
 
 
 def to_device(tensor: Tensor, device: MeshDevice, memory_config=None) -> Tensor:
@@ -246,6 +277,8 @@ def run_op(name: str, fn, *args, inplace: bool = False, shards: Optional[int] = 
         outputs = _wrap(fn(*args, **kwargs), device, shards, garbage=True)
         device.capturing.append((fn, args, kwargs, outputs))
         return outputs
+    if key not in device.compiled and device.traces:  # its kernel binaries go to DRAM while a trace is live
+        device.unsafe.append(("program", name))
     device.compiled.add(key)
     device.ops_run += 1
     result = fn(*args, **kwargs)
@@ -256,6 +289,8 @@ def _wrap(result, device, shards, garbage=False):
     if isinstance(result, tuple) and not isinstance(result[0], torch.Tensor):
         return tuple(_wrap(r, device, shards, garbage) for r in result)
     data, dtype, layout = result
+    if dtype == bfloat8_b and data.is_floating_point():  # 16 values share an exponent: no room for an infinity
+        data = torch.where(data.isinf(), float("nan"), data)
     if garbage:
         data = torch.full_like(data, -7 if dtype in (uint16, uint32, int32) else float("nan"))
     return Tensor(data, dtype, layout, device, shards)
@@ -287,6 +322,11 @@ def end_trace_capture(mesh_device: MeshDevice, trace_id: int, *, cq_id=None) -> 
 def execute_trace(mesh_device: MeshDevice, trace_id: int, *, cq_id=None, blocking: bool = True) -> None:
     if trace_id not in mesh_device.traces:
         raise RuntimeError(f"stand-in: trace {trace_id} was never captured")
+    live = [u for u in mesh_device.unsafe if not isinstance(u, weakref.ref) or (u() is not None and not u().deallocated)]
+    if live:
+        raise RuntimeError(f"stand-in: {len(live)} device buffers or programs were allocated while a trace was live "
+                           f"({live[0] if not isinstance(live[0], weakref.ref) else 'a tensor'}): replaying the trace "
+                           "may overwrite them (allocator.cpp verify_safe_allocation)")
     mesh_device.replaying = True
     try:
         for fn, args, kwargs, outputs in mesh_device.traces[trace_id]:
@@ -303,6 +343,8 @@ def execute_trace(mesh_device: MeshDevice, trace_id: int, *, cq_id=None, blockin
 
 def release_trace(mesh_device: MeshDevice, trace_id: int) -> None:
     del mesh_device.traces[trace_id], mesh_device.trace_sizes[trace_id]
+    if not mesh_device.traces:  # no live trace left to overwrite anything
+        mesh_device.unsafe.clear()
 
 
 def synchronize_device(device, cq_id=None, sub_device_ids=()) -> None:
@@ -337,10 +379,15 @@ def max(input_tensor: Tensor, dim=None, keepdim=False, *, memory_config=None, **
                   input_tensor)
 
 
-def add(input_tensor_a: Tensor, input_tensor_b: Tensor, *, memory_config=None, **kwargs) -> Tensor:
+def add(input_tensor_a: Tensor, input_tensor_b: Tensor, *, dtype=None, memory_config=None, **kwargs) -> Tensor:
+    """The result takes input_tensor_a's dtype unless `dtype` says otherwise (ttnn.add's docstring)."""
     if input_tensor_a.shape != input_tensor_b.shape or input_tensor_a.shards != input_tensor_b.shards:
         raise RuntimeError("stand-in: add of tensors of one shape and placement only")
-    return run_op("add", lambda a, b: (a.data + b.data, a.dtype, a.layout), input_tensor_a, input_tensor_b)
+    return run_op("add", lambda a, b: (a.data + b.data, dtype or a.dtype, a.layout), input_tensor_a, input_tensor_b)
+
+
+def clone(input_tensor: Tensor, *, dtype=None, memory_config=None, **kwargs) -> Tensor:
+    return run_op("clone", lambda t: (t.data.clone(), dtype or t.dtype, t.layout), input_tensor)
 
 
 def untilize(input_tensor: Tensor, *, memory_config=None, use_multicore=True, sub_core_grids=None) -> Tensor:
@@ -444,12 +491,24 @@ def _paged_update(cache: Tensor, update: Tensor, positions: Tensor, page_table: 
 
 
 def _paged_update_op(cache_tensor, input_tensor, *, update_idxs_tensor=None, page_table=None, **kwargs):
+    """paged_update_cache_device_operation.cpp validate_on_program_cache_miss: the checks our pass tensors meet."""
     if update_idxs_tensor is None or page_table is None:
         raise NotImplementedError("stand-in: paged_update_cache with update_idxs_tensor and page_table only")
-    unknown = set(kwargs) - {"share_cache", "batch_offset", "compute_kernel_config", "mesh_coords", "block_size",
-                             "num_kv_heads", "cache_position_modulo"}
+    unknown = set(kwargs) - {"update_idxs", "share_cache", "batch_offset", "compute_kernel_config", "mesh_coords",
+                             "block_size", "num_kv_heads", "cache_position_modulo"}
     if unknown:
         raise TypeError(f"paged_update_cache() got unexpected keyword arguments {sorted(unknown)}")
+    if update_idxs_tensor.dtype != int32:
+        raise RuntimeError("Expected update_idxs to have datatype INT32")
+    if update_idxs_tensor.layout != ROW_MAJOR_LAYOUT:
+        raise RuntimeError("Expected update_idxs to have memory layout in ROW MAJOR")
+    if update_idxs_tensor.shape[0] != input_tensor.shape[1]:
+        raise RuntimeError(f"Number of update_idxs ({update_idxs_tensor.shape[0]}) should match batch size "
+                           f"({input_tensor.shape[1]})")
+    if page_table.dtype != int32:
+        raise RuntimeError("Expect page table to have datatype INT32")
+    if page_table.shape[1] > cache_tensor.shape[0]:
+        raise RuntimeError("max_num_blocks_per_seq must be less than max_num_blocks")
     run_op("paged_update_cache", lambda c, i, p, t: _paged_update(c, i, p, t), cache_tensor, input_tensor,
            update_idxs_tensor, page_table, inplace=True)
 

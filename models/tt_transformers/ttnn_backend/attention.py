@@ -31,9 +31,10 @@ class KVWritePasses:
 
 
 def ordered_update(update_op, passes: KVWritePasses):
-    """`update_op` (paged_update_cache) issued once per pass, with that pass's positions."""
+    """`update_op` (paged_update_cache) issued once per pass, with that pass's positions; as TT issues it (one op over
+    every row) when no passes are set (a decode step not made by this backend)."""
     def write(cache, input_tensor, *, update_idxs_tensor=None, **kwargs):
-        for positions in passes.positions:
+        for positions in passes.positions or [update_idxs_tensor]:
             update_op(cache, input_tensor, update_idxs_tensor=positions, **kwargs)
     return write
 
@@ -49,6 +50,8 @@ def ordered_write_attention(base: type, passes: KVWritePasses) -> type:
 
     class Attention(base):
         def forward_decode(self, *args, **kwargs):
+            if self.use_qk_fused:  # the fused update is not ordered: build the model with use_qk_fused False
+                raise ValueError("ordered cache writes need ModelArgs.use_qk_fused = False before the model is built")
             batched = ttnn.experimental.paged_update_cache
             ttnn.experimental.paged_update_cache = ordered_update(batched, passes)
             try:

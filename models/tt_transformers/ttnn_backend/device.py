@@ -37,32 +37,42 @@ def mesh_shape(name: Optional[str] = None) -> tuple[int, int]:
 
 def fabric_config_for(shape: tuple[int, int]):
     """The fabric TT-Transformers' CCL ops need on a mesh of more than one device (None for one device: the fabric
-    needs at least two chips). models/tt_transformers/conftest.py, device_params, turns `fabric_config: True` into
-    FABRIC_1D (FABRIC_1D_RING on a 6U Galaxy, FABRIC_2D_TORUS_XY on a Blackhole Galaxy); FABRIC_1D is what it picks
-    for N300, T3K, N150x4 and the P300/P150x4/P150x8 meshes."""
+    needs at least two chips), as models/tt_transformers/conftest.py's device_params turns `fabric_config: True` into
+    one: FABRIC_2D_TORUS_XY on a Blackhole Galaxy, FABRIC_1D_RING on a 6U Galaxy (conftest.py is_6u: cluster type
+    GALAXY), FABRIC_1D otherwise."""
     import ttnn
 
     if shape[0] * shape[1] == 1:
         return None
+    cluster = ttnn.cluster.get_cluster_type()
+    if cluster == ttnn.cluster.ClusterType.BLACKHOLE_GALAXY:
+        return ttnn.FabricConfig.FABRIC_2D_TORUS_XY
+    if cluster == ttnn.cluster.ClusterType.GALAXY:
+        return ttnn.FabricConfig.FABRIC_1D_RING
     return ttnn.FabricConfig.FABRIC_1D
 
 
 @contextmanager
-def open_mesh(name: Optional[str] = None, trace_region_size: int = 0, **device_params):
-    """The mesh device for MESH_DEVICE, closed on exit. As tt-metal's root conftest.py `mesh_device` fixture:
-    set_fabric before open_mesh_device (which takes no fabric keyword), close, then reset_fabric (the fabric
-    config cannot change while a mesh is open)."""
+def open_mesh(name: Optional[str] = None, trace_region_size: int = 0, fabric_config=True,
+              num_command_queues: int = NUM_COMMAND_QUEUES, reliability_mode=None, **device_params):
+    """The mesh device for MESH_DEVICE, closed on exit. Takes device_params as tt-metal's demos parametrize them:
+    like tt-metal's root conftest.py `mesh_device` fixture it pops fabric_config (True: the mesh's own, as
+    fabric_config_for; None or False: none; else that FabricConfig) and reliability_mode, runs set_fabric before
+    open_mesh_device (which takes no fabric keyword), and after closing reset_fabric (the fabric config cannot
+    change while a mesh is open)."""
     import ttnn
 
     if not tt_device_present():
         raise ValueError("the ttnn backend needs a Tenstorrent device (no /dev/tenstorrent* here); use --backend torch")
     shape = mesh_shape(name)
-    fabric = fabric_config_for(shape)
+    fabric = fabric_config_for(shape) if fabric_config is True else (fabric_config or None)
+    if shape == (1, 1):
+        fabric = None  # models/tt_transformers/conftest.py: no fabric on a single device
     if fabric is not None:
-        ttnn.set_fabric_config(fabric, ttnn.FabricReliabilityMode.STRICT_INIT)
+        ttnn.set_fabric_config(fabric, reliability_mode or ttnn.FabricReliabilityMode.STRICT_INIT)
     try:
         mesh = ttnn.open_mesh_device(mesh_shape=ttnn.MeshShape(*shape), trace_region_size=trace_region_size,
-                                     num_command_queues=NUM_COMMAND_QUEUES, **device_params)
+                                     num_command_queues=num_command_queues, **device_params)
         TRACE_REGIONS[id(mesh)] = trace_region_size
         try:
             yield mesh

@@ -21,12 +21,17 @@
   output, what the LM head reads, in DRAM ([1, 1, 32, dim] per step, read back as 32 rows x dim); a prefill asked
   for them replays the decode program over the prompt, 32 positions at a time, with every cache write switched off
   (all write-pass positions -1): the prompt's states come from the cache the prefill wrote, which stays as it was.
-- traces: one per (write passes, top k, hidden) for the pass counts a run can need (trace_plan.pass_ladder), all
-  compiled and captured by `warm_up` before anything is timed (checked against the mesh's trace region first), and
-  replayed; every input is a persistent device tensor refreshed with `ttnn.copy_host_to_device_tensor` (only the
-  pass tensors the trace reads), so the loop allocates nothing on the device.
+- traces: one per (write passes, top k, hidden) for the pass counts a run can need (trace_plan.pass_ladder), planned
+  by `warm_up` and replayed. A buffer allocated while a trace is live may be overwritten when that trace replays
+  (tt-metal's allocator warns of it, allocator.cpp verify_safe_allocation), so traces are made for the whole mesh at
+  once (`prepare_mesh`): every model on it releases its traces, allocates its persistent inputs and compiles every
+  planned program (kernel binaries are device buffers too), and only then is anything captured. Every input is a
+  persistent device tensor (a draft view shares its target's) refreshed with `ttnn.copy_host_to_device_tensor` (only
+  the pass tensors the trace reads), so the loop allocates nothing on the device.
 """
+import contextlib
 import time
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
@@ -44,8 +49,8 @@ from .trace_plan import pass_ladder, passes_for, region_bytes, trace_bytes, trac
 # perf test records the step time of every traced shape (TtnnCausalLM.step_times) to replace them.
 WRITE_PASS_COST = 0.01
 KEY_COST = 2e-6  # per row per cached position
-# Trace bytes captured so far per mesh (id(mesh) -> bytes), over every model on it: the target and its draft views.
-TRACE_BYTES: defaultdict = defaultdict(int)
+# The models on each mesh (id(mesh) -> TtnnCausalLMs): traces are prepared for all of them at once.
+MESH_MODELS: defaultdict = defaultdict(weakref.WeakSet)
 
 
 @dataclass
@@ -60,9 +65,17 @@ class StepInputs:
 
 
 @dataclass
+class DeviceInputs:
+    """A model's persistent device inputs, shared by a target and its draft views (each refreshes them in full
+    before every replay): the step's inputs and, on split-vocabulary meshes, the padded-column mask."""
+
+    step: Optional[StepInputs] = None
+    vocab_mask: Any = None
+
+
+@dataclass
 class Trace:
     trace_id: Any
-    bytes: int  # its estimated share of the trace region
     ids: Any  # [1, 1, 32, 1] uint32 per device: each device's argmax over its vocabulary share
     best: Any  # [1, 1, 32, 1] per device: each device's max (merging across devices), or None on one share
     logits: Any  # [1, 1, 32, share] row-major per device
@@ -92,21 +105,35 @@ class HiddenCapture:
         import ttnn
 
         out = self.norm(x, *args, **kwargs)
-        self.output = ttnn.to_memory_config(out, memory_config=ttnn.DRAM_MEMORY_CONFIG)
+        self.output = ttnn.clone(out, memory_config=ttnn.DRAM_MEMORY_CONFIG)  # a copy: the LM head frees `out`
         return out
+
+
+def prepare_mesh(mesh) -> None:
+    """Make every planned trace of every model on the mesh: all traces released, then every model's persistent inputs
+    allocated and every planned program compiled, then every trace captured. Nothing is allocated or compiled while a
+    trace is live."""
+    models = list(MESH_MODELS[id(mesh)])
+    for lm in models:
+        lm.release_traces()
+    for lm in models:
+        for key in sorted(lm.planned):
+            lm.compile(key)
+    for lm in models:
+        for key in sorted(lm.planned):
+            lm.capture(key)
 
 
 class TtnnCausalLM:
     """A TT-Transformers model (or a view of its first layers) behind the CausalLM contract."""
 
     def __init__(self, tt: TTModel, max_batch_size: int, max_seq_len: int, shares_target_cache: bool = False,
-                 full_layers: Optional[int] = None):
+                 inputs: Optional[DeviceInputs] = None):
         if not 1 <= max_batch_size <= TILE_ROWS:
             raise ValueError(f"--batch_size {max_batch_size}: a TT decode step holds at most {TILE_ROWS} users "
                              "(one 32-row tile); use 32 or fewer")
         self.tt, self.max_batch_size, self.max_seq_len = tt, max_batch_size, max_seq_len
         self.n_layers, self.vocab_size = tt.n_layers, tt.args.vocab_size
-        self.full_layers = full_layers or tt.n_layers  # the whole model's layers (a draft view has fewer)
         self.max_step_rows = TILE_ROWS
         # Token trees need each row to see its ancestors only, which paged SDPA decode (each row sees every cached
         # position up to its own) does not express without an attention mask per step: chains only (README).
@@ -120,17 +147,19 @@ class TtnnCausalLM:
         self.split_vocab = self.num_devices > 1 and not args.is_galaxy and tt.model.sampling is not None
         self.share = args.padded_vocab_size // self.num_devices if self.split_vocab else self.vocab_size
         self.ladder = pass_ladder(TILE_ROWS)  # until warm_up plans the run's
-        self.inputs: Optional[StepInputs] = None
-        self.vocab_mask = None
-        self.traces: dict[tuple[int, int, bool], Trace] = {}  # (write passes, top k, hidden) -> trace
+        self.planned: set[tuple[int, int, bool]] = set()  # (write passes, top k, hidden) of every trace to make
+        self.inputs = inputs if inputs is not None else DeviceInputs()
+        self.traces: dict[tuple[int, int, bool], Trace] = {}
         self.step_times: dict[tuple[int, int, bool], list] = defaultdict(list)  # seconds per replay, per trace
+        MESH_MODELS[id(tt.mesh_device)].add(self)
 
     def draft_view(self, n_layers: int) -> "TtnnCausalLM":
-        """The first n_layers layers on the target's weights and cache (no copy, no catch-up), traced apart."""
+        """The first n_layers layers on the target's weights, cache and device inputs (no copy, no catch-up), traced
+        apart."""
         if not 1 <= n_layers < self.n_layers:
             raise ValueError(f"a draft view needs 1 to {self.n_layers - 1} layers, got {n_layers}")
         return TtnnCausalLM(self.tt.first_layers(n_layers), self.max_batch_size, self.max_seq_len,
-                            shares_target_cache=True, full_layers=self.full_layers)
+                            shares_target_cache=True, inputs=self.inputs)
 
     def step_cost(self, n_rows: int, context_len: float) -> float:
         """A step of n_rows rows: the passes are those of one user holding every row beyond the first (an upper
@@ -138,43 +167,78 @@ class TtnnCausalLM:
         passes = passes_for(min(n_rows, self.ladder[-1]), self.ladder)
         return 1 + WRITE_PASS_COST * passes + KEY_COST * n_rows * context_len
 
-    # ---- warm-up and the trace region ------------------------------------------------------------------------
-
-    def planned_trace_bytes(self, max_rows_per_user: int, top_k: int, hidden: bool) -> list[int]:
-        """The estimated size of every trace a run with these settings captures on this model (those not captured
-        yet)."""
-        return [self._trace_bytes(key) for key in trace_keys(max_rows_per_user, top_k, hidden) if key not in self.traces]
-
-    def _trace_bytes(self, key: tuple[int, int, bool]) -> int:
-        args = self.tt.args
-        return trace_bytes(args.model_name, args.device_name, self.full_layers, self.n_layers, key, self.share)
+    # ---- warm-up, traces and the trace region ----------------------------------------------------------------
 
     def warm_up(self, max_rows_per_user: int, top_k: int, hidden: bool) -> dict:
         """TT-Transformers' prefill warm-up (its first prefill_forward_text: every supported prefill length), then
-        every trace the run can use compiled and captured, after checking that they fit the trace region."""
+        the traces a run with these settings uses planned, checked against the trace region and made with every
+        other model's on the mesh (prepare_mesh)."""
         start = time.perf_counter()
         if not self.shares_target_cache:  # a draft view never prefills: the target's prefill fills its cache
             self.prefill(0, [0])
         prefill_s = time.perf_counter() - start
         self.ladder = pass_ladder(max_rows_per_user)
-        keys = [key for key in trace_keys(max_rows_per_user, top_k, hidden) if key not in self.traces]
-        self.check_trace_region(max_rows_per_user, top_k, hidden)
-        for passes, k, h in keys:  # writes user 0's cache, which its prefill rewrites
-            self._run([UserRows(0, [0] * passes, 0)], False, k, h)
+        self.planned |= set(trace_keys(max_rows_per_user, top_k, hidden))
+        self.check_trace_region()
+        prepare_mesh(self.tt.mesh_device)
         return {"compile_prefill": prefill_s, "compile_decode": time.perf_counter() - start - prefill_s}
 
-    def check_trace_region(self, max_rows_per_user: int, top_k: int, hidden: bool) -> None:
-        """Stop before capturing with an error that names the fix when the traces would not fit the region the mesh
-        was opened with (known for meshes opened through device.open_mesh: the CLI and our pytest fixture)."""
-        region = TRACE_REGIONS.get(id(self.tt.mesh_device))
-        if not region:
-            return
-        needed = TRACE_BYTES[id(self.tt.mesh_device)] + sum(self.planned_trace_bytes(max_rows_per_user, top_k, hidden))
-        if needed > region:
-            raise ValueError(f"the decode traces for up to {max_rows_per_user} rows per user take about "
-                             f"{needed / 1e6:.0f} MB of trace region, and the mesh was opened with {region / 1e6:.0f} "
-                             f"MB: open it with trace_region_size >= {region_bytes([needed])} (device_params), or "
-                             "lower --n_draft_tokens")
+    def check_trace_region(self) -> None:
+        """Stop before capturing with an error that names the fix when the planned traces of every model on the mesh
+        would not fit the region it was opened with (known for meshes opened through device.open_mesh: the CLI, our
+        pytest fixture and make tt-smoke)."""
+        mesh = self.tt.mesh_device
+        region = TRACE_REGIONS.get(id(mesh))
+        needed = sum(lm._trace_bytes(key) for lm in MESH_MODELS[id(mesh)] for key in lm.planned)
+        if region and needed > region:
+            raise ValueError(f"the planned decode traces take about {needed / 1e6:.0f} MB of trace region and the mesh "
+                             f"was opened with {region / 1e6:.0f} MB: open it with trace_region_size >= "
+                             f"{region_bytes([needed])} (device_params), or plan fewer traces (lower --n_draft_tokens)")
+
+    def _trace_bytes(self, key: tuple[int, int, bool]) -> int:
+        args = self.tt.args
+        return trace_bytes(args.model_name, args.device_name, args.full_model_n_layers, self.n_layers, key, self.share)
+
+    def compile(self, key: tuple[int, int, bool]) -> None:
+        """The program for this key run once, outside any trace, so its kernels are built (and, on a first call, the
+        persistent inputs allocated) before anything is captured. Every write pass is -1 first: the run writes
+        nothing to the cache (it may come in the middle of a generation)."""
+        import ttnn
+
+        self._run_inputs([UserRows(0, [0], 0)], write=False, passes=TILE_ROWS)
+        passes, top_k, hidden = key
+        self.tt.passes.positions = self.inputs.step.pass_positions[:passes]
+        for tensor in device_tensors(self._forward(top_k, hidden)):
+            ttnn.deallocate(tensor)
+
+    def capture(self, key: tuple[int, int, bool]) -> None:
+        """The program for this key captured as a trace (its outputs are the trace's persistent tensors)."""
+        import ttnn
+
+        passes, top_k, hidden = key
+        mesh = self.tt.mesh_device
+        self.tt.passes.positions = self.inputs.step.pass_positions[:passes]
+        trace_id = ttnn.begin_trace_capture(mesh, cq_id=0)
+        outputs = self._forward(top_k, hidden)
+        ttnn.end_trace_capture(mesh, trace_id, cq_id=0)
+        self.traces[key] = Trace(trace_id, *outputs)
+
+    def release_traces(self) -> None:
+        import ttnn
+
+        for trace in self.traces.values():
+            ttnn.release_trace(self.tt.mesh_device, trace.trace_id)
+        self.traces = {}
+
+    def __del__(self):  # as TT-Transformers' Generator.__del__: a dropped model's traces leave the trace region
+        with contextlib.suppress(Exception):  # a destructor never raises (the mesh may be closed already)
+            self.release_traces()
+
+    def release(self) -> None:
+        """Its traces given back, and nothing of it traced again: the model is being dropped."""
+        self.release_traces()
+        self.planned.clear()
+        MESH_MODELS[id(self.tt.mesh_device)].discard(self)
 
     # ---- the CausalLM calls ----------------------------------------------------------------------------------
 
@@ -199,51 +263,29 @@ class TtnnCausalLM:
             raise ValueError("the ttnn backend verifies chains only (supports_trees is False)")
         return self._run(rows, logits, top_k, hidden)
 
-    def release(self) -> None:
-        import ttnn
-
-        for trace in self.traces.values():
-            ttnn.release_trace(self.tt.mesh_device, trace.trace_id)
-            TRACE_BYTES[id(self.tt.mesh_device)] -= trace.bytes
-        self.traces = {}
-
     # ---- one traced step -------------------------------------------------------------------------------------
 
     def _run(self, rows: Sequence[UserRows], logits: bool, top_k: int, hidden: bool, write: bool = True
              ) -> StepOutput:
-        """One replay of the decode trace over `rows` (write=False: no cache writes, all pass positions -1)."""
+        """One replay of the decode trace over `rows` (write=False: no cache writes, all pass positions -1). A
+        shape no warm-up planned is planned now and the mesh's traces made again (prepare_mesh)."""
         import ttnn
 
-        n_rows = sum(len(r.tokens) for r in rows)
-        if n_rows > TILE_ROWS:
-            raise ValueError(f"a step of {n_rows} rows does not fit the {TILE_ROWS}-row decode tile")
         if hidden and self.tt.args.is_galaxy:
             raise ValueError("hidden states on a Galaxy: its final norm leaves each device a slice of them, which "
                              "this backend does not gather; use a draft mode without a draft head there")
         passes = passes_for(max(len(u.tokens) for u in rows), self.ladder) if write else 1
-        tokens = torch.zeros(TILE_ROWS, dtype=torch.int64)
-        positions = torch.full((TILE_ROWS,), -1, dtype=torch.int64)
-        page_table = self.tt.page_table[0].repeat(TILE_ROWS, 1)  # idle rows: any valid row, never read
-        pass_positions = torch.full((passes, TILE_ROWS), -1, dtype=torch.int32)
-        r = 0
-        for user_rows in rows:
-            for j, token in enumerate(user_rows.tokens):
-                tokens[r], positions[r] = token, user_rows.start_pos + j
-                page_table[r] = self.tt.page_table[user_rows.user]
-                if write:
-                    pass_positions[j, r] = positions[r]
-                r += 1
-        host = self.tt.model.prepare_decode_inputs_host(tokens, positions, page_table)
-        host_passes = [ttnn.from_torch(p, dtype=ttnn.int32, mesh_mapper=self._replicated()) for p in pass_positions]
-        self._refresh_inputs(host, host_passes)
-        if (passes, top_k, hidden) not in self.traces:
-            self._trace(passes, top_k, hidden)
-            self._refresh_inputs(host, host_passes)  # the compile run may have advanced the positions (split vocab)
-        trace = self.traces[(passes, top_k, hidden)]
+        key = (passes, top_k, hidden)
+        if key not in self.traces:
+            self.planned.add(key)
+            self.check_trace_region()
+            prepare_mesh(self.tt.mesh_device)
+        r = self._run_inputs(rows, write, passes)
+        trace = self.traces[key]
         start = time.perf_counter()
         ttnn.execute_trace(self.tt.mesh_device, trace.trace_id, cq_id=0, blocking=False)
         ids = self._argmax(trace)[:r]
-        self.step_times[(passes, top_k, hidden)].append(time.perf_counter() - start)
+        self.step_times[key].append(time.perf_counter() - start)
         all_logits = self._read_logits(trace) if logits else None
         top = self._top_k(trace, top_k) if top_k else None
         states = None
@@ -263,36 +305,78 @@ class TtnnCausalLM:
         return StepOutput(out_ids, out_logits if logits else None, out_top if top_k else None,
                           out_hidden if hidden else None)
 
-    def _per_device(self, tensor) -> list[torch.Tensor]:
-        """A device tensor read back as [32, width] per device (one entry where the vocabulary is not split)."""
+    def _run_inputs(self, rows: Sequence[UserRows], write: bool, passes: int) -> int:
+        """The step's inputs on the device (the first call allocates them, with every pass tensor; later calls copy
+        into them, the pass tensors the trace reads only); the number of rows used."""
+        import ttnn
+        from models.tt_transformers.tt.common import copy_host_to_device
+
+        n_rows = sum(len(r.tokens) for r in rows)
+        if n_rows > TILE_ROWS:
+            raise ValueError(f"a step of {n_rows} rows does not fit the {TILE_ROWS}-row decode tile")
+        tokens = torch.zeros(TILE_ROWS, dtype=torch.int64)
+        positions = torch.full((TILE_ROWS,), -1, dtype=torch.int64)
+        page_table = self.tt.page_table[0].repeat(TILE_ROWS, 1)  # idle rows: any valid row, never read
+        pass_positions = torch.full((passes, TILE_ROWS), -1, dtype=torch.int32)
+        r = 0
+        for user_rows in rows:
+            for j, token in enumerate(user_rows.tokens):
+                tokens[r], positions[r] = token, user_rows.start_pos + j
+                page_table[r] = self.tt.page_table[user_rows.user]
+                if write:
+                    pass_positions[j, r] = positions[r]
+                r += 1
+        host = [*self.tt.model.prepare_decode_inputs_host(tokens, positions, page_table),
+                *(ttnn.from_torch(p, dtype=ttnn.int32, mesh_mapper=self._replicated()) for p in pass_positions)]
+        if self.inputs.step is None:
+            device = copy_host_to_device(host, mesh_device=self.tt.mesh_device)
+            self.inputs.step = StepInputs(*device[:4], device[4:])
+            if self.split_vocab:
+                self.inputs.vocab_mask = self._device_vocab_mask()
+        else:
+            i = self.inputs.step
+            copy_host_to_device(host, [i.tokens, i.current_pos, i.rope_idxs, i.page_table, *i.pass_positions])
+        return r
+
+    def _read(self, tensor) -> torch.Tensor:
+        """A traced output read back as [32, width]: on a split-vocabulary mesh the devices' parts side by side in
+        device order, in one read (ConcatMeshToTensor); otherwise one device's copy."""
         import ttnn
 
-        devices = ttnn.get_device_tensors(tensor)[: self.num_devices if self.split_vocab else 1]
-        return [ttnn.to_torch(d).reshape(TILE_ROWS, -1) for d in devices]
+        if self.split_vocab:
+            composer = ttnn.ConcatMeshToTensor(self.tt.mesh_device, dim=3)
+            return ttnn.to_torch(tensor, mesh_composer=composer).reshape(TILE_ROWS, -1)
+        return ttnn.to_torch(ttnn.get_device_tensors(tensor)[0]).reshape(TILE_ROWS, -1)
 
     def _argmax(self, trace: Trace) -> list[int]:
         """Each row's greedy id: the device whose share holds the largest logit (the lowest id on ties, as argmax
         over the whole vocabulary), at its argmax."""
-        ids = torch.cat(self._per_device(trace.ids), dim=1).long()  # [32, devices] local ids
+        ids = self._read(trace.ids).long()  # [32, devices]: each device's argmax in its own share
         if trace.best is None:
             return ids[:, 0].tolist()
-        best = torch.cat(self._per_device(trace.best), dim=1).float()
-        device = best.argmax(dim=1)  # the first device on ties
-        return (device * self.share + ids.gather(1, device.view(-1, 1)).view(-1)).tolist()
+        device = self._read(trace.best).float().argmax(dim=1)  # the first device on ties
+        greedy = device * self.share + ids.gather(1, device.view(-1, 1)).view(-1)
+        if (greedy >= self.vocab_size).any():
+            raise RuntimeError("the device's argmax chose a padded vocabulary column: its mask did not hold")
+        return greedy.tolist()
 
     def _read_logits(self, trace: Trace) -> torch.Tensor:
-        return torch.cat(self._per_device(trace.logits), dim=1).float()[:, : self.vocab_size]
+        return self._read(trace.logits).float()[:, : self.vocab_size]
 
     def _top_k(self, trace: Trace, k: int) -> list[list[int]]:
         """The k best ids per row from every device's slices' candidates (ids read as unsigned 16 bits: topk
         returns uint16 indices for widths below 65,536, topk_device_operation.cpp resolve_index_dtype)."""
         width = vocab_slices(self.share)[0]
+        devices = self.num_devices if self.split_vocab else 1
+        offsets = torch.arange(devices).view(1, devices, 1) * self.share
         values, ids = [], []
         for s, (slice_values, slice_ids) in enumerate(trace.top):
-            for d, (v, i) in enumerate(zip(self._per_device(slice_values), self._per_device(slice_ids))):
-                values.append(v[:, :k].float())
-                ids.append((i[:, :k].long() & 0xFFFF) + d * self.share + s * width)
-        values, ids = torch.cat(values, dim=1), torch.cat(ids, dim=1)
+            values.append(self._read(slice_values).float().view(TILE_ROWS, devices, -1)[:, :, :k])
+            ids.append((self._read(slice_ids).long().view(TILE_ROWS, devices, -1)[:, :, :k] & 0xFFFF)
+                       + offsets + s * width)
+        values = torch.cat(values, dim=2).reshape(TILE_ROWS, -1)
+        ids = torch.cat(ids, dim=2).reshape(TILE_ROWS, -1)
+        values[ids >= self.vocab_size] = float("-inf")  # a padded column never stands for a token
         order = torch.argsort(ids, dim=1)  # ties to the lower id, then by value (stable sort keeps that order)
         values, ids = values.gather(1, order), ids.gather(1, order)
         best = torch.argsort(values, dim=1, descending=True, stable=True)[:, :k]
@@ -307,24 +391,6 @@ class TtnnCausalLM:
         return ttnn.ShardTensor2dMesh(self.tt.mesh_device, dims=(None, 0) if args.is_galaxy else (None, None),
                                       mesh_shape=args.cluster_shape)
 
-    def _refresh_inputs(self, host: tuple, host_passes: list) -> None:
-        """First step: put the inputs on the device (TT-Transformers' copy_host_to_device), all TILE_ROWS pass
-        tensors. Later steps copy into the same tensors, the pass tensors the trace reads only: nothing is
-        allocated."""
-        import ttnn
-        from models.tt_transformers.tt.common import copy_host_to_device
-
-        if self.inputs is None:
-            unused = [ttnn.from_torch(torch.full((TILE_ROWS,), -1, dtype=torch.int32), dtype=ttnn.int32,
-                                      mesh_mapper=self._replicated()) for _ in range(TILE_ROWS - len(host_passes))]
-            device = copy_host_to_device([*host, *host_passes, *unused], mesh_device=self.tt.mesh_device)
-            self.inputs = StepInputs(*device[:4], device[4:])
-            if self.split_vocab:
-                self.vocab_mask = self._device_vocab_mask()
-            return
-        copy_host_to_device([*host, *host_passes], [self.inputs.tokens, self.inputs.current_pos, self.inputs.rope_idxs,
-                                                    self.inputs.page_table, *self.inputs.pass_positions])
-
     def _device_vocab_mask(self):
         """0 over the vocabulary, -inf over the LM head's padded columns, split over the devices as the logits are."""
         import ttnn
@@ -337,10 +403,11 @@ class TtnnCausalLM:
 
     def _forward(self, top_k: int, hidden: bool) -> list:
         """The traced program: the decode forward over the tile, then per device the argmax (and the max, and the
-        top k of each slice) over its vocabulary share; with `hidden`, the final norm's output too."""
+        top k of each slice) over its vocabulary share; with `hidden`, the final norm's output too. Outputs go to
+        DRAM (a trace keeps them: L1 is for the ops)."""
         import ttnn
 
-        i, model = self.inputs, self.tt.model
+        i, model, dram = self.inputs.step, self.tt.model, ttnn.DRAM_MEMORY_CONFIG
         capture = HiddenCapture(model.norm) if hidden else None
         if capture:
             model.norm = capture
@@ -352,15 +419,15 @@ class TtnnCausalLM:
         finally:
             if capture:
                 model.norm = capture.norm
-        if self.split_vocab:  # each device's share, TILE, its padded columns masked
-            tiles = ttnn.add(out, self.vocab_mask)
-            best = ttnn.max(tiles, dim=-1, keepdim=True)
-            rows = ttnn.untilize(tiles, use_multicore=True)
+        if self.split_vocab:  # each device's share (the LM head's bfloat8_b): masked in bfloat16, which holds -inf
+            tiles = ttnn.add(out, self.inputs.vocab_mask, dtype=ttnn.bfloat16, memory_config=dram)
+            best = ttnn.max(tiles, dim=-1, keepdim=True, memory_config=dram)
+            rows = ttnn.untilize(tiles, use_multicore=True, memory_config=dram)
         else:  # TT's untilized logits, whole on every device: drop the padded columns
-            rows = ttnn.slice(out[0], [0, 0, 0, 0], [1, 1, TILE_ROWS, self.vocab_size])
-            tiles = ttnn.to_layout(rows, ttnn.TILE_LAYOUT) if top_k else None
+            rows = ttnn.slice(out[0], [0, 0, 0, 0], [1, 1, TILE_ROWS, self.vocab_size], memory_config=dram)
+            tiles = ttnn.to_layout(rows, ttnn.TILE_LAYOUT, memory_config=dram) if top_k else None
             best = None
-        ids = ttnn.argmax(rows, dim=-1, keepdim=True)
+        ids = ttnn.argmax(rows, dim=-1, keepdim=True, memory_config=dram)
         top = self._slice_top_k(tiles, top_k) if top_k else None
         return [ids, best, rows, top, capture.output if capture else None]
 
@@ -368,26 +435,12 @@ class TtnnCausalLM:
         import ttnn
 
         width, slices = vocab_slices(self.share)
-        top = []
+        dram, top = ttnn.DRAM_MEMORY_CONFIG, []
         for s in range(slices):
             end = min((s + 1) * width, self.share)
-            piece = ttnn.slice(tiles, [0, 0, 0, s * width], [1, 1, TILE_ROWS, end])
+            piece = ttnn.slice(tiles, [0, 0, 0, s * width], [1, 1, TILE_ROWS, end], pad_value=float("-inf"),
+                               memory_config=dram)
             if end - s * width < width:
                 piece = ttnn.pad(piece, [(0, 0), (0, 0), (0, 0), (0, width - (end - s * width))], float("-inf"))
-            top.append(ttnn.topk(piece, k=k, dim=-1))
+            top.append(ttnn.topk(piece, k=k, dim=-1, memory_config=dram))
         return top
-
-    def _trace(self, passes: int, top_k: int, hidden: bool) -> None:
-        """Compile, then capture, the program for this key (its outputs are the trace's persistent tensors)."""
-        import ttnn
-
-        key, mesh = (passes, top_k, hidden), self.tt.mesh_device
-        self.tt.passes.positions = self.inputs.pass_positions[:passes]
-        for tensor in device_tensors(self._forward(top_k, hidden)):  # compile run: programs are built first
-            ttnn.deallocate(tensor)
-        trace_id = ttnn.begin_trace_capture(mesh, cq_id=0)
-        outputs = self._forward(top_k, hidden)
-        ttnn.end_trace_capture(mesh, trace_id, cq_id=0)
-        size = self._trace_bytes(key)
-        TRACE_BYTES[id(mesh)] += size
-        self.traces[key] = Trace(trace_id, size, *outputs)

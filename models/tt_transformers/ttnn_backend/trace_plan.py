@@ -102,16 +102,21 @@ def region_bytes(traces: list[int]) -> int:
     return math.ceil(sum(traces) * MARGIN / 1e6) * 1_000_000
 
 
-def device_name_for(shape: tuple[int, int], mesh_name: Optional[str]) -> str:
-    """TT's device name for a mesh (MESH_DEVICE where set; else Wormhole's by device count, as
-    tt/model_config.py determine_device_name)."""
-    return mesh_name or {1: "N150", 2: "N300", 4: "N150x4", 8: "T3K", 32: "TG"}.get(shape[0] * shape[1], "")
+def device_names_for(shape: tuple[int, int], mesh_name: Optional[str]) -> list[str]:
+    """TT's device name for a mesh: MESH_DEVICE where set; else the names a mesh of that many devices has on Wormhole
+    and Blackhole (tt/model_config.py determine_device_name), the region sized for the larger."""
+    if mesh_name:
+        return [mesh_name]
+    count = shape[0] * shape[1]
+    wormhole = {1: "N150", 2: "N300", 4: "N150x4", 8: "T3K", 32: "TG"}
+    blackhole = {1: "P150", 2: "P300", 4: "P150x4", 8: "P150x8", 32: "BHGLX"}
+    return [names[count] for names in (wormhole, blackhole) if count in names]
 
 
-def model_trace_bytes(model_name: str, device_name: str, n_devices: int, full_layers: int, n_layers: int,
+def model_trace_bytes(model_name: str, device_names: list[str], n_devices: int, full_layers: int, n_layers: int,
                       vocab_size: int, max_rows_per_user: int, top_k: int, hidden: bool) -> list[int]:
     """Every trace one model of a run captures, before it is built (its vocabulary share per device as TT pads it,
-    tt/model_config.py compute_padded_vocab_size)."""
+    tt/model_config.py compute_padded_vocab_size), for the largest of the device names it may have."""
     share = math.ceil(vocab_size / (32 * n_devices)) * 32 if n_devices > 1 else vocab_size
-    return [trace_bytes(model_name, device_name, full_layers, n_layers, key, share)
+    return [max(trace_bytes(model_name, device, full_layers, n_layers, key, share) for device in device_names or [None])
             for key in trace_keys(max_rows_per_user, top_k, hidden)]

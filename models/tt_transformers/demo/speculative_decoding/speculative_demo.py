@@ -46,8 +46,9 @@ MAX_CORPUS_TOKENS = 1_000_000  # about 600 MB of suffix automaton
 # (simple_text_demo.py -> create_tt_model(dtype=ttnn.bfloat8_b)): an 8B model's LM head alone is ~1 GB in bf16.
 DTYPES = {"torch": ("bfloat16", "float32"), "ttnn": ("bfloat8_b", "bfloat16")}
 # TT-Transformers' decoder precision presets (tt/model_config.py, DecodersPrecision.performance / .accuracy);
-# tt-metal's text demo runs performance unless told otherwise.
-OPTIMIZATIONS = ("performance", "accuracy")
+# tt-metal's text demo runs performance unless told otherwise. (Its demo conftest's own --optimizations takes a
+# decoder-config string, so ours has another name.)
+PRECISIONS = ("performance", "accuracy")
 
 # (name, type, default, help): the pytest options (root conftest.py) and the CLI flags come from this one table.
 DEMO_OPTIONS = [
@@ -83,8 +84,8 @@ DEMO_OPTIONS = [
     ("model", str, None, "target checkpoint folder or .gguf file (default: HF_MODEL, else the embedded model)"),
     ("dtype", str, None, "weights: torch bfloat16 (default) or float32; ttnn bfloat8_b (default, as tt-metal's "
                          "text demo) or bfloat16"),
-    ("optimizations", str, "performance", "ttnn: TT-Transformers' decoder precision, performance (bfp4 MLP, LoFi; "
-                                          "tt-metal's text demo default) or accuracy"),
+    ("precision", str, "performance", "ttnn: TT-Transformers' decoder precision preset, performance (bfp4 MLP, LoFi; "
+                                      "tt-metal's text demo default) or accuracy"),
     ("device", str, "auto", "torch device: auto (the faster of cpu and cuda for this model, logged), cpu or cuda"),
     ("backend", str, "auto", "torch, ttnn (a Tenstorrent mesh through TT-Transformers) or auto: ttnn when "
                              "MESH_DEVICE is set"),
@@ -211,8 +212,8 @@ def dtype_of(config: DemoConfig) -> str:
 
 def check_flags(config: DemoConfig, backend: str) -> None:
     """Every flag that can be checked before anything loads."""
-    if config.optimizations not in OPTIMIZATIONS:
-        raise DemoInputError(f"--optimizations {config.optimizations!r} is not one of {', '.join(OPTIMIZATIONS)}")
+    if config.precision not in PRECISIONS:
+        raise DemoInputError(f"--precision {config.precision!r} is not one of {', '.join(PRECISIONS)}")
     if config.dtype is not None and config.dtype not in DTYPES[backend]:
         raise DemoInputError(f"--dtype {config.dtype!r} is not supported on the {backend} backend; use "
                              f"{' or '.join(DTYPES[backend])}")
@@ -290,7 +291,7 @@ def ttnn_loader(config: DemoConfig, mesh_device):
     def load(ckpt, n_layers):
         tt = build_tt_model(mesh_device, ckpt.folder, ckpt.name, config.batch_size, config.max_seq_len,
                             bool(config.instruct), n_layers, weights_dtype=getattr(ttnn, dtype_of(config)),
-                            optimizations=config.optimizations)
+                            optimizations=config.precision)
         return TtnnCausalLM(tt, config.batch_size, config.max_seq_len)
     return load
 
@@ -302,11 +303,11 @@ def trace_region_size(config: DemoConfig, shape: tuple[int, int]) -> int:
     from models.tt_transformers.torch_backend.checkpoint import resolve_checkpoint
     from models.tt_transformers.torch_backend.model_config import ModelArgs
     from models.tt_transformers.ttnn_backend.model import TILE_ROWS
-    from models.tt_transformers.ttnn_backend.trace_plan import device_name_for, model_trace_bytes, region_bytes
+    from models.tt_transformers.ttnn_backend.trace_plan import device_names_for, model_trace_bytes, region_bytes
 
     ckpt = resolve_checkpoint(config.model, "--model" if config.model else "HF_MODEL")
     args = ModelArgs.from_hf_config(ckpt.config)
-    device, n_devices = device_name_for(shape, os.environ.get("MESH_DEVICE")), shape[0] * shape[1]
+    device, n_devices = device_names_for(shape, os.environ.get("MESH_DEVICE")), shape[0] * shape[1]
     drafting = config.n_draft_tokens > 0
     top_k = config.recycle_top_k if drafting and config.draft_mode in ("suffix", "hybrid") else 0
     hidden = drafting and config.draft_mode in ("head", "hybrid")
@@ -388,7 +389,7 @@ def build(config: DemoConfig, mesh_device=None, pool: Optional[ModelPool] = None
 
     pool = pool if pool is not None else ModelPool()
     loader = ttnn_loader(config, mesh_device) if backend == "ttnn" else torch_loader(config, args)
-    built_with = (backend, dtype_of(config), config.optimizations, config.device, config.batch_size,
+    built_with = (backend, dtype_of(config), config.precision, config.device, config.batch_size,
                   config.max_seq_len, config.instruct, config.draft_trees)
 
     def load(ckpt, n_layers):
