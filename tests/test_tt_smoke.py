@@ -17,7 +17,7 @@ import tt_smoke  # noqa: E402
 
 
 def smoke_config(tmp_path):
-    prompts = demo.write_json_atomic(tmp_path / "p.json", [{"prompt": "Repeat: a b c d e f g a b c d e f g"}])
+    demo.write_json_atomic(tmp_path / "p.json", [{"prompt": "Repeat: a b c d e f g a b c d e f g"}])
     return demo.DemoConfig(backend="ttnn", draft_mode="suffix", max_generated_tokens=8, max_seq_len=256,
                            input_prompts=str(tmp_path / "p.json"))
 

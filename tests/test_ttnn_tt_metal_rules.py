@@ -8,7 +8,7 @@ import torch
 from models.tt_transformers.demo.speculative_decoding import speculative_demo as demo
 from models.tt_transformers.demo.speculative_decoding.speculative_generator import SpeculativeGenerator
 from models.tt_transformers.speculative.backend import UserRows
-from models.tt_transformers.speculative.drafters import ModelDrafter, SuffixDrafter
+from models.tt_transformers.speculative.drafters import SuffixDrafter
 from models.tt_transformers.torch_backend.checkpoint import resolve_checkpoint
 from models.tt_transformers.ttnn_backend import device as tt_device
 from models.tt_transformers.ttnn_backend.generator import TtnnCausalLM

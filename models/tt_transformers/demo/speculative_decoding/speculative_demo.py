@@ -22,7 +22,6 @@ from typing import Optional
 if __name__ == "__main__":  # `python path/to/speculative_demo.py` from anywhere
     sys.path.insert(0, str(Path(__file__).resolve().parents[4]))
 
-import pytest
 from loguru import logger
 
 from models.tt_transformers.demo.speculative_decoding.speculative_generator import (
