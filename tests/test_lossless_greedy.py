@@ -11,6 +11,7 @@ from models.tt_transformers.speculative.drafters import HybridDrafter, ModelDraf
 from models.tt_transformers.speculative.head_drafter import HeadDrafter, RunCost
 from models.tt_transformers.torch_backend.draft_head import HeadRunner
 from models.tt_transformers.speculative.verification import verify_greedy
+from models.tt_transformers.speculative.backend import UserRows
 from models.tt_transformers.torch_backend.generator import TorchCausalLM
 from models.tt_transformers.demo.speculative_decoding.speculative_demo import encode
 from models.tt_transformers.demo.speculative_decoding.speculative_generator import SpeculativeGenerator
@@ -231,3 +232,88 @@ def test_cuda_greedy_identical_to_plain(mode):
         prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [5, 6, 7], [9, 10, 9, 10, 9]]
         plain = [run(model, [p], 0, 0, 40)[0] for p in prompts]
         assert run(model, prompts, 4, 2, 40, mode=mode, sa_threshold=2) == plain
+
+
+def reference_greedy(lm, prompts, max_tokens, eos=()):
+    """Plain greedy decoding written out over the backend's own prefill and step, one token per user per step, with
+    none of the generator's code: the independent anchor for every lossless comparison. A user stops at an EOS (kept),
+    at max_tokens, or when its context fills the cache."""
+    outs = [[lm.prefill(u, p).ids[0][0]] for u, p in enumerate(prompts)]
+    contexts = [list(p) + out for p, out in zip(prompts, outs)]
+
+    def done(u):
+        return len(outs[u]) >= max_tokens or outs[u][-1] in eos or len(contexts[u]) >= lm.max_seq_len
+    active = [u for u in range(len(prompts)) if not done(u)]
+    while active:
+        step = lm.step([UserRows(u, [contexts[u][-1]], len(contexts[u]) - 1) for u in active])
+        for u, ids in zip(active, step.ids):
+            outs[u].append(ids[0])
+            contexts[u].append(ids[0])
+        active = [u for u in active if not done(u)]
+    return outs
+
+
+class ScriptedTree:
+    """A drafter that proposes one token tree at its first iteration and nothing after: a wrong first branch, then
+    the given chain as the second branch (from the context's last token)."""
+
+    top_k, wants_hidden = 0, False
+
+    def __init__(self, wrong: int, chain: list[int]):
+        self.tokens = [wrong, *chain]
+        self.parents = [-1, -1, *range(1, len(chain))]
+        self.proposed = False
+
+    def start(self, users, prompts, sampling, hidden=None):
+        pass
+
+    def propose(self, users, contexts, max_tokens, extra_cost, trees=False):
+        from models.tt_transformers.speculative.drafters import Draft
+
+        assert trees, "the target must verify token trees"
+        drafts = [Draft(self.tokens, "tree", parents=self.parents) if not self.proposed else Draft([], "none")
+                  for _ in users]
+        self.proposed = True
+        return drafts
+
+    def accept(self, user, verified):
+        pass
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_tree_with_a_deep_second_branch_accepted(embedded_bf16, batch):
+    """A token tree whose second branch (3 deep) is the target's own continuation and whose first branch is wrong:
+    the accepted path is moved to its true positions (commit_path), so what follows equals plain decoding."""
+    prompts = [[1, 504, 3575, 282], [1, 9690, 198, 2683]][:batch]
+    lm = TorchCausalLM(embedded_bf16, embedded_bf16.args.n_layers, batch)
+    plain = reference_greedy(lm, prompts, 24)
+    chain = plain[0][1:4]
+    wrong = next(t for t in range(10, 20) if t != chain[0])
+    results = SpeculativeGenerator(lm, ScriptedTree(wrong, chain), 4).generate(prompts, 24)
+    assert [r.output_tokens for r in results] == plain
+    first = results[0].iterations[0]
+    assert first.draft_source == "tree" and first.accepted == 3
+
+
+def test_independent_reference_and_exact_end_of_cache(embedded_bf16, embedded_checkpoint, sample_prompt_tokens):
+    """Plain decoding through the generator equals the written-out reference loop, batched; and with a cache that
+    ends mid-answer, plain and speculative decoding both stop exactly at its last position."""
+    prompts = sample_prompt_tokens[:3]
+    lm = TorchCausalLM(embedded_bf16, embedded_bf16.args.n_layers, 3)
+    reference = reference_greedy(lm, prompts, N_TOKENS)
+    assert [r.output_tokens for r in SpeculativeGenerator(lm, None, 0).generate(prompts, N_TOKENS)] == reference
+    eos = [reference[0][5]]  # a token the first answer emits mid-way, as EOS: that answer stops there, EOS kept
+    reference = reference_greedy(lm, prompts, N_TOKENS, eos)
+    assert reference[0][-1] == eos[0] and len(reference[0]) == 6
+    for drafter in (None, ModelDrafter(lm.draft_view(29)), SuffixDrafter(1)):
+        results = SpeculativeGenerator(lm, drafter, 8 if drafter else 0, eos).generate(prompts, N_TOKENS)
+        assert [r.output_tokens for r in results] == reference
+    from models.tt_transformers.torch_backend.checkpoint import load_model
+
+    short = load_model(embedded_checkpoint, torch.bfloat16, len(prompts[0]) + 20)  # a cache that ends mid-answer
+    lm = TorchCausalLM(short, short.args.n_layers, 1)
+    reference = reference_greedy(lm, prompts[:1], 1000)
+    assert len(prompts[0]) + len(reference[0]) == short.max_seq_len
+    for drafter in (SuffixDrafter(1), ModelDrafter(lm.draft_view(20))):
+        results = SpeculativeGenerator(lm, drafter, 8).generate(prompts[:1], 1000)
+        assert [r.output_tokens for r in results] == reference
