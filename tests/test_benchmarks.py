@@ -26,5 +26,10 @@ def test_bench_suffix_runs_stop_at_eos(embedded_checkpoint, embedded_tokenizer, 
         (run,) = runs[method]
         for output in run["outputs"]:
             assert output[-1] in eos and len(output) < 64, method
-        assert run["outputs"] == runs["plain"][0]["outputs"], method  # interleaving changes nothing a method sees
-    assert factories["suffix"]().drafter is not factories["suffix"]().drafter  # nothing carried between runs
+        assert run["outputs"] == runs["plain"][0]["outputs"], method  # every method is lossless
+    alone = run_interleaved_by_prompt({"suffix": factories["suffix"]}, [prompt, prompt], 64, 1, stop_at_eos=True)
+    suffix_steps = [[(it.draft_source, it.drafted, it.accepted) for r in run["results"] for it in r.iterations]
+                    for run in (runs["suffix"][0], alone["suffix"][0])]
+    assert suffix_steps[0] == suffix_steps[1]  # interleaved with others or alone, the same drafts and steps
+    first, second = factories["suffix"]().drafter, factories["suffix"]().drafter
+    assert first.memory is not second.memory  # nothing carried between runs: not even the memory of responses

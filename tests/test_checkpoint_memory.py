@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from .conftest import REPO_ROOT, save_tiny_hf_checkpoint
+from .conftest import CPU_KERNELS, REPO_ROOT, save_tiny_hf_checkpoint
 
 LIMIT = 1.3
 SHAPE = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
@@ -99,6 +99,9 @@ def test_peak_memory_while_loading_stays_within_1_3x_of_the_weights(checkpoints,
     out = subprocess.run([sys.executable, "-c", MEASURE, str(folder), str(int(cpu_kernels)), str(tiny)], cwd=REPO_ROOT,
                          capture_output=True, text=True, check=True)
     measured = json.loads(out.stdout.strip().splitlines()[-1])
+    if cpu_kernels and CPU_KERNELS is not None:  # the "kernels" cases ran on the kernels where this machine has them
+        assert measured["kernels"], "the model loaded without its CPU kernels"
+    assert cpu_kernels or not measured["kernels"]
     peak, after = measured["peak"] / weight_bytes, measured["after"] / weight_bytes
     print(f"{folder.name}, kernels {measured['kernels']}: {weight_bytes / 2**20:.0f} MiB of bf16 weights, peak "
           f"{peak:.2f}x while loading, {after:.2f}x once loaded")

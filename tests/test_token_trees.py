@@ -209,3 +209,16 @@ def test_sibling_probabilities_never_exceed_their_parents(build):
     assert prob[10] == pytest.approx(0.6 - 0.5)  # below the shared 5: what its sibling 6 leaves
     at = {t: i for i, t in enumerate(tokens)}
     assert (origins[at[10]], offsets[at[10]]) == (2, 1) and (origins[at[9]], offsets[at[9]]) == (1, 1)  # where from
+
+
+@pytest.mark.parametrize("build", [reference_build_tree, build_tree], ids=["reference", "running"])
+def test_capped_tree_keeps_the_most_probable_nodes(build):
+    """A tree cut to n nodes keeps the n most probable nodes of the uncut tree (a child is never more probable than
+    its parent, so they form a tree), in order of probability."""
+    candidates = [([5, 6, 7, 3], [0.7, 0.5, 0.4, 0.2]), ([8, 9], [0.6, 0.54]), ([5, 10], [0.5, 0.45])]
+    tokens, parents, probs, *_ = build(1, candidates, None, None, 16, 0.01)
+    full = sorted(zip(probs, tokens), reverse=True)
+    for n in range(1, len(tokens) + 1):
+        cut_tokens, cut_parents, cut_probs, *_ = build(1, candidates, None, None, n, 0.01)
+        assert sorted(cut_probs, reverse=True) == cut_probs == [p for p, _ in full[:n]]
+        assert all(p < i for i, p in enumerate(cut_parents))
