@@ -5,13 +5,15 @@ Each statistical test is a chi-square goodness-of-fit test at significance ALPHA
 exactly from the target, with enough samples that a plainly wrong verifier (one that accepts every draft token)
 fails the same test: the negative controls below prove the tests can fail.
 """
+from collections import Counter
+
 import pytest
 import torch
 
 from models.tt_transformers.demo.speculative_decoding.speculative_generator import SpeculativeGenerator
 from models.tt_transformers.speculative import sampling as sampling_module
 from models.tt_transformers.speculative.draft_length import LENGTH_BUCKETS, MatchAcceptance
-from models.tt_transformers.speculative.drafters import ModelDrafter, SuffixDrafter
+from models.tt_transformers.speculative.drafters import HybridDrafter, ModelDrafter, SuffixDrafter
 from models.tt_transformers.speculative.sampling import RandomStreams, SamplingParams, probabilities, verify_rejection
 from models.tt_transformers.torch_backend.generator import TorchCausalLM
 
@@ -139,14 +141,15 @@ def exact_joint(model, params) -> torch.Tensor:
     return joint
 
 
-def sampled_counts(model, kind, n_draft, params, n_batches) -> tuple[torch.Tensor, int, int]:
+def sampled_counts(model, kind, n_draft, params, n_batches) -> tuple[torch.Tensor, int, int, Counter]:
     """kind: see draft_source, or a function target -> drafter. Counts of each sampled sequence, how many iterations verified a chain of N_DRAFT drafted tokens, and how
-    many verified a branching token tree."""
+    many verified a branching token tree, and the accepted drafted tokens per source."""
     target = TorchCausalLM(model, model.args.n_layers, BATCH)
     target.step_cost = lambda n_rows, context_len: 1.0  # at batch 32 the CPU cost model would draft little; the tests need drafts
     drafter = kind(target) if callable(kind) else draft_source(target, kind)
     counts = torch.zeros(VOCAB ** N_TOKENS)
     full_chains = trees = 0
+    sources = Counter()
     for b in range(n_batches):
         gen = SpeculativeGenerator(target, drafter, n_draft, (), SamplingParams(
             params.temperature, params.top_k, params.top_p, seed=b))
@@ -154,7 +157,9 @@ def sampled_counts(model, kind, n_draft, params, n_batches) -> tuple[torch.Tenso
             counts[sequence_index(r.output_tokens)] += 1
             full_chains += sum(it.drafted >= N_DRAFT and it.draft_source != "tree" for it in r.iterations)
             trees += sum(it.draft_source == "tree" for it in r.iterations)
-    return counts, full_chains, trees
+            for it in r.iterations:
+                sources[it.draft_source] += it.accepted
+    return counts, full_chains, trees, sources
 
 
 def draft_source(target, kind):
@@ -181,12 +186,35 @@ def draft_source(target, kind):
 def test_speculative_sampling_matches_target_distribution(tiny_model, kind):
     expected = exact_joint(tiny_model, SETTINGS)
     n_draft = {"plain": 0, "tree": 2 * N_DRAFT}.get(kind, N_DRAFT)  # a tree's nodes count against the cap
-    counts, full_chains, trees = sampled_counts(tiny_model, kind, n_draft, SETTINGS, n_batches=100)
+    counts, full_chains, trees, _ = sampled_counts(tiny_model, kind, n_draft, SETTINGS, n_batches=100)
     assert chi_square_p_value(counts, expected) > ALPHA
     if kind in ("model", "model-own-cache", "suffix"):  # most users verify a whole chain of N_DRAFT drafts at once
         assert full_chains >= 100 * BATCH // 2, full_chains
     if kind == "tree":  # branching trees (several candidates for a position) pass through rejection sampling
         assert trees >= 100 * BATCH // 10, trees
+
+
+TOP_P = SamplingParams(temperature=0.8, top_p=0.7)
+
+
+def hybrid(target):
+    """Copied drafts (trusted, as draft_source's suffix) and the first layer's drafts competing per step."""
+    return HybridDrafter(draft_source(target, "suffix"), ModelDrafter(target.draft_view(1), draft_cost=0.05))
+
+
+@pytest.mark.parametrize("kind,params", [("model", TOP_P), ("suffix", TOP_P), (hybrid, SETTINGS)],
+                         ids=["model-top_p", "suffix-top_p", "hybrid"])
+def test_top_p_and_hybrid_sampling_match_target_distribution(tiny_model, kind, params):
+    """--top_p end to end (the nucleus cut the same way for the target's p and the draft's q), with model and copied
+    drafts, and hybrid drafting (copied and model drafts competing per step): the sampled sequences follow the
+    target's exact distribution, whole chains pass through rejection sampling, and the hybrid's accepted drafts come
+    from both of its sources."""
+    expected = exact_joint(tiny_model, params)
+    counts, full_chains, _, sources = sampled_counts(tiny_model, kind, N_DRAFT, params, n_batches=100)
+    assert chi_square_p_value(counts, expected) > ALPHA
+    assert full_chains >= 100 * BATCH // 4, full_chains
+    if kind is hybrid:
+        assert sources["model"] > 0 and sources["suffix"] > 0, sources
 
 
 @pytest.mark.parametrize("kind", ["model", "suffix", "tree"])
@@ -205,7 +233,7 @@ def test_negative_control_end_to_end(tiny_model, kind, monkeypatch):
         return [tokens[i] for i in path] + [sampling_module.sample(target_probs[node + 1], rng)], path
     monkeypatch.setattr(speculative_generator, "verify_rejection", accept_all)
     monkeypatch.setattr(speculative_generator, "verify_rejection_tree", accept_first_children)
-    counts, _, _ = sampled_counts(tiny_model, kind, N_DRAFT, SETTINGS, n_batches=100)
+    counts, *_ = sampled_counts(tiny_model, kind, N_DRAFT, SETTINGS, n_batches=100)
     assert chi_square_p_value(counts, exact_joint(tiny_model, SETTINGS)) < ALPHA
 
 
