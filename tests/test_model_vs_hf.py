@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Our decoder against Hugging Face transformers (the correctness oracle), in float32 on the same weights."""
+"""Our decoder against Hugging Face transformers (the correctness oracle), in float32 on the same weights, and batched
+greedy decoding in bf16 with an EOS."""
 import pytest
 import torch
 
@@ -93,3 +94,29 @@ def test_plain_greedy_reproduces_hf_generate(embedded_checkpoint, embedded_token
         ref = hf.generate(torch.tensor([tokens]), max_new_tokens=24, do_sample=False,
                           eos_token_id=embedded_tokenizer.eos_token_id)[0, len(tokens):].tolist()
         assert ours == ref
+
+
+def test_bf16_batched_greedy_with_eos_reproduces_hf_generate(tmp_path):
+    """bf16, three users in one batch (Hugging Face left-pads them), an EOS mid-answer for one of them: our plain and
+    speculative greedy decoding equal HF generate token for token, stopping at the EOS (kept) as HF does. A random
+    checkpoint with peaked distributions, so bf16 rounding differences between the two do not decide ties."""
+    from transformers import AutoModelForCausalLM
+
+    from models.tt_transformers.speculative.drafters import SuffixDrafter
+
+    save_tiny_hf_checkpoint(tmp_path, initializer_range=0.5, vocab_size=128)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    eos, pad, n = hf.generation_config.eos_token_id, 0, 24
+    prompts = [[5, 9, 17, 5, 9, 17, 5], [3, 4], [100, 7, 7, 7]]
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    out = hf.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, pad_token_id=pad)
+    ref = [row[width:].tolist() for row in out]
+    ref = [r[: r.index(eos) + 1] if eos in r else r for r in ref]  # HF pads a finished row after its EOS
+    assert any(r[-1] == eos and len(r) < n for r in ref)  # an EOS mid-answer is part of the comparison
+    model = load_model(resolve_checkpoint(str(tmp_path)), torch.bfloat16, 128)
+    lm = TorchCausalLM(model, model.args.n_layers, 3)
+    for drafter, n_draft in ((None, 0), (SuffixDrafter(1), 4)):
+        results = SpeculativeGenerator(lm, drafter, n_draft, [eos]).generate(prompts, n)
+        assert [r.output_tokens for r in results] == ref
