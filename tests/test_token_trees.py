@@ -180,7 +180,7 @@ def test_copy_mode_re_anchors_after_an_edit(threshold):
 @pytest.mark.parametrize("cap", [2, 4, 8])
 def test_tree_never_exceeds_the_draft_cap(cap):
     """Several copied continuations merged into one tree keep at most `cap` nodes (the cap also carries the room
-    left in the KV cache and the row budget), the most probable ones, parents first."""
+    left in the KV cache and the row budget), parents first (which nodes: test_capped_tree_keeps_the_most_probable_nodes)."""
     from models.tt_transformers.speculative.draft_length import linear_cost
     from models.tt_transformers.speculative.drafters import SuffixDrafter
     from models.tt_transformers.speculative.sampling import SamplingParams
