@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """Bad input gets a clear error naming the problem and the fix; converted weights are cached."""
+import importlib.util
 import json
 import os
 import time
@@ -14,6 +15,7 @@ from models.tt_transformers.demo.speculative_decoding.speculative_demo import (
     DEFAULT_PROMPTS,
     DemoConfig,
     DemoInputError,
+    check_flags,
     load_prompts,
     main,
     run_demo,
@@ -53,6 +55,44 @@ def test_malformed_prompts_file(tmp_path, content, message):
     path.write_text(content)
     with pytest.raises(DemoInputError, match=message):
         load_prompts(str(path))
+
+
+def test_prompts_file_errors_name_the_line_the_encoding_and_the_kind(tmp_path):
+    """A bad JSON Lines line is reported by its own number; a non-UTF-8 file and a folder each get their own message."""
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "fine"}\n{"prompt": broken}\n')
+    with pytest.raises(DemoInputError, match="--input_prompts .*line 2: Expecting value at column 12"):
+        load_prompts(str(path))
+    path.write_bytes('[{"prompt": "caf\u00e9"}]'.encode("latin-1"))
+    with pytest.raises(DemoInputError, match="--input_prompts .*not UTF-8 text .*save it as UTF-8"):
+        load_prompts(str(path))
+    with pytest.raises(DemoInputError, match=f"--input_prompts '{tmp_path}' is a directory"):
+        load_prompts(str(tmp_path))
+
+
+def test_unwritable_output_json_stops_before_anything_runs(tmp_path):
+    (tmp_path / "file").write_text("")
+    for path, message in ((tmp_path / "file" / "r.json", "cannot be written"), (tmp_path, "is a directory")):
+        with pytest.raises(DemoInputError, match=f"--output_json .*{message}"):
+            check_flags(DemoConfig(output_json=str(path)), "torch")
+
+
+def test_ttnn_backend_without_ttnn_is_one_line(monkeypatch, capsys):
+    """Here (no ttnn installed) --backend ttnn or MESH_DEVICE stops with one line naming what it needs; Ctrl-C stops
+    with one line and exit status 130."""
+    from models.tt_transformers.demo.speculative_decoding import speculative_demo
+
+    assert importlib.util.find_spec("ttnn") is None
+    with pytest.raises(DemoInputError, match="needs tt-metal v0.81.1's Python environment .*use --backend torch"):
+        check_flags(DemoConfig(), "ttnn")
+    monkeypatch.setenv("MESH_DEVICE", "N150")
+    assert speculative_demo.main([]) == 2
+    monkeypatch.delenv("MESH_DEVICE")
+
+    def interrupted(config, mesh_device=None, pool=None):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(speculative_demo, "run_demo", interrupted)
+    assert speculative_demo.main([]) == 130
 
 
 def test_missing_prompts_file():

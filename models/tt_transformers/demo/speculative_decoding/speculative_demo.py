@@ -10,6 +10,7 @@ file; HF_MODEL (or --model) points at a local Llama/Mistral checkpoint folder, a
 the local Hugging Face cache.
 """
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -119,6 +120,8 @@ def find_prompts_file(path: str) -> Path:
     p = Path(path).expanduser()
     if not p.is_file() and not p.is_absolute() and (PACKAGE_ROOT / p).is_file():
         return PACKAGE_ROOT / p
+    if p.is_dir():
+        raise DemoInputError(f"--input_prompts {path!r} is a directory; pass a JSON or JSON Lines prompts file in it")
     if not p.is_file():
         raise DemoInputError(f"--input_prompts {path!r} does not exist; pass a JSON or JSON Lines prompts file "
                              f"(default: {DEFAULT_PROMPTS})")
@@ -128,16 +131,23 @@ def find_prompts_file(path: str) -> Path:
 def load_prompts(path: str) -> list[str]:
     """TT format (a JSON list of {"prompt": ...}) or JSON Lines with a "prompt" field (one line is one object)."""
     p = find_prompts_file(path)
-    text = p.read_text()
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise DemoInputError(f"--input_prompts {path}: not UTF-8 text (byte {e.start}); save it as UTF-8") from None
     example = '[{"prompt": "..."}] or one {"prompt": "..."} per line'
     try:
         entries = json.loads(text)
     except json.JSONDecodeError:
-        try:
-            entries = [json.loads(line) for line in text.splitlines() if line.strip()]
-        except json.JSONDecodeError as e:
-            raise DemoInputError(f"--input_prompts {path}: neither JSON nor JSON Lines ({e}); expected "
-                                 f"{example}") from None
+        entries = []
+        for number, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                entries.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise DemoInputError(f"--input_prompts {path}: neither JSON nor JSON Lines (line {number}: {e.msg} at "
+                                     f"column {e.colno}); expected {example}") from None
     if isinstance(entries, dict):
         entries = [entries]  # JSON Lines with a single line
     if not isinstance(entries, list) or not entries:
@@ -209,8 +219,27 @@ def dtype_of(config: DemoConfig) -> str:
     return config.dtype or DTYPES[backend_of(config)][0]
 
 
+def check_writable(flag: str, path: str) -> None:
+    """A file the run will write, checked before anything runs (so a long run does not end in a traceback)."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        raise DemoInputError(f"--{flag} {path!r} is a directory; give a file path")
+    folder = p.parent
+    while not folder.exists():
+        folder = folder.parent
+    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+        raise DemoInputError(f"--{flag} {path!r} cannot be written ({folder} is not a folder you can write in); "
+                             "pass a path in one")
+
+
 def check_flags(config: DemoConfig, backend: str) -> None:
     """Every flag that can be checked before anything loads."""
+    if backend == "ttnn" and importlib.util.find_spec("ttnn") is None:
+        raise DemoInputError("the ttnn backend (--backend ttnn, or MESH_DEVICE set) needs tt-metal v0.81.1's Python "
+                             "environment (ttnn 0.81.1) and a Tenstorrent device: see README.md, 'On a Tenstorrent "
+                             "machine'; on this machine use --backend torch (and unset MESH_DEVICE)")
+    if config.output_json is not None:
+        check_writable("output_json", config.output_json)
     if config.precision not in PRECISIONS:
         raise DemoInputError(f"--precision {config.precision!r} is not one of {', '.join(PRECISIONS)}")
     if config.dtype is not None and config.dtype not in DTYPES[backend]:
@@ -656,6 +685,9 @@ def main(argv=None) -> int:
     except ValueError as e:  # DemoInputError, CheckpointError, ModelConfigError: clear messages, no traceback
         logger.error(str(e))
         return 2
+    except KeyboardInterrupt:  # nothing half-written is left: reports are written whole or not at all
+        logger.error("interrupted (Ctrl-C): stopped, no report written")
+        return 130
     return 0 if report["summary"].get("identical_to_baseline", True) else 1
 
 
