@@ -15,6 +15,7 @@ from models.tt_transformers.demo.speculative_decoding.speculative_demo import (
     DEFAULT_PROMPTS,
     DemoConfig,
     DemoInputError,
+    build,
     check_flags,
     load_prompts,
     main,
@@ -299,11 +300,25 @@ def test_gguf_conversion_is_cached_and_atomic(tmp_path, monkeypatch):
     assert [p.name for p in first.folder.parent.iterdir()] == ["hf"]
 
 
-def test_suffix_mode_needs_no_draft_layers(tmp_path, embedded_checkpoint):
-    """--draft_mode suffix builds no draft model, so an out-of-range --draft_layers does not matter."""
-    report = run_demo(demo(tmp_path, draft_mode="suffix", draft_layers=99, compare_baseline=1))
-    assert report["summary"]["identical_to_baseline"]
-    assert {it["draft_source"] for p in report["prompts"] for it in p["iterations"]} <= {"suffix", "none"}
+@pytest.mark.parametrize("mode", ["suffix", "hybrid", "head", "model"])
+@pytest.mark.parametrize("draft_layers", [0, 30, 1000])
+def test_draft_layers_checked_in_every_mode(tmp_path, embedded_checkpoint, mode, draft_layers):
+    """An out-of-range --draft_layers (0, all 30 layers, 1000) is one line in every draft mode, whether or not that
+    mode ends up building the draft model (hybrid with the shipped head does not)."""
+    with pytest.raises(DemoInputError, match=f"--draft_layers {draft_layers} must be between 1 and 29"):
+        build(demo(tmp_path, draft_mode=mode, draft_layers=draft_layers))
+
+
+def test_max_seq_len_beyond_the_model_or_the_memory(tmp_path, embedded_checkpoint, monkeypatch):
+    """--max_seq_len past the model's context, or whose KV cache would not fit the free memory, is one line naming
+    what fits, before anything is allocated."""
+    from models.tt_transformers.demo.speculative_decoding import speculative_demo
+
+    with pytest.raises(DemoInputError, match="--max_seq_len 10,000,000 is longer than the model's context"):
+        build(demo(tmp_path, max_seq_len=10_000_000))
+    monkeypatch.setattr(speculative_demo, "available_memory_bytes", lambda: 64 * 2**20)  # 64 MiB free
+    with pytest.raises(DemoInputError, match="--max_seq_len 8,192: its KV cache .* does not fit .* use at most 2,912"):
+        build(demo(tmp_path, max_seq_len=8192))
 
 
 def test_demo_batch_4_sampling(tmp_path, embedded_checkpoint):
@@ -318,3 +333,39 @@ def test_demo_batch_4_sampling(tmp_path, embedded_checkpoint):
     assert run_demo(demo(tmp_path, **cfg))["prompts"][0]["output_tokens"] == first["prompts"][0]["output_tokens"]
     unseeded = run_demo(demo(tmp_path, **{**cfg, "seed": None}))  # the pytest path with no --seed
     assert len(unseeded["prompts"][0]["output_tokens"]) == 12
+
+
+def test_truncated_checkpoints_are_named_and_leave_nothing(tmp_path, monkeypatch):
+    """A safetensors file or a GGUF cut short: one line naming the file as corrupt or incomplete, and no folder left
+    in the cache by a failed conversion."""
+    import torch
+
+    from models.tt_transformers.torch_backend.checkpoint import load_model
+
+    folder = tmp_path / "tiny"
+    save_tiny_hf_checkpoint(folder)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match=f"{weights} is corrupt or incomplete"):
+        load_model(resolve_checkpoint(str(folder)), torch.float32, 64)
+    weights.write_bytes(b"\x40" + b"\x00" * 7 + b'{"a": ')  # a header cut inside its JSON
+    with pytest.raises(CheckpointError, match="is corrupt or incomplete"):
+        load_model(resolve_checkpoint(str(folder)), torch.float32, 64)
+    gguf = checkpoint._embedded_gguf()
+    cut = tmp_path / "models" / gguf.name
+    cut.parent.mkdir()
+    cut.write_bytes(gguf.read_bytes()[:200_000])
+    monkeypatch.setenv("TT_CACHE_PATH", str(tmp_path / "cache"))
+    with pytest.raises(CheckpointError, match=f"{cut} is corrupt or incomplete"):
+        resolve_checkpoint(str(cut))
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
+
+
+def test_unwritable_tt_cache_path_is_named(tmp_path, monkeypatch):
+    """TT_CACHE_PATH where nothing can be written: one line naming TT_CACHE_PATH and the fix (the C builds fall back
+    with a warning; the embedded model's conversion cannot)."""
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("TT_CACHE_PATH", str(tmp_path / "file" / "cache"))
+    with pytest.raises(CheckpointError, match="TT_CACHE_PATH .* cannot be created .*set TT_CACHE_PATH to a folder you "
+                                              "can write"):
+        resolve_checkpoint(None)

@@ -30,7 +30,12 @@ def build_library(source: Path, build_dir: Path, flags: list[str], libs: tuple[s
     key = hashlib.sha256(source.read_bytes() + version.encode() + " ".join(flags).encode() + depends_on.encode())
     path = build_dir / f"{source.stem}-{key.hexdigest()[:16]}{suffix}"
     if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            logger.warning(f"cannot write {path.parent} ({e.strerror}; TT_CACHE_PATH={os.environ.get('TT_CACHE_PATH')}): "
+                           f"{fallback}")
+            return None
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         cmd = [cc, *flags, "-shared", "-fPIC", str(source), "-o", str(tmp), *libs]
         result = subprocess.run(cmd, capture_output=True, text=True)

@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shutil
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -124,6 +125,15 @@ def _gguf_checkpoint(gguf: Path) -> Checkpoint:
     folder = cache_root() / gguf.stem / "hf"
     stamp = folder / "source.json"
     if not (stamp.is_file() and json.loads(stamp.read_text()) == source):
+        root = cache_root()
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise CheckpointError(f"TT_CACHE_PATH {str(root)!r} cannot be created ({e.strerror}): the converted "
+                                  f"{gguf.name} goes there; set TT_CACHE_PATH to a folder you can write") from None
+        if not os.access(root, os.W_OK | os.X_OK):
+            raise CheckpointError(f"TT_CACHE_PATH {str(root)!r} is not writable: the converted {gguf.name} goes "
+                                  "there; set TT_CACHE_PATH to a folder you can write")
         _convert_gguf(gguf, folder, source)
     return Checkpoint(folder, gguf.stem.split(".")[0])
 
@@ -135,6 +145,7 @@ def _convert_gguf(gguf: Path, folder: Path, source: dict) -> None:
     logger.info(f"Converting {gguf.name} to safetensors in {folder} (first run only)")
     tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
+    made_parent = not tmp.parent.exists()
     tmp.mkdir(parents=True)
     try:
         hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -148,6 +159,13 @@ def _convert_gguf(gguf: Path, folder: Path, source: dict) -> None:
         (tmp / "source.json").write_text(json.dumps(source))
         shutil.rmtree(folder, ignore_errors=True)
         os.replace(tmp, folder)
+    except Exception as e:
+        if made_parent:
+            shutil.rmtree(tmp.parent, ignore_errors=True)  # nothing of a failed conversion stays in the cache
+        if isinstance(e, (ValueError, OSError, struct.error, EOFError)):  # what a cut-short GGUF raises in reading
+            raise CheckpointError(f"{gguf} is corrupt or incomplete ({type(e).__name__}: {e}); download it "
+                                  "again") from None
+        raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -178,11 +196,21 @@ class SafetensorsIndex:
     def __init__(self, files: list[Path]):
         self.entries: dict[str, tuple[Path, int, str, list[int]]] = {}  # name -> (file, byte offset, dtype, shape)
         for f in files:
+            size = f.stat().st_size
+            broken = CheckpointError(f"{f} is corrupt or incomplete (a safetensors file cut short or damaged): "
+                                     "download or convert it again")
             with open(f, "rb") as fh:
                 n = int.from_bytes(fh.read(8), "little")
-                header = json.loads(fh.read(n))
+                if size < 8 + n:
+                    raise broken
+                try:
+                    header = json.loads(fh.read(n))
+                except (json.JSONDecodeError, UnicodeDecodeError):
+                    raise broken from None
             header.pop("__metadata__", None)
             for name, e in header.items():
+                if 8 + n + e["data_offsets"][1] > size:
+                    raise broken
                 self.entries[name] = (f, 8 + n + e["data_offsets"][0], e["dtype"], e["shape"])
 
     def rows(self, name: str) -> int:

@@ -271,6 +271,31 @@ def check_flags(config: DemoConfig, backend: str) -> None:
         raise DemoInputError(f"--device {config.device!r} is not one of {', '.join(DEVICES)}")
 
 
+def available_memory_bytes() -> Optional[int]:
+    """MemAvailable from /proc/meminfo (None where there is none)."""
+    meminfo = Path("/proc/meminfo")
+    for line in meminfo.read_text().splitlines() if meminfo.is_file() else []:
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return None
+
+
+def check_cache_fits(config: DemoConfig, args, target_layers: int, backend: str) -> None:
+    """--max_seq_len within the model's context length, and (torch) its KV cache within this machine's free memory,
+    checked before anything is allocated."""
+    if config.max_seq_len > args.max_position_embeddings:
+        raise DemoInputError(f"--max_seq_len {config.max_seq_len:,} is longer than the model's context "
+                             f"({args.max_position_embeddings:,} positions); use at most that")
+    if backend != "torch":
+        return  # the device's cache is paged in its own DRAM
+    per_position = 2 * target_layers * args.n_kv_heads * args.head_dim * config.batch_size * 2  # K and V, bf16
+    free = available_memory_bytes()
+    if free is not None and per_position * config.max_seq_len > free:
+        raise DemoInputError(f"--max_seq_len {config.max_seq_len:,}: its KV cache ({per_position * config.max_seq_len / 2**30:.1f} "
+                             f"GiB for batch {config.batch_size}) does not fit this machine's "
+                             f"{free / 2**30:.1f} GiB of free memory; use at most {free // per_position:,}")
+
+
 def draft_head_folder(config: DemoConfig, model_name: str) -> Optional[Path]:
     """The draft head the run uses: --draft_head, else the one shipped for the target, else None (--draft_mode head
     then fails with the fix)."""
@@ -401,7 +426,8 @@ def build(config: DemoConfig, mesh_device=None, pool: Optional[ModelPool] = None
         raise DemoInputError(str(e)) from None
     uses_draft_model = config.n_draft_tokens > 0 and (config.draft_mode == "model" or
                                                       config.draft_mode == "hybrid" and head_weights is None)
-    if uses_draft_model and not config.draft_model and not 1 <= config.draft_layers < target_layers:
+    check_cache_fits(config, args, target_layers, backend)
+    if not config.draft_model and not 1 <= config.draft_layers < target_layers:  # checked in every mode
         fix = "raise it to at least 1" if config.draft_layers < 1 else f"lower it to at most {target_layers - 1}"
         raise DemoInputError(f"--draft_layers {config.draft_layers} must be between 1 and {target_layers - 1} (the "
                              f"draft is the first layers of the {target_layers}-layer target): {fix}, or use "
