@@ -38,9 +38,9 @@ $(ARCTIC): $(STAMP)
 	touch $@
 
 # The embedded model's draft head, from scratch: prompts, the target's responses and hidden states, training,
-# evaluation (torch_backend/train_draft_head.py); writes models/tt_transformers/draft_heads/SmolLM2-135M-Instruct.
+# evaluation (tools/train_draft_head.py); writes models/tt_transformers/draft_heads/SmolLM2-135M-Instruct.
 train-draft-head: $(STAMP)
-	$(PY) -m models.tt_transformers.torch_backend.train_draft_head $(ARGS)
+	$(PY) tools/train_draft_head.py $(ARGS)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_speculative.py $(ARGS)

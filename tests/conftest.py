@@ -35,11 +35,15 @@ def embedded_bf16(embedded_checkpoint):
     return load_model(embedded_checkpoint, torch.bfloat16, 512)
 
 
+CHAT_PROMPTS = 5  # the sample prompts' chat questions (the code edit, JSON rewrite and summary after them are the demo's)
+
+
 @pytest.fixture(scope="session")
 def sample_prompt_tokens(embedded_tokenizer):
+    """The sample prompts' five chat questions, encoded."""
     from models.tt_transformers.demo.speculative_decoding.speculative_demo import DEFAULT_PROMPTS, encode, load_prompts
 
-    return [encode(embedded_tokenizer, p, True) for p in load_prompts(str(DEFAULT_PROMPTS))]
+    return [encode(embedded_tokenizer, p, True) for p in load_prompts(str(DEFAULT_PROMPTS))[:CHAT_PROMPTS]]
 
 
 def random_model(dtype=torch.float32, max_seq_len: int = 64, seed: int = 0, std: float = 0.5, **overrides) -> Transformer:

@@ -4,6 +4,7 @@ shapes, lossless greedy and sampled decoding with head drafts, the hybrid's choi
 bad --draft_head files, and the training command end to end on a small recipe."""
 import hashlib
 import json
+import sys
 
 import pytest
 import torch
@@ -32,7 +33,7 @@ from models.tt_transformers.torch_backend.draft_head import (
 from models.tt_transformers.torch_backend.generator import TorchCausalLM
 from models.tt_transformers.torch_backend.model_config import ModelArgs
 
-from .conftest import needs_cpu_kernels, random_head, random_model, write_json
+from .conftest import REPO_ROOT, needs_cpu_kernels, random_head, random_model, write_json
 from .test_lossless_greedy import head_drafter, run, run_results
 from .test_lossless_sampling import (
     ALPHA,
@@ -294,7 +295,8 @@ def test_demo_head_and_hybrid_use_the_shipped_head(tmp_path, monkeypatch):
 def test_training_command_end_to_end(tmp_path):
     """`make train-draft-head` on a tiny recipe: prompts, the target's responses and states, training, evaluation,
     head.safetensors + card.json that the demo loads."""
-    from models.tt_transformers.torch_backend import train_draft_head
+    sys.path.insert(0, str(REPO_ROOT / "tools"))
+    import train_draft_head
 
     out = tmp_path / "head"
     train_draft_head.main(["--out", str(out), "--topics", "6", "--tasks_per_topic", "1", "--word_problems", "2",

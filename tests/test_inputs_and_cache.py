@@ -106,7 +106,7 @@ def test_documented_prompts_path_works_from_anywhere(tmp_path, monkeypatch):
     tt-metal checkout); the top-level sample_prompts.json is the same file, not a copy that could drift."""
     monkeypatch.chdir(REPO_ROOT)
     expected = load_prompts(DOCUMENTED_PROMPTS)
-    assert expected == load_prompts(str(DEFAULT_PROMPTS)) and len(expected) == 5
+    assert expected == load_prompts(str(DEFAULT_PROMPTS)) and len(expected) == 8
     monkeypatch.chdir(tmp_path)
     assert load_prompts(DOCUMENTED_PROMPTS) == expected
     assert os.path.samefile(REPO_ROOT / "sample_prompts.json", DEFAULT_PROMPTS)

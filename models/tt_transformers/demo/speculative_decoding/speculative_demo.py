@@ -12,6 +12,7 @@ the local Hugging Face cache.
 import argparse
 import importlib.util
 import json
+from collections import Counter
 import os
 import platform
 import subprocess
@@ -617,8 +618,8 @@ def run_on(config: DemoConfig, mesh_device, pool: ModelPool) -> dict:
                 f"{compile_times['compile_decode']:.1f}s")
 
     logger.info(f"Speculative decoding: {ckpt.name}, {target.n_layers} target layers, batch {config.batch_size}, "
-                f"n_draft_tokens={config.n_draft_tokens}, {describe_drafter(config, ckpt.name)}, "
-                f"{'greedy' if sampling.greedy else f'sampling {sampling}'}")
+                f"n_draft_tokens={config.n_draft_tokens}, {'greedy' if sampling.greedy else f'sampling {sampling}'}")
+    logger.info(f"Drafting: {describe_drafter(config, ckpt.name)}")
     results = generate_all(spec, tokens, batches, config)
     summary = {**summarize(results), **compile_times}
     head = getattr(drafter, "fallback", drafter)
@@ -652,18 +653,40 @@ def run_on(config: DemoConfig, mesh_device, pool: ModelPool) -> dict:
             seen.add(i)
             r = results[b][u]
             text = tokenizer.decode(r.output_tokens, skip_special_tokens=True)
-            logger.info(f"User {i} prompt: {prompts[i]!r}\nOutput: {text}")
+            logger.info(f"User {i} prompt: {shorten(prompts[i], PROMPT_ECHO)!r}\nOutput: {text}")
             entry = {"prompt": prompts[i], "output_text": text, "output_tokens": r.output_tokens,
                      "iterations": [vars(it) for it in r.iterations], "ttft_ms": r.ttft_ms,
-                     "decode_tok_s": r.decode_tok_s}
+                     "decode_tok_s": r.decode_tok_s,
+                     "tokens_per_step": (len(r.output_tokens) - 1) / len(r.iterations) if r.iterations else 0.0,
+                     "draft_sources": dict(Counter(it.draft_source for it in r.iterations if it.drafted))}
             if baseline is not None:
                 entry["baseline_output_tokens"] = baseline[b][u].output_tokens
                 entry["baseline_decode_tok_s"] = baseline[b][u].decode_tok_s
+                entry["speedup"] = r.decode_tok_s / entry["baseline_decode_tok_s"]
             report["prompts"].append(entry)
+    log_prompt_table(report["prompts"])
     if config.output_json:
         write_json_atomic(Path(config.output_json), report)
         logger.info(f"Report written to {config.output_json}")
     return report
+
+
+PROMPT_ECHO = 100  # characters of a prompt the log repeats (a code edit's prompt runs to pages)
+
+
+def shorten(text: str, width: int) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[: width - 1] + "\u2026"
+
+
+def log_prompt_table(entries: list[dict]) -> None:
+    """Per prompt: tokens per target forward, speedup over plain decoding, which sources drafted: where it pays."""
+    lines = [f"{'prompt':<44} {'tokens/forward':>14} {'speedup':>8}  drafted by"]
+    for e in entries:
+        speedup = f"{e['speedup']:.2f}x" if "speedup" in e else "-"
+        sources = ", ".join(f"{source} {n}" for source, n in sorted(e["draft_sources"].items())) or "nothing"
+        lines.append(f"{shorten(e['prompt'], 44):<44} {e['tokens_per_step']:>14.2f} {speedup:>8}  {sources}")
+    logger.info("Per prompt:\n" + "\n".join(lines))
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
@@ -694,7 +717,12 @@ def test_speculative_demo(request):
         assert report["summary"]["identical_to_baseline"], "speculative output differs from plain greedy decoding"
 
 
+LOG_FORMAT = "<green>{time:HH:mm:ss}</green> | <level>{level: <7}</level> | {message}"  # fits a 120-column terminal
+
+
 def main(argv=None) -> int:
+    logger.remove()
+    logger.add(sys.stderr, format=LOG_FORMAT)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     for name, type_, default, help_ in DEMO_OPTIONS:
         parser.add_argument(f"--{name}", type=type_, default=default, help=help_)

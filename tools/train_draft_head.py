@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Train a draft head (draft_head.py) for a target on the target's own greedy responses: `make train-draft-head`.
 
-    python -m models.tt_transformers.torch_backend.train_draft_head --out models/tt_transformers/draft_heads/<name>
+    python tools/train_draft_head.py --out models/tt_transformers/draft_heads/<name>
 
 1. Prompts the project generates, never the benchmark's (checked: no shared 8-token run): topic x task templates,
    questions the target writes about a topic, summaries and QA of passages the target writes, translations of
@@ -30,11 +30,30 @@ import torch
 import torch.nn.functional as F
 from loguru import logger
 
-from .checkpoint import cache_root, load_model, load_tokenizer, resolve_checkpoint
-from .draft_head import DraftHead, HeadRunner, build_draft_head, head_weights, save_draft_head
-from .generator import TorchCausalLM
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # a tool over the library, run by its path (make train-draft-head)
 
-REPO = Path(__file__).resolve().parents[3]
+from models.tt_transformers.demo.speculative_decoding.speculative_demo import (  # noqa: E402
+    DEFAULT_PROMPTS,
+    encode,
+    load_prompts,
+)
+from models.tt_transformers.demo.speculative_decoding.speculative_generator import SpeculativeGenerator  # noqa: E402
+from models.tt_transformers.torch_backend.checkpoint import (  # noqa: E402
+    cache_root,
+    load_model,
+    load_tokenizer,
+    resolve_checkpoint,
+)
+from models.tt_transformers.torch_backend.draft_head import (  # noqa: E402
+    DraftHead,
+    HeadRunner,
+    build_draft_head,
+    head_weights,
+    save_draft_head,
+)
+from models.tt_transformers.torch_backend.generator import TorchCausalLM  # noqa: E402
+
 TOPICS = """volcanoes|the water cycle|personal budgeting|photosynthesis|the Roman Empire|machine learning|coffee brewing
 |sleep hygiene|electric cars|the human heart|climate change|chess openings|bread baking|the stock market|honeybees
 |the French Revolution|solar panels|marathon training|black holes|vaccines|the printing press|recycling|jazz music
@@ -63,9 +82,6 @@ ITEMS = ["apples", "notebooks", "tickets", "pens", "cupcakes", "plants", "books"
 
 def generate(target: TorchCausalLM, tokenizer, prompts: list[str], max_tokens: int, batch: int) -> list[list[int]]:
     """Greedy responses, `batch` users at a time (plain decoding on our loop)."""
-    from ..demo.speculative_decoding.speculative_demo import encode
-    from ..demo.speculative_decoding.speculative_generator import SpeculativeGenerator
-
     eos = [tokenizer.eos_token_id]
     gen = SpeculativeGenerator(target, None, 0, eos)
     out = []
@@ -119,8 +135,6 @@ def build_prompts(target, tokenizer, rng: random.Random, args) -> list[dict]:
 
 
 def benchmark_ngrams(tokenizer) -> set:
-    from ..demo.speculative_decoding.speculative_demo import DEFAULT_PROMPTS, load_prompts
-
     files = sorted((REPO / "benchmarks" / "prompt_sets").glob("*.json")) + [DEFAULT_PROMPTS]
     grams = set()
     for f in files:
@@ -279,7 +293,6 @@ def main(argv=None):
         tmp.write_text(json.dumps({"prompts": prompts, "responses": responses, "held_out": sorted(held_out)}))
         os.replace(tmp, saved)
 
-    from ..demo.speculative_decoding.speculative_demo import encode
 
     sequences = [encode(tokenizer, p["prompt"], True) + r for p, r in zip(prompts, responses)]
     prompt_lens = [len(s) - len(r) for s, r in zip(sequences, responses)]
