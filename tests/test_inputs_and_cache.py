@@ -369,3 +369,31 @@ def test_unwritable_tt_cache_path_is_named(tmp_path, monkeypatch):
     with pytest.raises(CheckpointError, match="TT_CACHE_PATH .* cannot be created .*set TT_CACHE_PATH to a folder you "
                                               "can write"):
         resolve_checkpoint(None)
+
+
+def test_first_screen_reads_in_120_columns(tmp_path):
+    """What the demo prints first: no warm-up iterations before the header, the header and iteration lines within a
+    120-column terminal in the CLI's log format, prompts echoed shortened, and a per-prompt table at the end."""
+    from loguru import logger
+
+    from models.tt_transformers.demo.speculative_decoding.speculative_demo import LOG_FORMAT
+
+    lines = []
+    sink = logger.add(lambda message: lines.extend(str(message).rstrip("\n").split("\n")), format=LOG_FORMAT,
+                      colorize=False)
+    long_prompt = "Rename x to y in this text: " + "x = x + 1; " * 40
+    try:
+        run_demo(DemoConfig(input_prompts=str(write_json(tmp_path / "p.json", [{"prompt": "Hi"}, {"prompt": long_prompt}])),
+                            max_generated_tokens=12, batch_size=1))
+    finally:
+        logger.remove(sink)
+    header = next(i for i, line in enumerate(lines) if "Speculative decoding:" in line)
+    assert not any("Iteration" in line for line in lines[:header])
+    drafting = next(i for i, line in enumerate(lines) if "Drafting:" in line)
+    wide = [line for line in lines if ("Iteration" in line or "Speculative decoding:" in line) and len(line) > 120]
+    assert not wide, wide
+    assert all(len(line) <= 120 for line in lines[drafting: drafting + 4])
+    assert not any(long_prompt in line for line in lines)  # echoed shortened
+    table = next(i for i, line in enumerate(lines) if line.endswith("Per prompt:"))
+    assert lines[table + 1].startswith("prompt") and len(lines) > table + 2
+    assert lines[table + 2].startswith("Hi ") and lines[table + 3].startswith("Rename x to y")

@@ -17,6 +17,7 @@ import os
 import platform
 import subprocess
 import sys
+import textwrap
 from dataclasses import field, make_dataclass
 from pathlib import Path
 from typing import Optional
@@ -619,7 +620,7 @@ def run_on(config: DemoConfig, mesh_device, pool: ModelPool) -> dict:
 
     logger.info(f"Speculative decoding: {ckpt.name}, {target.n_layers} target layers, batch {config.batch_size}, "
                 f"n_draft_tokens={config.n_draft_tokens}, {'greedy' if sampling.greedy else f'sampling {sampling}'}")
-    logger.info(f"Drafting: {describe_drafter(config, ckpt.name)}")
+    logger.info(textwrap.fill(f"Drafting: {describe_drafter(config, ckpt.name)}", width=100, subsequent_indent="  "))
     results = generate_all(spec, tokens, batches, config)
     summary = {**summarize(results), **compile_times}
     head = getattr(drafter, "fallback", drafter)
@@ -721,8 +722,6 @@ LOG_FORMAT = "<green>{time:HH:mm:ss}</green> | <level>{level: <7}</level> | {mes
 
 
 def main(argv=None) -> int:
-    logger.remove()
-    logger.add(sys.stderr, format=LOG_FORMAT)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     for name, type_, default, help_ in DEMO_OPTIONS:
         parser.add_argument(f"--{name}", type=type_, default=default, help=help_)
@@ -746,4 +745,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    logger.remove()  # the CLI's own log format; as a library or under pytest the caller's handlers stay
+    logger.add(sys.stderr, format=LOG_FORMAT)
     sys.exit(main())

@@ -56,12 +56,13 @@ def check_n_draft_tokens(n_draft_tokens: int) -> None:
 
 
 def describe_sources(drafts: Sequence[Draft]) -> str:
-    """Which source drafted: ', draft: suffix (match 12)' for one user, ', drafts: suffix 3, model 1' for a batch."""
+    """Which source drafted: ', suffix (match 12)' for one user, ', suffix 3, model 1' for a batch (the iteration line
+    stays within a 120-column terminal)."""
     if len(drafts) == 1:
         d = drafts[0]
-        return f", draft: {d.source}" + (f" (match {d.match_len})" if d.source == "suffix" else "")
+        return f", {d.source}" + (f" (match {d.match_len})" if d.source == "suffix" else "")
     counts = Counter(d.source for d in drafts)
-    return ", drafts: " + ", ".join(f"{source} {n}" for source, n in sorted(counts.items()))
+    return ", " + ", ".join(f"{source} {n}" for source, n in sorted(counts.items()))
 
 
 class SpeculativeGenerator:
@@ -157,7 +158,7 @@ class SpeculativeGenerator:
             drafted = sum(len(d.tokens) for d in drafts)
             tok_s = produced / (ms / 1e3)
             logger.info(f"Iteration {iteration}: {ms:.0f}ms @ {tok_s / len(active):.1f} tok/s/user "
-                        f"({tok_s:.1f} tok/s throughput), accepted {accepted}/{drafted} draft tokens"
+                        f"({tok_s:.1f} tok/s throughput), accepted {accepted}/{drafted}"
                         f"{describe_sources(drafts)}")
             iteration += 1
             active = [u for u in active if not self._finished(results[u], contexts[u], max_generated_tokens, stop_at_eos)]
