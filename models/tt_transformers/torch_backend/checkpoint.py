@@ -338,7 +338,7 @@ def load_model(ckpt: Checkpoint, dtype: torch.dtype, max_seq_len: int, device: s
         model.output.weight = model.tok_embeddings.weight
     model.init_rope(device)
     logger.info(f"{ckpt.name} in {str(dtype).removeprefix('torch.')} on {device}: " + (
-        "linear layers and decode/verify steps on the bf16 CPU kernels (cpu_kernels.c)" if kernels else "torch ops"))
+        "the bf16 CPU kernels (cpu_kernels.c)" if kernels else "torch ops"))
     return model.eval()
 
 

@@ -458,8 +458,8 @@ def build(config: DemoConfig, mesh_device=None, pool: Optional[ModelPool] = None
     if head_weights is not None:
         head = HeadDrafter(HeadRunner(host_draft_head(head_weights, target, ckpt, config), config.batch_size))
         drafter = head if config.draft_mode == "head" else HybridDrafter(copied, head)
-        logger.info(f"Draft head {head_folder}: {len(head.vocab):,}-token draft vocabulary, "
-                    f"a head run estimated at {head.draft_cost:.3f} of a target step until measured")
+        logger.info(f"Draft head {head_folder.name}: {len(head.vocab):,}-token vocabulary, a run estimated at "
+                    f"{head.draft_cost:.3f} of a target step until measured")
     elif config.n_draft_tokens > 0 and config.draft_mode == "suffix":
         drafter = copied  # no draft model at all
     elif config.n_draft_tokens > 0:
