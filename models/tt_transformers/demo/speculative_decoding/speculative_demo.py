@@ -12,12 +12,12 @@ the local Hugging Face cache.
 import argparse
 import importlib.util
 import json
-from collections import Counter
 import os
 import platform
 import subprocess
 import sys
 import textwrap
+from collections import Counter
 from dataclasses import field, make_dataclass
 from pathlib import Path
 from typing import Optional
@@ -290,7 +290,8 @@ def check_cache_fits(config: DemoConfig, args, target_layers: int, backend: str)
                              f"({args.max_position_embeddings:,} positions); use at most that")
     if backend != "torch":
         return  # the device's cache is paged in its own DRAM
-    per_position = 2 * target_layers * args.n_kv_heads * args.head_dim * config.batch_size * 2  # K and V, bf16
+    element_bytes = 4 if dtype_of(config) == "float32" else 2
+    per_position = 2 * target_layers * args.n_kv_heads * args.head_dim * config.batch_size * element_bytes  # K and V
     free = available_memory_bytes()
     if free is not None and per_position * config.max_seq_len > free:
         raise DemoInputError(f"--max_seq_len {config.max_seq_len:,}: its KV cache ({per_position * config.max_seq_len / 2**30:.1f} "
