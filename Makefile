@@ -10,7 +10,7 @@ DEMO := models/tt_transformers/demo/speculative_decoding/speculative_demo.py
 
 ARCTIC := $(VENV)/.arctic-installed
 
-.PHONY: demo test test-slow check-ttnn-api tt-smoke train-draft-head bench bench-suffix bench-batch bench-verify-cost install
+.PHONY: demo test test-slow check-ttnn-api check-eagle3 tt-smoke train-draft-head bench bench-suffix bench-batch bench-verify-cost install
 install: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
@@ -37,7 +37,7 @@ $(ARCTIC): $(STAMP)
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pip install -q --no-build-isolation arctic-inference==0.3.0
 	touch $@
 
-# The embedded model's draft head, from scratch: prompts, the target's responses and hidden states, training,
+# The embedded model's EAGLE-3 draft head, from scratch: prompts, the target's responses and tapped states, training,
 # evaluation (tools/train_draft_head.py); writes models/tt_transformers/draft_heads/SmolLM2-135M-Instruct.
 train-draft-head: $(STAMP)
 	$(PY) tools/train_draft_head.py $(ARGS)
@@ -66,6 +66,19 @@ $(TTNN_VENV)/.installed:
 
 check-ttnn-api: $(TTNN_VENV)/.installed
 	$(TTNN_VENV)/bin/python tools/check_ttnn_api.py
+
+# Our EAGLE-3 head's draft logits against vLLM's `speculators` (an independent PyTorch implementation), which pins
+# torch 2.14.1 and transformers <= 5.19: its own venv (~6 GB, torch from this machine's disk). Not part of `make test`.
+EAGLE3_VENV := .venv-eagle3
+$(EAGLE3_VENV)/.installed:
+	$(PYTHON) -m venv $(EAGLE3_VENV)
+	$(EAGLE3_VENV)/bin/python -m pip install -q --upgrade pip
+	$(EAGLE3_VENV)/bin/python -m pip install -q torch==2.14.1 torchvision==0.29.1
+	$(EAGLE3_VENV)/bin/python -m pip install -q speculators==0.9.0 transformers==5.19.0
+	touch $@
+
+check-eagle3: $(STAMP) $(EAGLE3_VENV)/.installed
+	$(PY) tools/check_eagle3.py --reference_python $(EAGLE3_VENV)/bin/python $(ARGS)
 
 # The first run on a Tenstorrent machine, in tt-metal's Python environment (MESH_DEVICE and HF_MODEL set): the ttnn
 # backend stage by stage, stopping at the first failure with what to send back (tools/tt_smoke.py).

@@ -65,7 +65,7 @@ RECYCLE_TOP_K, MEMORY_TOKENS = 4, 65536  # the demo's defaults
 class ArcticDrafter:
     """arctic-inference's SuffixDecodingCache behind our Drafter interface (a peer, for comparison only)."""
 
-    top_k, wants_hidden = 0, False
+    top_k, taps = 0, ()
 
     def __init__(self, max_cached_requests: int = 100000):
         from arctic_inference.suffix_decoding import SuffixDecodingCache
@@ -114,12 +114,15 @@ def generator_factories(model, model_name, eos, args) -> dict:
     def request_only(target):
         target.supports_trees = False
         return SuffixDrafter(threshold)
+
+    def runner(target):  # a fresh head cache per generator
+        return HeadRunner(head, 1, target.max_seq_len, model.args)
     return {
         "plain": partial(make, lambda target: None, 0),
         "suffix": partial(make, suffix, k),
         "suffix (request only)": partial(make, request_only, k),
-        "head": partial(make, lambda target: HeadDrafter(HeadRunner(head, 1)), k),
-        "hybrid": partial(make, lambda target: HybridDrafter(suffix(target), HeadDrafter(HeadRunner(head, 1))), k),
+        "head": partial(make, lambda target: HeadDrafter(runner(target)), k),
+        "hybrid": partial(make, lambda target: HybridDrafter(suffix(target), HeadDrafter(runner(target))), k),
         "arctic": partial(make, lambda target: ArcticDrafter(), k),
     }
 

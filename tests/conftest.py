@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 import json
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -61,22 +62,48 @@ def random_model(dtype=torch.float32, max_seq_len: int = 64, seed: int = 0, std:
     return model
 
 
-def random_head(model: Transformer, seed: int = 0, std: float = 0.3, vocab_share: float = 0.75, attach: bool = True):
-    """A DraftHead with normal(0, std) weights on `model`, over a random share of its vocabulary (so some target
-    tokens are outside the draft vocabulary), run the way the model runs (CPU kernels or torch ops) once attached."""
-    from models.tt_transformers.torch_backend.draft_head import DraftHead
+def random_head_tensors(target: ModelArgs, seed: int = 0, std: float = 0.3, draft_vocab: Optional[int] = None,
+                        taps=None, embed: bool = False, layout: str = "speculators", **layer):
+    """(HeadConfig, tensors under speculators' names) of a random EAGLE-3 head for `target`: normal(0, std) weights,
+    norms near 1; draft_vocab: a random share of the target's ids (with d2t and t2d); taps default (0, N/2, N-1)."""
+    from models.tt_transformers.torch_backend.draft_head import HeadConfig, expected_shapes
 
     gen = torch.Generator().manual_seed(seed)
-    vocab_size = model.args.vocab_size
-    vocab = torch.randperm(vocab_size, generator=gen)[: max(1, int(vocab_size * vocab_share))].sort().values
-    head = DraftHead(model, vocab)
-    with torch.no_grad():
-        for p in head.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * std)
-    head.to(model.device)
-    if attach:
-        head.attach_lm_head()
-    return head.eval()
+    fields = {f: getattr(target, f) for f in ModelArgs.__dataclass_fields__}
+    fields.update(n_layers=1, **layer)
+    draft_vocab = draft_vocab or target.vocab_size
+    taps = tuple(taps or (0, target.n_layers // 2, target.n_layers - 1))
+    config = HeadConfig(layout, ModelArgs(**fields), draft_vocab, taps, target.dim, False)
+    tensors = {name: torch.randn(shape, generator=gen) * std for name, shape in expected_shapes(config).items()}
+    for name in tensors:
+        if name.endswith("norm.weight"):
+            tensors[name] = 1 + tensors[name] / 3
+    if draft_vocab < target.vocab_size:
+        ids = torch.randperm(target.vocab_size, generator=gen)[:draft_vocab].sort().values
+        tensors["d2t"] = ids - torch.arange(draft_vocab)
+        tensors["t2d"] = torch.zeros(target.vocab_size, dtype=torch.bool)
+        tensors["t2d"][ids] = True
+    if embed:
+        tensors["embed_tokens.weight"] = torch.randn(target.vocab_size, target.dim, generator=gen) * std
+    return config, tensors
+
+
+def random_head(model: Transformer, seed: int = 0, std: float = 0.3, vocab_share: float = 0.75, **kwargs):
+    """A random EAGLE-3 head on `model` over a random share of its vocabulary (so some target tokens are outside the
+    draft vocabulary), run the way the model runs (CPU kernels or torch ops)."""
+    from models.tt_transformers.torch_backend.draft_head import build_draft_head
+
+    draft_vocab = max(1, int(model.args.vocab_size * vocab_share))
+    return build_draft_head(*random_head_tensors(model.args, seed, std, draft_vocab, **kwargs), model)
+
+
+def write_eagle3_head(folder: Path, target: ModelArgs, layout: str = "speculators", **kwargs) -> Path:
+    """A random EAGLE-3 head for `target` written as published heads are (draft_head.write_head: speculators' layout
+    or the EAGLE authors'); kwargs as random_head_tensors."""
+    from models.tt_transformers.torch_backend.draft_head import write_head
+
+    write_head(folder, *random_head_tensors(target, layout=layout, **kwargs), layout)
+    return folder
 
 
 def save_tiny_hf_checkpoint(folder: Path, model_type: str = "llama", seed: int = 0, max_shard_size=None, **overrides):

@@ -1,9 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The trained draft head (issue 14): the target's hidden states, the head's drafts from them whatever the step
-shapes, lossless greedy and sampled decoding with head drafts, the hybrid's choice, the shipped head and its card,
-bad --draft_head files, and the training command end to end on a small recipe."""
+"""The EAGLE-3 draft head (issues 14, 24): the target's taps, heads in both published layouts (and a hub id), the
+training pass equal to drafting, the head's drafts whatever the step shapes, lossless greedy and sampled decoding
+with head chains and EAGLE-2 trees, the hybrid's choice, the shipped head and its card, bad --draft_head folders,
+and the training command end to end on a small recipe. Numerics against `speculators`: `make check-eagle3`."""
 import hashlib
 import json
+import shutil
 import sys
 
 import pytest
@@ -23,18 +25,12 @@ from models.tt_transformers.speculative.drafters import Draft, HybridDrafter, Su
 from models.tt_transformers.speculative.head_drafter import HeadDrafter, RunCost
 from models.tt_transformers.speculative.sampling import SamplingParams
 from models.tt_transformers.torch_backend import checkpoint
-from models.tt_transformers.torch_backend.draft_head import (
-    HeadRunner,
-    head_weights,
-    load_draft_head,
-    read_draft_head,
-    save_draft_head,
-)
+from models.tt_transformers.torch_backend.draft_head import HeadRunner, load_draft_head, read_draft_head
 from models.tt_transformers.torch_backend.generator import TorchCausalLM
 from models.tt_transformers.torch_backend.model_config import ModelArgs
 
-from .conftest import REPO_ROOT, needs_cpu_kernels, random_head, random_model, write_json
-from .test_lossless_greedy import head_drafter, run, run_results
+from .conftest import REPO_ROOT, needs_cpu_kernels, random_head, random_model, write_eagle3_head, write_json
+from .test_lossless_greedy import RecordingDrafter, head_drafter, run, run_results
 from .test_lossless_sampling import (
     ALPHA,
     N_DRAFT,
@@ -54,25 +50,130 @@ def shipped_head(embedded_bf16):
     return load_draft_head(SHIPPED, embedded_bf16)
 
 
-# ---- the target's hidden states --------------------------------------------------------------------------------
+# ---- the target's taps --------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kernels", [pytest.param(True, marks=needs_cpu_kernels), False], ids=["cpu-kernels", "torch-ops"])
-def test_hidden_states_are_what_the_lm_head_reads(embedded_checkpoint, embedded_bf16, kernels):
-    """The backend's hidden states are the final norm's output: the LM head applied to them gives its logits, and a
-    verification step's rows equal the same positions decoded one at a time."""
+def test_taps_are_the_inputs_of_the_named_layers(embedded_checkpoint, embedded_bf16, kernels):
+    """Tap i is the residual stream entering layer i: tap 0 is the token embedding; tap 12 equals the last layer's
+    output of the model's first 12 layers (a separate forward); tap N, the last layer's output, gives the LM head's
+    logits through the final norm; the blocks come in the order asked; a verification step's rows equal the same
+    positions decoded one at a time."""
     model = embedded_bf16 if kernels else checkpoint.load_model(embedded_checkpoint, torch.bfloat16, 256,
                                                                 cpu_kernels=False)
-    lm = TorchCausalLM(model, model.args.n_layers, 1)
+    n, dim = model.args.n_layers, model.args.dim
+    lm = TorchCausalLM(model, n, 1)
     prompt = [1, 504, 3575, 282, 314, 2115, 30]
-    pre = lm.prefill(0, prompt, hidden=True)
-    assert pre.hidden[0].shape == (len(prompt), model.args.dim)
-    logits = model.output(pre.hidden[0][-1:]).float()
+    pre = lm.prefill(0, prompt, taps=(0, 12, n))
+    assert pre.hidden[0].shape == (len(prompt), 3 * dim)
+    assert torch.equal(pre.hidden[0][:, :dim], model.tok_embeddings(torch.tensor(prompt)))
+    first_12 = TorchCausalLM(model, 12, 1).prefill(0, prompt, taps=(12,)).hidden[0]
+    assert torch.equal(pre.hidden[0][:, dim : 2 * dim], first_12)
+    logits = model.output(model.norm(pre.hidden[0][-1:, 2 * dim :])).float()
     assert torch.equal(logits.argmax(-1), torch.tensor(pre.ids[0]))
-    many = lm.step([UserRows(0, [11, 12, 13, 14], len(prompt))], hidden=True).hidden[0]
+    swapped = lm.prefill(0, prompt, taps=(n, 0)).hidden[0]
+    assert torch.equal(swapped, torch.cat([pre.hidden[0][:, 2 * dim :], pre.hidden[0][:, :dim]], dim=-1))
+    many = lm.step([UserRows(0, [11, 12, 13, 14], len(prompt))], taps=(2, 15, 27)).hidden[0]
     lm.prefill(0, prompt)
-    one_by_one = torch.cat([lm.step([UserRows(0, [t], len(prompt) + i)], hidden=True).hidden[0]
+    one_by_one = torch.cat([lm.step([UserRows(0, [t], len(prompt) + i)], taps=(2, 15, 27)).hidden[0]
                             for i, t in enumerate([11, 12, 13, 14])])
     assert torch.equal(many, one_by_one)
+    with pytest.raises(ValueError, match=r"taps \[31\]: layer ids must be in \[0, 30\]"):
+        lm.step([UserRows(0, [11], len(prompt))], taps=(31,))
+
+
+# ---- the published layouts ------------------------------------------------------------------------------------------
+
+def head_logits(head, taps, tokens, steps=3):
+    """A chain as drafting runs it: the true rows, then `steps` draft steps on the head's own states and argmax."""
+    runner = HeadRunner(head, 1, 64, head.args)
+    out, logits = runner.run([0], [0], [taps], [tokens])[0]
+    rows, state = [logits], out[-1:]
+    for k in range(steps):
+        state, logits = runner.run([0], [len(tokens) + k], [state], [[int(head.vocab[rows[-1].argmax()])]])[0]
+        rows.append(logits)
+    return torch.stack(rows)
+
+
+def test_both_layouts_and_a_hub_id_load_the_same_head(tmp_path, monkeypatch):
+    """The same weights written in speculators' layout (safetensors, `layers.0.*`) and the EAGLE authors'
+    (pytorch_model.bin, `midlayer.*`, a Llama config.json) give one head: the same drafts; a hub id resolves from
+    the local Hugging Face cache as HF_MODEL does; the config's taps and draft vocabulary are used."""
+    model = random_model(torch.float32, n_layers=6, max_seq_len=64)
+    heads = {layout: load_draft_head(write_eagle3_head(tmp_path / layout, model.args, layout, draft_vocab=40,
+                                                       taps=(1, 3, 6)), model) for layout in ("speculators", "eagle")}
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--someone--eagle3-head" / "snapshots" / "abc123"
+    shutil.copytree(tmp_path / "speculators", snapshot)
+    (cache / "models--someone--eagle3-head" / "refs").mkdir()
+    (cache / "models--someone--eagle3-head" / "refs" / "main").write_text("abc123")
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    heads["hub"] = load_draft_head("someone/eagle3-head", model)
+    taps, tokens = torch.randn(5, 3 * model.args.dim), [3, 9, 27, 1, 50]
+    reference = head_logits(heads["speculators"], taps, tokens)
+    for name, head in heads.items():
+        assert head.config.taps == (1, 3, 6) and len(head.vocab) == 40, name
+        assert torch.equal(head_logits(head, taps, tokens), reference), name
+    assert heads["eagle"].config.layout == "eagle"
+
+
+def test_llama8b_shaped_head_is_lossless_in_both_layouts(tmp_path):
+    """A Llama-3.1-8B-shaped target (32 layers, 4:1 grouped-query attention, Llama-3 rope scaling; narrow layers)
+    and random EAGLE-3 heads in both layouts with no tap list in their config: the drafter asks the backend for
+    vLLM's default taps (2, 16, 29), and greedy output with head chains and head trees equals plain decoding."""
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192}
+    model = random_model(torch.float32, max_seq_len=96, n_layers=32, dim=64, n_heads=8, n_kv_heads=2, head_dim=8,
+                         hidden_dim=96, vocab_size=300, rope_theta=500000.0, rope_scaling=rope, std=0.3)
+    prompts = [[1, 2, 3, 4, 5, 6], [7, 8, 9]]
+    plain = run(model, prompts, 0, 0, 30)
+    for layout in ("speculators", "eagle"):
+        folder = write_eagle3_head(tmp_path / layout, model.args, layout, draft_vocab=200, taps=(2, 16, 29))
+        config = json.loads((folder / "config.json").read_text())
+        config.pop("eagle_aux_hidden_state_layer_ids")
+        (folder / "config.json").write_text(json.dumps(config))
+        head = load_draft_head(folder, model)
+        for trees in (False, True):
+            target = TorchCausalLM(model, 32, 2)
+            target.supports_trees = trees
+            target.step_cost = lambda n_rows, context_len: 1.0  # rows are free: trees grow as far as they may
+            drafter = head_drafter(target, head)
+            assert drafter.taps == (2, 16, 29)
+            recording = RecordingDrafter(drafter)
+            results = SpeculativeGenerator(target, recording, 4, ()).generate(prompts, 30)
+            assert [r.output_tokens for r in results] == plain, (layout, trees)
+            assert sum(len(d) for _, d, _ in recording.log) > 0
+
+
+def test_training_time_test_is_what_drafting_computes():
+    """The training pass (tools/train_draft_head.py, every position and level at once with EAGLE-3's diagonal
+    attention pattern) gives the logits the head gives when it drafts chains step by step: level j at position p
+    equals the j-th draft step of the chain started at p - j + 1 (float32, torch ops for both)."""
+    sys.path.insert(0, str(REPO_ROOT / "tools"))
+    import train_draft_head
+
+    model = random_model(torch.float32, n_layers=6, max_seq_len=64)
+    vocab = torch.randperm(64, generator=torch.Generator().manual_seed(0))[:40].sort().values
+    head = train_draft_head.initial_head(model, vocab, (1, 3, 4))
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.2)
+    B, T, levels = 2, 12, 4
+    taps = torch.randn(B, T, 3 * model.args.dim)
+    tokens = torch.randint(0, 64, (B, T + 2), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        trained = train_draft_head.ttt_forward(head, taps, tokens[:, 1 : T + 1], levels)
+    runner = HeadRunner(head, B, 64, model.args)
+    worst = 0.0
+    for b in range(B):
+        for t in range(T - levels):
+            out, logits = runner.run([b], [0], [taps[b, : t + 1]], [tokens[b, 1 : t + 2].tolist()])[0]
+            worst = max(worst, float((logits - trained[0][b, t]).abs().max()))
+            state = out[-1:]
+            for j in range(2, levels + 1):  # the draft token fed at position t + j - 1 is the true token there
+                pos = t + j - 1
+                state, logits = runner.run([b], [pos], [state], [[int(tokens[b, pos + 1])]])[0]
+                worst = max(worst, float((logits - trained[j - 1][b, pos]).abs().max()))
+    assert worst < 1e-4, worst
 
 
 # ---- the head's drafts ---------------------------------------------------------------------------------------------
@@ -86,16 +187,16 @@ def test_head_drafts_do_not_depend_on_step_shapes(embedded_bf16, shipped_head, s
 
     def drafts_after(step_sizes, max_rows):
         target = TorchCausalLM(embedded_bf16, embedded_bf16.args.n_layers, 1)
-        runner = HeadRunner(shipped_head, 1)
+        runner = HeadRunner(shipped_head, 1, embedded_bf16.max_seq_len, embedded_bf16.args)
         runner.max_rows = max_rows
         drafter = HeadDrafter(runner)
         drafter.cost = RunCost(0.0, measure=False)
-        out = target.prefill(0, prompt, hidden=True)
+        out = target.prefill(0, prompt, taps=drafter.taps)
         drafter.start([0], [prompt], SamplingParams(), out.hidden)
         context, fed = list(prompt) + text[:1], 1
         for n in step_sizes:  # the target verifies text[fed - 1 : fed + n - 1], accepting all but the last row's
             rows = text[fed - 1 : fed - 1 + n]
-            step = target.step([UserRows(0, rows, len(context) - 1)], hidden=True)
+            step = target.step([UserRows(0, rows, len(context) - 1)], taps=drafter.taps)
             drafter.accept(0, Verified(rows[1:] + step.ids[0][-1:], list(range(n - 1)), rows, None, step.hidden[0]))
             context += rows[1:] + step.ids[0][-1:]
             fed += n
@@ -114,7 +215,7 @@ def test_hybrid_takes_the_draft_expected_to_bring_more():
     """The copied draft when its value (tokens per unit of work) beats the head's, else the head's; a copied draft
     that is withdrawn learns nothing from the head's verification."""
     class Fixed:
-        top_k, wants_hidden = 0, True
+        top_k, taps = 0, (0,)
 
         def __init__(self, expected):
             self.expected, self.calls, self.accepted = expected, [], []
@@ -169,7 +270,7 @@ def test_shipped_head_identical_to_plain_and_accepted(embedded_bf16, embedded_to
 @pytest.mark.parametrize("kernels", [pytest.param(True, marks=needs_cpu_kernels), False], ids=["cpu-kernels", "torch-ops"])
 def test_random_heads_identical_to_plain(kernels):
     """Random heads over part of the vocabulary on random models: greedy output is plain decoding's, batched, at the
-    end of the cache and with every draft length."""
+    end of the cache, with every draft length, in chains and in EAGLE-2 trees."""
     steps = []
     for seed in range(3):
         model = random_model(torch.bfloat16, seed=seed, dim=64, head_dim=32, hidden_dim=96, vocab_size=50)
@@ -180,16 +281,19 @@ def test_random_heads_identical_to_plain(kernels):
         prompts = [[1, 2, 3, 4, 1, 2], [5], [7, 8, 9, 10, 11, 12, 13]]
         plain = [run(model, [p], 0, 0, 60)[0] for p in prompts]
         for n_draft in (1, 4, 9):
-            results = run_results(model, prompts, n_draft, 1, 60, mode="head")
-            assert [r.output_tokens for r in results] == plain
-            steps += [it for r in results for it in r.iterations]
+            for trees in (False, True):
+                results = run_results(model, prompts, n_draft, 1, 60, mode="head", trees=trees)
+                assert [r.output_tokens for r in results] == plain, (seed, n_draft, trees)
+                steps += [it for r in results for it in r.iterations]
     assert sum(it.drafted for it in steps) > 0 and sum(it.accepted for it in steps) > 0
 
 
-@pytest.mark.parametrize("kind", ["head", "head-negative-control"])
+@pytest.mark.parametrize("kind", ["head", "head-trees", "head-negative-control"])
 def test_sampling_with_head_drafts_matches_the_target(kind, monkeypatch):
     """Chi-square over the first 5 sampled tokens of a 4-token model with a random head over 3 of the 4 tokens (q is
-    zero on the fourth): rejection sampling keeps the target's distribution; accepting every draft does not."""
+    zero on the fourth, mapped to the target's ids through d2t): rejection sampling keeps the target's distribution,
+    with chains (q from the head) and trees (the head's top tokens, verified as point-mass drafts); accepting every
+    draft does not."""
     from models.tt_transformers.demo.speculative_decoding import speculative_generator
     from models.tt_transformers.speculative import sampling as sampling_module
 
@@ -197,75 +301,105 @@ def test_sampling_with_head_drafts_matches_the_target(kind, monkeypatch):
 
     tiny = make_tiny_model()
     head = random_head(tiny, seed=5, std=0.6, vocab_share=0.75)
-    assert len(head.vocab) == 3
+    assert len(head.vocab) == 3 and head.config.draft_vocab_size < tiny.args.vocab_size
     if kind == "head-negative-control":
         monkeypatch.setattr(speculative_generator, "verify_rejection", lambda draft, q, p, rng: list(draft) + [
             sampling_module.sample(p[len(draft)], rng)])
-    counts, full_chains, *_ = sampled_counts(tiny, lambda target: head_drafter(target, head), N_DRAFT, SETTINGS, 100)
+    trees = []
+
+    def drafter(target):
+        target.supports_trees = kind == "head-trees"
+        recording = RecordingDrafter(head_drafter(target, head))
+        trees.append(recording)
+        return recording
+
+    counts, full_chains, *_ = sampled_counts(tiny, drafter, N_DRAFT, SETTINGS, 100)
     p_value = chi_square_p_value(counts, exact_joint(tiny, SETTINGS))
-    if kind == "head":
-        assert p_value > ALPHA
-        assert full_chains >= 100 * 32 // 4, full_chains  # whole chains of N_DRAFT head drafts were verified
-    else:
+    if kind == "head-negative-control":
         assert p_value < ALPHA
+        return
+    assert p_value > ALPHA
+    if kind == "head":
+        assert full_chains >= 100 * 32 // 4, full_chains  # whole chains of N_DRAFT head drafts were verified
+    else:  # trees of several nodes were verified, with their accepted paths
+        assert sum(len(d) > N_DRAFT for _, d, _ in trees[0].log) > 100, trees[0].log[:5]
+        assert sum(a for *_, a in trees[0].log) > 100
 
 
 # ---- the shipped head, its card and bad files ---------------------------------------------------------------------
 
 def test_shipped_head_matches_its_card(embedded_checkpoint):
-    """The weights in the repository are the ones the card describes (hash, vocabulary size, parameter count), for
-    the embedded model, with the measured acceptance the training command wrote."""
+    """The head in the repository is the one its card describes (hash, draft vocabulary, parameter count, taps), an
+    EAGLE-3 head in speculators' layout for the embedded model, with the acceptance the training command measured."""
     card = json.loads((SHIPPED / "card.json").read_text())
-    weights = read_draft_head(SHIPPED, ModelArgs.from_hf_config(embedded_checkpoint.config))
-    assert card["weights_sha256"] == hashlib.sha256((SHIPPED / "head.safetensors").read_bytes()).hexdigest()
-    assert card["draft_vocabulary"]["size"] == len(weights["vocab"])
-    assert card["parameters"] == sum(t.numel() for name, t in weights.items() if name != "vocab")
+    config, weights = read_draft_head(SHIPPED, ModelArgs.from_hf_config(embedded_checkpoint.config))
+    assert config.layout == "speculators" and list(config.taps) == card["taps"] == [2, 15, 27]
+    assert card["weights_sha256"] == hashlib.sha256((SHIPPED / "model.safetensors").read_bytes()).hexdigest()
+    assert card["draft_vocabulary"]["size"] == config.draft_vocab_size
+    assert card["parameters"] == sum(t.numel() for name, t in weights.items() if name not in ("d2t", "t2d"))
     assert card["target"] == embedded_checkpoint.name and card["command"].startswith("make train-draft-head")
     assert card["measured_on_held_out_topics"]["tokens_per_target_forward"] > 1.5
+    assert set(card["measured_on_benchmark_sets"]) == {"chat", "qa", "translation", "summarization"}
 
 
-def head_files(tmp_path, embedded_bf16, **changes):
-    """A copy of a head for the embedded model with some tensors replaced."""
-    folder = tmp_path / "head"
-    save_draft_head(head_weights(random_head(embedded_bf16, vocab_share=0.01, attach=False)), folder, {"target": "test"})
-    from safetensors.torch import load_file, save_file
+def bad_head(case, tmp_path, args):
+    """A --draft_head value that must be refused, for the embedded model (args)."""
+    if case == "missing":
+        return tmp_path / "nowhere"
+    if case == "hub-id-not-cached":
+        return "someone/not-downloaded"
+    if case == "a-file":
+        (tmp_path / "f.safetensors").write_bytes(b"x")
+        return tmp_path / "f.safetensors"
+    if case == "not-eagle3":
+        (tmp_path / "llama").mkdir()
+        write_json(tmp_path / "llama" / "config.json", {"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
+        return tmp_path / "llama"
+    small = ModelArgs(**{**args.__dict__, "dim": 64, "n_heads": 4, "n_kv_heads": 2, "head_dim": 16, "hidden_dim": 96})
+    target = {"other-width": small, "other-tokenizer": ModelArgs(**{**args.__dict__, "vocab_size": 32000})}.get(case, args)
+    folder = write_eagle3_head(tmp_path / "head", target, "speculators", std=0.01, draft_vocab=256,
+                               taps=(2, 15, 40) if case == "taps-out-of-range" else None)
+    if case in ("no-d2t", "missing-tensor", "truncated"):
+        from safetensors.torch import load_file, save_file
 
-    weights = {**load_file(folder / "head.safetensors"), **changes}
-    save_file({k: v for k, v in weights.items() if v is not None}, folder / "head.safetensors")
+        weights = load_file(folder / "model.safetensors")
+        weights.pop({"no-d2t": "d2t", "missing-tensor": "layers.0.hidden_norm.weight"}.get(case, "t2d"))
+        save_file(weights, folder / "model.safetensors")
+        if case == "truncated":
+            data = (folder / "model.safetensors").read_bytes()
+            (folder / "model.safetensors").write_bytes(data[: len(data) // 2])
+    if case == "d2t-outside-vocab":
+        from safetensors.torch import load_file, save_file
+
+        weights = load_file(folder / "model.safetensors")
+        weights["d2t"] = weights["d2t"] + 60000
+        save_file(weights, folder / "model.safetensors")
     return folder
 
 
-def bad_head(case, tmp_path, model):
-    if case == "missing":
-        return tmp_path / "nowhere"
-    if case == "garbage":
-        (tmp_path / "g").mkdir()
-        (tmp_path / "g" / "head.safetensors").write_bytes(b"not a safetensors file")
-        return tmp_path / "g"
-    return head_files(tmp_path, model, **{
-        "other_width": {"fc.weight": torch.zeros(64, 128)},
-        "no_vocab": {"vocab": None},
-        "other_tokenizer": {"vocab": torch.tensor([5, 60000], dtype=torch.int32)},
-        "no_layer": {"block.attention.wqkv.weight": None},
-    }[case])
-
-
 @pytest.mark.parametrize("case,message", [
-    ("missing", "--draft_head .* has no head.safetensors; point --draft_head at a folder written by"),
-    ("garbage", "cannot be read as safetensors"),
-    ("other_width", r"fc.weight is \(64, 128\), but this target needs \(576, 1152\).*make train-draft-head"),
-    ("no_vocab", "no draft vocabulary"),
-    ("other_tokenizer", r"ids outside the target's \[0, 49152\)"),
-    ("no_layer", r"block.attention.wqkv.weight is missing"),
+    ("missing", r"--draft_head '.*nowhere' does not exist; give the head's folder or a hub id"),
+    ("hub-id-not-cached", r"--draft_head 'someone/not-downloaded' is a Hugging Face hub id, but it is not in the local"),
+    ("a-file", r"--draft_head '.*f.safetensors' is a file; point it at the head's folder"),
+    ("not-eagle3", r"config.json describes 'LlamaForCausalLM', not an EAGLE-3 head"),
+    ("other-width", r"the head reads hidden size 64 \(its own 64\), but this target's is 576: a head for another"),
+    ("other-tokenizer", r"the head's vocabulary has 32000 tokens, this target's 49152 \(another tokenizer\)"),
+    ("taps-out-of-range", r"eagle_aux_hidden_state_layer_ids \[2, 15, 40\] must be layers of this 30-layer target"),
+    ("no-d2t", r"d2t is missing, expected \(256,\): a head with a smaller draft vocabulary needs its d2t map"),
+    ("missing-tensor", r"layers.0.hidden_norm.weight is missing, expected \(576,\)"),
+    ("truncated", r"model.safetensors cannot be read .* it is corrupt or incomplete: download or train the head again"),
+    ("d2t-outside-vocab", r"d2t maps draft ids outside the target's vocabulary"),
 ])
-def test_bad_draft_head_is_a_clear_error_before_loading(tmp_path, embedded_bf16, monkeypatch, case, message):
-    """Checked against the target's config before any model loads; the message names --draft_head and the fix."""
-    folder = bad_head(case, tmp_path, embedded_bf16)
+def test_bad_draft_head_is_a_clear_error_before_loading(tmp_path, embedded_checkpoint, monkeypatch, case, message):
+    """Checked against the target's config before any model loads; one line naming --draft_head and the fix."""
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-hub"))
+    value = bad_head(case, tmp_path, ModelArgs.from_hf_config(embedded_checkpoint.config))
     monkeypatch.setattr(checkpoint, "load_model", lambda *a, **k: pytest.fail("a model was loaded before the check"))
     config = DemoConfig(input_prompts=str(write_json(tmp_path / "p.json", [{"prompt": "Hi"}])), draft_mode="head",
-                        draft_head=str(folder), max_generated_tokens=4)
-    with pytest.raises(DemoInputError, match=message):
+                        draft_head=str(value), max_generated_tokens=4)
+    with pytest.raises(DemoInputError, match=message) as error:
         run_demo(config)
+    assert "\n" not in str(error.value)
 
 
 def test_head_mode_without_a_head_for_the_target(tmp_path, monkeypatch):
@@ -293,19 +427,21 @@ def test_demo_head_and_hybrid_use_the_shipped_head(tmp_path, monkeypatch):
 # ---- training ------------------------------------------------------------------------------------------------------
 
 def test_training_command_end_to_end(tmp_path):
-    """`make train-draft-head` on a tiny recipe: prompts, the target's responses and states, training, evaluation,
-    head.safetensors + card.json that the demo loads."""
+    """`make train-draft-head` on a tiny recipe: prompts, the target's responses and taps, training, evaluation (held
+    out and one benchmark set), a head in speculators' layout + card.json that the demo loads."""
     sys.path.insert(0, str(REPO_ROOT / "tools"))
     import train_draft_head
 
     out = tmp_path / "head"
     train_draft_head.main(["--out", str(out), "--topics", "6", "--tasks_per_topic", "1", "--word_problems", "2",
                            "--max_tokens", "12", "--stage_one_tokens", "16", "--epochs", "1", "--vocab_size", "512",
-                           "--batch", "8"])
+                           "--batch", "8", "--questions_per_topic", "1", "--batch_tokens", "512", "--eval_sets", "qa"])
     card = json.loads((out / "card.json").read_text())
-    assert card["weights_sha256"] == hashlib.sha256((out / "head.safetensors").read_bytes()).hexdigest()
-    assert card["draft_vocabulary"]["size"] == 512 and card["training"]["steps"] > 0
+    assert card["weights_sha256"] == hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest()
+    assert card["draft_vocabulary"]["size"] == 512 and card["training"]["updates"] > 0
     assert card["measured_on_held_out_topics"]["positions"] > 0
+    assert card["measured_on_benchmark_sets"]["qa"]["positions"] > 0
+    assert json.loads((out / "config.json").read_text())["speculators_model_type"] == "eagle3"
     report = run_demo(DemoConfig(input_prompts=str(write_json(tmp_path / "p.json", [{"prompt": "Hi"}])),
                                  draft_mode="head", draft_head=str(out), max_generated_tokens=8))
     assert report["summary"]["identical_to_baseline"]

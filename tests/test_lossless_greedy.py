@@ -26,7 +26,8 @@ N_TOKENS = 32
 def head_drafter(target, head=None, eager=True):
     """A draft head's drafter (a random head unless given). eager: every chain runs while its tokens have any
     chance (no price per head run, acceptance trusted): tests verification, not the length policy."""
-    drafter = HeadDrafter(HeadRunner(head or random_head(target.model), target.max_batch_size))
+    head = head or random_head(target.model)
+    drafter = HeadDrafter(HeadRunner(head, target.max_batch_size, target.max_seq_len, target.model.args))
     if eager:
         drafter.cost = RunCost(0.0, measure=False)
         drafter.acceptance = MatchAcceptance(prior=[0.99] * len(LENGTH_BUCKETS), decay=1.0, prior_weight=1e9)
@@ -193,8 +194,8 @@ class RecordingDrafter:
         return self.inner.top_k
 
     @property
-    def wants_hidden(self):
-        return self.inner.wants_hidden
+    def taps(self):
+        return self.inner.taps
 
     def propose(self, users, contexts, max_tokens, extra_cost, trees=False):
         drafts = self.inner.propose(users, contexts, max_tokens, extra_cost, trees)
@@ -290,7 +291,7 @@ class ScriptedTree:
     """A drafter that proposes one token tree at its first iteration and nothing after: a wrong first branch, then
     the given chain as the second branch (from the context's last token)."""
 
-    top_k, wants_hidden = 0, False
+    top_k, taps = 0, ()
 
     def __init__(self, wrong: int, chain: list[int]):
         self.tokens = [wrong, *chain]

@@ -37,13 +37,13 @@ class UserRows:
 class StepOutput:
     """Per fed user, for each of its rows (or only the last one for a prefill): the greedy token ids, which is all
     a device sends back for greedy verification; the top-k ids per row when asked for (token recycling drafts from
-    them); float32 logits when asked for (sampling); the final hidden states (the final norm's output, what the LM
-    head reads) when asked for: a trained draft head drafts from them."""
+    them); float32 logits when asked for (sampling); the tapped hidden states when asked for: the residual stream
+    entering each requested layer, concatenated in the order asked (an EAGLE-3 draft head drafts from them)."""
 
     ids: list[list[int]]
     logits: Optional[list[torch.Tensor]] = None
     top_ids: Optional[list[list[list[int]]]] = None
-    hidden: Optional[list[torch.Tensor]] = None  # [rows, dim] final hidden states (every prompt token for a prefill)
+    hidden: Optional[list[torch.Tensor]] = None  # [rows, len(taps) * dim] tapped states (every prompt token for a prefill)
 
 
 class CausalLM(Protocol):
@@ -56,13 +56,16 @@ class CausalLM(Protocol):
 
     supports_trees: bool  # whether step takes UserRows.parents (and commit_path)
 
-    def prefill(self, user: int, tokens: Sequence[int], logits: bool = False, hidden: bool = False) -> StepOutput:
-        """Fill the user's cache with `tokens` from position 0; outputs for the last token only (hidden states for
-        every token)."""
+    def prefill(self, user: int, tokens: Sequence[int], logits: bool = False, taps: Sequence[int] = ()
+                ) -> StepOutput:
+        """Fill the user's cache with `tokens` from position 0; outputs for the last token only (the tapped hidden
+        states for every token)."""
 
-    def step(self, rows: Sequence[UserRows], logits: bool = False, top_k: int = 0, hidden: bool = False
+    def step(self, rows: Sequence[UserRows], logits: bool = False, top_k: int = 0, taps: Sequence[int] = ()
              ) -> StepOutput:
-        """One forward over every listed user's rows; users not listed are idle. top_k > 0: also the top_k ids."""
+        """One forward over every listed user's rows; users not listed are idle. top_k > 0: also the top_k ids.
+        taps: layer ids in [0, n_layers] whose input (the residual stream entering the layer; n_layers: the last
+        layer's output) to return per row."""
 
     def commit_path(self, user: int, start_pos: int, path: Sequence[int]) -> None:
         """After a tree step: the accepted rows `path` (row 0 first, one per depth) move to positions start_pos,
@@ -72,7 +75,7 @@ class CausalLM(Protocol):
         """Time of a step computing n_rows tokens over contexts of about context_len tokens, in units of the part
         that does not depend on the rows (streaming the weights once)."""
 
-    def warm_up(self, max_rows_per_user: int, top_k: int, hidden: bool) -> dict:
+    def warm_up(self, max_rows_per_user: int, top_k: int, taps: Sequence[int]) -> dict:
         """Compile (on a TT device also capture the traces of) every program that prefills and steps of up to
         max_rows_per_user rows per user with these outputs will run, before anything is timed; seconds spent, as
         {"compile_prefill": s, "compile_decode": s} (TT's perf keys). May write user 0's cache."""

@@ -56,12 +56,12 @@ class Verified:
 
 class Drafter(Protocol):
     top_k: int  # how many of the target's top next tokens per row accept() wants (0: none)
-    wants_hidden: bool  # whether start() and accept() want the target's final hidden states
+    taps: tuple[int, ...]  # the target layers whose input start() and accept() want per row (empty: none)
 
     def start(self, users: Sequence[int], prompts: Sequence[Sequence[int]], sampling: SamplingParams,
               hidden: Optional[Sequence[torch.Tensor]] = None) -> None:
-        """A new request per user; the prompts are what the target was prefilled with (hidden: its final hidden
-        states over each prompt, when wanted). A model drafter samples its drafts with the same settings (and
+        """A new request per user; the prompts are what the target was prefilled with (hidden: its tapped hidden
+        states over each prompt, when the drafter names taps). A model drafter samples its drafts with the same settings (and
         returns q with them) unless they are greedy."""
 
     def propose(self, users: Sequence[int], contexts: Sequence[Sequence[int]], max_tokens: Sequence[int],
@@ -90,7 +90,7 @@ class ModelDrafter:
     """
 
     top_k = 0
-    wants_hidden = False
+    taps = ()
 
     def __init__(self, lm: CausalLM, draft_cost: Optional[float] = None):
         self.lm, self.draft_cost = lm, draft_cost
@@ -237,7 +237,7 @@ class SuffixDrafter:
             raise ValueError(f"sa_threshold must be >= 1, got {threshold}")
         self.threshold, self.memory = threshold, memory
         self.recycled = RecycledTokens(recycle) if recycle else None
-        self.top_k, self.wants_hidden = recycle, False
+        self.top_k, self.taps = recycle, ()
         # Copy mode's prior is flat and low: its runs are keyed by the copied run's length, which spreads its few
         # verifications over long-match buckets whose default prior (0.9) scored its drafts well above how often they
         # were accepted on chat, QA and JSON.
@@ -405,7 +405,7 @@ class HybridDrafter:
 
     def __init__(self, suffix: SuffixDrafter, fallback):
         self.suffix, self.fallback = suffix, fallback
-        self.top_k, self.wants_hidden = suffix.top_k, fallback.wants_hidden
+        self.top_k, self.taps = suffix.top_k, fallback.taps
 
     def start(self, users, prompts, sampling, hidden=None):
         self.suffix.start(users, prompts, sampling)
@@ -418,7 +418,7 @@ class HybridDrafter:
             < self.fallback.draft_value(users[i], max_tokens[i], extra_cost))]
         if fallback:
             fallback_drafts = self.fallback.propose([users[i] for i in fallback], [contexts[i] for i in fallback],
-                                                    [max_tokens[i] for i in fallback], extra_cost)
+                                                    [max_tokens[i] for i in fallback], extra_cost, trees)
             for i, d in zip(fallback, fallback_drafts):
                 if d.tokens or not drafts[i].tokens:
                     self.suffix.withdraw(users[i])

@@ -1,18 +1,20 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Drafting with a trained draft head on the target's own final hidden states (EAGLE, arXiv 2401.15077).
+"""Drafting with an EAGLE-3 draft head on the target's tapped hidden states (arXiv 2503.01840), in chains or in
+EAGLE-2's dynamic trees (arXiv 2406.16858).
 
-The head (torch_backend/draft_head.py) reads, at position t, the target's final hidden state at t and token t+1,
-and predicts the hidden state at t+1 and so the token at t+2. The target returns its hidden states for the rows it
-verifies (and for the prompt at prefill), so the head always starts a draft from true states: the states of the
-last step's accepted rows are fed first (one run, together with everything else the head has not seen), then the
-head drafts on its own predicted states, one run per token. Its KV cache (one layer) is rolled back by position as
-the target's is. The backend may be a TT device: the head runs where `DraftHeadModel` runs (on the host in torch).
+The head (torch_backend/draft_head.py) reads, at position t, the residual streams entering the layers it taps at t
+and token t+1, and gives the token at t+2 and a state the next draft step reads. The target returns the tapped
+states for the rows it verifies (and for the prompt at prefill), so a draft always starts from true states: the
+last step's accepted rows are fed first (one run, with everything else the head has not seen), then the head drafts
+on its own states, one run per token (per tree depth). Its KV cache (one layer) is rolled back by position as the
+target's is. The backend may be a TT device: the head runs where `DraftHeadModel` runs (on the host in torch).
 """
 import time
 from dataclasses import dataclass, field
 from typing import Optional, Protocol, Sequence
 
 import torch
+from loguru import logger
 
 from .draft_length import LENGTH_BUCKETS, DraftLengthPolicy, ExtraCost, MatchAcceptance
 from .drafters import DRAFT_RNG_STREAM, Draft, Verified
@@ -22,14 +24,19 @@ from .sampling import SamplingParams, probabilities, sample
 class DraftHeadModel(Protocol):
     vocab: torch.Tensor  # [V'] the draft vocabulary: the target's token ids the head can propose
     vocab_size: int  # the target's vocabulary
+    taps: tuple[int, ...]  # the target layers whose input the head reads
     draft_cost: float  # estimated cost of one head run, in units of a plain decode step of the target (until measured)
     max_rows: int  # rows one run may carry per user (longer catch-ups go in chunks)
 
     def run(self, users: Sequence[int], start_pos: Sequence[int], hidden: Sequence[torch.Tensor],
             next_tokens: Sequence[Sequence[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """For each user, rows (hidden state at t, token t+1) at t = start_pos, start_pos + 1, ...: the predicted
-        hidden state after each row [n, dim] and the logits over the draft vocabulary after its last row [V']. A
-        row's results do not depend on how many rows share the run."""
+        """For each user, rows (tapped states at t, or the head's own state, and token t+1) at t = start_pos,
+        start_pos + 1, ...: the head's state after each row [n, h] and the logits over the draft vocabulary after its
+        last row [V']. A row's results do not depend on how many rows share the run."""
+
+    def run_tree(self, nodes: Sequence[tuple[int, int, int, tuple[int, ...]]], states: torch.Tensor,
+                 tokens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token-tree nodes (user, position, node number, ancestors' node numbers): states [n, h] and logits [n, V']."""
 
 
 @dataclass
@@ -37,7 +44,8 @@ class HeadDraft:
     """A proposed head draft, to learn from its verification."""
 
     confidences: list[float]  # the head's probability of each drafted token: what its acceptance is learned against
-    length: int
+    length: int  # a chain's length, a tree's depth
+    tree: Optional[tuple] = None  # (the chosen node numbers, the HeadTree) for a tree
 
 
 class HeadDrafter:
@@ -52,11 +60,11 @@ class HeadDrafter:
     """
 
     top_k = 0
-    wants_hidden = True
+    TREE_TOP_K = 4  # children per expanded node and nodes expanded per depth (EAGLE-2's top-k)
 
     def __init__(self, head: DraftHeadModel):
         self.head, self.cost = head, RunCost(head.draft_cost)
-        self.vocab = head.vocab
+        self.vocab, self.taps = head.vocab, tuple(head.taps)
         # prior: a token with the head's probability c is accepted with probability ~0.9 c at any depth
         self.acceptance = MatchAcceptance(prior=[0.9] * len(LENGTH_BUCKETS))
         self.known: dict[int, torch.Tensor] = {}
@@ -67,8 +75,8 @@ class HeadDrafter:
 
     def start(self, users, prompts, sampling, hidden=None):
         if hidden is None:
-            raise ValueError("a draft head drafts from the target's hidden states: the generator must ask the backend "
-                             "for them (Drafter.wants_hidden)")
+            raise ValueError("a draft head drafts from the target's tapped hidden states: the generator must ask the "
+                             "backend for them (Drafter.taps)")
         self.known = {u: h for u, h in zip(users, hidden)}
         self.fed_len = {u: 0 for u in users}
         self.pending = {}
@@ -123,8 +131,8 @@ class HeadDrafter:
         return int(self.vocab[i]), float(q_draft[i]), q
 
     def propose(self, users, contexts, max_tokens, extra_cost: ExtraCost, trees=False):
-        """Chains only: a head tree (EAGLE-2) would need the head's top candidates per depth, left for later."""
-        # a one-token context has no row yet (the head's first row predicts the state at position 1); a user whose
+        """Chains, or EAGLE-2 trees when the target verifies trees."""
+        # a one-token context has no row yet (the head's first row predicts the token at position 2); a user whose
         # head drafts do not pay is not run, but for a probe now and then
         live, probes = [], set()
         for u, ctx, n in zip(users, contexts, max_tokens):
@@ -134,12 +142,23 @@ class HeadDrafter:
                     live.append((u, ctx))
                     if not pays:
                         probes.add(u)
-        wanted = dict(zip(users, max_tokens))
-        start, runs = time.perf_counter(), 1
+        start = time.perf_counter()
         self._catch_up(live, 1)
-        going = [u for u, _ in live]
-        outs = self._feed(going, [self._rows(u, ctx, len(ctx) - 1) for u, ctx in live]) if live else []
-        state = {u: (len(ctx) - 1, out[0][-1:], out[1]) for (u, ctx), out in zip(live, outs)}  # position, h, logits
+        outs = self._feed([u for u, _ in live], [self._rows(u, ctx, len(ctx) - 1) for u, ctx in live]) if live else []
+        roots = {u: (len(ctx) - 1, out[0][-1:], out[1]) for (u, ctx), out in zip(live, outs)}  # position, h, logits
+        wanted = dict(zip(users, max_tokens))
+        if trees:
+            drafts, runs = self._trees(roots, wanted, extra_cost, probes)
+        else:
+            drafts, runs = self._chains(roots, wanted, extra_cost, probes)
+        if live:  # a proposal's head work, per run (catch-up runs of a long gap count in the first)
+            self.cost.ran((time.perf_counter() - start) / runs)
+            self.cost.proposed_at = time.perf_counter()
+        return [drafts.get(u, Draft([], "none")) for u in users]
+
+    def _chains(self, roots: dict, wanted: dict, extra_cost: ExtraCost, probes: set) -> tuple[dict, int]:
+        """Each user's chain, extended while one more token pays for its run and verification."""
+        state, going, runs = dict(roots), list(roots), 1
         chains = {u: HeadChain() for u in going}
         while going:
             for u in going:
@@ -151,31 +170,133 @@ class HeadDrafter:
                 runs += 1
                 for u, (h, logits) in zip(going, outs):
                     state[u] = (state[u][0] + 1, h, logits)
-        if live:  # a proposal's head work, per run (catch-up runs of a long gap count in the first)
-            self.cost.ran((time.perf_counter() - start) / runs)
-            self.cost.proposed_at = time.perf_counter()
-        drafts = []
-        for u, n in zip(users, max_tokens):
-            chain = chains.get(u)
+        drafts = {}
+        for u, chain in chains.items():
             # a probe drafts one token; the runs being spent, a first token pays if it is likelier than its row costs
-            k = 0 if chain is None else chain.paying or int(u in probes or chain.path_probs[0] > extra_cost(1))
-            if k == 0:
-                drafts.append(Draft([], "none"))
-                continue
-            self.pending[u] = HeadDraft(chain.confidences[:k], k)
-            drafts.append(Draft(chain.tokens[:k], "head", probs=None if self.sampling.greedy else chain.probs[:k],
-                                expected=sum(chain.path_probs[:k])))
-        return drafts
+            k = chain.paying or int(u in probes or chain.path_probs[0] > extra_cost(1))
+            if k:
+                self.pending[u] = HeadDraft(chain.confidences[:k], k)
+                drafts[u] = Draft(chain.tokens[:k], "head", probs=None if self.sampling.greedy else chain.probs[:k],
+                                  expected=sum(chain.path_probs[:k]))
+        return drafts, runs
+
+    def _trees(self, roots: dict, wanted: dict, extra_cost: ExtraCost, probes: set) -> tuple[dict, int]:
+        """EAGLE-2's dynamic trees: at each depth the TREE_TOP_K likeliest nodes (by estimated path acceptance) are
+        run, all users' together, and give TREE_TOP_K children each, of which the TREE_TOP_K likeliest join the
+        tree; then the tree is cut to the nodes, likeliest first, whose acceptance pays for their rows
+        (extra_cost: a CPU affords few, a TT tile up to its rows). Nodes are the head's own choices (its top k),
+        not samples, so sampling verifies them as point-mass drafts (SpecInfer's tree rejection sampling)."""
+        K = self.TREE_TOP_K
+        trees = {u: HeadTree() for u in roots}
+        frontier = {u: [(-1, roots[u][2])] for u in roots}  # (expanded node, its logits) per user
+        runs, depth = 1, 1
+        while frontier:
+            for u, expanded in frontier.items():
+                for parent, logits in expanded:
+                    p = torch.softmax(logits.float(), dim=-1)
+                    top = p.topk(min(K, p.numel()))
+                    for prob, i in zip(top.values.tolist(), top.indices.tolist()):
+                        trees[u].add(int(self.vocab[i]), parent, depth, prob, self.acceptance)
+            depth += 1
+            run = []  # (user, node) of the nodes to expand at this depth
+            for u, tree in trees.items():
+                if depth <= wanted[u] and len(tree.nodes) + K * K <= self.head.max_tree_nodes:
+                    run += [(u, i) for i in tree.best_at(depth - 1, K)]
+            if not run:
+                break
+            nodes = [(u, roots[u][0] + depth - 2, i, trees[u].ancestors(i)) for u, i in run]
+            states = torch.cat([roots[u][1] if trees[u].nodes[i].parent < 0 else trees[u].nodes[trees[u].nodes[i].parent].state
+                                for u, i in run])
+            out, logits = self.head.run_tree(nodes, states, [trees[u].nodes[i].token for u, i in run])
+            runs += 1
+            frontier = {}
+            for j, (u, i) in enumerate(run):
+                trees[u].nodes[i].state = out[j : j + 1]
+                frontier.setdefault(u, []).append((i, logits[j]))
+        drafts = {}
+        for u, tree in trees.items():
+            chosen = tree.cut(runs * self.draft_cost, extra_cost, force=u in probes)
+            if chosen:
+                tokens, parents, probs = tree.draft(chosen)
+                self.pending[u] = HeadDraft([tree.nodes[i].confidence for i in chosen], max(
+                    tree.nodes[i].depth for i in chosen), tree=(chosen, tree))
+                drafts[u] = Draft(tokens, "head", parents=parents, expected=sum(probs))
+        return drafts, runs
 
     def accept(self, user, verified: Verified):
         true_states = verified.hidden[verified.true_rows].to(self.known[user].dtype)
         self.known[user] = torch.cat([self.known[user], true_states])
         self.cost.verified()
         pending = self.pending.pop(user, None)
-        if pending is not None:
+        if pending is None:
+            return
+        if pending.tree is None:
             for j in range(min(pending.length, verified.n_accepted + 1)):
                 self.acceptance.observe(j + 1, pending.confidences[j], j < verified.n_accepted)
-            self.policies[user].update(pending.length, verified.n_accepted)
+        else:  # the accepted path's nodes passed; the tried children of its last node failed
+            chosen, tree = pending.tree
+            on_path = [chosen[i] for i in verified.path]
+            last = on_path[-1] if on_path else -1
+            for i in on_path:
+                self.acceptance.observe(tree.nodes[i].depth, tree.nodes[i].confidence, True)
+            for i in chosen:
+                if tree.nodes[i].parent == last:
+                    self.acceptance.observe(tree.nodes[i].depth, tree.nodes[i].confidence, False)
+        self.policies[user].update(pending.length, verified.n_accepted)
+
+
+@dataclass
+class TreeNode:
+    token: int
+    parent: int  # node number, -1 for the context's last token
+    depth: int
+    confidence: float  # the head's probability of the token after its parent
+    path_prob: float  # estimated probability that it and its ancestors are all accepted
+    state: Optional[torch.Tensor] = None  # the head's state after it, once expanded
+
+
+class HeadTree:
+    """An EAGLE-2 draft tree being grown: nodes in the order they were made (parents first)."""
+
+    MAX_NODES = 32  # verified per user and step, as the suffix drafter's trees
+
+    def __init__(self):
+        self.nodes: list[TreeNode] = []
+
+    def add(self, token: int, parent: int, depth: int, confidence: float, acceptance: MatchAcceptance) -> None:
+        above = self.nodes[parent].path_prob if parent >= 0 else 1.0
+        self.nodes.append(TreeNode(token, parent, depth, confidence, above * acceptance.prob(depth, confidence)))
+
+    def best_at(self, depth: int, k: int) -> list[int]:
+        at = [i for i, n in enumerate(self.nodes) if n.depth == depth]
+        return sorted(at, key=lambda i: -self.nodes[i].path_prob)[:k]
+
+    def ancestors(self, i: int) -> tuple[int, ...]:
+        out = []
+        while self.nodes[i].parent >= 0:
+            i = self.nodes[i].parent
+            out.append(i)
+        return tuple(reversed(out))
+
+    def cut(self, draft_cost: float, extra_cost: ExtraCost, force: bool) -> list[int]:
+        """The nodes to verify, likeliest first (a parent is never less likely than its child, so the set is a tree):
+        the count that maximises (1 + sum of path probabilities) / (1 + draft_cost + extra_cost(count)); one node for
+        a probe."""
+        order = sorted(range(len(self.nodes)), key=lambda i: (-self.nodes[i].path_prob, i))[: self.MAX_NODES]
+        best, best_value, total = 0, 1.0, 0.0
+        for k, i in enumerate(order, 1):
+            total += self.nodes[i].path_prob
+            value = (1 + total) / (1 + draft_cost + extra_cost(k))
+            if value > best_value:
+                best, best_value = k, value
+        return sorted(order[: max(best, int(force and bool(order)))])
+
+    def draft(self, chosen: list[int]) -> tuple[list[int], list[int], list[float]]:
+        """Tokens, parents (indices into the draft, -1 for the root) and path probabilities of the chosen nodes."""
+        index = {node: j for j, node in enumerate(chosen)}
+        nodes = [self.nodes[i] for i in chosen]
+        return ([n.token for n in nodes], [index[n.parent] if n.parent >= 0 else -1 for n in nodes],
+                [n.path_prob for n in nodes])
 
 
 @dataclass
@@ -211,9 +332,11 @@ class RunCost:
     on timing, for tests)."""
 
     decay = 0.9
+    WARN_AFTER = 8  # verified proposals before a head slower than the target's step is reported (once)
 
     def __init__(self, estimate: float, measure: bool = True):
         self.estimate, self.measure, self.run_s, self.step_s = estimate, measure, None, None
+        self.verifications = 0
         self.proposed_at: Optional[float] = None
 
     @property
@@ -230,3 +353,8 @@ class RunCost:
         if self.proposed_at is not None:
             seconds, self.proposed_at = time.perf_counter() - self.proposed_at, None
             self.step_s = seconds if self.step_s is None else self.decay * self.step_s + (1 - self.decay) * seconds
+            self.verifications += 1
+            if self.measure and self.verifications == self.WARN_AFTER and self.value > 1.0:
+                logger.warning(f"Draft head: a run takes {1e3 * self.run_s:.1f} ms on the host, {self.value:.1f}x the "
+                               f"target's step ({1e3 * self.step_s:.1f} ms): its drafts rarely pay here (it drafts "
+                               "only when its acceptance covers that; on a TT device the head belongs on the device)")

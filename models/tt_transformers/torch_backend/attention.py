@@ -53,11 +53,11 @@ class StepInputs:
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, dtype: torch.dtype):
-        super().__init__()
+    def __init__(self, args: ModelArgs, dtype: torch.dtype, in_dim: Optional[int] = None):
+        super().__init__()  # in_dim: what q/k/v read when not the model's width (an EAGLE-3 head's 2 * dim)
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         qkv_dim = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
-        self.wqkv = nn.Linear(args.dim, qkv_dim, bias=False, dtype=dtype)
+        self.wqkv = nn.Linear(in_dim or args.dim, qkv_dim, bias=False, dtype=dtype)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False, dtype=dtype)
 
     def forward(self, x: torch.Tensor, step: StepInputs, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:

@@ -1,204 +1,455 @@
 # SPDX-License-Identifier: Apache-2.0
-"""A trained draft head (EAGLE, arXiv 2401.15077): one decoder layer on the target's own final hidden states.
+"""An EAGLE-3 draft head (arXiv 2503.01840) on the target's tapped hidden states, in the layouts engines load.
 
-At position t the head reads [the target's final hidden state at t ; the embedding of token t+1], projects it to
-the model's width, runs one decoder layer of the target's shape (with a KV cache of its own over the positions
-before) and a norm, and predicts the target's final hidden state at t+1; the target's LM head, restricted to the
-draft vocabulary (the most frequent response tokens: FR-Spec, arXiv 2502.14856), turns that into the next token.
-Drafting k tokens runs the head k times on its own predictions. The head stores only its projection, layer, norm
-and vocabulary; the embedding, rotary tables and LM-head rows are the target's (no copy of the LM head: its rows
-are gathered once at load, a 6x smaller matrix than the whole head).
+At position t the head reads the residual streams entering three of the target's layers (the taps; by default
+(2, N/2, N-3), as vLLM), projects them to its width (`fc`), and runs one decoder layer whose attention reads
+[input_layernorm(embedding of token t+1) ; hidden_norm(state)] (2h wide) with the state as the residual; its final
+norm and its own LM head over the draft vocabulary give the token at t+2, mapped to the target's ids by d2t
+(target id = draft id + d2t[draft id]). Drafting further feeds the layer's output (before the norm) back as the
+state. The embedding is the target's unless the head ships one.
 
-Files: head.safetensors (fc.weight, block.*, norm.weight, vocab) and card.json (how it was trained, measured).
+Two layouts, one module (docs/draft_sources.md): the EAGLE authors' (config.json with `architectures:
+["LlamaForCausalLMEagle3"]`, weights `midlayer.*`, in pytorch_model.bin or safetensors) and `speculators`' (config.json
+with `speculators_config`, `transformer_layer_config`, `eagle_aux_hidden_state_layer_ids`, weights `layers.0.*`). A
+folder or a hub id in the local Hugging Face cache; checked against the target before anything loads.
 """
 import hashlib
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from itertools import accumulate
 from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from .attention import ExactToken
-from .model import KernelLinear, RMSNorm, Transformer, TransformerBlock
-from .model_config import ModelArgs
+from .attention import Attention, ExactToken, StepInputs
+from .mlp import MLP
+from .model import KernelLinear, KVCache, RMSNorm, Transformer
+from .model_config import ModelArgs, ModelConfigError
+from .rope import rope_tables
+
+AUTHORS_ARCHITECTURE = "LlamaForCausalLMEagle3"
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+TREE_SLOTS = 64  # cache slots past max_seq_len for the nodes of a draft tree (each writes its own)
 
 
 class DraftHeadError(ValueError):
-    """A draft head file cannot be used with this target; the message says why and what to do."""
+    """A draft head cannot be used with this target; the message names the flag and the fix."""
 
 
-class DraftHead(nn.Module):
-    def __init__(self, target: Transformer, vocab: torch.Tensor):
-        super().__init__()
-        args, dtype = target.args, target.dtype
-        self.args = args
-        self.__dict__["target"] = target  # borrowed, not a submodule: never moved, cast or trained with the head
-        self.fc = nn.Linear(2 * args.dim, args.dim, bias=False, dtype=dtype)
-        self.block = TransformerBlock(args, dtype)
-        self.norm = RMSNorm(args.dim, args.norm_eps, dtype)
-        self.register_buffer("vocab", vocab.to(torch.int64), persistent=False)
-        self.head: Optional[nn.Module] = None  # the target's LM-head rows of `vocab`: set by attach_lm_head
+def default_taps(n_layers: int) -> tuple[int, ...]:
+    """vLLM's default auxiliary layers (the input of each): (2, N/2, N-3)."""
+    return (2, n_layers // 2, n_layers - 3)
 
-    def lm_head_rows(self) -> torch.Tensor:
-        """The target's LM-head rows for the draft vocabulary [V', dim] (gathered from a packed head if need be)."""
-        out = self.target.output
-        if isinstance(out, KernelLinear):
-            return out.kernels.packed_rows(out.packed, self.vocab)
-        return out.weight.detach()[self.vocab]
 
-    def attach_lm_head(self) -> None:
-        """Gather the LM-head rows once; on the CPU kernels they become a packed linear layer like the target's."""
-        rows = self.lm_head_rows()
-        kernels = self.target.kernels
-        if kernels is not None:
-            self.head = KernelLinear(kernels.pack_weight(rows), rows.shape[0], kernels, torch.float32)
-            self.fc = KernelLinear.from_linear(self.fc, kernels)
-            self.block.use_cpu_kernels(kernels)
+@dataclass(frozen=True)
+class HeadConfig:
+    """What a head's config.json says, in one form for both layouts."""
+
+    layout: str  # "eagle" (the authors') or "speculators"
+    layer: ModelArgs  # the head's decoder layer (n_layers 1); vocab_size is the target's
+    draft_vocab_size: int
+    taps: tuple[int, ...]  # target layers whose input the head reads, in fc's order
+    target_hidden: int  # width of each tap
+    norm_before_residual: bool = False  # the residual is hidden_norm(state) instead of the state
+    norm_before_fc: bool = False  # one RMSNorm (input_norm) over the concatenated taps before fc
+    fc_norm: bool = False  # an RMSNorm per tap (fc_norm.i) before fc
+    norm_output: bool = False  # the state fed forward is the final norm's output, not the layer's
+
+    OPTIONS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")  # speculators' (defaults False)
+
+    def to_json(self) -> dict:
+        """config.json in speculators' layout (what vLLM and SGLang load)."""
+        a = self.layer
+        layer = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": a.dim,
+                 "num_hidden_layers": 1, "num_attention_heads": a.n_heads, "num_key_value_heads": a.n_kv_heads,
+                 "head_dim": a.head_dim, "intermediate_size": a.hidden_dim, "vocab_size": a.vocab_size,
+                 "rms_norm_eps": a.norm_eps, "rope_theta": a.rope_theta, "rope_scaling": a.rope_scaling,
+                 "max_position_embeddings": a.max_position_embeddings, "hidden_act": "silu",
+                 "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False}
+        return {"architectures": ["Eagle3DraftModel"], "speculators_model_type": "eagle3",
+                "transformer_layer_config": layer, "draft_vocab_size": self.draft_vocab_size,
+                "target_hidden_size": self.target_hidden, "eagle_aux_hidden_state_layer_ids": list(self.taps),
+                **{option: getattr(self, option) for option in self.OPTIONS}}
+
+
+def resolve_head_folder(value, flag: str = "--draft_head") -> Path:
+    """A folder, or a hub id whose snapshot is in the local Hugging Face cache (as HF_MODEL)."""
+    from .checkpoint import CheckpointError, _hub_snapshot
+
+    path = Path(value).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise DraftHeadError(f"{flag} {str(value)!r} is a file; point it at the head's folder (config.json + "
+                             f"{' or '.join(WEIGHT_FILES)})")
+    if str(value).count("/") == 1 and not str(value).startswith((".", "/", "~")):
+        try:
+            return _hub_snapshot(str(value), flag)
+        except CheckpointError as e:
+            raise DraftHeadError(str(e)) from None
+    raise DraftHeadError(f"{flag} {str(value)!r} does not exist; give the head's folder or a hub id already in the "
+                         "local Hugging Face cache (huggingface-cli download <id>)")
+
+
+def read_head_config(folder: Path, target: ModelArgs, flag: str = "--draft_head") -> HeadConfig:
+    """The head's config.json in either layout, checked against the target's ModelArgs."""
+    path = folder / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise DraftHeadError(f"{flag} {folder} has no config.json; give the folder of an EAGLE-3 head (the EAGLE "
+                             "authors' or speculators' layout; `make train-draft-head` writes one)") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DraftHeadError(f"{flag} {path} is not valid JSON ({e}); download or train the head again") from None
+    if cfg.get("speculators_model_type") == "eagle3":
+        layout, layer_cfg = "speculators", dict(cfg.get("transformer_layer_config") or {})
+    elif AUTHORS_ARCHITECTURE in (cfg.get("architectures") or []):
+        layout, layer_cfg = "eagle", {**cfg, "model_type": cfg.get("model_type", "llama")}
+    else:
+        kind = cfg.get("speculators_model_type") or (cfg.get("architectures") or ["no architecture"])[0]
+        raise DraftHeadError(f"{flag} {folder}: config.json describes {kind!r}, not an EAGLE-3 head; give a head in "
+                             f"the EAGLE authors' layout ({AUTHORS_ARCHITECTURE}) or speculators' "
+                             "(speculators_model_type eagle3)")
+    layer_cfg.setdefault("num_hidden_layers", 1)
+    layer_cfg.setdefault("vocab_size", cfg.get("vocab_size", target.vocab_size))
+    try:
+        layer = ModelArgs.from_hf_config(layer_cfg)
+    except (ModelConfigError, KeyError) as e:
+        raise DraftHeadError(f"{flag} {folder}: its layer config cannot be read ({e}); download the head again") from None
+    made_for = (f"a head for another target; use the head published for this model or train one with "
+                f"`make train-draft-head ARGS='--model ...'`")
+    target_hidden = int(cfg.get("target_hidden_size") or layer.dim)
+    if target_hidden != target.dim or layer.dim != target.dim:
+        raise DraftHeadError(f"{flag} {folder}: the head reads hidden size {target_hidden} (its own {layer.dim}), but "
+                             f"this target's is {target.dim}: {made_for}")
+    if layer.vocab_size != target.vocab_size:
+        raise DraftHeadError(f"{flag} {folder}: the head's vocabulary has {layer.vocab_size} tokens, this target's "
+                             f"{target.vocab_size} (another tokenizer): {made_for}")
+    taps = tuple(int(i) for i in (cfg.get("eagle_aux_hidden_state_layer_ids") or default_taps(target.n_layers)))
+    if not taps or any(not 0 <= i <= target.n_layers for i in taps):
+        raise DraftHeadError(f"{flag} {folder}: eagle_aux_hidden_state_layer_ids {list(taps)} must be layers of this "
+                             f"{target.n_layers}-layer target (0 to {target.n_layers}, the last layer's output): "
+                             f"{made_for}")
+    options = {option: bool(cfg.get(option, False)) for option in HeadConfig.OPTIONS}
+    if options["norm_before_fc"] and options["fc_norm"]:
+        raise DraftHeadError(f"{flag} {folder}: config.json sets both norm_before_fc and fc_norm, which exclude each "
+                             "other (speculators); download the head again")
+    draft_vocab = int(cfg.get("draft_vocab_size") or layer.vocab_size)
+    if not 1 <= draft_vocab <= layer.vocab_size:
+        raise DraftHeadError(f"{flag} {folder}: draft_vocab_size {draft_vocab} must be in [1, {layer.vocab_size}]")
+    # a missing option is False, as speculators' Eagle3SpeculatorConfig (vLLM reads a missing norm_before_residual
+    # in a speculators config as True; speculators always writes it)
+    return HeadConfig(layout, layer, draft_vocab, taps, target_hidden, **options)
+
+
+def expected_shapes(config: HeadConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a head file (speculators' names) and its shape; d2t only with a draft vocabulary."""
+    a, h = config.layer, config.layer.dim
+    p = "layers.0."
+    shapes = {"fc.weight": (h, len(config.taps) * config.target_hidden), "norm.weight": (h,),
+              "lm_head.weight": (config.draft_vocab_size, h),
+              p + "self_attn.q_proj.weight": (a.n_heads * a.head_dim, 2 * h),
+              p + "self_attn.k_proj.weight": (a.n_kv_heads * a.head_dim, 2 * h),
+              p + "self_attn.v_proj.weight": (a.n_kv_heads * a.head_dim, 2 * h),
+              p + "self_attn.o_proj.weight": (h, a.n_heads * a.head_dim),
+              p + "mlp.gate_proj.weight": (a.hidden_dim, h), p + "mlp.up_proj.weight": (a.hidden_dim, h),
+              p + "mlp.down_proj.weight": (h, a.hidden_dim),
+              p + "input_layernorm.weight": (h,), p + "hidden_norm.weight": (h,),
+              p + "post_attention_layernorm.weight": (h,)}
+    if config.draft_vocab_size < a.vocab_size:
+        shapes["d2t"] = (config.draft_vocab_size,)
+    if config.norm_before_fc:
+        shapes["input_norm.weight"] = (len(config.taps) * config.target_hidden,)
+    if config.fc_norm:
+        shapes.update({f"fc_norm.{i}.weight": (config.target_hidden,) for i in range(len(config.taps))})
+    return shapes
+
+
+def read_head_weights(folder: Path, config: HeadConfig, flag: str = "--draft_head") -> dict[str, torch.Tensor]:
+    """The head's tensors under speculators' names (the authors' `midlayer.` renamed `layers.0.`), checked."""
+    files = [folder / name for name in WEIGHT_FILES if (folder / name).is_file()]
+    if not files:
+        raise DraftHeadError(f"{flag} {folder} has no {' or '.join(WEIGHT_FILES)}; download the head's weights too")
+    try:
+        if files[0].suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            weights = load_file(files[0])
         else:
-            linear = nn.Linear(rows.shape[1], rows.shape[0], bias=False, dtype=rows.dtype)
-            linear.weight = nn.Parameter(rows, requires_grad=False)
-            self.head = linear
+            weights = torch.load(files[0], map_location="cpu", weights_only=True)
+    except Exception as e:  # safetensors, pickle and zip errors alike: the file is cut short or not a checkpoint
+        raise DraftHeadError(f"{flag} {files[0]} cannot be read ({type(e).__name__}: {e}); it is corrupt or "
+                             "incomplete: download or train the head again") from None
+    weights = {("layers.0." + k.removeprefix("midlayer.")) if k.startswith("midlayer.") else k: v
+               for k, v in weights.items()}
+    for name, shape in expected_shapes(config).items():
+        got = tuple(weights[name].shape) if name in weights else None
+        if got != shape:
+            what = "missing" if got is None else f"{got}"
+            fix = ("a head with a smaller draft vocabulary needs its d2t map; download the whole head" if name == "d2t"
+                   else "the file does not match its config.json; download or train the head again")
+            raise DraftHeadError(f"{flag} {folder}: {name} is {what}, expected {shape}: {fix}")
+    embed = weights.get("embed_tokens.weight")
+    if embed is not None and tuple(embed.shape) != (config.layer.vocab_size, config.layer.dim):
+        raise DraftHeadError(f"{flag} {folder}: embed_tokens.weight is {tuple(embed.shape)}, expected "
+                             f"{(config.layer.vocab_size, config.layer.dim)}; download the head again")
+    if "d2t" in weights:
+        ids = torch.arange(config.draft_vocab_size) + weights["d2t"].long()
+        if int(ids.min()) < 0 or int(ids.max()) >= config.layer.vocab_size:
+            raise DraftHeadError(f"{flag} {folder}: d2t maps draft ids outside the target's vocabulary [0, "
+                                 f"{config.layer.vocab_size}): a head for another tokenizer; use this model's head")
+    return weights
 
-    def features(self, hidden: torch.Tensor, next_tokens: torch.Tensor, step, k_cache, v_cache) -> torch.Tensor:
-        """[B, T, dim] target hidden states and [B, T] next tokens -> the predicted next hidden states [B, T, dim]."""
-        x = self.fc(torch.cat([hidden, self.target.tok_embeddings(next_tokens)], dim=-1))
-        return self.norm(self.block(x, step, k_cache, v_cache))
 
-    def logits(self, predicted: torch.Tensor) -> torch.Tensor:
-        """Predicted hidden states -> float32 logits over the draft vocabulary."""
-        if self.head is not None:
-            return self.head(predicted).float()
-        return F.linear(predicted, self.lm_head_rows()).float()
+def read_draft_head(value, target: ModelArgs, flag: str = "--draft_head") -> tuple[HeadConfig, dict]:
+    folder = resolve_head_folder(value, flag)
+    config = read_head_config(folder, target, flag)
+    return config, read_head_weights(folder, config, flag)
 
 
-def head_weights(head: DraftHead) -> dict:
-    """What a head file holds (bf16 weights, int32 vocabulary), from a head not yet attached to the CPU kernels."""
-    return {"fc.weight": head.fc.weight.detach().to("cpu", torch.bfloat16).contiguous(),
-            "norm.weight": head.norm.weight.detach().to("cpu", torch.bfloat16).contiguous(),
-            "vocab": head.vocab.to("cpu", torch.int32).contiguous(),
-            **{f"block.{k}": v.detach().to("cpu", torch.bfloat16).contiguous()
-               for k, v in head.block.state_dict().items()}}
+class Eagle3Layer(nn.Module):
+    """The head's decoder layer: attention over [input_layernorm(embedding) ; hidden_norm(state)], the state (or its
+    norm, norm_before_residual) as the residual, then the usual post-attention norm and SwiGLU MLP."""
+
+    def __init__(self, args: ModelArgs, dtype: torch.dtype, norm_before_residual: bool):
+        super().__init__()
+        self.norm_before_residual = norm_before_residual
+        self.input_layernorm = RMSNorm(args.dim, args.norm_eps, dtype)
+        self.hidden_norm = RMSNorm(args.dim, args.norm_eps, dtype)
+        self.attention = Attention(args, dtype, in_dim=2 * args.dim)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps, dtype)
+        self.feed_forward = MLP(args, dtype)
+
+    def forward(self, embeds, state, step: StepInputs, k_cache, v_cache):
+        normed = self.hidden_norm(state)
+        residual = normed if self.norm_before_residual else state
+        h = residual + self.attention(torch.cat([self.input_layernorm(embeds), normed], dim=-1), step, k_cache, v_cache)
+        return h + self.feed_forward(self.ffn_norm(h))
 
 
-def save_draft_head(weights: dict, folder: Path, card: dict) -> None:
-    """head.safetensors (head_weights) and card.json (with the weights' sha256 and parameter count, so a copy can
-    be checked against its card), written beside each other and moved into `folder` together."""
+# our parameter -> the file's tensors (q/k/v and gate/up fused in that order), speculators' names
+PARAMETERS = {"fc.weight": ["fc.weight"], "norm.weight": ["norm.weight"], "lm_head.weight": ["lm_head.weight"],
+              "layer.input_layernorm.weight": ["layers.0.input_layernorm.weight"],
+              "layer.hidden_norm.weight": ["layers.0.hidden_norm.weight"],
+              "layer.ffn_norm.weight": ["layers.0.post_attention_layernorm.weight"],
+              "layer.attention.wqkv.weight": [f"layers.0.self_attn.{x}_proj.weight" for x in "qkv"],
+              "layer.attention.wo.weight": ["layers.0.self_attn.o_proj.weight"],
+              "layer.feed_forward.w_gate_up.weight": ["layers.0.mlp.gate_proj.weight", "layers.0.mlp.up_proj.weight"],
+              "layer.feed_forward.w_down.weight": ["layers.0.mlp.down_proj.weight"]}
+
+
+def parameter_names(config: HeadConfig) -> dict[str, list[str]]:
+    """PARAMETERS and the options' norms (their names are the same in the file)."""
+    extra = [name for name in expected_shapes(config) if name.startswith(("input_norm.", "fc_norm."))]
+    return {**PARAMETERS, **{name: [name] for name in extra}}
+
+
+class Eagle3Head(nn.Module):
+    """fc over the taps, the layer, the norm and the draft-vocabulary LM head; `vocab` holds each draft id's target
+    id. The embedding is borrowed from the target (not a submodule) unless the head ships its own."""
+
+    def __init__(self, config: HeadConfig, embedding: nn.Module, dtype: torch.dtype,
+                 d2t: Optional[torch.Tensor] = None):
+        super().__init__()
+        a = config.layer
+        self.config, self.args, self.dtype = config, a, dtype
+        n_in = len(config.taps) * config.target_hidden
+        self.input_norm = RMSNorm(n_in, a.norm_eps, dtype) if config.norm_before_fc else None
+        self.fc_norm = nn.ModuleList(RMSNorm(config.target_hidden, a.norm_eps, dtype) for _ in config.taps) \
+            if config.fc_norm else None
+        self.fc = nn.Linear(n_in, a.dim, bias=False, dtype=dtype)
+        self.layer = Eagle3Layer(a, dtype, config.norm_before_residual)
+        self.norm = RMSNorm(a.dim, a.norm_eps, dtype)
+        self.lm_head = nn.Linear(a.dim, config.draft_vocab_size, bias=False, dtype=dtype)
+        self.__dict__["embedding"] = embedding  # borrowed: never moved, cast or trained with the head
+        ids = torch.arange(config.draft_vocab_size)
+        self.register_buffer("vocab", ids + d2t.long() if d2t is not None else ids, persistent=False)
+        self.kernels = None
+
+    def features(self, states: torch.Tensor, next_tokens: torch.Tensor, step: StepInputs, k_cache, v_cache):
+        """[B, T, 3 * target hidden] taps (or [B, T, h], the head's own earlier outputs) and [B, T] next tokens ->
+        the layer's outputs [B, T, h] (before the norm: what the next draft step reads)."""
+        state = self.project(states) if states.shape[-1] != self.args.dim else states
+        out = self.layer(self.embedding(next_tokens).to(state.dtype), state, step, k_cache, v_cache)
+        return self.norm(out) if self.config.norm_output else out
+
+    def project(self, taps: torch.Tensor) -> torch.Tensor:
+        """The taps [..., 3 * target hidden] -> the first state [..., h] (fc, after the options' norms)."""
+        if self.input_norm is not None:
+            taps = self.input_norm(taps)
+        if self.fc_norm is not None:
+            taps = torch.cat([norm(x) for norm, x in zip(self.fc_norm, taps.chunk(len(self.fc_norm), dim=-1))], -1)
+        return self.fc(taps)
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        """The layer's outputs (the state fed forward) -> float32 logits over the draft vocabulary."""
+        return self.lm_head(out if self.config.norm_output else self.norm(out)).float()
+
+    def use_cpu_kernels(self, kernels) -> None:
+        """Every linear layer on the bf16 CPU kernels (the layer's attention and norms stay torch ops)."""
+        self.fc = KernelLinear.from_linear(self.fc, kernels)
+        self.lm_head = KernelLinear.from_linear(self.lm_head, kernels, torch.float32)
+        attn, ffn = self.layer.attention, self.layer.feed_forward
+        attn.wqkv, attn.wo = KernelLinear.from_linear(attn.wqkv, kernels), KernelLinear.from_linear(attn.wo, kernels)
+        ffn.w_gate_up = KernelLinear.from_linear(ffn.w_gate_up, kernels)
+        ffn.w_down = KernelLinear.from_linear(ffn.w_down, kernels)
+        self.kernels = kernels
+
+
+def build_draft_head(config: HeadConfig, weights: dict, target: Transformer, device=None) -> Eagle3Head:
+    """An Eagle3Head in the target's dtype beside it (its embedding unless the head ships one); on the CPU kernels
+    when the target runs on them."""
+    dtype, device = target.dtype, device or target.device
+    embed = weights.get("embed_tokens.weight")
+    embedding = target.tok_embeddings
+    if embed is not None:
+        embedding = nn.Embedding.from_pretrained(embed.to(device, dtype), freeze=True)
+    head = Eagle3Head(config, embedding, dtype, weights.get("d2t"))
+    with torch.no_grad():
+        for name, parts in parameter_names(config).items():
+            head.get_parameter(name).copy_(torch.cat([weights[p] for p in parts]).to(dtype))
+    head.to(device)
+    if target.kernels is not None and device == target.device:
+        head.use_cpu_kernels(target.kernels)
+    return head.eval().requires_grad_(False)
+
+
+def load_draft_head(value, target: Transformer, flag: str = "--draft_head") -> Eagle3Head:
+    return build_draft_head(*read_draft_head(value, target.args, flag), target)
+
+
+def head_tensors(head: Eagle3Head) -> dict[str, torch.Tensor]:
+    """A head's tensors under speculators' names (bf16, d2t int64), from a head not on the CPU kernels."""
+    out = {}
+    for name, parts in parameter_names(head.config).items():
+        weight = head.get_parameter(name).detach().to("cpu", torch.bfloat16)
+        sizes = [weight.shape[0]] if len(parts) == 1 else (
+            [head.args.n_heads * head.args.head_dim] + [head.args.n_kv_heads * head.args.head_dim] * 2
+            if "wqkv" in name else [head.args.hidden_dim] * 2)
+        out.update({p: w.contiguous() for p, w in zip(parts, weight.split(sizes))})
+    if head.config.draft_vocab_size < head.args.vocab_size:
+        out["d2t"] = (head.vocab.cpu() - torch.arange(len(head.vocab))).to(torch.int64)
+        t2d = torch.zeros(head.args.vocab_size, dtype=torch.bool)
+        t2d[head.vocab.cpu()] = True
+        out["t2d"] = t2d
+    return out
+
+
+def write_head(folder: Path, config: HeadConfig, tensors: dict, layout: str = "speculators",
+               card: Optional[dict] = None) -> None:
+    """A head's files as engines load them, written beside each other and moved into `folder` together: speculators'
+    layout (config.json with speculators_config, model.safetensors with `layers.0.*`) or the EAGLE authors'
+    (a Llama config.json with LlamaForCausalLMEagle3, pytorch_model.bin with `midlayer.*`); card.json when given
+    (how it was trained and measured, with the weights' sha256 and parameter count)."""
     from safetensors.torch import save_file
 
     folder = Path(folder)
     tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
-    save_file(weights, tmp / "head.safetensors", metadata={"format": "pt"})
-    card = {**card, "parameters": sum(t.numel() for name, t in weights.items() if name != "vocab"),
-            "weights_sha256": hashlib.sha256((tmp / "head.safetensors").read_bytes()).hexdigest()}
-    (tmp / "card.json").write_text(json.dumps(card, indent=2) + "\n")
+    cfg = config.to_json()
+    tensors = {k: v.contiguous() for k, v in tensors.items()}
+    if layout == "eagle":
+        layer = cfg.pop("transformer_layer_config")
+        cfg.pop("speculators_model_type")
+        cfg = {**layer, **cfg, "architectures": [AUTHORS_ARCHITECTURE]}
+        weights = tmp / "pytorch_model.bin"
+        torch.save({k.replace("layers.0.", "midlayer."): v for k, v in tensors.items()}, weights)
+    else:
+        cfg["speculators_config"] = {"algorithm": "eagle3", "default_proposal_method": "greedy",
+                                     "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 5}],
+                                     "verifier": {"name_or_path": card.get("target") if card else None,
+                                                  "architectures": ["LlamaForCausalLM"]}}
+        weights = tmp / "model.safetensors"
+        save_file(tensors, weights, metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    if card is not None:
+        card = {**card, "parameters": sum(t.numel() for k, t in tensors.items() if k not in ("d2t", "t2d")),
+                "weights_sha256": hashlib.sha256(weights.read_bytes()).hexdigest()}
+        (tmp / "card.json").write_text(json.dumps(card, indent=2) + "\n")
     if folder.exists():
         shutil.rmtree(folder)
     os.replace(tmp, folder)
 
 
-def read_draft_head(folder, args: ModelArgs, flag: str = "--draft_head") -> dict:
-    """The weights in `folder` (head.safetensors, card.json), checked against the target's ModelArgs before any
-    model loads: a clear error naming the flag and the fix when they do not fit."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    folder = Path(folder)
-    path = folder / "head.safetensors"
-    if not path.is_file():
-        raise DraftHeadError(f"{flag} {str(folder)!r} has no head.safetensors; point {flag} at a folder written by "
-                             "`make train-draft-head` (head.safetensors + card.json)")
-    try:
-        weights = load_file(path)
-    except (SafetensorError, OSError) as e:
-        raise DraftHeadError(f"{flag} {path} cannot be read as safetensors ({e}); train or copy the head again") from None
-    try:
-        card = json.loads((folder / "card.json").read_text()) if (folder / "card.json").is_file() else {}
-    except json.JSONDecodeError:
-        card = {}
-    trained_for = f"a head trained for {card.get('target', 'another model')}"
-    with torch.device("meta"):
-        block = TransformerBlock(args, torch.bfloat16).state_dict()
-    expected = {"fc.weight": (args.dim, 2 * args.dim), "norm.weight": (args.dim,),
-                **{f"block.{k}": tuple(v.shape) for k, v in block.items()}}
-    for name, shape in expected.items():
-        if name not in weights or tuple(weights[name].shape) != shape:
-            got = tuple(weights[name].shape) if name in weights else "missing"
-            raise DraftHeadError(f"{flag} {folder}: {name} is {got}, but this target needs {shape} ({trained_for}); "
-                                 "train one for this target with `make train-draft-head ARGS='--model ...'`")
-    vocab = weights.get("vocab")
-    if vocab is None or vocab.dim() != 1 or vocab.numel() == 0:
-        raise DraftHeadError(f"{flag} {folder}: no draft vocabulary (vocab); train the head again")
-    if int(vocab.max()) >= args.vocab_size or int(vocab.min()) < 0:
-        raise DraftHeadError(f"{flag} {folder}: its draft vocabulary holds ids outside the target's [0, "
-                             f"{args.vocab_size}) ({trained_for}, another tokenizer); train one for this target")
-    return weights
-
-
-def build_draft_head(weights: dict, target: Transformer) -> DraftHead:
-    """A DraftHead on `target` (its embedding, rotary tables and LM-head rows) from read_draft_head's weights."""
-    head = DraftHead(target, weights["vocab"].to(torch.int64))
-    head.block.load_state_dict({k.removeprefix("block."): v.to(target.dtype) for k, v in weights.items()
-                                if k.startswith("block.")})
-    head.fc.weight.data = weights["fc.weight"].to(target.dtype)
-    head.norm.weight.data = weights["norm.weight"].to(target.dtype)
-    head.to(target.device)
-    head.attach_lm_head()
-    return head.eval()
-
-
-def load_draft_head(folder, target: Transformer, flag: str = "--draft_head") -> DraftHead:
-    return build_draft_head(read_draft_head(folder, target.args, flag), target)
+def save_draft_head(head: Eagle3Head, folder: Path, card: dict) -> None:
+    """A trained head in speculators' layout, with its card."""
+    write_head(folder, head.config, head_tensors(head), "speculators", card)
 
 
 class HeadRunner:
-    """The head with a KV cache of its own per user (one layer), run in packed steps like the target's (each row
-    attends through its own call, so its results do not depend on what else shares the run): the torch
-    `DraftHeadModel` of speculative/head_drafter.py. `draft_cost`: one run of one row relative to a target decode
-    step, as the ratio of the weights each streams (the projection, layer and LM-head rows against every layer and
-    the whole LM head)."""
+    """The head with a KV cache of its own per user (one layer), run in packed steps like the target's: every row
+    attends through its own call, so its results do not depend on what else shares the run. Rows are chains (a
+    user's consecutive positions) or tree nodes (each in its own slot past max_seq_len, seeing the user's cache
+    before the tree and its ancestors). The `DraftHeadModel` of speculative/head_drafter.py.
+
+    draft_cost: one run relative to a target decode step, estimated as the ratio of the weights each streams (fc,
+    layer and LM head against every target layer and the whole LM head) until the drafter measures it."""
 
     max_rows = 256  # catch-up rows per user and run (a prompt goes in chunks)
+    max_tree_nodes = TREE_SLOTS
 
-    def __init__(self, head: DraftHead, max_batch_size: int):
-        self.head, self.target = head, head.target
-        self.cache = self.target.new_cache(1, max_batch_size)
-        self.vocab, self.vocab_size = head.vocab, head.args.vocab_size
-        args = head.args
-        layer = args.weight_bytes_per_token(1, 1) - args.weight_bytes_per_token(0, 1)
-        head_weights = 2 * args.dim * args.dim + layer + len(head.vocab) * args.dim
-        self.draft_cost = head_weights / args.weight_bytes_per_token(args.n_layers, 1)
+    def __init__(self, head: Eagle3Head, max_batch_size: int, max_seq_len: int, target_args: ModelArgs):
+        self.head, self.max_seq_len = head, max_seq_len
+        a, config, device = head.args, head.config, head.norm.weight.device
+        self.cache = KVCache(a, 1, max_batch_size, max_seq_len + 1 + TREE_SLOTS, head.dtype, device)
+        self.tree_slot0 = max_seq_len + 1
+        cos, sin = rope_tables(a, max_seq_len + 1, head.dtype)
+        self.cos, self.sin = cos.to(device), sin.to(device)
+        self.vocab, self.vocab_size, self.taps = head.vocab, a.vocab_size, config.taps
+        params = (len(config.taps) * config.target_hidden * a.dim + 2 * a.dim * a.head_dim * (a.n_heads + 2 * a.n_kv_heads)
+                  + a.n_heads * a.head_dim * a.dim + 3 * a.dim * a.hidden_dim + config.draft_vocab_size * a.dim)
+        self.draft_cost = params / target_args.weight_bytes_per_token(target_args.n_layers, 1)
 
     @torch.inference_mode()
+    def _forward(self, exact: list[ExactToken], states: torch.Tensor, tokens: list[int], every_row: bool,
+                 ends: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head over packed rows: the layer's outputs [n, h] and the logits after each row or each user's last."""
+        dev, n = self.cos.device, len(exact)
+        rows, slots, pos = [t.row for t in exact], [t.slot for t in exact], [t.pos for t in exact]
+        if n == 1 and self.head.kernels is None:
+            # a padding partner writing the scratch slot, as TorchCausalLM._packed_step (oneDNN's M == 1 kernel)
+            rows, slots, pos = rows * 2, slots + [self.cache.scratch_slot], pos * 2
+            states, tokens = torch.cat([states, states]), tokens * 2
+        at = torch.tensor(pos, device=dev)
+        step = StepInputs(self.cos[at].view(1, len(pos), 1, -1), self.sin[at].view(1, len(pos), 1, -1),
+                          torch.tensor([rows], device=dev), torch.tensor([slots], device=dev), None, 0, None, exact,
+                          [t.key_slots() for t in exact])
+        out = self.head.features(states.unsqueeze(0).to(dev, self.head.dtype), torch.tensor([tokens], device=dev),
+                                 step, self.cache.k[0], self.cache.v[0])[0, :n]
+        return out, self.head.logits(out if every_row else out[[end - 1 for end in ends]])
+
     def run(self, users: Sequence[int], start_pos: Sequence[int], hidden: Sequence[torch.Tensor],
             next_tokens: Sequence[Sequence[int]], every_row: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per user: the predicted next hidden states [n, dim] and the draft-vocabulary logits after its last row
-        [V'] (after every row [n, V'] with every_row)."""
-        window = self.head.args.sliding_window or self.target.max_seq_len
-        exact, rows, slots = [], [], []
+        """Per user, chain rows at start_pos, start_pos + 1, ...: the layer's outputs [n, h] and the draft-vocabulary
+        logits after its last row [V'] (after every row [n, V'] with every_row)."""
+        window = self.head.args.sliding_window or self.max_seq_len
+        exact = []
         for u, start, toks in zip(users, start_pos, next_tokens):
             for i in range(len(toks)):
                 pos = start + i
                 exact.append(ExactToken(len(exact), u, pos, pos, max(0, pos + 1 - window), pos + 1))
-                rows.append(u)
-                slots.append(pos)
-        x = torch.cat(list(hidden)).to(device=self.target.device, dtype=self.target.dtype)
-        flat = [t for toks in next_tokens for t in toks]
-        if len(flat) == 1 and self.target.kernels is None:  # a padding partner, as TorchCausalLM._packed_step
-            x, flat = torch.cat([x, x]), flat + flat
-            rows, slots = rows + rows, slots + [self.cache.scratch_slot]
-        dev = self.target.device
-        step = self.target.step_inputs(positions=torch.tensor([slots], device=dev), query_pos=None,
-                                       rows=torch.tensor([rows], device=dev), kv_len=0, all_rows=False,
-                                       exact_tokens=exact)
-        predicted = self.head.features(x.unsqueeze(0), torch.tensor([flat], device=dev), step, self.cache.k[0],
-                                       self.cache.v[0])[0, : len(exact)]
         ends = list(accumulate(len(toks) for toks in next_tokens))
-        logits = self.head.logits(predicted if every_row else predicted[[end - 1 for end in ends]])
-        return [(predicted[end - len(toks) : end], logits[end - len(toks) : end] if every_row else logits[i])
+        out, logits = self._forward(exact, torch.cat(list(hidden)), [t for toks in next_tokens for t in toks],
+                                    every_row, ends)
+        return [(out[end - len(toks) : end], logits[end - len(toks) : end] if every_row else logits[i])
                 for i, (toks, end) in enumerate(zip(next_tokens, ends))]
+
+    def run_tree(self, nodes: Sequence[tuple[int, int, int, tuple[int, ...]]], states: torch.Tensor,
+                 tokens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tree nodes (user, position, node number, ancestors' node numbers root first), each fed a state [n, h] and
+        a token: it writes tree slot `node number` and sees the user's cache before `position - depth` and its
+        ancestors. Returns the layer's outputs [n, h] and logits [n, V']."""
+        window = self.head.args.sliding_window or self.max_seq_len
+        exact = []
+        for i, (u, pos, node, ancestors) in enumerate(nodes):
+            if node >= TREE_SLOTS:
+                raise ValueError(f"a head tree holds at most {TREE_SLOTS} nodes")
+            first = max(0, pos + 1 - window)
+            prefix_end = max(first, pos - len(ancestors))
+            slots = tuple(self.tree_slot0 + a for a in (*ancestors, node))
+            exact.append(ExactToken(i, u, self.tree_slot0 + node, pos, first, prefix_end, slots))
+        return self._forward(exact, states, list(tokens), True, list(range(1, len(nodes) + 1)))

@@ -45,14 +45,14 @@ class TorchCausalLM:
         self.device = model.device
         self.device_name = str(model.device)
 
-    def warm_up(self, max_rows_per_user: int, top_k: int, hidden: bool) -> dict:
+    def warm_up(self, max_rows_per_user: int, top_k: int, taps: Sequence[int]) -> dict:
         """A prefill and a step of the longest shape on user 0 (its cache is rewritten by the next prefill): the
         kernels and torch's first-call set-up, outside any timed run."""
         start = time.perf_counter()
-        self.prefill(0, [0], hidden=hidden)
+        self.prefill(0, [0], taps=taps)
         prefill_s = time.perf_counter() - start
         rows = min(max_rows_per_user, EXACT_ATTENTION_MAX_TOKENS, self.max_seq_len - 1)
-        self.step([UserRows(0, [0] * rows, 0)], top_k=top_k, hidden=hidden)
+        self.step([UserRows(0, [0] * rows, 0)], top_k=top_k, taps=taps)
         return {"compile_prefill": prefill_s, "compile_decode": time.perf_counter() - start - prefill_s}
 
     def release(self) -> None:
@@ -67,13 +67,15 @@ class TorchCausalLM:
     def step_cost(self, n_rows: int, context_len: float) -> float:
         return 1 + n_rows * (TOKEN_COST + KEY_COST * context_len)
 
-    def prefill(self, user: int, tokens: Sequence[int], logits: bool = False, hidden: bool = False) -> StepOutput:
-        out, states = self._run([tokens], [0], [user], True, None, hidden)
+    def prefill(self, user: int, tokens: Sequence[int], logits: bool = False, taps: Sequence[int] = ()
+                ) -> StepOutput:
+        out, states = self._run([tokens], [0], [user], True, None, taps)
         return self._output(out, logits, 0, states)
 
-    def step(self, rows: Sequence[UserRows], logits: bool = False, top_k: int = 0, hidden: bool = False) -> StepOutput:
+    def step(self, rows: Sequence[UserRows], logits: bool = False, top_k: int = 0, taps: Sequence[int] = ()
+             ) -> StepOutput:
         out, states = self._run([r.tokens for r in rows], [r.start_pos for r in rows], [r.user for r in rows], False,
-                                [r.parents for r in rows], hidden)
+                                [r.parents for r in rows], taps)
         return self._output(out, logits, top_k, states)
 
     def commit_path(self, user: int, start_pos: int, path: Sequence[int]) -> None:
@@ -102,10 +104,10 @@ class TorchCausalLM:
                        ) -> list[torch.Tensor]:
         """Logits [len(tokens[u]) or 1, V] per user: the ragged call behind prefill and step (parents: see
         UserRows)."""
-        return self._run(tokens, start_pos, users, last_only, parents, False)[0]
+        return self._run(tokens, start_pos, users, last_only, parents, ())[0]
 
-    def _run(self, tokens, start_pos, users, last_only, parents, hidden):
-        """(logits per user, final hidden states per user [len(tokens[u]), dim] when `hidden`, else None)."""
+    def _run(self, tokens, start_pos, users, last_only, parents, taps):
+        """(logits per user, tapped states per user [len(tokens[u]), len(taps) * dim] when `taps`, else None)."""
         lengths = [len(t) for t in tokens]
         if not len(tokens) == len(start_pos) == len(users) or min(lengths) < 1:
             raise ValueError("a step needs one start position, one cache row and at least one token per user")
@@ -117,14 +119,18 @@ class TorchCausalLM:
         if kv_len > self.max_seq_len:
             raise ValueError(f"forward would write position {kv_len - 1} past max_seq_len {self.max_seq_len}")
         parents = parents or [None] * len(tokens)
+        taps = tuple(taps)
+        if any(not 0 <= i <= self.n_layers for i in taps):
+            raise ValueError(f"taps {list(taps)}: layer ids must be in [0, {self.n_layers}] ({self.n_layers}: the last "
+                             "layer's output)")
         if max(lengths) <= EXACT_ATTENTION_MAX_TOKENS:
-            logits, states = self._packed_step(tokens, start_pos, users, lengths, last_only, parents)
+            logits, states = self._packed_step(tokens, start_pos, users, lengths, last_only, parents, taps)
         elif any(p is not None for p in parents):
             raise ValueError(f"a token tree has at most {EXACT_ATTENTION_MAX_TOKENS} nodes")
         else:
-            logits, states = self._padded_step(tokens, start_pos, users, lengths, kv_len, last_only)
+            logits, states = self._padded_step(tokens, start_pos, users, lengths, kv_len, last_only, taps)
         ends = list(accumulate(lengths))
-        hidden_states = [states[end - n : end] for n, end in zip(lengths, ends)] if hidden else None
+        hidden_states = [states[end - n : end] for n, end in zip(lengths, ends)] if taps else None
         if last_only:
             return list(logits), hidden_states  # [1, V] each
         return [logits[end - n : end] for n, end in zip(lengths, ends)], hidden_states
@@ -147,7 +153,7 @@ class TorchCausalLM:
             out.append(ExactToken(first_index + i, row, start + i, pos, first, max(first, start), ancestors))
         return out
 
-    def _packed_step(self, tokens, start_pos, users, lengths, last_only, parents) -> torch.Tensor:
+    def _packed_step(self, tokens, start_pos, users, lengths, last_only, parents, taps):
         """Decode, verification and draft catch-up: every user's tokens packed into one row, each with its own
         cache row and slot, and each attending through its own call over exactly its visible keys. A token's
         result is then bit-identical whatever else shares the step, with no padding between ragged users."""
@@ -167,10 +173,11 @@ class TorchCausalLM:
                                       rows=torch.tensor([rows], device=dev), kv_len=0, all_rows=False,
                                       exact_tokens=exact, rope_positions=torch.tensor([positions], device=dev))
         last = torch.tensor([end - 1 for end in accumulate(lengths)], device=dev) if last_only else None
-        out, states = self.model(torch.tensor([flat], device=dev), step, self.cache, output_index=last, hidden=True)
-        return (out if last_only else out[0, : len(exact)]), states[0, : len(exact)]
+        out = self.model(torch.tensor([flat], device=dev), step, self.cache, output_index=last, taps=taps)
+        out, states = out if taps else (out, None)
+        return (out if last_only else out[0, : len(exact)]), (states[0, : len(exact)] if taps else None)
 
-    def _padded_step(self, tokens, start_pos, users, lengths, kv_len, last_only) -> torch.Tensor:
+    def _padded_step(self, tokens, start_pos, users, lengths, kv_len, last_only, taps):
         """Prefill: users right-padded to one width and one masked attention call per layer. Padding writes the
         scratch slot and attends like the last real token."""
         width = max(lengths)
@@ -188,8 +195,9 @@ class TorchCausalLM:
             exact_tokens=None,
         )
         last = torch.tensor([b * width + n - 1 for b, n in enumerate(lengths)], device=dev) if last_only else None
-        out, states = self.model(torch.tensor(padded, device=dev), step, self.cache, output_index=last, hidden=True)
-        states = torch.cat([states[b, :n] for b, n in enumerate(lengths)])
+        out = self.model(torch.tensor(padded, device=dev), step, self.cache, output_index=last, taps=taps)
+        out, states = out if taps else (out, None)
+        states = torch.cat([states[b, :n] for b, n in enumerate(lengths)]) if taps else None
         if last_only:
             return out, states
         return torch.cat([out[b, :n] for b, n in enumerate(lengths)]), states

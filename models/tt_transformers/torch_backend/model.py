@@ -5,7 +5,7 @@ Keeping the cache outside the modules lets a draft made of the first N layers sh
 tensor with the target while owning a cache of its own.
 """
 import copy
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch import nn
@@ -248,16 +248,21 @@ class Transformer(nn.Module):
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, step: StepInputs, cache: KVCache,
-                output_index: Optional[torch.Tensor] = None, hidden: bool = False):
+                output_index: Optional[torch.Tensor] = None, taps: Sequence[int] = ()):
         """tokens [B, T] -> logits [B, T, V] through the first `cache.n_layers` layers.
 
         output_index [K]: logits only for these tokens (flat indices b * T + t), as [K, 1, V]; prefill and drafting
-        need only each user's last one. hidden: also return the final hidden states [B, T, dim] of every token (the
-        final norm's output, what the LM head reads), which a trained draft head drafts from.
+        need only each user's last one. taps: also return the residual stream entering each of these layers for
+        every token (cache.n_layers: the last layer's output), concatenated [B, T, len(taps) * dim] (what an EAGLE-3
+        draft head reads).
         """
         x = self.tok_embeddings(tokens)
+        tapped = {}
         for i in range(cache.n_layers):
+            if i in taps:
+                tapped[i] = x
             x = self.layers[i](x, step, cache.k[i], cache.v[i])
+        tapped[cache.n_layers] = x
         normed = self.norm(x)  # row by row: the same values whether or not other rows are kept
         logits = self.output(normed.flatten(0, 1)[output_index].unsqueeze(1) if output_index is not None else normed)
-        return (logits, normed) if hidden else logits
+        return (logits, torch.cat([tapped[i] for i in taps], dim=-1)) if taps else logits

@@ -72,8 +72,8 @@ DEMO_OPTIONS = [
     ("draft_corpus", str, None, "a text file to draft from as well (logs, a code base): a static corpus"),
     ("recycle_top_k", int, 4, "the target's top next tokens kept per token to draft from (token recycling); 0 = off"),
     ("draft_trees", int, 1, "1: verify token trees (several candidates at once) where the backend can"),
-    ("draft_head", str, None, "draft head folder (head.safetensors + card.json, `make train-draft-head`); default: "
-                              "the one shipped for the target in models/tt_transformers/draft_heads/<model>"),
+    ("draft_head", str, None, "EAGLE-3 draft head: a folder or hub id (the EAGLE authors' or speculators' layout); "
+                              "default: the one shipped for the target in models/tt_transformers/draft_heads/<model>"),
     ("draft_layers", int, 8, "layers of the target used as the draft model (weights shared)"),
     ("target_layers", int, None, "truncate the target to its first N layers (default: all)"),
     ("draft_model", str, None, "separate draft checkpoint (folder or .gguf) with the same tokenizer"),
@@ -300,14 +300,19 @@ def check_cache_fits(config: DemoConfig, args, target_layers: int, backend: str)
 
 
 def draft_head_folder(config: DemoConfig, model_name: str) -> Optional[Path]:
-    """The draft head the run uses: --draft_head, else the one shipped for the target, else None (--draft_mode head
-    then fails with the fix)."""
+    """The draft head the run uses: --draft_head (a folder or a hub id in the local cache), else the one shipped for
+    the target, else None (--draft_mode head then fails with the fix)."""
+    from models.tt_transformers.torch_backend.draft_head import DraftHeadError, resolve_head_folder
+
     if config.n_draft_tokens == 0 or config.draft_mode not in ("head", "hybrid"):
         return None
     if config.draft_head is not None:
-        return Path(config.draft_head).expanduser()
+        try:
+            return resolve_head_folder(config.draft_head)
+        except DraftHeadError as e:
+            raise DemoInputError(str(e)) from None
     shipped = DRAFT_HEADS / model_name
-    if (shipped / "head.safetensors").is_file() and config.draft_model is None:
+    if (shipped / "config.json").is_file() and config.draft_model is None:
         return shipped
     if config.draft_mode == "head":
         raise DemoInputError(f"--draft_mode head: no draft head ships for {model_name}; pass --draft_head FOLDER "
@@ -352,6 +357,16 @@ def ttnn_loader(config: DemoConfig, mesh_device):
     return load
 
 
+def head_taps(folder: Path, args) -> tuple[int, ...]:
+    """The target layers a draft head reads (its config.json), or the flag's one-line error."""
+    from models.tt_transformers.torch_backend.draft_head import DraftHeadError, read_head_config
+
+    try:
+        return read_head_config(folder, args).taps
+    except DraftHeadError as e:
+        raise DemoInputError(str(e)) from None
+
+
 def trace_region_size(config: DemoConfig, shape: tuple[int, int]) -> int:
     """The trace region a ttnn run on a mesh of this shape needs: every decode trace of the target and of the draft
     model (ttnn_backend/trace_plan.py), for the draft mode's most demanding choice (hybrid: recycling's top k, a head's
@@ -366,10 +381,11 @@ def trace_region_size(config: DemoConfig, shape: tuple[int, int]) -> int:
     device, n_devices = device_names_for(shape, os.environ.get("MESH_DEVICE")), shape[0] * shape[1]
     drafting = config.n_draft_tokens > 0
     top_k = config.recycle_top_k if drafting and config.draft_mode in ("suffix", "hybrid") else 0
-    hidden = drafting and config.draft_mode in ("head", "hybrid")
+    head = draft_head_folder(config, ckpt.name)
+    taps = head_taps(head, args) if head is not None else ()
     target_layers = config.target_layers or args.n_layers
     traces = model_trace_bytes(ckpt.name, device, n_devices, args.n_layers, target_layers, args.vocab_size,
-                               config.n_draft_tokens + 1, top_k, hidden)
+                               config.n_draft_tokens + 1, top_k, taps)
     if drafting and config.draft_mode in ("model", "hybrid"):  # a draft steps up to a whole tile per user
         draft = resolve_checkpoint(config.draft_model, "--draft_model") if config.draft_model else ckpt
         draft_args = ModelArgs.from_hf_config(draft.config)
@@ -408,7 +424,7 @@ def build(config: DemoConfig, mesh_device=None, pool: Optional[ModelPool] = None
     from models.tt_transformers.speculative.drafters import HybridDrafter, ModelDrafter, SuffixDrafter
     from models.tt_transformers.speculative.head_drafter import HeadDrafter
     from models.tt_transformers.torch_backend.checkpoint import load_tokenizer, resolve_checkpoint
-    from models.tt_transformers.torch_backend.draft_head import DraftHeadError, HeadRunner, read_draft_head
+    from models.tt_transformers.torch_backend.draft_head import DraftHeadError, read_draft_head
     from models.tt_transformers.torch_backend.model_config import ModelArgs
 
     backend = backend_of(config)
@@ -424,7 +440,7 @@ def build(config: DemoConfig, mesh_device=None, pool: Optional[ModelPool] = None
                              f"layers; use 1 to {args.n_layers}, or leave it unset for all of them")
     head_folder = draft_head_folder(config, ckpt.name)
     try:
-        head_weights = read_draft_head(head_folder, args) if head_folder is not None else None
+        head_weights = read_draft_head(head_folder, args) if head_folder is not None else None  # (config, tensors)
     except DraftHeadError as e:
         raise DemoInputError(str(e)) from None
     uses_draft_model = config.n_draft_tokens > 0 and (config.draft_mode == "model" or
@@ -457,10 +473,10 @@ def build(config: DemoConfig, mesh_device=None, pool: Optional[ModelPool] = None
         target.supports_trees = False
     drafter = draft_lm = None
     if head_weights is not None:
-        head = HeadDrafter(HeadRunner(host_draft_head(head_weights, target, ckpt, config), config.batch_size))
+        head = HeadDrafter(host_draft_head(head_weights, target, ckpt, args, config))
         drafter = head if config.draft_mode == "head" else HybridDrafter(copied, head)
-        logger.info(f"Draft head {head_folder.name}: {len(head.vocab):,}-token vocabulary, a run estimated at "
-                    f"{head.draft_cost:.3f} of a target step until measured")
+        logger.info(f"Draft head {head_folder.name} ({head_weights[0].layout} layout): taps {list(head.taps)}, "
+                    f"{len(head.vocab):,}-token vocabulary, a run estimated at {head.draft_cost:.3f} of a target step")
     elif config.n_draft_tokens > 0 and config.draft_mode == "suffix":
         drafter = copied  # no draft model at all
     elif config.n_draft_tokens > 0:
@@ -480,19 +496,19 @@ def build(config: DemoConfig, mesh_device=None, pool: Optional[ModelPool] = None
     return ckpt, tokenizer, target, drafter, draft_lm, prompts, tokens, eos_token_ids(ckpt, tokenizer)
 
 
-def host_draft_head(weights: dict, target, ckpt, config: DemoConfig):
-    """The draft head in torch beside the target: on the torch backend it borrows the target's embedding and LM-head
-    rows; beside a TT device it runs on the host, on the checkpoint's embedding and LM head loaded there (no
-    decoder layers), fed the hidden states each traced step reads back."""
+def host_draft_head(head: tuple, target, ckpt, args, config: DemoConfig):
+    """The draft head in torch beside the target, as a HeadRunner: on the torch backend it borrows the target's
+    embedding; beside a TT device it runs on the host, on the checkpoint's embedding loaded there (no decoder layers),
+    fed the tapped states each traced step reads back."""
     import torch
 
     from models.tt_transformers.torch_backend.checkpoint import load_model
-    from models.tt_transformers.torch_backend.draft_head import build_draft_head
+    from models.tt_transformers.torch_backend.draft_head import HeadRunner, build_draft_head
 
     host = getattr(target, "model", None)
     if not hasattr(host, "tok_embeddings"):  # a TT-Transformers model: the head's target parts on the host
         host = load_model(ckpt, torch.bfloat16, config.max_seq_len, "cpu", n_layers=0)
-    return build_draft_head(weights, host)
+    return HeadRunner(build_draft_head(*head, host), config.batch_size, config.max_seq_len, args)
 
 
 def sampling_params(config: DemoConfig) -> SamplingParams:
@@ -584,10 +600,10 @@ def warm_up(target, drafter, draft_lm, config: DemoConfig) -> dict:
     memory of earlier responses would otherwise hold part of the first answer)."""
     times = {"compile_prefill": 0.0, "compile_decode": 0.0}
     top_k = drafter.top_k if drafter is not None else 0
-    hidden = drafter is not None and drafter.wants_hidden
-    work = [(target, config.n_draft_tokens + 1, top_k, hidden)]
+    taps = drafter.taps if drafter is not None else ()
+    work = [(target, config.n_draft_tokens + 1, top_k, taps)]
     if draft_lm is not None:  # a draft model catches up on accepted text in steps of up to its whole row budget
-        work.append((draft_lm, draft_lm.max_step_rows, 0, False))
+        work.append((draft_lm, draft_lm.max_step_rows, 0, ()))
     for lm, rows, k, h in work:
         for key, seconds in lm.warm_up(min(rows, lm.max_step_rows), k, h).items():
             times[key] += seconds

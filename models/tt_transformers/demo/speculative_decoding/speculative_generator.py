@@ -103,13 +103,13 @@ class SpeculativeGenerator:
         contexts = [list(p) for p in prompts]
 
         self.streams = None if self.sampling.greedy else self.sampling.streams()
-        hidden = self.drafter is not None and self.drafter.wants_hidden  # a draft head drafts from them
+        taps = self.drafter.taps if self.drafter is not None else ()  # a draft head drafts from them
         prompt_hidden = []
         # Prefill one user at a time, as TT-Transformers does; the first token comes from the prefill.
         for u in users:
             start = time.perf_counter()
-            out = self.target.prefill(u, contexts[u], logits=not self.sampling.greedy, hidden=hidden)
-            prompt_hidden.append(out.hidden[0] if hidden else None)
+            out = self.target.prefill(u, contexts[u], logits=not self.sampling.greedy, taps=taps)
+            prompt_hidden.append(out.hidden[0] if taps else None)
             first = self._accept([u], [Draft([], "none")], out)[0][0]
             results[u].ttft_ms = (time.perf_counter() - start) * 1e3
             contexts[u].append(first)
@@ -118,7 +118,7 @@ class SpeculativeGenerator:
             # The draft model's prefill (or the automaton's build) happens after the first token and before the
             # second, so it is decode time: every user waits for it, as for an iteration.
             start = time.perf_counter()
-            self.drafter.start(users, prompts, self.sampling, prompt_hidden if hidden else None)
+            self.drafter.start(users, prompts, self.sampling, prompt_hidden if taps else None)
             draft_prefill_s = time.perf_counter() - start
             for r in results:
                 r.decode_s += draft_prefill_s
@@ -140,7 +140,7 @@ class SpeculativeGenerator:
                              None if d.parents is None else [-1] + [p + 1 for p in d.parents])
                     for u, d in zip(active, drafts)]
             top_k = self.drafter.top_k if self.drafter is not None else 0
-            out = self.target.step(rows, logits=not self.sampling.greedy, top_k=top_k, hidden=hidden)
+            out = self.target.step(rows, logits=not self.sampling.greedy, top_k=top_k, taps=taps)
             verified = self._verify(active, drafts, rows, out)
             ms = (time.perf_counter() - start) * 1e3
             produced = accepted = 0
