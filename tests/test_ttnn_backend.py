@@ -100,42 +100,82 @@ def cache_contents(lm):
     return [t.data.clone() for layer in lm.tt.kv_cache for t in layer]
 
 
-def test_hidden_states_match_the_torch_backend_in_float32(tt, embedded_checkpoint, prompts):
-    """What a draft head reads back: the final norm's output (the LM head's input) for the prompt (the decode
-    program over it, 32 positions a run, writing nothing: the cache is what prefill left) and for a verify step's rows,
-    the torch backend's hidden states (float32)."""
+EAGLE3_TAPS = (2, 15, 27)  # an EAGLE-3 head's default taps (2, N // 2, N - 3) for the embedded model's 30 layers
+
+
+def block_errors(ours: torch.Tensor, ref: torch.Tensor, dim: int) -> list[float]:
+    """Per tapped layer (a dim-wide block of columns): max abs error over the reference block's max magnitude."""
+    return [((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+            for a, b in zip(ours.split(dim, dim=1), ref.split(dim, dim=1))]
+
+
+def test_taps_match_the_torch_backend_in_float32(tt, embedded_checkpoint, prompts):
+    """What an EAGLE-3 head reads back: the residual stream entering layers 2, 15 and 27, concatenated in that order,
+    for the prompt (the decode program over it, 32 positions a run, writing nothing: the cache is what prefill left)
+    and for a verify step's rows, against the torch backend's taps (float32)."""
     lm = tt(2, float32=True)
     torch_lm = TorchCausalLM(load_model(embedded_checkpoint, torch.float32, MAX_SEQ_LEN, cpu_kernels=False), 30, 2)
+    dim = torch_lm.model.args.dim
     prompt = prompts[0][:40]  # two 32-row runs
     lm.prefill(0, prompt)
     written = cache_contents(lm)
-    ours = lm.prefill(0, prompt, hidden=True).hidden[0]
+    ours = lm.prefill(0, prompt, taps=EAGLE3_TAPS).hidden[0]
     assert all(torch.equal(a, b) for a, b in zip(cache_contents(lm), written))
-    ref = torch_lm.prefill(0, prompt, hidden=True).hidden[0]
-    assert ours.shape == ref.shape == (40, torch_lm.model.args.dim)
-    errors = [((ours.float() - ref.float()).abs().max() / ref.abs().max()).item()]
+    ref = torch_lm.prefill(0, prompt, taps=EAGLE3_TAPS).hidden[0]
+    assert ours.shape == ref.shape == (40, 3 * dim) and ours.dtype == torch.bfloat16
+    errors = block_errors(ours, ref, dim)
     rows = [UserRows(0, [11, 22, 33, 44], 40)]
-    ours, ref = lm.step(rows, hidden=True).hidden[0], torch_lm.step(rows, hidden=True).hidden[0]
-    assert ours.shape == (4, torch_lm.model.args.dim)
-    errors.append(((ours.float() - ref.float()).abs().max() / ref.abs().max()).item())
-    print(f"stand-in vs torch backend, hidden states (read back in bf16): max relative error {max(errors):.2e}")
+    ours, ref = lm.step(rows, taps=EAGLE3_TAPS).hidden[0], torch_lm.step(rows, taps=EAGLE3_TAPS).hidden[0]
+    assert ours.shape == ref.shape == (4, 3 * dim)
+    errors += block_errors(ours, ref, dim)
+    print(f"stand-in vs torch backend, taps {EAGLE3_TAPS} (read back in bf16): max relative error {max(errors):.2e}")
     assert max(errors) < 1e-2
-    assert {hidden for *_, hidden in lm.traces} == {True}  # the hidden-state trace is one of its own
+    assert {taps for *_, taps in lm.traces} == {EAGLE3_TAPS}  # the tapped traces are their own
+
+
+def test_taps_come_from_the_layers_named(tt, embedded_checkpoint, prompts):
+    """Tap 0 is the token embedding; asking for the same layers in another order permutes the blocks; a layer asked
+    twice comes twice; ids outside [0, n_layers) are refused in one line (a draft view's range is its own). Tapping
+    leaves TT-Transformers' layer objects as they were (self.layers, their attention and cache)."""
+    lm = tt(1)
+    dim = lm.tt.args.dim
+    lm.prefill(0, prompts[1][:20])
+    rows = [UserRows(0, [5, 17, 300, 41], 20)]
+    layers, attention = list(lm.tt.model.layers), [layer.attention for layer in lm.tt.model.layers]
+    out = lm.step(rows, taps=(0, 9)).hidden[0]
+    embedding = load_model(embedded_checkpoint, torch.bfloat16, MAX_SEQ_LEN, cpu_kernels=False).tok_embeddings
+    assert torch.equal(out[:, :dim], embedding(torch.tensor(rows[0].tokens)).to(torch.bfloat16))
+    swapped = lm.step(rows, taps=(9, 0)).hidden[0]
+    assert torch.equal(swapped, torch.cat([out[:, dim:], out[:, :dim]], dim=1))
+    assert torch.equal(lm.step(rows, taps=(9, 9, 0)).hidden[0], torch.cat([out[:, dim:], swapped], dim=1))
+    assert not torch.equal(out[:, :dim], out[:, dim:])
+    assert lm.tt.model.layers == layers and [layer.attention for layer in layers] == attention
+    assert all("forward" not in vars(layer) for layer in layers)  # the class's forward again
+    for bad in ((30,), (-1,), (0, 31)):
+        with pytest.raises(ValueError, match=r"layer ids must be in \[0, 30\)"):
+            lm.step(rows, taps=bad)
+    with pytest.raises(ValueError, match=r"layer ids must be in \[0, 30\)"):
+        lm.prefill(0, prompts[1][:20], taps=(30,))
+    with pytest.raises(ValueError, match=r"layer ids must be in \[0, 8\)"):
+        lm.draft_view(8).step(rows, taps=(8,))
 
 
 def test_head_drafts_identical_to_plain_through_the_verify_step(tt, embedded_checkpoint, prompts, plain_outputs):
-    """The shipped draft head beside the device as the demo builds it (on the host, on the checkpoint's embedding
-    and LM head without decoder layers), fed the hidden states every traced step reads back (the hybrid's choice is
-    backend-independent: tests/test_draft_head.py)."""
+    """The shipped EAGLE-3 head beside the device as the demo builds it (on the host, on the checkpoint's embedding
+    without decoder layers), fed the taps every traced step reads back (the hybrid's choice is backend-independent:
+    tests/test_draft_head.py); the ttnn backend verifies chains."""
     from models.tt_transformers.demo.speculative_decoding.speculative_demo import DRAFT_HEADS, DemoConfig, host_draft_head
-    from models.tt_transformers.speculative.head_drafter import HeadDrafter
-    from models.tt_transformers.torch_backend.draft_head import HeadRunner, read_draft_head
+    from models.tt_transformers.speculative.head_drafter import HeadDrafter, RunCost
+    from models.tt_transformers.torch_backend.draft_head import read_draft_head
 
     lm = tt(4)
-    weights = read_draft_head(DRAFT_HEADS / embedded_checkpoint.name, ModelArgs.from_hf_config(embedded_checkpoint.config))
-    head = HeadDrafter(HeadRunner(host_draft_head(weights, lm, embedded_checkpoint, DemoConfig(max_seq_len=MAX_SEQ_LEN)),
-                                  lm.max_batch_size))
-    results = SpeculativeGenerator(lm, head, 6).generate(prompts, 32)
+    args = ModelArgs.from_hf_config(embedded_checkpoint.config)
+    head = read_draft_head(DRAFT_HEADS / embedded_checkpoint.name, args)
+    drafter = HeadDrafter(host_draft_head(head, lm, embedded_checkpoint, args, DemoConfig(max_seq_len=MAX_SEQ_LEN,
+                                                                                          batch_size=4)))
+    drafter.cost = RunCost(drafter.cost.estimate, measure=False)  # the stand-in's step time is no device's
+    assert drafter.taps == (2, 15, 27)
+    results = SpeculativeGenerator(lm, drafter, 6).generate(prompts, 32)
     assert outputs(results) == plain_outputs
     steps = [it for r in results for it in r.iterations if it.draft_source == "head"]
     assert steps and sum(it.accepted for it in steps) > 0
@@ -259,9 +299,9 @@ def test_row_budget_and_idle_users(tt, prompts):
     seen = []
     step = lm.step
 
-    def recording(rows, logits=False, top_k=0, hidden=False):
+    def recording(rows, logits=False, top_k=0, taps=()):
         seen.append((sum(len(r.tokens) for r in rows), len(rows)))
-        out = step(rows, logits, top_k, hidden)
+        out = step(rows, logits, top_k, taps)
         seen[-1] += (lm.inputs.step.current_pos.data.tolist(),)
         return out
     lm.step = recording

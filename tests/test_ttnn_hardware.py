@@ -108,8 +108,8 @@ def test_speculative_perf(mesh_device, checkpoint):
                                                           "acceptance_rate", "mean_tokens_per_step")}
             measurements.setdefault("plain", {"decode_t/s/u": summary["baseline_decode_tok_s"]})
         for lm in pool.models.values():
-            step_ms[f"{lm.n_layers} layers"] = {f"passes={p} top_k={k} hidden={h}": 1e3 * sum(t) / len(t)
-                                                for (p, k, h), t in lm.step_times.items() if t}
+            step_ms[f"{lm.n_layers} layers"] = {f"passes={p} top_k={k} taps={list(taps)}": 1e3 * sum(t) / len(t)
+                                                for (p, k, taps), t in lm.step_times.items() if t}
     finally:
         pool.close()
     out = REPO_ROOT / "bench_results" / f"perf_{key}.json"

@@ -11,9 +11,10 @@ from models.tt_transformers.speculative.backend import UserRows
 from models.tt_transformers.speculative.drafters import SuffixDrafter
 from models.tt_transformers.torch_backend.checkpoint import resolve_checkpoint
 from models.tt_transformers.ttnn_backend import device as tt_device
+from models.tt_transformers.ttnn_backend import generator as tt_generator
 from models.tt_transformers.ttnn_backend.generator import TtnnCausalLM
 from models.tt_transformers.ttnn_backend.model import build_tt_model, weight_cache_root
-from models.tt_transformers.ttnn_backend.trace_plan import pass_ladder
+from models.tt_transformers.ttnn_backend.trace_plan import model_trace_bytes, pass_ladder, trace_keys, trace_ops
 
 from .conftest import save_tiny_hf_checkpoint, write_json
 from .test_ttnn_backend import STAND_IN_TRACE_REGION
@@ -118,10 +119,69 @@ def test_split_vocabulary_argmax_and_top_k_per_device(stand_in, tiny):
         assert out.ids == reference.ids and out.top_ids == reference.top_ids
         assert torch.equal(out.logits[0], reference.logits[0])
         gathered = {key for key in mesh.compiled if key[0] == "all_gather_async"}
-        assert gathered == {("all_gather_async", ((1, 1, 32, 64),))}  # the final norm's input only
+        assert gathered == {("all_gather_async", ((1, 1, 32, 64),))}  # the norms' inputs only: never the logits
         assert plain(build(mesh, tiny), prompt, 12) == reference_output
         spec = SpeculativeGenerator(build(mesh, tiny), SuffixDrafter(1, recycle=4), 4).generate(prompt, 12)
         assert [r.output_tokens for r in spec] == reference_output
+
+
+def test_taps_on_a_two_device_mesh_equal_one_devices(stand_in, tiny):
+    """Issue 24: the residual stream entering a decoder layer is split over the devices along dim in decode
+    (tt/decoder.py: "x is fractured across devices ... sharded in L1 (for decode)"; tt/embedding.py splits the
+    embedding's columns): each tapped copy stays split, is read back concatenated in device order, and equals one
+    device's taps, for a step and for a prefill."""
+    prompt, rows = [5, 9, 17, 5, 9, 17, 5, 9], [UserRows(0, [3, 7, 11], 8)]
+    one_device = mesh_of((1, 1))
+    single = build(one_device, tiny)
+    reference = single.prefill(0, prompt, taps=(0, 1)).hidden[0], single.step(rows, taps=(1, 0)).hidden[0]
+    stand_in_ttnn.close_mesh_device(one_device)  # the fabric cannot change while a mesh is open
+    stand_in.setenv("MESH_DEVICE", "N300")
+    with tt_device.open_mesh(trace_region_size=STAND_IN_TRACE_REGION) as mesh:
+        two = build(mesh, tiny)
+        out = two.prefill(0, prompt, taps=(0, 1)).hidden[0], two.step(rows, taps=(1, 0)).hidden[0]
+        assert out[0].shape == (8, 2 * two.tt.args.dim)
+        assert all(torch.equal(a, b) for a, b in zip(out, reference))
+        copies = two.traces[(4, 0, (1, 0))].hidden
+        assert {i: (t.shards, t.memory_config()) for i, t in copies.items()} == {
+            i: (2, stand_in_ttnn.DRAM_MEMORY_CONFIG) for i in (0, 1)}
+        with pytest.raises(RuntimeError, match="needs a mesh_composer"):  # one device's copy holds half of dim
+            stand_in_ttnn.to_torch(copies[0])
+
+
+def test_decode_residual_layout_and_the_tap_copy(stand_in, tiny):
+    """Issue 24, the stand-in's side: TT's decoder asserts its input is in the residual memory config (width-sharded
+    in L1 in decode, ModelArgs.get_residual_mem_config), and ttnn.clone refuses a sharded input with an interleaved
+    output (clone_device_operation.cpp), so the tapped copy goes to DRAM through to_memory_config; cloning would
+    fail where the real op fails. A Galaxy's taps are refused in one line."""
+    lm = build(mesh_of((1, 1)), tiny)
+    residual = lm.tt.args.get_residual_mem_config(stand_in_tt.Mode.DECODE)
+    assert residual.is_sharded() and residual.buffer_type == "L1"
+    x = stand_in_ttnn.from_torch(torch.zeros(1, 1, 32, 64), dtype=stand_in_ttnn.bfloat16, device=lm.tt.mesh_device)
+    with pytest.raises(AssertionError, match="decoder input memcfg mismatch"):
+        lm.tt.model.layers[0](x, None)
+    with pytest.raises(RuntimeError, match="mixed sharded/interleaved layout not currently supported"):
+        stand_in_ttnn.clone(stand_in_ttnn.to_memory_config(x, residual), memory_config=stand_in_ttnn.DRAM_MEMORY_CONFIG)
+    assert stand_in_ttnn.to_memory_config(x, stand_in_ttnn.DRAM_MEMORY_CONFIG) is x  # no copy when it is there already
+    stand_in.setattr(tt_generator, "dram_copy",
+                     lambda t: stand_in_ttnn.clone(t, memory_config=stand_in_ttnn.DRAM_MEMORY_CONFIG))
+    with pytest.raises(RuntimeError, match="mixed sharded/interleaved"):
+        lm.step([UserRows(0, [1, 2], 0)], taps=(1,))
+    stand_in.setattr(lm.tt.args, "is_galaxy", True)
+    with pytest.raises(ValueError, match="taps on a Galaxy"):
+        lm.step([UserRows(0, [1], 0)], taps=(0,))
+
+
+def test_trace_plan_with_taps():
+    """Issue 24: traces are keyed by (write passes, top k, taps); the tapped ones add the prompt-state replay and one
+    DRAM copy per tapped layer to the op count; the trace region grows with them."""
+    taps = (2, 15, 27)
+    assert trace_keys(5, 4, taps) == sorted({(p, 4, taps) for p in (1, 2, 4, 5)} | {(1, 0, ()), (1, 0, taps)})
+    assert trace_keys(5, 0, ()) == [(1, 0, ()), (2, 0, ()), (4, 0, ()), (5, 0, ())]
+    assert trace_ops(30, (1, 0, taps), 49152) - trace_ops(30, (1, 0, ()), 49152) == 3
+    assert trace_ops(30, (1, 0, (2, 2)), 49152) - trace_ops(30, (1, 0, ()), 49152) == 1  # one copy per layer
+    plain = model_trace_bytes("Llama-3.1-8B", ["N150"], 1, 32, 32, 128256, 5, 0, ())
+    tapped = model_trace_bytes("Llama-3.1-8B", ["N150"], 1, 32, 32, 128256, 5, 0, (2, 16, 29))
+    assert len(tapped) == len(plain) + 1 and sum(tapped) > sum(plain)
 
 
 def test_model_name_and_weight_cache_from_the_real_name(stand_in, tmp_path, embedded_checkpoint, tiny):

@@ -4,7 +4,7 @@ installs ttnn==0.81.1 in a Python 3.12 venv: ttnn ships cp310/cp312 wheels only)
 
 Reads our sources with `ast` (nothing of ours is imported, so the venv needs no torch) and, for every
 `ttnn.<module>.<name>` they reference and every call `ttnn.X(..., keyword=...)` they make (plus the calls made
-through a variable, INDIRECT_CALLS below), checks that the attribute exists in the wheel and that each keyword is
+through a variable, INDIRECT_CALLS, and the methods called on ttnn objects, METHOD_CALLS, below), checks that the attribute exists in the wheel and that each keyword is
 named in the op's docstring. A keyword the docstring does not name is accepted only if the wheel's binary signature
 (nanobind) lists it, and the report says so. Exit status 1 on any failure.
 """
@@ -19,6 +19,8 @@ REPO = Path(__file__).resolve().parents[1]
 SOURCES = sorted((REPO / "models/tt_transformers/ttnn_backend").glob("*.py")) + [REPO / "conftest.py"]
 # Calls the backend makes through a variable holding a ttnn op (attention.py's ordered_update wraps the op).
 INDIRECT_CALLS = {"experimental.paged_update_cache": {"update_idxs_tensor"}}
+# Methods the backend calls on ttnn objects it holds (generator.py dram_copy: x.memory_config().is_sharded()).
+METHOD_CALLS = {"Tensor.memory_config": set(), "MemoryConfig.is_sharded": set()}
 
 
 def ttnn_path(node):
@@ -34,7 +36,7 @@ def ttnn_path(node):
 
 def uses(paths):
     """{ttnn path: set of keywords passed to it} over the sources."""
-    found = {name: set(kws) for name, kws in INDIRECT_CALLS.items()}
+    found = {name: set(kws) for name, kws in {**INDIRECT_CALLS, **METHOD_CALLS}.items()}
     for path in paths:
         tree = ast.parse(path.read_text(), str(path))
         inner = set()

@@ -7,7 +7,8 @@ with its time, stopping at the first failure with what to send back.
 Stages: ttnn import and version; device open (the fabric on meshes of several devices); model build (weight
 conversion into the cache folder, logged); compile and trace capture (TT's prefill warm-up and every decode trace
 the run uses); prefill of one prompt; one plain traced decode step; one verify step with
-drafts; speculative decoding identical to plain decoding through the same verify-shaped step for 32 tokens; the
+drafts; the tapped hidden states an EAGLE-3 head reads (layers 0, 2, N/2 and N-3, for the prompt and one step);
+speculative decoding identical to plain decoding through the same verify-shaped step for 32 tokens; the
 TT perf keys of a short demo run. The report (every stage, its seconds, the failure with its traceback, the
 versions) is written to --report as JSON.
 """
@@ -58,11 +59,31 @@ def import_ttnn(s: Smoke) -> None:
     s.facts.update(ttnn=version, tt_transformers=str(Path(model.__file__).parent))
 
 
+def smoke_taps(n_layers: int) -> tuple[int, ...]:
+    """Layer 0 (the embedding, checked exactly) and an EAGLE-3 head's default taps (2, N // 2, N - 3)."""
+    return tuple(dict.fromkeys(min(max(i, 0), n_layers - 1) for i in (0, 2, n_layers // 2, n_layers - 3)))
+
+
+def taps_region(config: demo.DemoConfig, shape) -> int:
+    """Trace region for the taps stage's one extra trace (1 write pass, no top k, smoke_taps), with the margin."""
+    from models.tt_transformers.torch_backend.checkpoint import resolve_checkpoint
+    from models.tt_transformers.torch_backend.model_config import ModelArgs
+    from models.tt_transformers.ttnn_backend.trace_plan import device_names_for, region_bytes, trace_bytes
+
+    ckpt = resolve_checkpoint(config.model, "--model" if config.model else "HF_MODEL")
+    args = ModelArgs.from_hf_config(ckpt.config)
+    n_devices = shape[0] * shape[1]
+    share = -(-args.vocab_size // (32 * n_devices)) * 32 if n_devices > 1 else args.vocab_size
+    key = (1, 0, smoke_taps(args.n_layers))
+    return region_bytes([max(trace_bytes(ckpt.name, device, args.n_layers, args.n_layers, key, share)
+                             for device in device_names_for(shape, os.environ.get("MESH_DEVICE")) or [None])])
+
+
 def open_device(s: Smoke) -> None:
     from models.tt_transformers.ttnn_backend.device import fabric_config_for, mesh_shape, open_mesh
 
     shape = mesh_shape()
-    region = demo.trace_region_size(s.config, shape)
+    region = demo.trace_region_size(s.config, shape) + taps_region(s.config, shape)
     s.mesh = s.exits.enter_context(open_mesh(trace_region_size=region))
     s.exits.callback(s.pool.close)  # traces released before the mesh closes
     s.facts.update(mesh=list(shape), fabric=str(fabric_config_for(shape)), trace_region_size=region)
@@ -97,6 +118,32 @@ def verify_step(s: Smoke) -> None:
     s.facts["verify_ids"] = s.lm.step([UserRows(0, rows, len(s.tokens))], top_k=s.drafter.top_k).ids[0]
 
 
+def tapped_states(s: Smoke) -> None:
+    """The residual stream entering the tapped layers, copied out of the traced decode step (split over the devices
+    along dim on N300/T3K): for the prompt (the decode program replayed over it, writing nothing) and for a step of
+    the prompt's last token at its own position. Tap 0 (the embedding) must be the same in both; the other taps are
+    reported (the step rewrites that position's cache with decode's numerics, the replay reads prefill's)."""
+    import torch
+
+    from models.tt_transformers.speculative.backend import UserRows
+
+    taps, dim = smoke_taps(s.lm.n_layers), s.lm.tt.args.dim
+    prompt = s.lm.prefill(0, s.tokens, taps=taps).hidden[0]
+    step = s.lm.step([UserRows(0, [s.tokens[-1]], len(s.tokens) - 1)], taps=taps).hidden[0]
+    if prompt.shape != (len(s.tokens), len(taps) * dim) or step.shape != (1, len(taps) * dim):
+        raise AssertionError(f"tapped states of shape {tuple(prompt.shape)} and {tuple(step.shape)}, expected "
+                             f"({len(s.tokens)}, {len(taps) * dim}) and (1, {len(taps) * dim})")
+    if not (prompt.isfinite().all() and step.isfinite().all()):
+        raise AssertionError("tapped states hold non-finite values")
+    last = prompt[-1:].float()
+    if not torch.equal(last[:, :dim], step[:, :dim].float()):
+        raise AssertionError("tap 0 (the embedding) differs between the prompt replay and the step")
+    blocks = list(zip(last.split(dim, dim=1), step.float().split(dim, dim=1)))
+    s.facts["taps"] = {"layers": list(taps), "norms": [round(b.norm().item(), 3) for _, b in blocks],
+                       "step_vs_replay_max_rel_diff": [round(((a - b).abs().max() / b.abs().max()).item(), 4)
+                                                       for a, b in blocks]}
+
+
 def lossless(s: Smoke) -> None:
     from models.tt_transformers.demo.speculative_decoding.speculative_generator import SpeculativeGenerator
 
@@ -118,7 +165,7 @@ def perf_keys(s: Smoke) -> None:
 STAGES: list[tuple[str, Callable[[Smoke], None]]] = [
     ("ttnn import", import_ttnn), ("device open", open_device), ("model build", build_model),
     ("compile and trace capture", compile_and_capture), ("prefill", prefill), ("plain decode step", decode_step), ("verify step", verify_step),
-    (f"lossless over {SMOKE_TOKENS} tokens", lossless), ("perf keys", perf_keys)]
+    ("tapped states", tapped_states), (f"lossless over {SMOKE_TOKENS} tokens", lossless), ("perf keys", perf_keys)]
 
 
 def run(config: demo.DemoConfig, report_path: Path, stages=None) -> dict:

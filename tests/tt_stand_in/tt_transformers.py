@@ -8,7 +8,9 @@ the module-name map behind get_state_dict_prefix, model_name and the weight-cach
 TT_CACHE_PATH, the device name from the mesh, the optimizations default, the prefill warm-up's power-of-two rule,
 the vocabulary padded per device, CCL ops on meshes of several devices, tokens padded to a 32-row tile, RoPE
 positions clamped at 0, the cache update through ttnn.experimental.paged_update_cache with
-update_idxs_tensor=current_pos, paged SDPA decode bounded by each row's position.
+update_idxs_tensor=current_pos, paged SDPA decode bounded by each row's position, and the decode residual stream:
+Transformer.forward calling each layer (a LightweightModule) on x moved to the residual memory config, x split over
+the devices along dim and width-sharded in L1, the decoder asserting its input's memory config.
 
 The tt-metal tag the backend pins (v0.81.1, d80d9482) is not in the searchable index: the files were read at the
 nearest versions found (model_config.py and generator.py at 87700c07, model.py, attention.py, common.py and ccl.py
@@ -82,6 +84,24 @@ def get_base_model_name(model_name: str) -> str:
     return match.group(1) if match else model_name
 
 
+class LightweightModule:
+    """models/common/lightweightmodule.py LightweightModule: calling a module calls its forward."""
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+
+def find_grid(n_tiles: int) -> tuple[int, int]:
+    """tt/model_config.py ModelArgs.find_grid (87700c07): the core count dividing n_tiles closest to 32 that fits 8 x 8
+    cores, as (rows, cols)."""
+    cores = sorted((k for k in range(1, 65) if n_tiles % k == 0), key=lambda k: abs(k - 32))
+    for c in cores:
+        for rows in range(1, 9):
+            if c % rows == 0 and c // rows <= 8:
+                return rows, c // rows
+    raise AssertionError(f"Cannot find grid for {n_tiles} tiles")
+
+
 def calculate_prefill_warmup_seq_lens(max_seq_len_to_warmup: int, trace_supported_seq_lens) -> list[int]:
     """tt/common.py: 128 and 1024 * 2^k up to the cap, plus the traced lengths."""
     lengths, k = [128], 0
@@ -135,6 +155,7 @@ class ModelArgs:
         self.is_multichip = self.num_devices > 1
         self.mesh_device, self.instruct, self.dummy_weights = mesh_device, instruct, dummy_weights
         self.max_batch_size, self.max_seq_len, self.tile_size = max_batch_size, max_seq_len, 32
+        self.tile_padded_batch_rows = self.tile_size * math.ceil(max_batch_size / self.tile_size)
         supported_batches = {1, 2, 4, 8, 16, 32}
         if self.max_batch_size not in supported_batches:
             raise ValueError(f"Batch size {self.max_batch_size} not supported")
@@ -181,6 +202,24 @@ class ModelArgs:
     @property
     def base_model_name(self) -> str:
         return get_base_model_name(self.model_name)
+
+    def dram_shard_core_grid_for_k(self, k: int):
+        rows, cols = find_grid(k // self.tile_size)
+        return ttnn.CoreGrid(x=cols, y=rows)
+
+    def get_residual_mem_config(self, mode, prefetcher=None):
+        """tt/model_config.py ModelArgs.get_residual_mem_config (87700c07), without a prefetcher: in decode L1
+        interleaved on a Galaxy, else width-sharded in L1, shard (tile_padded_batch_rows, dim // cores // devices)
+        over dram_shard_core_grid_for_k(dim // devices): each device holds dim / devices columns; prefill: DRAM."""
+        if mode != Mode.DECODE:
+            return ttnn.DRAM_MEMORY_CONFIG
+        if self.is_galaxy:
+            return ttnn.L1_MEMORY_CONFIG
+        grid = self.dram_shard_core_grid_for_k(self.dim // self.num_devices)
+        return ttnn.create_sharded_memory_config((self.tile_padded_batch_rows,
+                                                  self.dim // grid.num_cores // self.num_devices), grid,
+                                                 ttnn.ShardStrategy.WIDTH, ttnn.ShardOrientation.ROW_MAJOR,
+                                                 use_height_and_width_as_shard_shape=True)
 
     def get_warmup_prefill_supported_seq_lens(self) -> list[int]:
         assert self.capped_warmup_seq_len > 0 and (self.capped_warmup_seq_len & (self.capped_warmup_seq_len - 1)) == 0, \
@@ -259,18 +298,26 @@ class Attention:
         out = ttnn.transformer.paged_scaled_dot_product_attention_decode(
             q, keys, values, page_table_tensor=page_table, cur_pos_tensor=current_pos, scale=self.scale,
             sliding_window_size=self.sliding_window, memory_config=ttnn.DRAM_MEMORY_CONFIG)
+        # "Attention takes replicated inputs and produces fractured outputs" (tt/decoder.py): WO's all-reduce leaves
+        # each device dim / devices columns (tt/ccl.py tt_all_reduce's reduce-scatter on N300/T3K)
         return ttnn.run_op("wo", lambda a: (self.block.attention.wo(a.data.reshape(1, 1, 32, -1)), ttnn.bfloat16,
-                                            ttnn.TILE_LAYOUT), out)
+                                            ttnn.TILE_LAYOUT), out, shards=self.args.num_devices)
 
 
-class TransformerBlock:
-    """tt/decoder.py TransformerBlock: builds attention_class (TT's Attention when None) with keyword arguments and
-    calls it as attention.forward(x, current_pos, rot_mats, user_id, mode, page_table=..., kv_cache=...)."""
+class TransformerBlock(LightweightModule):
+    """tt/decoder.py TransformerBlock (read at 01229001): builds attention_class (TT's Attention when None) with
+    keyword arguments and calls it as attention.forward(x, current_pos, rot_mats, user_id, mode, page_table=...,
+    kv_cache=...). Its forward asserts its input is in the residual memory config ("x is fractured across devices
+    and interleaved in DRAM (for prefill) and sharded in L1 (for decode)"); the norms gather x ("Norms take
+    fractured inputs and output replicated across devices"), attention and MLP give fractured outputs, and the
+    residual adds keep the residual's config."""
 
     def __init__(self, args, mesh_device, tt_ccl, dtype, state_dict, layer_num, weight_cache_path,
                  transformation_mats, paged_attention_config=None, use_paged_kv_cache=False, attention_class=None,
                  prefetcher=None):
-        self.block = state_dict.layers[layer_num]
+        self.args, self.layer_num, self.block = args, layer_num, state_dict.layers[layer_num]
+        self.attention_norm = DistributedNorm(self.block.attention_norm, args, tt_ccl=tt_ccl, TG=args.is_galaxy)
+        self.ff_norm = DistributedNorm(self.block.ffn_norm, args, tt_ccl=tt_ccl, TG=args.is_galaxy)
         self.attention = (attention_class or Attention)(
             mesh_device=mesh_device, tt_ccl=tt_ccl, args=args, state_dict=state_dict,
             weight_cache_path=weight_cache_path, layer_num=layer_num, dtype=dtype,
@@ -279,15 +326,22 @@ class TransformerBlock:
 
     def forward(self, x, current_pos, rot_mats_global=None, rot_mats_local=None, user_id=0, mode=Mode.DECODE,
                 page_table=None, chunk_page_table=None, chunk_start_idx=None, kv_cache=None, batch_size=1):
-        normed = ttnn.run_op("attention_norm", lambda t: (self.block.attention_norm(t.data), t.dtype, t.layout), x)
-        attn = self.attention.forward(normed, current_pos, rot_mats_global, user_id, mode, page_table=page_table,
-                                      chunk_page_table=chunk_page_table, chunk_start_idx=chunk_start_idx,
-                                      kv_cache=kv_cache)
-
-        def residual_mlp(h, a):
-            h = h.data + a.data
-            return h + self.block.feed_forward(self.block.ffn_norm(h)), ttnn.bfloat16, ttnn.TILE_LAYOUT
-        return ttnn.run_op("residual_mlp", residual_mlp, x, attn)
+        residual = x
+        skip_mem_cfg = self.args.get_residual_mem_config(mode, None)  # model_config["DECODE_RESIDUAL_MEMCFG"] there
+        assert x.memory_config() == skip_mem_cfg, \
+            f"decoder input memcfg mismatch: {x.memory_config()} != {skip_mem_cfg}"
+        attn_in = self.attention_norm(x, mode)
+        attn_out = self.attention.forward(attn_in, current_pos, rot_mats_global, user_id, mode, page_table=page_table,
+                                          chunk_page_table=chunk_page_table, chunk_start_idx=chunk_start_idx,
+                                          kv_cache=kv_cache)
+        attn_out = ttnn.to_memory_config(attn_out, skip_mem_cfg)
+        hidden_states = ttnn.add(residual, attn_out, memory_config=skip_mem_cfg)
+        residual = hidden_states
+        hidden_states = self.ff_norm(hidden_states, mode)
+        # "MLP takes replicated inputs and produces fractured outputs"
+        hidden_states = ttnn.run_op("mlp", lambda t: (self.block.feed_forward(t.data), ttnn.bfloat16, ttnn.TILE_LAYOUT),
+                                    hidden_states, shards=self.args.num_devices)
+        return ttnn.add(residual, hidden_states, memory_config=skip_mem_cfg)  # "fractured across devices"
 
 
 class DistributedNorm:
@@ -303,6 +357,19 @@ class DistributedNorm:
         return ttnn.run_op("norm", lambda t: (self.norm(t.data), ttnn.bfloat16, ttnn.TILE_LAYOUT), x)
 
 
+class Embedding(LightweightModule):
+    """tt/embedding.py Embedding: its weights are split over the mesh along dim (ShardTensor2dMesh(dims=(None, 3))),
+    so each device's embedding output holds dim / devices columns of every row, device d the d-th slice."""
+
+    def __init__(self, table, args):
+        self.table, self.args = table, args
+
+    def forward(self, x, memory_config=None):
+        return ttnn.run_op("embedding", lambda t: (self.table(t.data.view(-1)[:32]).view(1, 1, 32, -1), ttnn.bfloat16,
+                                                   ttnn.TILE_LAYOUT), x, shards=self.args.num_devices,
+                           mem=memory_config or ttnn.DRAM_MEMORY_CONFIG)
+
+
 class Transformer:
     """tt/model.py Transformer (read at 3c5c3944)."""
 
@@ -312,6 +379,7 @@ class Transformer:
         self.args, self.mesh_device, self.model = args, mesh_device, model
         self.vocab_size, self.n_layers = args.vocab_size, args.n_layers
         self.tt_ccl = TT_CCL(mesh_device)
+        self.embd = Embedding(model.tok_embeddings, args)
         self.norm = DistributedNorm(model.norm, args, tt_ccl=self.tt_ccl, prefetcher=prefetcher, TG=args.is_galaxy)
         self.layers = [TransformerBlock(args=args, mesh_device=mesh_device, tt_ccl=self.tt_ccl, dtype=dtype,
                                         state_dict=model, weight_cache_path=weight_cache_path, layer_num=i,
@@ -339,25 +407,44 @@ class Transformer:
             page_table = ttnn.from_torch(page_table, device=None, dtype=ttnn.int32, mesh_mapper=mapper)
         return tokens, current_pos_tt, rope_idxs, page_table
 
-    def ttnn_decode_forward(self, x, current_pos, rot_mat_idxs=None, page_table=None, kv_cache=None,
-                            sampling_on_device=False, capture_sampling_trace=False):
-        """The decode step to the LM head, whose output is split over the devices by vocabulary (TILE). With
-        sampling_on_device (and on-device sampling supported): the position inputs are advanced on device
-        (ttnn.plus_one) and, capture_sampling_trace, the per-device logits returned as they are. Otherwise they are
-        all-gathered (more than one device) and untilized: (logits, None)."""
+    def _transform_decode_inputs_device(self, tokens):
+        """tt/model.py (3c5c3944): the embedding (to DRAM without a prefetcher), then the residual memory config."""
+        decode_residual_mem_cfg = self.args.get_residual_mem_config(Mode.DECODE, None)
+        tt_tokens = ttnn.unsqueeze_to_4D(self.embd(tokens, memory_config=ttnn.DRAM_MEMORY_CONFIG))
+        return ttnn.to_memory_config(tt_tokens, decode_residual_mem_cfg)
+
+    def forward(self, x, current_pos, rot_mats_global=None, rot_mats_local=None, user_id=0, mode=Mode.DECODE,
+                page_table=None, chunk_page_table=None, chunk_start_idx=None, get_last_token=-1, kv_cache=None,
+                batch_size=1):
+        """tt/model.py Transformer.forward (3c5c3944), decode: every layer called on x moved to the residual memory
+        config (a no-op when it is there already), the final norm, the LM head."""
+        for i, layer in enumerate(self.layers):
+            if mode == Mode.DECODE and not self.args.is_galaxy:
+                x = ttnn.to_memory_config(x, self.args.get_residual_mem_config(mode, None), None)
+            x = layer(x, current_pos, rot_mats_global=rot_mats_global, rot_mats_local=rot_mats_local,
+                      user_id=user_id, mode=mode, page_table=page_table, chunk_page_table=chunk_page_table,
+                      chunk_start_idx=chunk_start_idx, kv_cache=kv_cache[i] if kv_cache is not None else None,
+                      batch_size=batch_size)
+        x = self.norm(x, mode=mode)
         m = self.model
-        h = ttnn.run_op("embedding", lambda t: (m.tok_embeddings(t.data.view(-1)[:32]).view(1, 1, 32, -1),
-                                                ttnn.bfloat16, ttnn.TILE_LAYOUT), x)
-        for layer, kv in zip(self.layers, kv_cache):
-            h = layer.forward(h, current_pos, rot_mats_global=rot_mat_idxs, mode=Mode.DECODE, page_table=page_table,
-                              kv_cache=kv)
 
         def lm_head(t):  # bfloat8_b (tt/lm_head.py LMHead.forward); columns past the vocabulary are padding
             logits = m.output(t.data).float()
             padded = torch.full((*logits.shape[:-1], self.args.padded_vocab_size), PADDED_VOCAB_GARBAGE)
             padded[..., : self.vocab_size] = logits
             return padded, ttnn.bfloat8_b, ttnn.TILE_LAYOUT
-        tt_logits = ttnn.run_op("lm_head", lm_head, self.norm(h, mode=Mode.DECODE), shards=self.args.num_devices)
+        return ttnn.run_op("lm_head", lm_head, x, shards=self.args.num_devices)
+
+    def ttnn_decode_forward(self, x, current_pos, rot_mat_idxs=None, page_table=None, kv_cache=None,
+                            sampling_on_device=False, capture_sampling_trace=False):
+        """The decode step to the LM head, whose output is split over the devices by vocabulary (TILE). With
+        sampling_on_device (and on-device sampling supported): the position inputs are advanced on device
+        (ttnn.plus_one) and, capture_sampling_trace, the per-device logits returned as they are. Otherwise they are
+        all-gathered (more than one device) and untilized: (logits, None). (The stand-in's rotary tables are indexed
+        by the positions directly: rot_mat_idxs stands for TT's rope_setup.get_rot_mats(rot_mat_idxs).)"""
+        x_embed = self._transform_decode_inputs_device(x)
+        tt_logits = self.forward(x_embed, current_pos, rot_mats_global=rot_mat_idxs, mode=Mode.DECODE,
+                                 page_table=page_table, kv_cache=kv_cache)
         if sampling_on_device and self.sampling is not None:
             ttnn.plus_one(current_pos, skip_negative_entries=True)
             ttnn.plus_one(rot_mat_idxs)

@@ -13,12 +13,16 @@ against the constraints a device imposes (names and keywords are those of ttnn 0
 - meshes of several devices: tensors are replicated, or sharded along their last dim (`shards`), and ops on a
   sharded tensor work on each device's shard in its local coordinates; CCL ops need the fabric configured before
   the mesh opened; the trace region is a budget that traces can overflow.
+- every device tensor has a memory config (DRAM or L1, interleaved or width-sharded over cores); ops put their output
+  where `memory_config` says (else where their first input is), to_memory_config hands back the same tensor when the
+  config already matches, and clone refuses to move a sharded tensor to an interleaved config or back.
 Each rule that mirrors a tt-metal check names the file and function it follows (read at versions near v0.81.1; the
 error texts are the ones in the ttnn 0.81.1 wheel's libraries).
 """
 import builtins
 import types
 import weakref
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -26,7 +30,47 @@ import torch.nn.functional as F
 
 uint16, uint32, int32, bfloat16, bfloat8_b, float32 = "uint16", "uint32", "int32", "bfloat16", "bfloat8_b", "float32"
 ROW_MAJOR_LAYOUT, TILE_LAYOUT = "ROW_MAJOR", "TILE"
-DRAM_MEMORY_CONFIG = "DRAM"
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    """ttnn.MemoryConfig: a layout (INTERLEAVED or *_SHARDED), a buffer type (DRAM or L1) and, when sharded, the
+    shard spec (here (shard shape, core count, orientation)). Compared by value, as TT-Transformers' decoder compares
+    its input's with the residual config (tt/decoder.py TransformerBlock.forward)."""
+
+    memory_layout: str = "INTERLEAVED"
+    buffer_type: str = "DRAM"
+    shard_spec: Optional[tuple] = None
+
+    def is_sharded(self) -> bool:
+        return self.memory_layout != "INTERLEAVED"
+
+
+DRAM_MEMORY_CONFIG = MemoryConfig("INTERLEAVED", "DRAM")
+L1_MEMORY_CONFIG = MemoryConfig("INTERLEAVED", "L1")
+
+
+class ShardStrategy:  # ttnn.ShardStrategy
+    HEIGHT, WIDTH, BLOCK = "HEIGHT_SHARDED", "WIDTH_SHARDED", "BLOCK_SHARDED"
+
+
+class ShardOrientation:  # ttnn.ShardOrientation
+    ROW_MAJOR, COL_MAJOR = "ROW_MAJOR", "COL_MAJOR"
+
+
+class CoreGrid:  # ttnn.CoreGrid
+    def __init__(self, y, x):
+        self.y, self.x = y, x
+
+    @property
+    def num_cores(self) -> int:
+        return self.x * self.y
+
+
+def create_sharded_memory_config(shape, core_grid, strategy, orientation=ShardOrientation.ROW_MAJOR,
+                                 use_height_and_width_as_shard_shape=False) -> MemoryConfig:
+    """ttnn.create_sharded_memory_config, in L1 (the only place it shards to)."""
+    return MemoryConfig(strategy, "L1", (tuple(shape), core_grid.num_cores, orientation))
 TORCH_DTYPES = {uint16: torch.int64, uint32: torch.int64, int32: torch.int64, bfloat16: torch.float32, bfloat8_b: torch.float32,
                 float32: torch.float32}
 
@@ -152,8 +196,10 @@ class Tensor:
     """`shards` > 1: split along the last dim over the mesh's devices in order (device d holds the d-th chunk);
     otherwise replicated."""
 
-    def __init__(self, data: torch.Tensor, dtype: str, layout: str, device: Optional[MeshDevice], shards: int = 1):
+    def __init__(self, data: torch.Tensor, dtype: str, layout: str, device: Optional[MeshDevice], shards: int = 1,
+                 mem: MemoryConfig = DRAM_MEMORY_CONFIG):
         self._data, self.dtype, self.layout, self.device, self.shards = data, dtype, layout, device, shards
+        self.mem = mem
         self.deallocated = False
         if device is not None and not device.replaying:
             device.allocations += 1
@@ -171,6 +217,9 @@ class Tensor:
     @property
     def shape(self):
         return tuple(self._data.shape)
+
+    def memory_config(self) -> MemoryConfig:
+        return self.mem
 
 
 class ReplicateTensorToMesh:
@@ -201,7 +250,8 @@ def from_torch(tensor, dtype=None, *, layout=ROW_MAJOR_LAYOUT, device=None, mesh
                **kwargs) -> Tensor:
     dtype = dtype or float32
     shards = getattr(mesh_mapper, "shards", 1)
-    return Tensor(tensor.detach().to(TORCH_DTYPES[dtype]).clone(), dtype, layout, device, shards)
+    return Tensor(tensor.detach().to(TORCH_DTYPES[dtype]).clone(), dtype, layout, device, shards,
+                  memory_config or DRAM_MEMORY_CONFIG)
 
 
 def to_torch(tensor: Tensor, dtype=None, *, mesh_composer=None, **kwargs) -> torch.Tensor:
@@ -215,7 +265,8 @@ def to_torch(tensor: Tensor, dtype=None, *, mesh_composer=None, **kwargs) -> tor
 
 
 def to_device(tensor: Tensor, device: MeshDevice, memory_config=None) -> Tensor:
-    return Tensor(tensor.data.clone(), tensor.dtype, tensor.layout, device, tensor.shards)
+    return Tensor(tensor.data.clone(), tensor.dtype, tensor.layout, device, tensor.shards,
+                  memory_config or DRAM_MEMORY_CONFIG)
 
 
 def get_device_tensors(tensor: Tensor) -> list:
@@ -232,10 +283,11 @@ def per_shard(tensor: Tensor, fn) -> torch.Tensor:
 
 
 def unsqueeze_to_4D(tensor: Tensor) -> Tensor:
+    """A view: same data, placement and memory config (a traced output's view sees its replayed values)."""
     data = tensor.data
     while data.dim() < 4:
         data = data.unsqueeze(0)
-    return Tensor(data, tensor.dtype, tensor.layout, tensor.device)
+    return Tensor(data, tensor.dtype, tensor.layout, tensor.device, tensor.shards, tensor.mem)
 
 
 def deallocate(tensor: Tensor, force: bool = True) -> None:
@@ -261,20 +313,25 @@ def _device_of(values) -> MeshDevice:
     raise RuntimeError("stand-in: ops run on device tensors only")
 
 
-def run_op(name: str, fn, *args, inplace: bool = False, shards: Optional[int] = None, **kwargs) -> Any:
+def run_op(name: str, fn, *args, inplace: bool = False, shards: Optional[int] = None,
+           mem: Optional[MemoryConfig] = None, **kwargs) -> Any:
     """fn computes on the tensors' data (torch) and returns torch tensors (with dtype/layout) or None when it works
-    in place. Captured ops are recorded, not run; their outputs are garbage until the trace replays."""
+    in place. Captured ops are recorded, not run; their outputs are garbage until the trace replays. Outputs are
+    placed (`shards`) and kept (`mem`) like the first input unless told otherwise."""
     device = _device_of([*args, *kwargs.values()])
     key = (name, tuple(a.shape for a in [*args, *kwargs.values()] if isinstance(a, Tensor)))
-    if shards is None:  # outputs are placed like the first input
-        shards = next((a.shards for a in [*args, *kwargs.values()] if isinstance(a, Tensor)), 1)
+    first = next((a for a in [*args, *kwargs.values()] if isinstance(a, Tensor)), None)
+    if shards is None:
+        shards = first.shards if first is not None else 1
+    if mem is None:
+        mem = first.mem if first is not None else DRAM_MEMORY_CONFIG
     if device.capturing is not None:
         if key not in device.compiled:
             raise RuntimeError(f"stand-in: {name} was not compiled before trace capture (run the step once first)")
         if inplace:
             device.capturing.append((fn, args, kwargs, None))
             return None
-        outputs = _wrap(fn(*args, **kwargs), device, shards, garbage=True)
+        outputs = _wrap(fn(*args, **kwargs), device, shards, mem, garbage=True)
         device.capturing.append((fn, args, kwargs, outputs))
         return outputs
     if key not in device.compiled and device.traces:  # its kernel binaries go to DRAM while a trace is live
@@ -282,18 +339,18 @@ def run_op(name: str, fn, *args, inplace: bool = False, shards: Optional[int] = 
     device.compiled.add(key)
     device.ops_run += 1
     result = fn(*args, **kwargs)
-    return None if inplace else _wrap(result, device, shards)
+    return None if inplace else _wrap(result, device, shards, mem)
 
 
-def _wrap(result, device, shards, garbage=False):
+def _wrap(result, device, shards, mem, garbage=False):
     if isinstance(result, tuple) and not isinstance(result[0], torch.Tensor):
-        return tuple(_wrap(r, device, shards, garbage) for r in result)
+        return tuple(_wrap(r, device, shards, mem, garbage) for r in result)
     data, dtype, layout = result
     if dtype == bfloat8_b and data.is_floating_point():  # 16 values share an exponent: no room for an infinity
         data = torch.where(data.isinf(), float("nan"), data)
     if garbage:
         data = torch.full_like(data, -7 if dtype in (uint16, uint32, int32) else float("nan"))
-    return Tensor(data, dtype, layout, device, shards)
+    return Tensor(data, dtype, layout, device, shards, mem)
 
 
 def begin_trace_capture(mesh_device: MeshDevice, *, cq_id=None) -> int:
@@ -354,7 +411,8 @@ def synchronize_device(device, cq_id=None, sub_device_ids=()) -> None:
 def slice(input_tensor: Tensor, slice_start, slice_end, slice_step=None, *, memory_config=None, **kwargs) -> Tensor:
     """On a sharded tensor each device slices its own shard (local coordinates)."""
     index = tuple(builtins.slice(start, end) for start, end in zip(slice_start, slice_end))
-    return run_op("slice", lambda t: (per_shard(t, lambda d: d[index].clone()), t.dtype, t.layout), input_tensor)
+    return run_op("slice", lambda t: (per_shard(t, lambda d: d[index].clone()), t.dtype, t.layout), input_tensor,
+                  mem=memory_config)
 
 
 def _last_dim(t: Tensor, dim) -> None:
@@ -370,44 +428,62 @@ def argmax(input_tensor: Tensor, dim=None, keepdim=False, *, sub_core_grids=None
     if input_tensor.layout != ROW_MAJOR_LAYOUT:
         raise NotImplementedError("stand-in: argmax of a TILE tensor runs on one core; untilize first")
     return run_op("argmax", lambda t: (per_shard(t, lambda d: d.argmax(dim=-1, keepdim=keepdim)), uint32,
-                                       ROW_MAJOR_LAYOUT), input_tensor)
+                                       ROW_MAJOR_LAYOUT), input_tensor, mem=memory_config)
 
 
 def max(input_tensor: Tensor, dim=None, keepdim=False, *, memory_config=None, **kwargs) -> Tensor:
     _last_dim(input_tensor, dim)
     return run_op("max", lambda t: (per_shard(t, lambda d: d.amax(dim=-1, keepdim=keepdim)), t.dtype, t.layout),
-                  input_tensor)
+                  input_tensor, mem=memory_config)
 
 
 def add(input_tensor_a: Tensor, input_tensor_b: Tensor, *, dtype=None, memory_config=None, **kwargs) -> Tensor:
     """The result takes input_tensor_a's dtype unless `dtype` says otherwise (ttnn.add's docstring)."""
     if input_tensor_a.shape != input_tensor_b.shape or input_tensor_a.shards != input_tensor_b.shards:
         raise RuntimeError("stand-in: add of tensors of one shape and placement only")
-    return run_op("add", lambda a, b: (a.data + b.data, dtype or a.dtype, a.layout), input_tensor_a, input_tensor_b)
+    return run_op("add", lambda a, b: (a.data + b.data, dtype or a.dtype, a.layout), input_tensor_a, input_tensor_b,
+                  mem=memory_config)
 
 
 def clone(input_tensor: Tensor, *, dtype=None, memory_config=None, **kwargs) -> Tensor:
-    return run_op("clone", lambda t: (t.data.clone(), dtype or t.dtype, t.layout), input_tensor)
+    """clone_device_operation.cpp (ttnn 0.81.1) CloneOperation::validate_inputs: a sharded input cannot be cloned to
+    an interleaved config (nor the reverse), and two sharded configs must be the same."""
+    out = memory_config or input_tensor.mem
+    if input_tensor.device is None:
+        raise RuntimeError("Clone: input must be on device")
+    if input_tensor.mem.is_sharded() and out.is_sharded():
+        if input_tensor.mem != out:
+            raise RuntimeError("Clone: input and output shard specs must be identical (same grid, shape, and "
+                               "orientation)")
+    elif input_tensor.mem.is_sharded() or out.is_sharded():
+        raise RuntimeError("Clone: mixed sharded/interleaved layout not currently supported. Both input and output "
+                           "must have the same layout.")
+    return run_op("clone", lambda t: (t.data.clone(), dtype or t.dtype, t.layout), input_tensor, mem=out)
 
 
 def untilize(input_tensor: Tensor, *, memory_config=None, use_multicore=True, sub_core_grids=None) -> Tensor:
     if input_tensor.layout != TILE_LAYOUT:
         raise RuntimeError("stand-in: untilize takes a TILE tensor")
-    return run_op("untilize", lambda t: (t.data.clone(), bfloat16, ROW_MAJOR_LAYOUT), input_tensor)
+    return run_op("untilize", lambda t: (t.data.clone(), bfloat16, ROW_MAJOR_LAYOUT), input_tensor, mem=memory_config)
 
 
 def to_layout(tensor: Tensor, layout, dtype=None, memory_config=None, **kwargs) -> Tensor:
-    return run_op("to_layout", lambda t: (t.data.clone(), t.dtype, layout), tensor)
+    return run_op("to_layout", lambda t: (t.data.clone(), t.dtype, layout), tensor, mem=memory_config)
 
 
 def to_memory_config(tensor: Tensor, memory_config=None, dtype=None, output_tensor=None, **kwargs) -> Tensor:
-    return run_op("to_memory_config", lambda t: (t.data.clone(), t.dtype, t.layout), tensor)
+    """to_memory_config_op.cpp ttnn::to_memory_config: the same tensor when its config already matches (no copy);
+    otherwise a new buffer (sharded_to_interleaved, interleaved_to_sharded, reshard or copy), dtype cast if asked."""
+    if tensor.mem == memory_config and (dtype is None or dtype == tensor.dtype) and output_tensor is None:
+        return tensor
+    return run_op("to_memory_config", lambda t: (t.data.clone(), dtype or t.dtype, t.layout), tensor,
+                  mem=memory_config)
 
 
 def pad(input_tensor: Tensor, padding, value, *, use_multicore=None, memory_config=None, **kwargs) -> Tensor:
     widths = [w for pair in reversed(padding) for w in pair]
     return run_op("pad", lambda t: (per_shard(t, lambda d: F.pad(d, widths, value=value)), t.dtype, t.layout),
-                  input_tensor)
+                  input_tensor, mem=memory_config)
 
 
 def plus_one(input_tensor: Tensor, *, skip_negative_entries=False, **kwargs) -> None:
@@ -455,7 +531,7 @@ def topk(input_tensor, k=32, dim=-1, largest=True, sorted=True, *, memory_config
         if index_dtype == uint16:  # the device writes 16 bits
             indices = indices.to(torch.int32) & 0xFFFF
         return (values, t.dtype, TILE_LAYOUT), (indices, index_dtype, TILE_LAYOUT)
-    return run_op("topk", fn, input_tensor)
+    return run_op("topk", fn, input_tensor, mem=memory_config)
 
 
 def _all_gather_async(input_tensor, persistent_output_buffer=None, dim=None, multi_device_global_semaphore=None, *,
@@ -467,7 +543,8 @@ def _all_gather_async(input_tensor, persistent_output_buffer=None, dim=None, mul
     mesh = input_tensor.device
     if mesh.get_num_devices() > 1 and mesh.fabric == FabricConfig.DISABLED:
         raise RuntimeError("TT_FATAL: Trying to get un-initialized fabric context")
-    return run_op("all_gather_async", lambda t: (t.data.clone(), t.dtype, t.layout), input_tensor, shards=1)
+    return run_op("all_gather_async", lambda t: (t.data.clone(), t.dtype, t.layout), input_tensor, shards=1,
+                  mem=memory_config)
 
 
 # ---- the paged KV cache -----------------------------------------------------------------------------------------

@@ -17,11 +17,13 @@
 - top k (token recycling): `ttnn.topk` runs multi-core only on power-of-two widths (trace_plan.vocab_slices); each
   device's vocabulary share is cut into slices of such a width (the last padded with -inf), the top k of each taken
   on device, and the few candidates merged on the host.
-- hidden states (for a draft head, which runs on the host): a step asked for them also keeps the final norm's
-  output, what the LM head reads, in DRAM ([1, 1, 32, dim] per step, read back as 32 rows x dim); a prefill asked
-  for them replays the decode program over the prompt, 32 positions at a time, with every cache write switched off
-  (all write-pass positions -1): the prompt's states come from the cache the prefill wrote, which stays as it was.
-- traces: one per (write passes, top k, hidden) for the pass counts a run can need (trace_plan.pass_ladder), planned
+- taps (for an EAGLE-3 draft head, which runs on the host): a step asked for layers `taps` also copies the residual
+  stream entering each of those decoder layers to DRAM inside the trace (TapCapture: [1, 1, 32, dim] per tapped
+  layer, split over the devices along dim on a mesh) and reads them back as 32 rows x len(taps) * dim, concatenated
+  in the order asked; a prefill asked for them replays the decode program over the prompt, 32 positions at a time,
+  with every cache write switched off (all write-pass positions -1): the prompt's states come from the cache the
+  prefill wrote, which stays as it was.
+- traces: one per (write passes, top k, taps) for the pass counts a run can need (trace_plan.pass_ladder), planned
   by `warm_up` and replayed. A buffer allocated while a trace is live may be overwritten when that trace replays
   (tt-metal's allocator warns of it, allocator.cpp verify_safe_allocation), so traces are made for the whole mesh at
   once (`prepare_mesh`): every model on it releases its traces, allocates its persistent inputs and compiles every
@@ -41,7 +43,7 @@ import torch
 from ..speculative.backend import StepOutput, UserRows
 from .device import TRACE_REGIONS
 from .model import TILE_ROWS, TTModel, supported_kwargs
-from .trace_plan import pass_ladder, passes_for, region_bytes, trace_bytes, trace_keys, vocab_slices
+from .trace_plan import TraceKey, pass_ladder, passes_for, region_bytes, trace_bytes, trace_keys, vocab_slices
 
 # What a step costs, in units of streaming the weights once (a decode step of the tile, which computes all 32 rows
 # whatever is in them): each cache-write pass adds two paged_update_cache ops per layer, and paged SDPA decode reads
@@ -80,33 +82,79 @@ class Trace:
     best: Any  # [1, 1, 32, 1] per device: each device's max (merging across devices), or None on one share
     logits: Any  # [1, 1, 32, share] row-major per device
     top: Optional[list]  # per vocabulary slice: (values, indices) [1, 1, 32, k] per device, or None
-    hidden: Any  # [1, 1, 32, dim] (DRAM) when the trace keeps the final hidden states, else None
+    hidden: Optional[dict]  # tapped layer -> its input x copied to DRAM, [1, 1, 32, dim] (split over devices); or None
 
 
 def device_tensors(outputs) -> list:
-    """The device tensors in a traced program's outputs (nested lists and tuples, None where absent)."""
+    """The device tensors in a traced program's outputs (nested lists, tuples and dicts, None where absent)."""
     if outputs is None:
         return []
+    if isinstance(outputs, dict):
+        outputs = list(outputs.values())
     if isinstance(outputs, (list, tuple)):
         return [t for o in outputs for t in device_tensors(o)]
     return [outputs]
 
 
-class HiddenCapture:
-    """Stands in for TT-Transformers' final norm (`Transformer.norm`, a DistributedNorm) while a traced step is
-    captured: the norm runs as before and its output, the LM head's input, is also copied to DRAM, an output of the
-    trace like the logits. Outside the Galaxy layout the norm's decode output holds every row's whole hidden state
-    on each device (DistributedNorm gathers it for the LM head)."""
+def dram_copy(x):
+    """A copy of a device tensor in DRAM (interleaved), a trace output of its own. The decode residual is
+    width-sharded in L1, and ttnn.clone refuses a sharded input with an interleaved output ("Clone: mixed
+    sharded/interleaved layout not currently supported", ttnn 0.81.1 clone_device_operation.cpp validate_inputs);
+    ttnn.to_memory_config moves it with sharded_to_interleaved into a new DRAM buffer (to_memory_config_op.cpp). An
+    interleaved input (a Galaxy's L1 residual) is cloned: to_memory_config would hand back the same tensor when the
+    config already matches (to_memory_config_op.cpp: `return tensor`), and no trace output may alias the program's
+    own buffers."""
+    import ttnn
 
-    def __init__(self, norm):
-        self.norm, self.output = norm, None
+    if x.memory_config().is_sharded():
+        return ttnn.to_memory_config(x, ttnn.DRAM_MEMORY_CONFIG)
+    return ttnn.clone(x, memory_config=ttnn.DRAM_MEMORY_CONFIG)
 
-    def __call__(self, x, *args, **kwargs):
-        import ttnn
 
-        out = self.norm(x, *args, **kwargs)
-        self.output = ttnn.clone(out, memory_config=ttnn.DRAM_MEMORY_CONFIG)  # a copy: the LM head frees `out`
-        return out
+class TapCapture:
+    """While a traced step is captured (or compiled), the decoder layers named by `taps` copy their input x, the
+    residual stream entering the layer, to DRAM before they run: an output of the trace like the logits.
+
+    TT-Transformers' Transformer.forward (tt/model.py, read at 3c5c3944) runs `for i, layer in enumerate(self.layers)`:
+    in decode (not on a Galaxy) `x = ttnn.to_memory_config(x, self.args.get_residual_mem_config(mode, ...),
+    activation_dtype)`, then `x = layer(x, current_pos, rot_mats_global=..., ..., kv_cache=kv_cache[i])`; layer 0's x
+    is the embedding (`_transform_decode_inputs_device`). A layer is a TransformerBlock, a LightweightModule whose
+    __call__ is `return self.forward(*args, **kwargs)` (models/common/lightweightmodule.py), so an instance attribute
+    `forward` on the layer object sees exactly that x. The layer objects stay in self.layers, unchanged otherwise
+    (model.py reads `layer.attention.layer_past` for the cache; TT's generator and our draft views index the same
+    list); the attribute is removed again when the capture ends.
+
+    What x is there (tt/model_config.py ModelArgs.get_residual_mem_config, read at 87700c07; tt/decoder.py
+    TransformerBlock.forward, read at 01229001: "x is fractured across devices and interleaved in DRAM (for prefill)
+    and sharded in L1 (for decode)", with `assert x.memory_config() == skip_mem_cfg`): [1, 1, 32, dim / devices] per
+    device, width-sharded in L1 over dram_shard_core_grid_for_k(dim // devices), device d holding columns
+    [d * dim / devices, (d + 1) * dim / devices) as the embedding's weights are split (tt/embedding.py,
+    ShardTensor2dMesh(dims=(None, 3))). So on N300/T3K the copies are read back concatenated along the last dim
+    (ConcatMeshToTensor) and on one device as they are. A Galaxy keeps x L1-interleaved and split over its 4 mesh
+    columns, replicated over its 8 rows: refused (TtnnCausalLM._check_taps)."""
+
+    def __init__(self, layers, taps: Sequence[int]):
+        self.layers, self.taps, self.outputs, self.saved = layers, sorted(set(taps)), {}, {}
+
+    def __enter__(self):
+        for i in self.taps:
+            layer = self.layers[i]
+            self.saved[i] = layer.__dict__.get("forward")  # an instance attribute already there, else None
+            layer.forward = self._tapped(i, layer.forward)
+        return self
+
+    def _tapped(self, i: int, forward):
+        def tapped_forward(x, *args, **kwargs):
+            self.outputs[i] = dram_copy(x)  # issued before the layer's own ops: it reads x as the layer receives it
+            return forward(x, *args, **kwargs)
+        return tapped_forward
+
+    def __exit__(self, *exc):
+        for i, saved in self.saved.items():
+            if saved is None:
+                del self.layers[i].forward  # the class's forward again
+            else:
+                self.layers[i].forward = saved
 
 
 def prepare_mesh(mesh) -> None:
@@ -147,10 +195,10 @@ class TtnnCausalLM:
         self.split_vocab = self.num_devices > 1 and not args.is_galaxy and tt.model.sampling is not None
         self.share = args.padded_vocab_size // self.num_devices if self.split_vocab else self.vocab_size
         self.ladder = pass_ladder(TILE_ROWS)  # until warm_up plans the run's
-        self.planned: set[tuple[int, int, bool]] = set()  # (write passes, top k, hidden) of every trace to make
+        self.planned: set[TraceKey] = set()  # (write passes, top k, taps) of every trace to make
         self.inputs = inputs if inputs is not None else DeviceInputs()
-        self.traces: dict[tuple[int, int, bool], Trace] = {}
-        self.step_times: dict[tuple[int, int, bool], list] = defaultdict(list)  # seconds per replay, per trace
+        self.traces: dict[TraceKey, Trace] = {}
+        self.step_times: dict[TraceKey, list] = defaultdict(list)  # seconds per replay, per trace
         MESH_MODELS[id(tt.mesh_device)].add(self)
 
     def draft_view(self, n_layers: int) -> "TtnnCausalLM":
@@ -169,16 +217,17 @@ class TtnnCausalLM:
 
     # ---- warm-up, traces and the trace region ----------------------------------------------------------------
 
-    def warm_up(self, max_rows_per_user: int, top_k: int, hidden: bool) -> dict:
+    def warm_up(self, max_rows_per_user: int, top_k: int, taps: Sequence[int]) -> dict:
         """TT-Transformers' prefill warm-up (its first prefill_forward_text: every supported prefill length), then
         the traces a run with these settings uses planned, checked against the trace region and made with every
         other model's on the mesh (prepare_mesh)."""
+        taps = self._check_taps(taps)
         start = time.perf_counter()
         if not self.shares_target_cache:  # a draft view never prefills: the target's prefill fills its cache
             self.prefill(0, [0])
         prefill_s = time.perf_counter() - start
         self.ladder = pass_ladder(max_rows_per_user)
-        self.planned |= set(trace_keys(max_rows_per_user, top_k, hidden))
+        self.planned |= set(trace_keys(max_rows_per_user, top_k, taps))
         self.check_trace_region()
         prepare_mesh(self.tt.mesh_device)
         return {"compile_prefill": prefill_s, "compile_decode": time.perf_counter() - start - prefill_s}
@@ -195,31 +244,31 @@ class TtnnCausalLM:
                              f"was opened with {region / 1e6:.0f} MB: open it with trace_region_size >= "
                              f"{region_bytes([needed])} (device_params), or plan fewer traces (lower --n_draft_tokens)")
 
-    def _trace_bytes(self, key: tuple[int, int, bool]) -> int:
+    def _trace_bytes(self, key: TraceKey) -> int:
         args = self.tt.args
         return trace_bytes(args.model_name, args.device_name, args.full_model_n_layers, self.n_layers, key, self.share)
 
-    def compile(self, key: tuple[int, int, bool]) -> None:
+    def compile(self, key: TraceKey) -> None:
         """The program for this key run once, outside any trace, so its kernels are built (and, on a first call, the
         persistent inputs allocated) before anything is captured. Every write pass is -1 first: the run writes
         nothing to the cache (it may come in the middle of a generation)."""
         import ttnn
 
         self._run_inputs([UserRows(0, [0], 0)], write=False, passes=TILE_ROWS)
-        passes, top_k, hidden = key
+        passes, top_k, taps = key
         self.tt.passes.positions = self.inputs.step.pass_positions[:passes]
-        for tensor in device_tensors(self._forward(top_k, hidden)):
+        for tensor in device_tensors(self._forward(top_k, taps)):
             ttnn.deallocate(tensor)
 
-    def capture(self, key: tuple[int, int, bool]) -> None:
+    def capture(self, key: TraceKey) -> None:
         """The program for this key captured as a trace (its outputs are the trace's persistent tensors)."""
         import ttnn
 
-        passes, top_k, hidden = key
+        passes, top_k, taps = key
         mesh = self.tt.mesh_device
         self.tt.passes.positions = self.inputs.step.pass_positions[:passes]
         trace_id = ttnn.begin_trace_capture(mesh, cq_id=0)
-        outputs = self._forward(top_k, hidden)
+        outputs = self._forward(top_k, taps)
         ttnn.end_trace_capture(mesh, trace_id, cq_id=0)
         self.traces[key] = Trace(trace_id, *outputs)
 
@@ -242,40 +291,51 @@ class TtnnCausalLM:
 
     # ---- the CausalLM calls ----------------------------------------------------------------------------------
 
-    def prefill(self, user: int, tokens: Sequence[int], logits: bool = False, hidden: bool = False) -> StepOutput:
+    def prefill(self, user: int, tokens: Sequence[int], logits: bool = False, taps: Sequence[int] = ()
+                ) -> StepOutput:
+        taps = self._check_taps(taps)
         generator = self.tt.generator
         out = generator.prefill_forward_text(torch.tensor([list(tokens)]), **supported_kwargs(
             generator.prefill_forward_text, page_table=self.tt.page_table[user : user + 1], kv_cache=[self.tt.kv_cache],
             prompt_lens=[len(tokens)], empty_slots=[user], enable_trace=False))
         row = out.reshape(-1)[: self.vocab_size].float().view(1, -1)
         states = None
-        if hidden:  # the decode program over the prompt, 32 positions a step, writing nothing
-            states = [torch.cat([self._run([UserRows(user, list(tokens[i : i + TILE_ROWS]), i)], False, 0, True,
+        if taps:  # the decode program over the prompt, 32 positions a step, writing nothing
+            states = [torch.cat([self._run([UserRows(user, list(tokens[i : i + TILE_ROWS]), i)], False, 0, taps,
                                            write=False).hidden[0] for i in range(0, len(tokens), TILE_ROWS)])]
         return StepOutput([row.argmax(dim=-1).tolist()], [row] if logits else None, hidden=states)
 
     def commit_path(self, user: int, start_pos: int, path: Sequence[int]) -> None:
         raise NotImplementedError("the ttnn backend verifies chains only (supports_trees is False)")
 
-    def step(self, rows: Sequence[UserRows], logits: bool = False, top_k: int = 0, hidden: bool = False
+    def step(self, rows: Sequence[UserRows], logits: bool = False, top_k: int = 0, taps: Sequence[int] = ()
              ) -> StepOutput:
         if any(r.parents is not None for r in rows):
             raise ValueError("the ttnn backend verifies chains only (supports_trees is False)")
-        return self._run(rows, logits, top_k, hidden)
+        return self._run(rows, logits, top_k, self._check_taps(taps))
+
+    def _check_taps(self, taps: Sequence[int]) -> tuple[int, ...]:
+        """taps as a trace key; layer ids out of range, or any on a Galaxy, refused with one line."""
+        taps = tuple(taps)
+        if any(not 0 <= i < self.n_layers for i in taps):
+            raise ValueError(f"taps {list(taps)}: layer ids must be in [0, {self.n_layers})")
+        if taps and self.tt.args.is_galaxy:
+            raise ValueError("taps on a Galaxy: its decode residual is split over the mesh columns and replicated "
+                             "over its rows, which this backend does not gather; use a draft mode without a draft "
+                             "head there")
+        return taps
 
     # ---- one traced step -------------------------------------------------------------------------------------
 
-    def _run(self, rows: Sequence[UserRows], logits: bool, top_k: int, hidden: bool, write: bool = True
+    def _run(self, rows: Sequence[UserRows], logits: bool, top_k: int, taps: tuple[int, ...], write: bool = True
              ) -> StepOutput:
         """One replay of the decode trace over `rows` (write=False: no cache writes, all pass positions -1). A
-        shape no warm-up planned is planned now and the mesh's traces made again (prepare_mesh)."""
+        shape no warm-up planned is planned now and the mesh's traces made again (prepare_mesh). taps: checked
+        (_check_taps)."""
         import ttnn
 
-        if hidden and self.tt.args.is_galaxy:
-            raise ValueError("hidden states on a Galaxy: its final norm leaves each device a slice of them, which "
-                             "this backend does not gather; use a draft mode without a draft head there")
         passes = passes_for(max(len(u.tokens) for u in rows), self.ladder) if write else 1
-        key = (passes, top_k, hidden)
+        key = (passes, top_k, taps)
         if key not in self.traces:
             self.planned.add(key)
             self.check_trace_region()
@@ -288,9 +348,7 @@ class TtnnCausalLM:
         self.step_times[key].append(time.perf_counter() - start)
         all_logits = self._read_logits(trace) if logits else None
         top = self._top_k(trace, top_k) if top_k else None
-        states = None
-        if hidden:
-            states = ttnn.to_torch(ttnn.get_device_tensors(trace.hidden)[0]).reshape(TILE_ROWS, -1)[:, : self.tt.args.dim]
+        states = self._read_taps(trace, taps) if taps else None
         out_ids, out_logits, out_top, out_hidden, start = [], [], [], [], 0
         for user_rows in rows:
             end = start + len(user_rows.tokens)
@@ -299,11 +357,11 @@ class TtnnCausalLM:
                 out_logits.append(all_logits[start:end])
             if top_k:
                 out_top.append(top[start:end])
-            if hidden:
-                out_hidden.append(states[start:end].to(torch.bfloat16))
+            if taps:
+                out_hidden.append(states[start:end])
             start = end
         return StepOutput(out_ids, out_logits if logits else None, out_top if top_k else None,
-                          out_hidden if hidden else None)
+                          out_hidden if taps else None)
 
     def _run_inputs(self, rows: Sequence[UserRows], write: bool, passes: int) -> int:
         """The step's inputs on the device (the first call allocates them, with every pass tensor; later calls copy
@@ -347,6 +405,22 @@ class TtnnCausalLM:
             composer = ttnn.ConcatMeshToTensor(self.tt.mesh_device, dim=3)
             return ttnn.to_torch(tensor, mesh_composer=composer).reshape(TILE_ROWS, -1)
         return ttnn.to_torch(ttnn.get_device_tensors(tensor)[0]).reshape(TILE_ROWS, -1)
+
+    def _read_taps(self, trace: Trace, taps: tuple[int, ...]) -> torch.Tensor:
+        """[32, len(taps) * dim] bfloat16: each tapped layer's input, in the order asked. On a mesh of several devices
+        each holds dim / devices columns of it (TapCapture), read back in one call per layer concatenated in device
+        order (ConcatMeshToTensor along the last dim); on one device as it is."""
+        import ttnn
+
+        dim, mesh = self.tt.args.dim, self.tt.mesh_device
+        composer = ttnn.ConcatMeshToTensor(mesh, dim=3) if self.num_devices > 1 else None
+        read = {}
+        for i in dict.fromkeys(taps):
+            tensor = trace.hidden[i]
+            host = (ttnn.to_torch(tensor, mesh_composer=composer) if composer is not None
+                    else ttnn.to_torch(ttnn.get_device_tensors(tensor)[0]))
+            read[i] = host.reshape(TILE_ROWS, -1)[:, :dim].to(torch.bfloat16)
+        return torch.cat([read[i] for i in taps], dim=1)
 
     def _argmax(self, trace: Trace) -> list[int]:
         """Each row's greedy id: the device whose share holds the largest logit (the lowest id on ties, as argmax
@@ -401,24 +475,18 @@ class TtnnCausalLM:
         return ttnn.from_torch(mask, dtype=ttnn.bfloat16, layout=ttnn.TILE_LAYOUT, device=self.tt.mesh_device,
                                mesh_mapper=mapper)
 
-    def _forward(self, top_k: int, hidden: bool) -> list:
+    def _forward(self, top_k: int, taps: tuple[int, ...]) -> list:
         """The traced program: the decode forward over the tile, then per device the argmax (and the max, and the
-        top k of each slice) over its vocabulary share; with `hidden`, the final norm's output too. Outputs go to
+        top k of each slice) over its vocabulary share; with `taps`, each tapped layer's input too. Outputs go to
         DRAM (a trace keeps them: L1 is for the ops)."""
         import ttnn
 
         i, model, dram = self.inputs.step, self.tt.model, ttnn.DRAM_MEMORY_CONFIG
-        capture = HiddenCapture(model.norm) if hidden else None
-        if capture:
-            model.norm = capture
-        try:
+        with TapCapture(model.layers, taps) as capture:
             out = model.ttnn_decode_forward(i.tokens, i.current_pos, rot_mat_idxs=i.rope_idxs, page_table=i.page_table,
                                             kv_cache=self.tt.kv_cache, **({"sampling_on_device": True,
                                                                            "capture_sampling_trace": True}
                                                                           if self.split_vocab else {}))
-        finally:
-            if capture:
-                model.norm = capture.norm
         if self.split_vocab:  # each device's share (the LM head's bfloat8_b): masked in bfloat16, which holds -inf
             tiles = ttnn.add(out, self.inputs.vocab_mask, dtype=ttnn.bfloat16, memory_config=dram)
             best = ttnn.max(tiles, dim=-1, keepdim=True, memory_config=dram)
@@ -429,7 +497,7 @@ class TtnnCausalLM:
             best = None
         ids = ttnn.argmax(rows, dim=-1, keepdim=True, memory_config=dram)
         top = self._slice_top_k(tiles, top_k) if top_k else None
-        return [ids, best, rows, top, capture.output if capture else None]
+        return [ids, best, rows, top, dict(capture.outputs) if taps else None]
 
     def _slice_top_k(self, tiles, k: int) -> list:
         import ttnn

@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """Which decode traces a run captures, and how much of the device's trace region they take.
 
-A trace is keyed by (write passes, top k, hidden): the number of ordered cache-write passes (attention.py) is part
-of the program. A run whose steps carry at most R rows per user (R = n_draft_tokens + 1 for the target) captures
+A trace is keyed by (write passes, top k, taps): the number of ordered cache-write passes (attention.py) is part
+of the program, and so are the layers whose input it copies out (taps, a tuple of layer ids; () for none). A run
+whose steps carry at most R rows per user (R = n_draft_tokens + 1 for the target) captures
 the pass counts of `pass_ladder(R)`: 1, the powers of two below R, and R itself. A step with r rows replays the
 smallest count >= r, so it never launches as many as r empty passes (fewer than r: at most 2r - 1 in all), and the
 number of traces grows with log2 R instead of R.
@@ -11,11 +12,11 @@ Sizes: tt-metal sizes the trace region per model and device (models/tt_transform
 get_supported_trace_region_size) for TT-Transformers' own decode trace; TT_TRACE_REGION below is that table and
 TT_DEFAULT_TRACE_REGION the text demo's parametrized default (simple_text_demo.py, device_params). One of our
 traces is that size scaled by its op count over a plain TT-Transformers decode step's: each extra write pass adds
-two `paged_update_cache` ops per layer, each top-k slice a slice, a pad and a topk, the hidden states one copy.
+two `paged_update_cache` ops per layer, each top-k slice a slice, a pad and a topk, each tapped layer one copy.
 """
 import math
 import re
-from typing import Optional
+from typing import Optional, Sequence
 
 from .model import TILE_ROWS
 
@@ -56,12 +57,16 @@ def passes_for(rows_per_user: int, ladder: list[int]) -> int:
                      "were planned for (warm_up)")
 
 
-def trace_keys(max_rows_per_user: int, top_k: int, hidden: bool) -> list[tuple[int, int, bool]]:
+TraceKey = tuple[int, int, tuple[int, ...]]  # (write passes, top k, taps)
+
+
+def trace_keys(max_rows_per_user: int, top_k: int, taps: Sequence[int]) -> list[TraceKey]:
     """Every trace a run uses: its steps at each pass count; one plain step (a baseline or warm-up run: 1 pass, no
-    top k or hidden states); with hidden states, the prompt-state replay (1 pass, writing nothing)."""
-    keys = {(passes, top_k, hidden) for passes in pass_ladder(max_rows_per_user)} | {(1, 0, False)}
-    if hidden:
-        keys.add((1, 0, True))
+    top k or taps); with taps, the prompt-state replay (1 pass, writing nothing)."""
+    taps = tuple(taps) if taps else ()  # (None or False from a caller that asks for none)
+    keys = {(passes, top_k, taps) for passes in pass_ladder(max_rows_per_user)} | {(1, 0, ())}
+    if taps:
+        keys.add((1, 0, taps))
     return sorted(keys)
 
 
@@ -75,12 +80,12 @@ def vocab_slices(vocab_size: int) -> tuple[int, int]:
     return min(((w, math.ceil(vocab_size / w)) for w in widths), key=lambda ws: (ws[1], ws[0] * ws[1]))
 
 
-def trace_ops(n_layers: int, key: tuple[int, int, bool], vocab_size: int) -> int:
-    passes, top_k, hidden = key
+def trace_ops(n_layers: int, key: TraceKey, vocab_size: int) -> int:
+    passes, top_k, taps = key
     ops = n_layers * (OPS_PER_LAYER + 2 * (passes - 1)) + HEAD_OPS + 2  # + slice off the padded vocab, argmax
     if top_k:
         ops += 3 * vocab_slices(vocab_size)[1]
-    return ops + hidden
+    return ops + len(set(taps))  # one copy to DRAM per tapped layer
 
 
 def base_model_name(model_name: str) -> str:
@@ -90,7 +95,7 @@ def base_model_name(model_name: str) -> str:
 
 
 def trace_bytes(model_name: str, device_name: Optional[str], full_layers: int, n_layers: int,
-                key: tuple[int, int, bool], vocab_size: int) -> int:
+                key: TraceKey, vocab_size: int) -> int:
     """One trace of an n_layers model (a view of a full_layers model: TT's figure is for the whole model)."""
     tt_region = TT_TRACE_REGION.get(base_model_name(model_name), {}).get(device_name, TT_DEFAULT_TRACE_REGION)
     tt_ops = full_layers * OPS_PER_LAYER + HEAD_OPS
@@ -114,9 +119,9 @@ def device_names_for(shape: tuple[int, int], mesh_name: Optional[str]) -> list[s
 
 
 def model_trace_bytes(model_name: str, device_names: list[str], n_devices: int, full_layers: int, n_layers: int,
-                      vocab_size: int, max_rows_per_user: int, top_k: int, hidden: bool) -> list[int]:
+                      vocab_size: int, max_rows_per_user: int, top_k: int, taps: Sequence[int]) -> list[int]:
     """Every trace one model of a run captures, before it is built (its vocabulary share per device as TT pads it,
     tt/model_config.py compute_padded_vocab_size), for the largest of the device names it may have."""
     share = math.ceil(vocab_size / (32 * n_devices)) * 32 if n_devices > 1 else vocab_size
     return [max(trace_bytes(model_name, device, full_layers, n_layers, key, share) for device in device_names or [None])
-            for key in trace_keys(max_rows_per_user, top_k, hidden)]
+            for key in trace_keys(max_rows_per_user, top_k, taps)]
