@@ -300,18 +300,23 @@ def test_sampling_with_head_drafts_matches_the_target(kind, monkeypatch):
     from .test_lossless_sampling import make_tiny_model
 
     tiny = make_tiny_model()
-    head = random_head(tiny, seed=5, std=0.6, vocab_share=0.75)
+    # a flatter head for trees, so siblings outrank grandchildren and trees branch
+    head = random_head(tiny, seed=5, std=0.15 if kind == "head-trees" else 0.6, vocab_share=0.75)
     assert len(head.vocab) == 3 and head.config.draft_vocab_size < tiny.args.vocab_size
     if kind == "head-negative-control":
         monkeypatch.setattr(speculative_generator, "verify_rejection", lambda draft, q, p, rng: list(draft) + [
             sampling_module.sample(p[len(draft)], rng)])
-    trees = []
+    branching = []
+
+    class Branches(RecordingDrafter):
+        def propose(self, *args, **kwargs):
+            drafts = super().propose(*args, **kwargs)
+            branching.extend(d.parents is not None and len(set(d.parents)) < len(d.parents) for d in drafts)
+            return drafts
 
     def drafter(target):
         target.supports_trees = kind == "head-trees"
-        recording = RecordingDrafter(head_drafter(target, head))
-        trees.append(recording)
-        return recording
+        return Branches(head_drafter(target, head))
 
     counts, full_chains, *_ = sampled_counts(tiny, drafter, N_DRAFT, SETTINGS, 100)
     p_value = chi_square_p_value(counts, exact_joint(tiny, SETTINGS))
@@ -321,9 +326,8 @@ def test_sampling_with_head_drafts_matches_the_target(kind, monkeypatch):
     assert p_value > ALPHA
     if kind == "head":
         assert full_chains >= 100 * 32 // 4, full_chains  # whole chains of N_DRAFT head drafts were verified
-    else:  # trees of several nodes were verified, with their accepted paths
-        assert sum(len(d) > N_DRAFT for _, d, _ in trees[0].log) > 100, trees[0].log[:5]
-        assert sum(a for *_, a in trees[0].log) > 100
+    else:  # branching trees (of up to N_DRAFT nodes) were verified
+        assert sum(branching) > 100, sum(branching)
 
 
 # ---- the shipped head, its card and bad files ---------------------------------------------------------------------

@@ -166,6 +166,10 @@ def test_generated_cases_identical_to_plain():
         assert result.output_tokens == plain[0]
         for it in result.iterations:
             tally[it.draft_source] += it.accepted
+    # Pinned: an EOS that a 2-of-3-layer draft model drafts and the target accepts (the 4th token of plain decoding)
+    model = random_model(torch.float32, seed=0)
+    eos = reference_greedy(TorchCausalLM(model, model.args.n_layers, 1), [prompt], 40)[0][3]
+    check_case(model, [prompt], 4, 2, 40, (eos,), tally, mode="model")
     for feature in ("model", "suffix", "tree", "memory", "recycle", "head", "EOS inside accepted drafts",
                     "end of cache"):
         assert tally[feature] > 0, (feature, tally)

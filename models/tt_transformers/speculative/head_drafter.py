@@ -181,10 +181,10 @@ class HeadDrafter:
         return drafts, runs
 
     def _trees(self, roots: dict, wanted: dict, extra_cost: ExtraCost, probes: set) -> tuple[dict, int]:
-        """EAGLE-2's dynamic trees: at each depth the TREE_TOP_K likeliest nodes (by estimated path acceptance) are
-        run, all users' together, and give TREE_TOP_K children each, of which the TREE_TOP_K likeliest join the
-        tree; then the tree is cut to the nodes, likeliest first, whose acceptance pays for their rows
-        (extra_cost: a CPU affords few, a TT tile up to its rows). Nodes are the head's own choices (its top k),
+        """EAGLE-2's dynamic trees: at each depth (up to the user's draft budget) the TREE_TOP_K likeliest nodes (by
+        estimated path acceptance) are run, all users' together, and give TREE_TOP_K children each; then the tree is
+        cut to the nodes, likeliest first, whose acceptance pays for their rows (extra_cost: a CPU affords few, a TT
+        tile up to its rows), within the budget (--n_draft_tokens counts nodes). Nodes are the head's own choices (its top k),
         not samples, so sampling verifies them as point-mass drafts (SpecInfer's tree rejection sampling)."""
         K = self.TREE_TOP_K
         trees = {u: HeadTree() for u in roots}
@@ -198,10 +198,13 @@ class HeadDrafter:
                     for prob, i in zip(top.values.tolist(), top.indices.tolist()):
                         trees[u].add(int(self.vocab[i]), parent, depth, prob, self.acceptance)
             depth += 1
-            run = []  # (user, node) of the nodes to expand at this depth
+            run = []  # (user, node) of the nodes to expand at this depth: while their children could pay for a run
             for u, tree in trees.items():
-                if depth <= wanted[u] and len(tree.nodes) + K * K <= self.head.max_tree_nodes:
-                    run += [(u, i) for i in tree.best_at(depth - 1, K)]
+                best = tree.best_at(depth - 1, K)
+                could_gain = sum(tree.nodes[i].path_prob for i in best)  # the children's path probabilities at most
+                if (depth <= wanted[u] and len(tree.nodes) + K * K <= self.head.max_tree_nodes
+                        and could_gain > self.draft_cost + extra_cost(1)):
+                    run += [(u, i) for i in best]
             if not run:
                 break
             nodes = [(u, roots[u][0] + depth - 2, i, trees[u].ancestors(i)) for u, i in run]
@@ -215,7 +218,7 @@ class HeadDrafter:
                 frontier.setdefault(u, []).append((i, logits[j]))
         drafts = {}
         for u, tree in trees.items():
-            chosen = tree.cut(runs * self.draft_cost, extra_cost, force=u in probes)
+            chosen = tree.cut(runs * self.draft_cost, extra_cost, wanted[u], force=u in probes)
             if chosen:
                 tokens, parents, probs = tree.draft(chosen)
                 self.pending[u] = HeadDraft([tree.nodes[i].confidence for i in chosen], max(
@@ -278,11 +281,12 @@ class HeadTree:
             out.append(i)
         return tuple(reversed(out))
 
-    def cut(self, draft_cost: float, extra_cost: ExtraCost, force: bool) -> list[int]:
-        """The nodes to verify, likeliest first (a parent is never less likely than its child, so the set is a tree):
-        the count that maximises (1 + sum of path probabilities) / (1 + draft_cost + extra_cost(count)); one node for
-        a probe."""
-        order = sorted(range(len(self.nodes)), key=lambda i: (-self.nodes[i].path_prob, i))[: self.MAX_NODES]
+    def cut(self, draft_cost: float, extra_cost: ExtraCost, max_nodes: int, force: bool) -> list[int]:
+        """The nodes to verify, likeliest first (a parent is never less likely than its child, so the set is a tree),
+        at most max_nodes (the user's draft budget this step): the count that maximises (1 + sum of path
+        probabilities) / (1 + draft_cost + extra_cost(count)); one node for a probe."""
+        order = sorted(range(len(self.nodes)), key=lambda i: (-self.nodes[i].path_prob, i))
+        order = order[: min(self.MAX_NODES, max_nodes)]
         best, best_value, total = 0, 1.0, 0.0
         for k, i in enumerate(order, 1):
             total += self.nodes[i].path_prob

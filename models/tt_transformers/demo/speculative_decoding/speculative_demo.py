@@ -391,7 +391,7 @@ def trace_region_size(config: DemoConfig, shape: tuple[int, int]) -> int:
         draft_args = ModelArgs.from_hf_config(draft.config)
         layers = draft_args.n_layers if config.draft_model else min(config.draft_layers, target_layers)
         traces += model_trace_bytes(draft.name, device, n_devices, draft_args.n_layers, layers, draft_args.vocab_size,
-                                    TILE_ROWS, 0, False)
+                                    TILE_ROWS, 0, ())
     return region_bytes(traces)
 
 
@@ -443,6 +443,10 @@ def build(config: DemoConfig, mesh_device=None, pool: Optional[ModelPool] = None
         head_weights = read_draft_head(head_folder, args) if head_folder is not None else None  # (config, tensors)
     except DraftHeadError as e:
         raise DemoInputError(str(e)) from None
+    if head_weights is not None and backend == "ttnn" and args.n_layers in head_weights[0].taps:
+        raise DemoInputError(f"--draft_head {head_folder}: it reads the last layer's output (tap {args.n_layers}), which "
+                             "the ttnn backend does not capture; use a head whose taps are layers 0 to "
+                             f"{args.n_layers - 1}, or --backend torch")
     uses_draft_model = config.n_draft_tokens > 0 and (config.draft_mode == "model" or
                                                       config.draft_mode == "hybrid" and head_weights is None)
     check_cache_fits(config, args, target_layers, backend)
