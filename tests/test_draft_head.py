@@ -362,7 +362,7 @@ def bad_head(case, tmp_path, args):
     small = ModelArgs(**{**args.__dict__, "dim": 64, "n_heads": 4, "n_kv_heads": 2, "head_dim": 16, "hidden_dim": 96})
     target = {"other-width": small, "other-tokenizer": ModelArgs(**{**args.__dict__, "vocab_size": 32000})}.get(case, args)
     folder = write_eagle3_head(tmp_path / "head", target, "speculators", std=0.01, draft_vocab=256,
-                               taps=(2, 15, 40) if case == "taps-out-of-range" else None)
+                               taps={"taps-out-of-range": (2, 15, 40)}.get(case, (2, 15, 27)))
     if case in ("no-d2t", "missing-tensor", "truncated"):
         from safetensors.torch import load_file, save_file
 
@@ -393,6 +393,7 @@ def bad_head(case, tmp_path, args):
     ("missing-tensor", r"layers.0.hidden_norm.weight is missing, expected \(576,\)"),
     ("truncated", r"model.safetensors cannot be read .* it is corrupt or incomplete: download or train the head again"),
     ("d2t-outside-vocab", r"d2t maps draft ids outside the target's vocabulary"),
+    ("fewer-target-layers", r"it reads layers \[2, 15, 27\], but --target_layers keeps 12; leave --target_layers"),
 ])
 def test_bad_draft_head_is_a_clear_error_before_loading(tmp_path, embedded_checkpoint, monkeypatch, case, message):
     """Checked against the target's config before any model loads; one line naming --draft_head and the fix."""
@@ -400,7 +401,8 @@ def test_bad_draft_head_is_a_clear_error_before_loading(tmp_path, embedded_check
     value = bad_head(case, tmp_path, ModelArgs.from_hf_config(embedded_checkpoint.config))
     monkeypatch.setattr(checkpoint, "load_model", lambda *a, **k: pytest.fail("a model was loaded before the check"))
     config = DemoConfig(input_prompts=str(write_json(tmp_path / "p.json", [{"prompt": "Hi"}])), draft_mode="head",
-                        draft_head=str(value), max_generated_tokens=4)
+                        draft_head=str(value), max_generated_tokens=4,
+                        target_layers=12 if case == "fewer-target-layers" else None)
     with pytest.raises(DemoInputError, match=message) as error:
         run_demo(config)
     assert "\n" not in str(error.value)

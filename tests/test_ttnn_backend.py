@@ -160,6 +160,23 @@ def test_taps_come_from_the_layers_named(tt, embedded_checkpoint, prompts):
         lm.draft_view(8).step(rows, taps=(8,))
 
 
+def test_tap_capture_restores_the_layers_when_a_layer_fails(monkeypatch):
+    """A tapped layer that raises while a trace is compiled or captured leaves every layer's forward as it was."""
+    from models.tt_transformers.ttnn_backend import generator
+
+    class Layer:
+        def forward(self, x):
+            raise RuntimeError("op failed")
+
+    monkeypatch.setattr(generator, "dram_copy", lambda x: x)
+    layers = [Layer(), Layer()]
+    with pytest.raises(RuntimeError, match="op failed"):
+        with generator.TapCapture(layers, (1, 0)) as capture:
+            layers[1].forward(5)  # how LightweightModule.__call__ calls it
+    assert capture.outputs == {1: 5}
+    assert all("forward" not in vars(layer) for layer in layers)
+
+
 def test_head_drafts_identical_to_plain_through_the_verify_step(tt, embedded_checkpoint, prompts, plain_outputs):
     """The shipped EAGLE-3 head beside the device as the demo builds it (on the host, on the checkpoint's embedding
     without decoder layers), fed the taps every traced step reads back (the hybrid's choice is backend-independent:

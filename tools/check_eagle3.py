@@ -11,7 +11,7 @@ d2t): our HeadRunner is fed T true rows and then drafts a chain of K steps on it
 same inputs and drafted tokens go to tools/eagle3_reference.py, which drives speculators' own modules in its own venv
 (speculators pins torch 2.14.1 and transformers <= 5.19). Compared: the logits after the last true row and after each
 draft step, in float32 (our head in float32) and as shipped (our head in bf16, on the CPU kernels where the target
-runs on them). Writes a JSON report (--out) and exits non-zero if a case is outside the stated tolerance.
+runs on them, fed the same drafted tokens), and whether the bf16 head's greedy drafts are the reference's. Writes a JSON report (--out) and exits non-zero if a case is outside the stated tolerance.
 """
 import argparse
 import json
@@ -20,6 +20,7 @@ import sys
 import tempfile
 from dataclasses import replace
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -77,16 +78,18 @@ def random_tensors(config: HeadConfig, seed: int) -> dict:
     return out
 
 
-def our_chain(head_folder: Path, target: Transformer, taps: torch.Tensor, tokens: list[int]) -> tuple:
-    """Our head over T true rows then K draft steps on its own states and argmax: logits [K + 1, V'] (float32) and
-    the drafted target ids [K + 1]."""
+def our_chain(head_folder: Path, target: Transformer, taps: torch.Tensor, tokens: list[int],
+              drafted: Optional[list[int]] = None) -> tuple:
+    """Our head over T true rows then K draft steps on its own states and argmax (or fed `drafted`, so two runs
+    compare the same chain): logits [K + 1, V'] (float32) and the drafted target ids [K + 1]."""
     head = load_draft_head(head_folder, target)
     runner = HeadRunner(head, 1, 256, target.args)
     T = taps.shape[0]
     out, logits = runner.run([0], [0], [taps], [tokens[1 : T + 1]])[0]
     state, rows, ids = out[-1:], [logits], [int(head.vocab[logits.argmax()])]
     for k in range(K):
-        state, logits = runner.run([0], [T - 1 + k + 1], [state], [[ids[-1]]])[0]
+        fed = drafted[k] if drafted is not None else ids[-1]
+        state, logits = runner.run([0], [T - 1 + k + 1], [state], [[fed]])[0]
         rows.append(logits)
         ids.append(int(head.vocab[logits.argmax()]))
     return torch.stack(rows).float(), ids
@@ -143,7 +146,7 @@ def main(argv=None):
                     folder = work / f"head-{layout}"
                     write_head(folder, config, tensors, layout)
                     ours, drafted = our_chain(folder, f32, taps, tokens)
-                    shipped, _ = our_chain(folder, bf16, taps.to(torch.bfloat16), tokens)
+                    shipped, _ = our_chain(folder, bf16, taps.to(torch.bfloat16), tokens, drafted)
                     ref = reference_chain(args.reference_python, folder, taps, tokens, f32.tok_embeddings.weight.data,
                                           drafted, work)
                     scale = float(ref.abs().max())

@@ -472,9 +472,11 @@ def to_layout(tensor: Tensor, layout, dtype=None, memory_config=None, **kwargs) 
 
 
 def to_memory_config(tensor: Tensor, memory_config=None, dtype=None, output_tensor=None, **kwargs) -> Tensor:
-    """to_memory_config_op.cpp ttnn::to_memory_config: the same tensor when its config already matches (no copy);
-    otherwise a new buffer (sharded_to_interleaved, interleaved_to_sharded, reshard or copy), dtype cast if asked."""
-    if tensor.mem == memory_config and (dtype is None or dtype == tensor.dtype) and output_tensor is None:
+    """to_memory_config_op.cpp ttnn::to_memory_config (read at 040a27c1): the same tensor when its config already
+    matches, whatever dtype is asked (`original_memory_config.value() == memory_config && !output_tensor.has_value()`
+    returns `tensor`); otherwise a new buffer (sharded_to_interleaved, interleaved_to_sharded, reshard or copy), dtype
+    cast if asked."""
+    if tensor.mem == memory_config and output_tensor is None:
         return tensor
     return run_op("to_memory_config", lambda t: (t.data.clone(), dtype or t.dtype, t.layout), tensor,
                   mem=memory_config)

@@ -130,8 +130,8 @@ class TapCapture:
     device, width-sharded in L1 over dram_shard_core_grid_for_k(dim // devices), device d holding columns
     [d * dim / devices, (d + 1) * dim / devices) as the embedding's weights are split (tt/embedding.py,
     ShardTensor2dMesh(dims=(None, 3))). So on N300/T3K the copies are read back concatenated along the last dim
-    (ConcatMeshToTensor) and on one device as they are. A Galaxy keeps x L1-interleaved and split over its 4 mesh
-    columns, replicated over its 8 rows: refused (TtnnCausalLM._check_taps)."""
+    (ConcatMeshToTensor) and on one device as they are. A Galaxy keeps x split over its 4 mesh columns and
+    replicated over its 8 rows (its layout differs between tt-metal versions): refused (TtnnCausalLM._check_taps)."""
 
     def __init__(self, layers, taps: Sequence[int]):
         self.layers, self.taps, self.outputs, self.saved = layers, sorted(set(taps)), {}, {}
@@ -344,11 +344,13 @@ class TtnnCausalLM:
         trace = self.traces[key]
         start = time.perf_counter()
         ttnn.execute_trace(self.tt.mesh_device, trace.trace_id, cq_id=0, blocking=False)
-        ids = self._argmax(trace)[:r]
-        self.step_times[key].append(time.perf_counter() - start)
+        # every output is read right after its own trace's replay: a later trace's capture allocated under this one
+        # (prepare_mesh) may overwrite its outputs when that trace replays, never before they are read here
+        ids = self._argmax(trace, r)
         all_logits = self._read_logits(trace) if logits else None
         top = self._top_k(trace, top_k) if top_k else None
         states = self._read_taps(trace, taps) if taps else None
+        self.step_times[key].append(time.perf_counter() - start)  # the step as the loop sees it: reads included
         out_ids, out_logits, out_top, out_hidden, start = [], [], [], [], 0
         for user_rows in rows:
             end = start + len(user_rows.tokens)
@@ -422,13 +424,14 @@ class TtnnCausalLM:
             read[i] = host.reshape(TILE_ROWS, -1)[:, :dim].to(torch.bfloat16)
         return torch.cat([read[i] for i in taps], dim=1)
 
-    def _argmax(self, trace: Trace) -> list[int]:
-        """Each row's greedy id: the device whose share holds the largest logit (the lowest id on ties, as argmax
-        over the whole vocabulary), at its argmax."""
-        ids = self._read(trace.ids).long()  # [32, devices]: each device's argmax in its own share
+    def _argmax(self, trace: Trace, rows: int) -> list[int]:
+        """The greedy id of each of the first `rows` rows (the idle rows after them, at position -1, hold whatever the
+        kernels left: never looked at, as TT ignores them): the device whose share holds the largest logit (the
+        lowest id on ties, as argmax over the whole vocabulary), at its argmax."""
+        ids = self._read(trace.ids).long()[:rows]  # [rows, devices]: each device's argmax in its own share
         if trace.best is None:
             return ids[:, 0].tolist()
-        device = self._read(trace.best).float().argmax(dim=1)  # the first device on ties
+        device = self._read(trace.best).float()[:rows].argmax(dim=1)  # the first device on ties
         greedy = device * self.share + ids.gather(1, device.view(-1, 1)).view(-1)
         if (greedy >= self.vocab_size).any():
             raise RuntimeError("the device's argmax chose a padded vocabulary column: its mask did not hold")

@@ -443,10 +443,14 @@ def build(config: DemoConfig, mesh_device=None, pool: Optional[ModelPool] = None
         head_weights = read_draft_head(head_folder, args) if head_folder is not None else None  # (config, tensors)
     except DraftHeadError as e:
         raise DemoInputError(str(e)) from None
-    if head_weights is not None and backend == "ttnn" and args.n_layers in head_weights[0].taps:
-        raise DemoInputError(f"--draft_head {head_folder}: it reads the last layer's output (tap {args.n_layers}), which "
-                             "the ttnn backend does not capture; use a head whose taps are layers 0 to "
-                             f"{args.n_layers - 1}, or --backend torch")
+    taps = head_weights[0].taps if head_weights is not None else ()
+    if taps and max(taps) > target_layers:
+        raise DemoInputError(f"--draft_head {head_folder}: it reads layers {list(taps)}, but --target_layers keeps "
+                             f"{target_layers}; leave --target_layers unset or use a head for that many layers")
+    if taps and backend == "ttnn" and max(taps) == target_layers:  # the backend captures layers' inputs only
+        raise DemoInputError(f"--draft_head {head_folder}: it reads the last layer's output (tap {target_layers}), "
+                             f"which the ttnn backend does not capture; use a head whose taps are layers 0 to "
+                             f"{target_layers - 1}, or --backend torch")
     uses_draft_model = config.n_draft_tokens > 0 and (config.draft_mode == "model" or
                                                       config.draft_mode == "hybrid" and head_weights is None)
     check_cache_fits(config, args, target_layers, backend)
@@ -479,8 +483,8 @@ def build(config: DemoConfig, mesh_device=None, pool: Optional[ModelPool] = None
     if head_weights is not None:
         head = HeadDrafter(host_draft_head(head_weights, target, ckpt, args, config))
         drafter = head if config.draft_mode == "head" else HybridDrafter(copied, head)
-        logger.info(f"Draft head {head_folder.name} ({head_weights[0].layout} layout): taps {list(head.taps)}, "
-                    f"{len(head.vocab):,}-token vocabulary, a run estimated at {head.draft_cost:.3f} of a target step")
+        logger.info(f"Draft head {head_folder.name} ({head_weights[0].layout}): taps {list(head.taps)}, "
+                    f"{len(head.vocab):,} draft tokens, a run ~{head.draft_cost:.2f} step")
     elif config.n_draft_tokens > 0 and config.draft_mode == "suffix":
         drafter = copied  # no draft model at all
     elif config.n_draft_tokens > 0:
