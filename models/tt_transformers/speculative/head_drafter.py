@@ -200,6 +200,8 @@ class HeadDrafter:
             depth += 1
             run = []  # (user, node) of the nodes to expand at this depth: while their children could pay for a run
             for u, tree in trees.items():
+                if u in probes:  # a probe verifies one token: its first depth is all it needs
+                    continue
                 best = tree.best_at(depth - 1, K)
                 could_gain = sum(tree.nodes[i].path_prob for i in best)  # the children's path probabilities at most
                 if (depth <= wanted[u] and len(tree.nodes) + K * K <= self.head.max_tree_nodes
