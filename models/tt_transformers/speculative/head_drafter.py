@@ -83,7 +83,8 @@ class HeadDrafter:
         self.policies = {u: DraftLengthPolicy.learned_from(self.policies.values(), self.draft_cost) for u in users}
         self.sampling = sampling
         self.streams = None if sampling.greedy else sampling.streams()
-        self._catch_up([(u, p) for u, p in zip(users, prompts)], 0)  # the head's prefill: every prompt row but one
+        # the head's prefill (the prompt's rows) waits for its first proposal: a request it never drafts for costs
+        # nothing (on a CPU that is most of them: a long prompt's rows cost a sizeable share of the request)
 
     @property
     def draft_cost(self) -> float:
