@@ -451,3 +451,26 @@ def test_training_command_end_to_end(tmp_path):
     report = run_demo(DemoConfig(input_prompts=str(write_json(tmp_path / "p.json", [{"prompt": "Hi"}])),
                                  draft_mode="head", draft_head=str(out), max_generated_tokens=8))
     assert report["summary"]["identical_to_baseline"]
+
+
+def test_a_head_slower_than_the_target_step_is_reported_once(monkeypatch):
+    """A host-side head beside a fast target (a TT device's step): once its runs measure slower than the target's
+    step, one warning names both times (the head still drafts only when its acceptance covers that)."""
+    from loguru import logger
+
+    from models.tt_transformers.speculative import head_drafter
+
+    clock = iter(range(0, 10_000, 1))
+    monkeypatch.setattr(head_drafter.time, "perf_counter", lambda: next(clock) * 1e-3)  # 1 ms a tick
+    messages = []
+    sink = logger.add(lambda m: messages.append(m.record["message"]), level="WARNING")
+    try:
+        cost = RunCost(0.05)
+        for _ in range(2 * RunCost.WARN_AFTER):
+            cost.ran(0.004)  # a head run: 4 ms
+            cost.proposed_at = head_drafter.time.perf_counter()
+            cost.verified()  # the target's step: 1 ms
+    finally:
+        logger.remove(sink)
+    assert cost.value == pytest.approx(4.0)
+    assert len(messages) == 1 and "4.0 ms on the host, 4.0x the target's step (1.0 ms)" in messages[0], messages
