@@ -444,6 +444,12 @@ def build(config: DemoConfig, mesh_device=None, pool: Optional[ModelPool] = None
     except DraftHeadError as e:
         raise DemoInputError(str(e)) from None
     taps = head_weights[0].taps if head_weights is not None else ()
+    unusable = taps and (max(taps) > target_layers or backend == "ttnn" and max(taps) == target_layers)
+    if unusable and config.draft_head is None and config.draft_mode == "hybrid":
+        # the shipped head is for the whole model: a truncated target's hybrid drafts with the draft model instead
+        logger.info(f"The shipped draft head reads layers {list(taps)}, which this target does not run: hybrid "
+                    "drafts with the draft model")
+        head_weights, taps = None, ()
     if taps and max(taps) > target_layers:
         raise DemoInputError(f"--draft_head {head_folder}: it reads layers {list(taps)}, but --target_layers keeps "
                              f"{target_layers}; leave --target_layers unset or use a head for that many layers")
