@@ -35,7 +35,7 @@ class Draft:
 class Verified:
     """What a verification step did for one user: `new_tokens` were appended to its context, of which the draft
     tokens `path` (indices into the draft, root to leaf) were accepted; `fed` were the step's rows and `top_ids` the
-    target's top-k next tokens after each row (when the drafter asked for them), `hidden` its final hidden states
+    target's top-k next tokens after each row (when the drafter asked for them), `hidden` its tapped hidden states
     per row [rows, dim] (when the drafter wants them)."""
 
     new_tokens: list[int]

@@ -370,7 +370,7 @@ def head_taps(folder: Path, args) -> tuple[int, ...]:
 def trace_region_size(config: DemoConfig, shape: tuple[int, int]) -> int:
     """The trace region a ttnn run on a mesh of this shape needs: every decode trace of the target and of the draft
     model (ttnn_backend/trace_plan.py), for the draft mode's most demanding choice (hybrid: recycling's top k, a head's
-    hidden states and a draft model's traces all counted)."""
+    taps and a draft model's traces all counted)."""
     from models.tt_transformers.torch_backend.checkpoint import resolve_checkpoint
     from models.tt_transformers.torch_backend.model_config import ModelArgs
     from models.tt_transformers.ttnn_backend.model import TILE_ROWS
