@@ -67,7 +67,7 @@ class HeadDrafter:
         self.vocab, self.taps = head.vocab, tuple(head.taps)
         # prior: a token with the head's probability c is accepted with probability ~0.9 c at any depth
         self.acceptance = MatchAcceptance(prior=[0.9] * len(LENGTH_BUCKETS))
-        self.known: dict[int, torch.Tensor] = {}
+        self.known: dict[int, list[torch.Tensor]] = {}  # chunks, joined only when the head is fed
         self.fed_len: dict[int, int] = {}
         self.policies: dict[int, DraftLengthPolicy] = {}
         self.pending: dict[int, HeadDraft] = {}
@@ -77,7 +77,7 @@ class HeadDrafter:
         if hidden is None:
             raise ValueError("a draft head drafts from the target's tapped hidden states: the generator must ask the "
                              "backend for them (Drafter.taps)")
-        self.known = {u: h for u, h in zip(users, hidden)}
+        self.known = {u: [h] for u, h in zip(users, hidden)}
         self.fed_len = {u: 0 for u in users}
         self.pending = {}
         self.policies = {u: DraftLengthPolicy.learned_from(self.policies.values(), self.draft_cost) for u in users}
@@ -98,13 +98,15 @@ class HeadDrafter:
     def _rows(self, user: int, context: Sequence[int], end: int) -> tuple[int, torch.Tensor, list[int]]:
         """The head's next rows for positions fed_len .. end - 1: (start, hidden states, next tokens)."""
         start = self.fed_len[user]
-        return start, self.known[user][: end - start], list(context[start + 1 : end + 1])
+        if len(self.known[user]) > 1:  # the verified steps' rows since the head last ran, joined once
+            self.known[user] = [torch.cat(self.known[user])]
+        return start, self.known[user][0][: end - start], list(context[start + 1 : end + 1])
 
     def _feed(self, users: list[int], rows: list[tuple[int, torch.Tensor, list[int]]]):
         outs = self.head.run(users, [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
         for u, (start, states, _) in zip(users, rows):
             self.fed_len[u] = start + len(states)
-            self.known[u] = self.known[u][len(states):]
+            self.known[u] = [self.known[u][0][len(states):]]
         return outs
 
     def _catch_up(self, live: list[tuple[int, Sequence[int]]], last_rows: int) -> None:
@@ -230,8 +232,7 @@ class HeadDrafter:
         return drafts, runs
 
     def accept(self, user, verified: Verified):
-        true_states = verified.hidden[verified.true_rows].to(self.known[user].dtype)
-        self.known[user] = torch.cat([self.known[user], true_states])
+        self.known[user].append(verified.hidden[verified.true_rows].to(self.known[user][0].dtype))
         self.cost.verified()
         pending = self.pending.pop(user, None)
         if pending is None:
