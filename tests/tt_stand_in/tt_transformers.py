@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """TEST DOUBLE standing in for the TT-Transformers surface the ttnn backend drives (models.tt_transformers.tt:
-ModelArgs, Transformer, TransformerBlock, Attention, DistributedNorm, TT_CCL, PagedAttentionConfig,
+ModelArgs, Transformer, TransformerBlock, Attention, DistributedNorm, TT_CCL, tt_all_gather, PagedAttentionConfig,
 copy_host_to_device, Generator). It is not TT-Transformers: it computes the checkpoint's model in torch through the
 stand-in ttnn ops (stand-in ttnn.py). What it keeps of the real code, each piece naming the tt-metal file and
 function it mirrors, is what the backend depends on and what can fail there: the signatures and keyword arguments,
@@ -8,13 +8,26 @@ the module-name map behind get_state_dict_prefix, model_name and the weight-cach
 TT_CACHE_PATH, the device name from the mesh, the optimizations default, the prefill warm-up's power-of-two rule,
 the vocabulary padded per device, CCL ops on meshes of several devices, tokens padded to a 32-row tile, RoPE
 positions clamped at 0, the cache update through ttnn.experimental.paged_update_cache with
-update_idxs_tensor=current_pos, paged SDPA decode bounded by each row's position, and the decode residual stream:
-Transformer.forward calling each layer (a LightweightModule) on x moved to the residual memory config, x split over
-the devices along dim and width-sharded in L1, the decoder asserting its input's memory config.
+update_idxs_tensor=current_pos on q/k/v height-sharded as nlp_create_qkv_heads_decode leaves them, paged SDPA decode
+bounded by each row's position, and the residual stream: Transformer.forward calling each layer (a
+LightweightModule) on x, the decoder asserting its input's memory config -- in decode x split over the devices
+along dim and width-sharded in L1, in prefill [1, 1, S, dim] split the same way and interleaved in DRAM.
+
+Prefill runs TT's path: Generator.prefill_forward_text -> prefill_forward_single_user_text ->
+Transformer.prepare_inputs_prefill / ttnn_prefill_forward -> Transformer.forward(mode=Mode.PREFILL) -> every layer
+(Attention.forward_prefill: QKV, rotary, paged_fill_cache of the blocks the prompt covers, causal SDPA with the
+sliding window, WO; then the MLP) -> the last token's 32 rows -> norm -> LM head -> process_output_prefill. Not
+modelled: chunked prefill (TT chunks past max_prefill_chunk_size, at least 4,096 tokens here: beyond the stand-in's
+2,048-position rotary tables) and traced prefill. The stand-in keys its compiled programs by the shapes of an op's
+tensors, and its paged_fill_cache keeps the page table out of that key: TT's paged_fill_cache hashes its tensor
+arguments (paged_fill_cache_device_operation.cpp compute_program_hash), so on a device a prompt filling a number of
+blocks not seen before compiles a new fill program -- while a decode trace is live when the backend prefills a
+request after warm_up; the stand-in does not flag that.
 
 The tt-metal tag the backend pins (v0.81.1, d80d9482) is not in the searchable index: the files were read at the
 nearest versions found (model_config.py and generator.py at 87700c07, model.py, attention.py, common.py and ccl.py
-at 3c5c3944, decoder.py and distributed_norm.py at 01229001), and ttnn's own checks against the 0.81.1 wheel."""
+at 3c5c3944, decoder.py and distributed_norm.py at 01229001; the prefill path at 5cd1b56c (model.py, attention.py)
+and 000ec121 (generator.py)), and ttnn's own checks against the 0.81.1 wheel."""
 import json
 import math
 import os
@@ -67,6 +80,14 @@ def copy_host_to_device(host_tensors, device_tensors=None, mesh_device=None, sha
             continue
         ttnn.copy_host_to_device_tensor(host, device)
     return device_tensors
+
+
+def get_block_size(kv_cache) -> int:  # tt/common.py
+    return kv_cache[0][0].shape[2]
+
+
+def num_blocks_in_seq(seq_len: int, block_size: int) -> int:  # tt/common.py
+    return math.ceil(seq_len / block_size)
 
 
 def get_padded_prefill_len(seq_len: int) -> int:
@@ -240,18 +261,66 @@ class ModelArgs:
 
 
 class TT_CCL:
-    """tt/ccl.py TT_CCL: built by every Transformer, one mesh or many; it makes global semaphores only."""
+    """tt/ccl.py TT_CCL: built by every Transformer, one mesh or many; it makes global semaphores, handed out in turn
+    to the CCL ops."""
 
     def __init__(self, mesh_device):
         grid = mesh_device.compute_with_storage_grid_size()
-        self.mesh_device = mesh_device
+        self.mesh_device, self.mode = mesh_device, "decode"
         self.semaphores = [ttnn.create_global_semaphore(mesh_device, (grid.x, grid.y), 0) for _ in range(36)]
+
+    def get_and_cycle_ag_semaphore_handles(self, cluster_axis=None):
+        return self.semaphores[:2]
+
+    def get_and_cycle_barrier_semaphore_handle(self, cluster_axis=None):
+        return self.semaphores[2]
+
+
+def tt_all_gather(input_tensor, mesh_device, tt_ccl, cluster_axis, dim, num_links=2, memory_config=None,
+                  sharded=False, topology=ttnn.Topology.Linear, dtype=ttnn.bfloat16, buffer_key=None):
+    """tt/ccl.py tt_all_gather (read at 7d857b2a and in a later copy taking tt_ccl, whose commit the index does not
+    show; in both its "# N150" guard compares a list with a tuple,
+    `list(mesh_device.shape) == (1, 1)`, which is never true: on one device only cluster_axis=1 returns the input,
+    cluster_axis=None goes on to all_gather_async, which stops there). The input to DRAM (not sharded), cast to
+    `dtype`, gathered with all_gather_async, then deallocated."""
+    if list(mesh_device.shape) == (1, 1) or (cluster_axis == 1 and 1 in list(mesh_device.shape)):
+        return input_tensor
+    if buffer_key is not None:
+        raise NotImplementedError("stand-in: tt_all_gather without persistent buffers")
+    if not sharded:
+        input_tensor = ttnn.to_memory_config(input_tensor, ttnn.DRAM_MEMORY_CONFIG)
+    if input_tensor.dtype != dtype:
+        input_tensor = ttnn.to_memory_config(input_tensor, ttnn.L1_MEMORY_CONFIG, dtype)
+        if sharded and memory_config is not None:
+            input_tensor = ttnn.to_memory_config(input_tensor, memory_config, dtype)
+    gathered = ttnn.experimental.all_gather_async(
+        input_tensor, persistent_output_buffer=None, dim=dim,
+        multi_device_global_semaphore=tt_ccl.get_and_cycle_ag_semaphore_handles(cluster_axis), num_links=num_links,
+        cluster_axis=cluster_axis, topology=topology, memory_config=memory_config,
+        barrier_semaphore=tt_ccl.get_and_cycle_barrier_semaphore_handle(cluster_axis), chunks_per_sync=10,
+        num_workers_per_link=2, num_buffers_per_channel=2)
+    input_tensor.deallocate(True)
+    return gathered
+
+
+def decode_heads_mem(n_heads: int, head_dim: int):
+    """Where nlp_create_qkv_heads_decode leaves q, k and v in decode (tt/model_config.py
+    get_attn_create_head_output_mem_config: L1 height-sharded): one user per core over 32 cores, each shard that
+    user's heads padded to a tile's 32 rows and head_dim to its 32 columns -- the sharding paged_update_cache requires
+    ("input_tensor is height sharded on B cores", its docstring)."""
+    return ttnn.create_sharded_memory_config((32 * math.ceil(n_heads / 32), 32 * math.ceil(head_dim / 32)),
+                                             ttnn.CoreGrid(y=4, x=8),
+                                             ttnn.ShardStrategy.HEIGHT, ttnn.ShardOrientation.ROW_MAJOR,
+                                             use_height_and_width_as_shard_shape=True)
 
 
 class Attention:
-    """tt/attention.py Attention (read at 3c5c3944): __init__ finds its weights under
+    """tt/attention.py Attention (read at 3c5c3944; forward_prefill at 5cd1b56c): __init__ finds its weights under
     configuration.get_state_dict_prefix(self.__class__.__name__, layer_num), and caches them as files named from that
-    prefix under weight_cache_path; forward_decode updates the paged cache then runs paged SDPA decode."""
+    prefix under weight_cache_path; forward_decode updates the paged cache then runs paged SDPA decode on q, k, v
+    height-sharded as nlp_create_qkv_heads_decode leaves them; forward_prefill (the padded prompt, a multiple of 128
+    rows) fills the user's pages with K/V of the positions its page table covers (page_len = blocks x block size:
+    the prompt rounded up to a block) and runs causal SDPA over the prompt's own K/V (sliding window included)."""
 
     def __init__(self, mesh_device, tt_ccl, args, state_dict, weight_cache_path, layer_num, dtype,
                  transformation_mats, configuration, paged_attention_config=None, use_paged_kv_cache=False,
@@ -282,12 +351,56 @@ class Attention:
 
     def forward(self, x, current_pos, rot_mats=None, user_id=0, mode=Mode.DECODE, page_table=None,
                 chunk_page_table=None, chunk_start_idx=None, kv_cache=None):
-        if mode != Mode.DECODE:
-            raise NotImplementedError("stand-in: prefill goes through Transformer.prefill")
+        if mode == Mode.PREFILL:
+            return self.forward_prefill(x, rot_mats, user_id, page_table=page_table,
+                                        chunk_page_table=chunk_page_table, chunk_start_idx=chunk_start_idx,
+                                        kv_cache=kv_cache)
         return self.forward_decode(x, current_pos, rot_mats, page_table=page_table, kv_cache=kv_cache)
 
+    def forward_prefill(self, x_11SH, rot_mats, user_id=0, page_table=None, chunk_page_table=None,
+                        chunk_start_idx=None, kv_cache=None):
+        seq_len = x_11SH.shape[-2]
+        assert seq_len % 128 == 0 and seq_len > 0, "Seqlen must be divisible by 128"
+        if chunk_start_idx is not None:
+            raise NotImplementedError("stand-in: chunked prefill")
+        H, Hk, D, S = self.n_heads, self.n_kv_heads, self.head_dim, seq_len
+
+        def qkv_rope(x, cos, sin):  # QKV matmul, heads, rotary embeddings (rot_mats: cos/sin of positions 0..S-1)
+            qkv = self.block.attention.wqkv(x.data.view(1, S, -1)).view(1, S, H + 2 * Hk, D)
+            qk = apply_rope(qkv[:, :, : H + Hk], cos.data.view(1, S, 1, D), sin.data.view(1, S, 1, D))
+            return ((qk[:, :, :H], ttnn.bfloat16, ttnn.TILE_LAYOUT), (qk[:, :, H:], ttnn.bfloat16, ttnn.TILE_LAYOUT),
+                    (qkv[:, :, H + Hk :], ttnn.bfloat16, ttnn.TILE_LAYOUT))
+        q, k, v = ttnn.run_op("qkv_prefill", qkv_rope, x_11SH, *rot_mats)
+        keys, values = kv_cache if kv_cache else self.layer_past
+        if page_table is not None:
+            fill_page_table = chunk_page_table if chunk_page_table is not None else page_table
+            page_len = min(fill_page_table.shape[1] * keys.shape[2], S)
+            positions = torch.arange(page_len)
+            blocks = fill_page_table.data[user_id].long()[positions // keys.shape[2]]
+
+            def fill(cache, new):  # ttnn.experimental.paged_fill_cache(cache, new[:, :, :page_len], page table)
+                cache.data[blocks, :, positions % keys.shape[2]] = new.data[0, :page_len].to(cache.data.dtype)
+            # (the page table stays out of the stand-in's compile key: see the module docstring)
+            for cache, new in ((keys, k), (values, v)):
+                ttnn.run_op("paged_fill_cache", fill, cache, new, inplace=True)
+
+        def sdpa(q, k, v):  # causal, within the sliding window
+            pos = torch.arange(S)
+            visible = pos.view(-1, 1) >= pos.view(1, -1)
+            if self.sliding_window is not None:
+                visible &= pos.view(-1, 1) - pos.view(1, -1) < self.sliding_window
+            out = F.scaled_dot_product_attention(
+                q.data.transpose(1, 2), k.data.transpose(1, 2).repeat_interleave(H // Hk, 1),
+                v.data.transpose(1, 2).repeat_interleave(H // Hk, 1), attn_mask=visible)
+            return out.transpose(1, 2).reshape(1, 1, S, H * D), ttnn.bfloat16, ttnn.TILE_LAYOUT
+        attn = ttnn.run_op("sdpa_prefill", sdpa, q, k, v)
+        # WO, then the all-reduce's reduce-scatter: each device keeps dim / devices columns (as in decode)
+        return ttnn.run_op("wo", lambda a: (self.block.attention.wo(a.data), ttnn.bfloat16, ttnn.TILE_LAYOUT), attn,
+                           shards=self.args.num_devices)
+
     def forward_decode(self, x, current_pos, rot_mats=None, page_table=None, kv_cache=None):
-        q, k, v = ttnn.run_op("qkv_rope", self._qkv_rope, x, rot_mats)
+        q, k, v = ttnn.run_op("qkv_rope", self._qkv_rope, x, rot_mats, mem=[
+            decode_heads_mem(self.n_heads, self.head_dim), *[decode_heads_mem(self.n_kv_heads, self.head_dim)] * 2])
         keys, values = kv_cache if kv_cache else self.layer_past
         if self.use_qk_fused:
             ttnn.experimental.paged_fused_update_cache(keys, k, values, v, update_idxs_tensor=current_pos,
@@ -365,8 +478,9 @@ class Embedding(LightweightModule):
         self.table, self.args = table, args
 
     def forward(self, x, memory_config=None):
-        return ttnn.run_op("embedding", lambda t: (self.table(t.data.view(-1)[:32]).view(1, 1, 32, -1), ttnn.bfloat16,
-                                                   ttnn.TILE_LAYOUT), x, shards=self.args.num_devices,
+        """tokens [1, 1, 1, n] (32 in decode, the padded prompt in prefill) -> [1, 1, n, dim]."""
+        return ttnn.run_op("embedding", lambda t: (self.table(t.data.view(-1)).view(1, 1, t.data.numel(), -1),
+                                                   ttnn.bfloat16, ttnn.TILE_LAYOUT), x, shards=self.args.num_devices,
                            mem=memory_config or ttnn.DRAM_MEMORY_CONFIG)
 
 
@@ -380,6 +494,10 @@ class Transformer:
         self.vocab_size, self.n_layers = args.vocab_size, args.n_layers
         self.tt_ccl = TT_CCL(mesh_device)
         self.embd = Embedding(model.tok_embeddings, args)
+        # RotarySetup's cos/sin matrices [1, 1, positions, head_dim] (the stand-in's reach 2,048 positions: where TT
+        # pads a prefill running past max_seq_len with zeros, prepare_inputs_prefill, only padded rows differ)
+        self.rope_cos, self.rope_sin = (ttnn.Tensor(t.view(1, 1, *t.shape), ttnn.bfloat16, ttnn.TILE_LAYOUT,
+                                                    mesh_device) for t in (model.rope_cos, model.rope_sin))
         self.norm = DistributedNorm(model.norm, args, tt_ccl=self.tt_ccl, prefetcher=prefetcher, TG=args.is_galaxy)
         self.layers = [TransformerBlock(args=args, mesh_device=mesh_device, tt_ccl=self.tt_ccl, dtype=dtype,
                                         state_dict=model, weight_cache_path=weight_cache_path, layer_num=i,
@@ -416,8 +534,9 @@ class Transformer:
     def forward(self, x, current_pos, rot_mats_global=None, rot_mats_local=None, user_id=0, mode=Mode.DECODE,
                 page_table=None, chunk_page_table=None, chunk_start_idx=None, get_last_token=-1, kv_cache=None,
                 batch_size=1):
-        """tt/model.py Transformer.forward (3c5c3944), decode: every layer called on x moved to the residual memory
-        config (a no-op when it is there already), the final norm, the LM head."""
+        """tt/model.py Transformer.forward (3c5c3944): every layer called on x (in decode moved to the residual memory
+        config first, a no-op when it is there already); in prefill x comes back as it is when get_last_token is -1,
+        else its 32 rows from get_last_token on go on; the final norm, the LM head (row-major in DRAM in prefill)."""
         for i, layer in enumerate(self.layers):
             if mode == Mode.DECODE and not self.args.is_galaxy:
                 x = ttnn.to_memory_config(x, self.args.get_residual_mem_config(mode, None), None)
@@ -425,6 +544,10 @@ class Transformer:
                       user_id=user_id, mode=mode, page_table=page_table, chunk_page_table=chunk_page_table,
                       chunk_start_idx=chunk_start_idx, kv_cache=kv_cache[i] if kv_cache is not None else None,
                       batch_size=batch_size)
+        if mode == Mode.PREFILL and get_last_token == -1:
+            return x
+        if get_last_token != -1:  # "Slicing the tensor to the nearest ceiling/floor multiples of 32 ..."
+            x = ttnn.slice(x, (0, 0, get_last_token, 0), (1, 1, get_last_token + 32, x.shape[-1]))
         x = self.norm(x, mode=mode)
         m = self.model
 
@@ -433,7 +556,10 @@ class Transformer:
             padded = torch.full((*logits.shape[:-1], self.args.padded_vocab_size), PADDED_VOCAB_GARBAGE)
             padded[..., : self.vocab_size] = logits
             return padded, ttnn.bfloat8_b, ttnn.TILE_LAYOUT
-        return ttnn.run_op("lm_head", lm_head, x, shards=self.args.num_devices)
+        x = ttnn.run_op("lm_head", lm_head, x, shards=self.args.num_devices)
+        if mode == Mode.PREFILL:
+            x = ttnn.to_layout(x, layout=ttnn.ROW_MAJOR_LAYOUT, memory_config=ttnn.DRAM_MEMORY_CONFIG)
+        return x
 
     def ttnn_decode_forward(self, x, current_pos, rot_mat_idxs=None, page_table=None, kv_cache=None,
                             sampling_on_device=False, capture_sampling_trace=False):
@@ -455,37 +581,51 @@ class Transformer:
             tt_logits = ttnn.experimental.all_gather_async(tt_logits, persistent_output_buffer=None, dim=3)
         return ttnn.untilize(tt_logits, use_multicore=True, memory_config=ttnn.DRAM_MEMORY_CONFIG), None
 
-    def prefill(self, ids: torch.Tensor, seq_len: int, page_row: torch.Tensor, kv_cache) -> torch.Tensor:
-        """The padded prompt through every layer (causal), K/V of its real positions into the user's pages; the
-        last real token's logits [vocab]."""
-        m, a = self.model, self.args.torch_args
-        S, H, Hk, D = ids.shape[-1], a.n_heads, a.n_kv_heads, a.head_dim
-        x = m.tok_embeddings(ids.view(1, S))
-        cos, sin = m.rope_cos[:S].view(1, S, 1, D), m.rope_sin[:S].view(1, S, 1, D)
-        pos = torch.arange(S)
-        visible = pos.view(-1, 1) >= pos.view(1, -1)
-        if a.sliding_window is not None:
-            visible &= pos.view(-1, 1) - pos.view(1, -1) < a.sliding_window
-        real = torch.arange(seq_len)
-        for layer, (keys, values) in zip(self.layers, kv_cache):
-            b = layer.block
-            qkv = b.attention.wqkv(b.attention_norm(x)).view(1, S, H + 2 * Hk, D)
-            qk = apply_rope(qkv[:, :, : H + Hk], cos, sin)
-            q, k, v = qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + Hk :]
-            blocks = page_row.long()[real // 32]
-            keys.data[blocks, :, real % 32] = k[0, :seq_len]
-            values.data[blocks, :, real % 32] = v[0, :seq_len]
-            attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2).repeat_interleave(H // Hk, 1),
-                                                  v.transpose(1, 2).repeat_interleave(H // Hk, 1), attn_mask=visible)
-            x = x + b.attention.wo(attn.transpose(1, 2).reshape(1, S, H * D))
-            x = x + b.feed_forward(b.ffn_norm(x))
-        return m.output(m.norm(x[0, seq_len - 1])).float()
+    def prepare_inputs_prefill(self, tokens, start_pos=0, page_table=None, chunk_page_table=None, trace_enabled=False,
+                               last_token_idx=None, **kwargs):
+        """tt/model.py Transformer.prepare_inputs_prefill (5cd1b56c), untraced: the tokens [1, S] embedded on device
+        ([1, 1, S, dim], split over the devices along dim, in DRAM), cos/sin of positions start_pos.. start_pos + S
+        sliced from the rotary matrices, the page tables on device (int32, row-major, replicated)."""
+        if trace_enabled:
+            raise NotImplementedError("stand-in: traced prefill")
+        assert tokens.dim() == 2, "tokens must be a 2D tensor"
+        tokens = tokens.reshape(1, 1, 1, -1)
+        S = tokens.shape[-1]
+        replicated = ttnn.ReplicateTensorToMesh(self.mesh_device)
+        tokens = ttnn.from_torch(tokens, device=self.mesh_device, dtype=ttnn.uint32, layout=ttnn.ROW_MAJOR_LAYOUT,
+                                 mesh_mapper=replicated)
+        tokens_embd = ttnn.unsqueeze_to_4D(self.embd(tokens))
+        rot_mats = [ttnn.slice(m, (0, 0, start_pos, 0), (1, 1, start_pos + S, m.shape[-1]))
+                    for m in (self.rope_cos, self.rope_sin)]
+        tables = [None if t is None else ttnn.from_torch(t, device=self.mesh_device, dtype=ttnn.int32,
+                                                         layout=ttnn.ROW_MAJOR_LAYOUT, mesh_mapper=replicated)
+                  for t in (page_table, chunk_page_table)]
+        return tokens_embd, rot_mats, None, *tables
+
+    def ttnn_prefill_forward(self, x, rot_mats_global=None, rot_mats_local=None, user_id=0, page_table=None,
+                             chunk_page_table=None, chunk_start_idx=None, get_last_token=-1, kv_cache=None,
+                             batch_size=1):
+        return self.forward(x, current_pos=None, rot_mats_global=rot_mats_global, rot_mats_local=rot_mats_local,
+                            user_id=user_id, mode=Mode.PREFILL, page_table=page_table,
+                            chunk_page_table=chunk_page_table, chunk_start_idx=chunk_start_idx,
+                            get_last_token=get_last_token, kv_cache=kv_cache, batch_size=batch_size)
+
+    def process_output_prefill(self, tt_out, last_token_idx):
+        """tt/model.py (5cd1b56c): concat_host_output (the devices' parts side by side) at row last_token_idx of the
+        last token's tile, cut to the vocabulary."""
+        parts = [ttnn.to_torch(t) for t in ttnn.get_device_tensors(tt_out)]
+        return torch.cat(parts, dim=-1)[0, 0, last_token_idx, : self.vocab_size]
 
 
 class Generator:
-    """tt/generator.py Generator (read at 87700c07): the first prefill_forward_text (warmup_prefill=True) runs the
-    prefill warm-up sweep over ModelArgs.get_warmup_prefill_supported_seq_lens(), on user 0 with a page table of
-    zeros, once per Generator."""
+    """tt/generator.py Generator (read at 87700c07; the prefill path at 000ec121 and 5cd1b56c's model.py): the first
+    prefill_forward_text (warmup_prefill=True) runs the prefill warm-up sweep over
+    ModelArgs.get_warmup_prefill_supported_seq_lens(), on user 0 with a page table of zeros, once per Generator.
+    prefill_forward_text pads each prompt (get_padded_prefill_len), cuts the user's page table to the blocks the prompt
+    fills (_get_prefill_user_page_table) and runs prefill_forward_single_user_text: prepare_inputs_prefill, then
+    ttnn_prefill_forward with get_last_token at the last token's tile, whose logits come back through
+    process_output_prefill. TT chunks a prompt longer than max_prefill_chunk_size (at least 4,096 tokens here, past
+    the stand-in's 2,048-position rotary tables): not modelled."""
 
     def __init__(self, model, model_args, mesh_device, processor=None, tokenizer=None):
         self.model, self.model_args, self.mesh_device = model, model_args, mesh_device
@@ -497,22 +637,43 @@ class Generator:
             return
         self.already_warmed_up_prefill = True
         for seq_len in self.model_args[0].get_warmup_prefill_supported_seq_lens():
-            blocks = math.ceil(seq_len / kv_cache[0][0][0].shape[2])
+            blocks = num_blocks_in_seq(seq_len, get_block_size(kv_cache[0]))
             self.prefill_forward_text(torch.zeros(1, seq_len, dtype=torch.long), kv_cache=kv_cache,
                                       page_table=torch.zeros(1, blocks, dtype=torch.int32), prompt_lens=[seq_len],
                                       empty_slots=[0], enable_trace=enable_trace, model_id_warmup=0)
+
+    def _get_prefill_user_page_table(self, page_table, kv_cache, prefill_len):
+        """"Ensure page_table is not padded with extra blocks for paged_fill_cache to work properly"."""
+        return page_table[:, : num_blocks_in_seq(prefill_len, get_block_size(kv_cache))]
 
     def prefill_forward_text(self, tokens, page_table=None, kv_cache=None, prompt_lens=None, empty_slots=None,
                              enable_trace=True, model_id_warmup=None, sampling_params=None, start_pos=None,
                              return_hidden_states=False, warmup_prefill=True, **kwargs):
         if warmup_prefill:
             self.warmup_model_prefill(kv_cache=kv_cache, enable_trace=enable_trace)
+        assert page_table is not None, "stand-in: prefill with a page table"
         batch_size = tokens.shape[0]
         out = torch.zeros(batch_size, 1, self.model_args[0].vocab_size)
         for idx, user_id in enumerate(empty_slots if empty_slots is not None else range(batch_size)):
-            model_id = user_id // self.model_args[0].max_batch_size
+            model_id = user_id // self.model_args[0].max_batch_size if model_id_warmup is None else model_id_warmup
             seq_len = int(prompt_lens[idx])
-            ids = F.pad(tokens[idx, :seq_len], (0, get_padded_prefill_len(seq_len) - seq_len))
+            last_token_idx = seq_len - 1
+            prefill_ids = F.pad(tokens[idx : idx + 1, :seq_len], (0, get_padded_prefill_len(seq_len) - seq_len))
+            page_table_user = self._get_prefill_user_page_table(page_table[idx : idx + 1], kv_cache[model_id], seq_len)
             with torch.no_grad():
-                out[idx, 0] = self.model[model_id].prefill(ids, seq_len, page_table[idx], kv_cache[model_id])
+                logits = self.prefill_forward_single_user_text(prefill_ids, page_table=page_table_user, user_id=0,
+                                                               last_token_idx=last_token_idx,
+                                                               kv_cache=kv_cache[model_id], model_id=model_id)
+                out[idx, 0] = self.model[model_id].process_output_prefill(logits, last_token_idx % 32)
         return out
+
+    def prefill_forward_single_user_text(self, tokens, page_table, user_id, last_token_idx, kv_cache=None, model_id=-1,
+                                         **kwargs):
+        if tokens.shape[-1] > self.model_args[model_id].max_prefill_chunk_size:
+            raise NotImplementedError("stand-in: chunked prefill")
+        model = self.model[model_id]
+        prefill_input, rot_mats_global, rot_mats_local, page_table_tt, _ = model.prepare_inputs_prefill(
+            tokens, page_table=page_table)
+        return model.ttnn_prefill_forward(prefill_input, rot_mats_global=rot_mats_global,
+                                          rot_mats_local=rot_mats_local, user_id=user_id, page_table=page_table_tt,
+                                          get_last_token=(last_token_idx // 32) * 32, kv_cache=kv_cache)

@@ -13,16 +13,24 @@ against the constraints a device imposes (names and keywords are those of ttnn 0
 - meshes of several devices: tensors are replicated, or sharded along their last dim (`shards`), and ops on a
   sharded tensor work on each device's shard in its local coordinates; CCL ops need the fabric configured before
   the mesh opened; the trace region is a budget that traces can overflow.
-- every device tensor has a memory config (DRAM or L1, interleaved or width-sharded over cores); ops put their output
-  where `memory_config` says (else where their first input is), to_memory_config hands back the same tensor when the
-  config already matches, and clone refuses to move a sharded tensor to an interleaved config or back.
+- every device tensor has a memory config (DRAM or L1, interleaved or height/width-sharded over cores, the shard spec
+  given as its shard shape); ops put their output where `memory_config` says (else where their first input is),
+  to_memory_config hands back the same tensor when the config already matches, and clone refuses to move a sharded
+  tensor to an interleaved config or back;
+- paged_update_cache takes its update height-sharded, one user per core; paged SDPA decode takes q height-sharded or
+  in DRAM, bfloat16/bfloat8_b (no float32);
+- the ops a device draft head uses (as_tensor with its cache file, linear, rms_norm, concat, copy, mul, silu,
+  embedding, reshape, softmax) with the refusals their validate functions make; concat refuses a
+  preallocated output and all_gather_async refuses a single device, as the wheel does.
 Each rule that mirrors a tt-metal check names the file and function it follows (read at versions near v0.81.1; the
 error texts are the ones in the ttnn 0.81.1 wheel's libraries).
 """
 import builtins
+import math
 import types
 import weakref
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -48,6 +56,10 @@ class MemoryConfig:
 
 DRAM_MEMORY_CONFIG = MemoryConfig("INTERLEAVED", "DRAM")
 L1_MEMORY_CONFIG = MemoryConfig("INTERLEAVED", "L1")
+
+
+class Topology:  # ttnn.Topology (some members)
+    Linear, Ring = "Linear", "Ring"
 
 
 class ShardStrategy:  # ttnn.ShardStrategy
@@ -210,7 +222,9 @@ class Tensor:
 
     @property
     def data(self) -> torch.Tensor:
-        if self.deallocated:
+        """A tensor deallocated while a trace was being captured stays readable by that trace's replays (its commands
+        keep the buffer's address); any other use of a deallocated tensor fails."""
+        if self.deallocated and not (self.deallocated == "in capture" and self.device.replaying):
             raise RuntimeError("stand-in: use of a deallocated device tensor")
         return self._data
 
@@ -220,6 +234,12 @@ class Tensor:
 
     def memory_config(self) -> MemoryConfig:
         return self.mem
+
+    def is_sharded(self) -> bool:
+        return self.mem.is_sharded()
+
+    def deallocate(self, force: bool = True) -> None:
+        self.deallocated = "in capture" if self.device is not None and self.device.capturing is not None else True
 
 
 class ReplicateTensorToMesh:
@@ -291,7 +311,7 @@ def unsqueeze_to_4D(tensor: Tensor) -> Tensor:
 
 
 def deallocate(tensor: Tensor, force: bool = True) -> None:
-    tensor.deallocated = True
+    tensor.deallocate(force)
 
 
 def copy_host_to_device_tensor(host_tensor: Tensor, device_tensor: Tensor, cq_id=None) -> None:
@@ -343,8 +363,10 @@ def run_op(name: str, fn, *args, inplace: bool = False, shards: Optional[int] = 
 
 
 def _wrap(result, device, shards, mem, garbage=False):
+    """`mem` one memory config for every output, or a list of one per output."""
     if isinstance(result, tuple) and not isinstance(result[0], torch.Tensor):
-        return tuple(_wrap(r, device, shards, mem, garbage) for r in result)
+        mems = mem if isinstance(mem, list) else [mem] * len(result)
+        return tuple(_wrap(r, device, shards, m, garbage) for r, m in zip(result, mems))
     data, dtype, layout = result
     if dtype == bfloat8_b and data.is_floating_point():  # 16 values share an exponent: no room for an infinity
         data = torch.where(data.isinf(), float("nan"), data)
@@ -540,13 +562,271 @@ def _all_gather_async(input_tensor, persistent_output_buffer=None, dim=None, mul
                       num_links=None, memory_config=None, topology=None, subdevice_id=None, cluster_axis=None,
                       barrier_semaphore=None, chunks_per_sync=None, num_workers_per_link=None,
                       num_buffers_per_channel=None, **kwargs):
-    """A CCL op: on a mesh opened without a fabric, tt-metal's control plane stops it ("Trying to get
-    un-initialized fabric context", ControlPlane::get_fabric_context; libtt_metal.so 0.81.1)."""
+    """A CCL op: on one device it stops ("all_gather_async op will only work for num_devices > 1, but has {}", the
+    0.81.1 wheel's text of all_gather_async's validate); on a mesh opened without a fabric, tt-metal's control plane
+    stops it ("Trying to get un-initialized fabric context", ControlPlane::get_fabric_context; libtt_metal.so
+    0.81.1). The result holds every device's part on every device."""
     mesh = input_tensor.device
-    if mesh.get_num_devices() > 1 and mesh.fabric == FabricConfig.DISABLED:
+    if mesh.get_num_devices() < 2:
+        raise RuntimeError(f"all_gather_async op will only work for num_devices > 1, but has {mesh.get_num_devices()}")
+    if mesh.fabric == FabricConfig.DISABLED:
         raise RuntimeError("TT_FATAL: Trying to get un-initialized fabric context")
-    return run_op("all_gather_async", lambda t: (t.data.clone(), t.dtype, t.layout), input_tensor, shards=1,
+    return run_op("all_gather_async", lambda t: (_gathered(t), t.dtype, t.layout), input_tensor, shards=1,
                   mem=memory_config)
+
+
+def _gathered(t: Tensor) -> torch.Tensor:
+    """Every device's part side by side along the last dim: a split tensor whole, a replicated one devices times."""
+    return t.data.clone() if t.shards > 1 else torch.cat([t.data] * t.device.get_num_devices(), -1)
+
+
+# ---- ops of a device draft head (keywords as the 0.81.1 wheel's docstrings; inputs replicated unless said) ------
+
+def _padded_shape(t: Tensor) -> tuple:
+    """TT's padded shape: a TILE tensor's last two dims rounded up to the 32 x 32 tile."""
+    shape = list(t.shape)
+    if t.layout == TILE_LAYOUT:
+        shape[-2:] = [-(-n // 32) * 32 for n in shape[-2:]]
+    return tuple(shape)
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).upper()  # ttnn.DataType.name / ttnn.Layout.name: "BFLOAT16", "TILE", ...
+
+
+def as_tensor(tensor, dtype=None, *, layout=ROW_MAJOR_LAYOUT, device=None, memory_config=None, cache_file_name=None,
+              preprocess=None, mesh_mapper=None, cache_dump_mode=None) -> Tensor:
+    """ttnn/operations/core.py as_tensor (the Python in the 0.81.1 wheel): memory_config is required with a device;
+    with cache_file_name the file is f"{cache_file_name}_dtype_{dtype.name}_layout_{layout.name}.tensorbin" (no part for
+    the mesh mapping in this version: a replicated tensor is cached unsharded, "so that it can be loaded on any
+    device"), written when absent (dump_tensor_flatbuffer; here torch.save of the data, placement and memory config)
+    and read back when present (load_tensor_flatbuffer, which keeps the stored memory config); preprocess runs on a
+    miss only."""
+    if device is not None and memory_config is None:
+        raise RuntimeError("memory_config must be specified when device is specified")
+    if cache_file_name is None:
+        return from_torch(preprocess(tensor) if preprocess else tensor, dtype, layout=layout, device=device,
+                          mesh_mapper=mesh_mapper, memory_config=memory_config)
+    path = Path(f"{cache_file_name}_dtype_{_dtype_name(dtype)}_layout_{_dtype_name(layout)}.tensorbin")
+    if path.is_file():
+        saved = torch.load(path)
+        mem = MemoryConfig(*saved["mem"][:2], saved["mem"][2])
+        return Tensor(saved["data"], saved["dtype"], saved["layout"], device, saved["shards"], mem)
+    host = from_torch(preprocess(tensor) if preprocess else tensor, dtype, layout=layout, memory_config=memory_config,
+                      mesh_mapper=None if isinstance(mesh_mapper, ReplicateTensorToMesh) else mesh_mapper)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"data": host.data, "dtype": host.dtype, "layout": host.layout, "shards": host.shards,
+                "mem": (host.mem.memory_layout, host.mem.buffer_type, host.mem.shard_spec)}, path)
+    return to_device(host, device, memory_config) if device is not None else host
+
+
+def linear(input_tensor_a: Tensor, input_tensor_b: Tensor, *, bias=None, transpose_a=False, transpose_b=False,
+           memory_config=None, dtype=None, program_config=None, activation=None, compute_kernel_config=None,
+           core_grid=None, output_tile=None, optional_output_tensor=None, global_cb=None, prefetcher_pipes=None,
+           in0_column_offset=None) -> Tensor:
+    """matmul_device_operation.cpp (read at 001cea9a; the operand checks at a later version, validate_matmul_operand_
+    basics): both operands on device and tilized, b of rank >= 2, a's last dim equal to b's second-last (b [K, N] or
+    [1, 1, K, N]). Output [..., M, N] TILE in `dtype` or a's, DRAM unless memory_config says (the docstring);
+    computed in float32."""
+    a, b = input_tensor_a, input_tensor_b
+    if transpose_a or transpose_b or activation or optional_output_tensor is not None or global_cb or prefetcher_pipes:
+        raise NotImplementedError("stand-in: linear without transposes, activation, output tensor or prefetcher")
+    if a.device is None or b.device is None:
+        raise RuntimeError("Operands to matmul need to be on device!")
+    if a.layout != TILE_LAYOUT or b.layout != TILE_LAYOUT:
+        raise RuntimeError("Inputs to matmul must be tilized")
+    if len(b.shape) < 2:
+        raise RuntimeError(f"Matmul expects input B rank >= 2, got {len(b.shape)}")
+    if a.shape[-1] != b.shape[-2]:
+        raise RuntimeError("The width of the first tensor must be equal to the height of the second tensor. "
+                           f"Mismatch: width={a.shape[-1]} height={b.shape[-2]}")
+    if a.shards != 1 or b.shards != 1:
+        raise NotImplementedError("stand-in: linear of replicated tensors")
+
+    def fn(a, b, *bias_):
+        out = a.data.float() @ b.data.float().reshape(b.shape[-2], b.shape[-1])
+        return (out + bias_[0].data.float().reshape(-1) if bias_ else out), dtype or a.dtype, TILE_LAYOUT
+    return run_op("linear", fn, a, b, *([bias] if bias is not None else []), mem=memory_config or DRAM_MEMORY_CONFIG)
+
+
+def rms_norm(input_tensor: Tensor, *, memory_config=None, epsilon=1e-12, weight=None, bias=None,
+             residual_input_tensor=None, program_config=None, compute_kernel_config=None) -> Tensor:
+    """layernorm_device_operation.cpp LayerNormDeviceOperation::validate_on_program_cache_miss (read at 90095175; error
+    texts of the 0.81.1 wheel): a TILE input of FLOAT32, BFLOAT16 or BFLOAT8_B, not height-sharded; a TILE weight as
+    wide as the input's padded last dim, or a ROW_MAJOR FLOAT32/BFLOAT16 one whose last padded dim is 32
+    (TILE_WIDTH) holding as many values as that dim ([1, 1, dim / 32, 32], as models/common/rmsnorm.py stores it).
+    Computes x * rsqrt(mean(x^2) + eps) * weight in float32."""
+    x = input_tensor
+    if bias is not None or residual_input_tensor is not None or x.shards != 1:
+        raise NotImplementedError("stand-in: rms_norm of a replicated input, without bias or residual")
+    if x.layout != TILE_LAYOUT:
+        raise RuntimeError(f"Input tensor must have TILE layout, got: {x.layout}")
+    if x.dtype not in (float32, bfloat16, bfloat8_b):
+        raise RuntimeError(f"Input tensor must be FLOAT32, BFLOAT16, or BFLOAT8_B, got: {_dtype_name(x.dtype)}")
+    if x.mem.memory_layout == ShardStrategy.HEIGHT:
+        raise RuntimeError("Height sharded inputs are not supported.")
+    width = _padded_shape(x)[-1]
+    if weight is not None and weight.layout == TILE_LAYOUT and _padded_shape(weight)[-1] != width:
+        raise RuntimeError(f"{width} != {_padded_shape(weight)[-1]}")
+    if weight is not None and weight.layout == ROW_MAJOR_LAYOUT:
+        if weight.shape[-1] != 32 or weight.data.numel() // 32 != width // 32:
+            raise RuntimeError("Gamma's last padded dim needs to equal tile width and gamma's volume needs to align "
+                               f"with last padded dim of input. Error with gamma.value().padded_shape(): "
+                               f"{list(weight.shape)}, tile_width: 32, gamma.value().physical_volume(): "
+                               f"{weight.data.numel()}, a.padded_shape(): {list(_padded_shape(x))}")
+        if weight.dtype not in (float32, bfloat16):
+            raise RuntimeError(f"Gamma tensor must be FLOAT32 or BFLOAT16, got: {_dtype_name(weight.dtype)}")
+
+    def fn(x, *w):
+        d = x.data.float()
+        d = d * torch.rsqrt(d.pow(2).mean(-1, keepdim=True) + epsilon)
+        return (d * w[0].data.float().reshape(-1)[: d.shape[-1]] if w else d), x.dtype, TILE_LAYOUT
+    return run_op("rms_norm", fn, x, *([weight] if weight is not None else []), mem=memory_config)
+
+
+def concat(input_tensor, dim, *, memory_config=None, output_tensor=None, groups=1, sub_core_grids=None) -> Tensor:
+    """concat.cpp ConcatOperation::invoke (read at 015e459a; in the 0.81.1 wheel too a preallocated output is refused
+    there, "optional output tensor currently unsupported!", data_movement/concat/concat.cpp:272, checked by calling
+    the wheel; DRAM unless memory_config says; one input is to_memory_config'd) and concat_device_operation.cpp
+    ConcatDeviceOperation::validate_on_program_cache_miss (read at 6e62c116: same layout, dtype, rank and non-concat
+    dims; all sharded or all interleaved). Inputs of one placement; a split one is concatenated per
+    device (each device its own shards)."""
+    tensors = list(input_tensor)
+    if not tensors:
+        raise RuntimeError("ttnn.concat: expected a non-empty list of Tensors!")
+    if output_tensor is not None:
+        raise RuntimeError("optional output tensor currently unsupported!")
+    if groups != 1:
+        raise NotImplementedError("stand-in: concat with groups=1")
+    mem = memory_config or DRAM_MEMORY_CONFIG
+    if len(tensors) == 1:
+        return to_memory_config(tensors[0], mem)
+    first, rank = tensors[0], len(tensors[0].shape)
+    dim = dim + rank if dim < 0 else dim
+    if not 0 <= dim < rank:
+        raise RuntimeError(f"ttnn: Dimension out of range: dim {dim} cannot be used for tensors of rank {rank}")
+    if any(len(t.shape) != rank or any(i != dim and n != first.shape[i] for i, n in enumerate(t.shape))
+           for t in tensors):
+        raise RuntimeError("All dimensions must be the same size except for the dimension along which the "
+                           "contenation is taking place.")
+    if any(t.layout != first.layout for t in tensors):
+        raise RuntimeError("All Tensors should have same layouts.")
+    if any(t.dtype != first.dtype for t in tensors):
+        raise RuntimeError("All Tensors should have same dtypes.")
+    if any(t.mem.is_sharded() != first.mem.is_sharded() for t in tensors):
+        raise RuntimeError("All tensors must be sharded or all must be interleaved")
+    if any(t.shards != first.shards for t in tensors):
+        raise NotImplementedError("stand-in: concat of tensors of one placement")
+
+    def fn(*ts):
+        parts = [t.data.chunk(first.shards, -1) for t in ts]
+        return torch.cat([torch.cat([p[d] for p in parts], dim) for d in range(first.shards)], -1), first.dtype, \
+            first.layout
+    return run_op("concat", fn, *tensors, mem=mem)
+
+
+def copy(input_a: Tensor, input_b: Tensor) -> Tensor:
+    """ttnn.copy: input_a's elements into input_b, in place (its docstring; copy_device_operation.cpp
+    validate_on_program_cache_miss, read at 3ed4ffc8, texts of the 0.81.1 wheel: the same shape, layout and memory
+    layout; a dtype change on TILE only). An op like any other: in a trace, replay writes input_b again -- the way to
+    refresh a persistent tensor from a traced result (concat's output_tensor is refused)."""
+    a, b = input_a, input_b
+    if a.shape != b.shape or a.shards != b.shards:
+        raise RuntimeError(f"Input tensor shape {list(a.shape)} does not match output tensor shape {list(b.shape)}")
+    if a.layout != b.layout:
+        raise RuntimeError(f"Input tensor layout ({a.layout}) must equal output tensor layout ({b.layout})")
+    if a.mem.memory_layout != b.mem.memory_layout:
+        raise RuntimeError(f"Input tensor memory layout ({a.mem.memory_layout}) must equal output tensor memory layout "
+                           f"({b.mem.memory_layout})")
+    if a.dtype != b.dtype and a.layout != TILE_LAYOUT:
+        raise RuntimeError("Only tile layout supports dtype conversion")
+    run_op("copy", lambda x, out: out.data.copy_(x.data), a, b, inplace=True)
+    return b
+
+
+def mul(input_tensor_a: Tensor, input_tensor_b: Tensor, *, dtype=None, memory_config=None, output_tensor=None,
+        fast_and_approximate_mode=False, activations=None, input_tensor_a_activations=None,
+        input_tensor_b_activations=None) -> Tensor:
+    """As stand-in add: the result takes input_tensor_a's dtype unless `dtype` says otherwise (its docstring)."""
+    if input_tensor_a.shape != input_tensor_b.shape or input_tensor_a.shards != input_tensor_b.shards:
+        raise RuntimeError("stand-in: mul of tensors of one shape and placement only")
+    if output_tensor is not None or activations or input_tensor_a_activations or input_tensor_b_activations:
+        raise NotImplementedError("stand-in: mul without output tensor or activations")
+    return run_op("mul", lambda a, b: (a.data.float() * b.data.float(), dtype or a.dtype, a.layout), input_tensor_a,
+                  input_tensor_b, mem=memory_config)
+
+
+def silu(input_tensor: Tensor, *, memory_config=None, output_tensor=None, sub_core_grids=None) -> Tensor:
+    if output_tensor is not None:
+        raise NotImplementedError("stand-in: silu without output tensor")
+    return run_op("silu", lambda t: (F.silu(t.data.float()), t.dtype, t.layout), input_tensor, mem=memory_config)
+
+
+def embedding(input_tensor: Tensor, weight: Tensor, *, memory_config=None, output_tensor=None, padding_idx=None,
+              layout=ROW_MAJOR_LAYOUT, embeddings_type=None, dtype=None) -> Tensor:
+    """embedding_device_operation.cpp EmbeddingsDeviceOperation::validate_on_program_cache_miss (read at 5acfb5ff,
+    texts of the 0.81.1 wheel): UINT32 or BFLOAT16 ids, a ROW_MAJOR BFLOAT16 table (no FLOAT32), both interleaved; a
+    TILE output needs the ids' width and the table's a multiple of 32. ids [batch, ..., seq] -> [batch, seq, width]
+    in `layout`, dtype `dtype` or the table's. A table split over the mesh along its width gives each device its
+    columns."""
+    ids, table = input_tensor, weight
+    if output_tensor is not None or padding_idx is not None or embeddings_type is not None:
+        raise NotImplementedError("stand-in: embedding without output tensor, padding or embeddings type")
+    if table.layout != ROW_MAJOR_LAYOUT:
+        raise RuntimeError(f"Weights tensor layout must be ROW_MAJOR but got {table.layout}")
+    if ids.dtype not in (uint32, bfloat16):
+        raise RuntimeError("Input must be UINT32 or BFLOAT16")
+    if table.dtype != bfloat16:
+        raise RuntimeError("Weights tensor must have BFLOAT16 dtype")
+    if ids.mem.is_sharded():
+        raise RuntimeError("Embedding does not currently support sharded inputs")
+    if table.mem.is_sharded():
+        raise RuntimeError("Embedding does not currently support sharded weights")
+    if layout == TILE_LAYOUT and ids.shape[-1] % 32:
+        raise RuntimeError(f"Input tensor width {ids.shape[-1]} must be a multiple of tile height 32 to have the "
+                           "output tensor tilized")
+    if layout == TILE_LAYOUT and table.shape[-1] // table.shards % 32:
+        raise RuntimeError(f"Number of columns in table {table.shape[-1] // table.shards} must be factor of tile "
+                           "width 32")
+
+    def fn(i, w):
+        rows = w.data.reshape(-1, w.shape[-1])[i.data.long().reshape(-1)]
+        return rows.reshape(i.shape[0], i.shape[-1], -1), dtype or w.dtype, layout
+    return run_op("embedding", fn, ids, table, shards=table.shards, mem=memory_config)
+
+
+def reshape(input_tensor: Tensor, shape, *, memory_config=None, pad_value=0, reshape_tile_mode=None,
+            sub_core_grids=None, skip_padding_fill=False) -> Tensor:
+    """The same data viewed in `shape` (-1 inferred); the volume must match (reshape_common.cpp:50 `new_volume ==
+    old_volume`, "Invalid arguments to reshape": checked by calling the 0.81.1 wheel). A split tensor keeps its last
+    dim."""
+    t = input_tensor
+    shape = list(shape)
+    volume = t.data.numel()
+    if shape.count(-1) == 1:
+        known = math.prod(n for n in shape if n != -1)
+        shape[shape.index(-1)] = volume // known if known and volume % known == 0 else -2
+    if math.prod(shape) != volume or any(n < 0 for n in shape):
+        raise RuntimeError("Invalid arguments to reshape")
+    if t.shards > 1 and shape[-1] != t.shape[-1]:
+        raise NotImplementedError("stand-in: reshape of a split tensor keeps its last dim")
+    return run_op("reshape", lambda x: (x.data.reshape(shape), x.dtype, x.layout), t, mem=memory_config)
+
+
+def softmax(input_tensor: Tensor, dim=-1, *, memory_config=None, compute_kernel_config=None,
+            numeric_stable=True) -> Tensor:
+    """softmax_device_operation.cpp SoftmaxDeviceOperation::validate_on_program_cache_miss (read at 0b6b67d7): a
+    tilized FLOAT32,
+    BFLOAT16 or BFLOAT8_B input (texts of the 0.81.1 wheel); the output TILE in the input's dtype (its docstring). The
+    stand-in reduces over the last dim, each device over its own shard."""
+    t = input_tensor
+    _last_dim(t, dim)
+    if t.layout != TILE_LAYOUT:
+        raise RuntimeError("Inputs to softmax must be tilized")
+    if t.dtype not in (float32, bfloat16, bfloat8_b):
+        raise RuntimeError(f"Input tensor must be FLOAT32, BFLOAT16, or BFLOAT8_B, got: {_dtype_name(t.dtype)}")
+    return run_op("softmax", lambda x: (per_shard(x, lambda d: torch.softmax(d.float(), -1)), x.dtype, TILE_LAYOUT),
+                  t, mem=memory_config)
 
 
 # ---- the paged KV cache -----------------------------------------------------------------------------------------
@@ -569,33 +849,84 @@ def _paged_update(cache: Tensor, update: Tensor, positions: Tensor, page_table: 
         cache.data[block] = tile
 
 
-def _paged_update_op(cache_tensor, input_tensor, *, update_idxs_tensor=None, page_table=None, **kwargs):
-    """paged_update_cache_device_operation.cpp validate_on_program_cache_miss: the checks our pass tensors meet."""
-    if update_idxs_tensor is None or page_table is None:
-        raise NotImplementedError("stand-in: paged_update_cache with update_idxs_tensor and page_table only")
-    unknown = set(kwargs) - {"update_idxs", "share_cache", "batch_offset", "compute_kernel_config", "mesh_coords",
-                             "block_size", "num_kv_heads", "cache_position_modulo"}
-    if unknown:
-        raise TypeError(f"paged_update_cache() got unexpected keyword arguments {sorted(unknown)}")
-    if update_idxs_tensor.dtype != int32:
-        raise RuntimeError("Expected update_idxs to have datatype INT32")
-    if update_idxs_tensor.layout != ROW_MAJOR_LAYOUT:
-        raise RuntimeError("Expected update_idxs to have memory layout in ROW MAJOR")
-    if update_idxs_tensor.shape[0] != input_tensor.shape[1]:
-        raise RuntimeError(f"Number of update_idxs ({update_idxs_tensor.shape[0]}) should match batch size "
-                           f"({input_tensor.shape[1]})")
+def _check_update(cache, update, idxs, page_table, op: str) -> None:
+    """paged_update_cache_device_operation.cpp and paged_fused_update_cache_device_operation.cpp
+    validate_on_program_cache_miss (read at 06bd3735 and 04b3405, texts of the 0.81.1 wheel), the checks that apply
+    to an update_idxs tensor and a page table: the update is FLOAT32 or BFLOAT16 (the op repacks into the cache dtype)
+    and sharded, not width-sharded, one user's heads per core (shard width = head_dim, ROW_MAJOR orientation; "input
+    is height sharded on B cores", the docstring; the one-user-per-core count is the non-fused op's); update_idxs INT32,
+    ROW_MAJOR, in DRAM, one per user; the page table INT32, ROW_MAJOR, one row per user, no wider than the cache.
+    (Not modelled: the fused op's two inputs on non-overlapping cores.)"""
+    if op == "paged_update_cache" and update.layout != TILE_LAYOUT:
+        raise RuntimeError("Input tensor in non-fused update_cache must be tilized")
+    if cache.layout != TILE_LAYOUT:
+        raise RuntimeError("Cache tensor in update_cache must be tilized")
     if page_table.dtype != int32:
         raise RuntimeError("Expect page table to have datatype INT32")
-    if page_table.shape[1] > cache_tensor.shape[0]:
-        raise RuntimeError("max_num_blocks_per_seq must be less than max_num_blocks")
+    if page_table.layout != ROW_MAJOR_LAYOUT:
+        raise RuntimeError("Expect page table to have memory layout in ROW MAJOR")
+    if page_table.shape[0] != update.shape[1]:
+        raise RuntimeError("Batch size between page_table and input_tensor must match")
+    if page_table.shape[1] > cache.shape[0]:
+        raise RuntimeError(f"max_num_blocks_per_seq must be less than max_num_blocks: max_num_blocks_per_seq="
+                           f"{page_table.shape[1]}, max_num_blocks={cache.shape[0]}")
+    if idxs.dtype != int32:
+        raise RuntimeError("Expected update_idxs to have datatype INT32")
+    if idxs.layout != ROW_MAJOR_LAYOUT:
+        raise RuntimeError("Expected update_idxs to have memory layout in ROW MAJOR")
+    if idxs.mem.is_sharded():
+        raise NotImplementedError("stand-in: update_idxs interleaved in DRAM")
+    if idxs.mem.buffer_type != "DRAM":
+        raise RuntimeError("Expect update_idxs to have buffer type DRAM")
+    if idxs.shape[0] != update.shape[1]:
+        raise RuntimeError(f"Number of update_idxs ({idxs.shape[0]}) should match batch size ({update.shape[1]})")
+    mem = update.mem
+    if not mem.is_sharded():
+        raise RuntimeError("Expect input_tensor to be sharded")
+    if mem.memory_layout == ShardStrategy.WIDTH:
+        raise RuntimeError("Expect input_tensor to NOT have memory layout WIDTH SHARDED")
+    (shard_height, shard_width), cores, orientation = mem.shard_spec
+    padded = _padded_shape(update)
+    if shard_width != padded[-1]:
+        raise RuntimeError(f"Expect input_tensor to have shard width ({shard_width}) equal to the last dimension of "
+                           f"the input tensor padded shape ({padded[-1]})")
+    height = math.prod(padded[:-1])
+    if height % shard_height:
+        raise RuntimeError("Input tensor's height must be divisible by the number of shards along the height "
+                           f"dimension. Got height = {height}, number of shards = {shard_height}.")
+    if orientation != ShardOrientation.ROW_MAJOR:
+        raise RuntimeError("Only ROW_MAJOR sharding is supported")
+    if op == "paged_update_cache" and cores != padded[1]:
+        raise RuntimeError(f"Input tensor shard grid must have num_cores ({cores}) equal to the number of users / "
+                           f"batch ({padded[1]}). The kernel dispatches one user per core; use a {{num_users, 1}} grid "
+                           "(or any CoreRangeSet whose num_cores == num_users).")
+    if update.dtype not in (float32, bfloat16):
+        raise RuntimeError(f"Data type of input tensor for {op} must be FLOAT32 or BFLOAT16; decode update repacks "
+                           "into the cache dtype and should not receive low-precision packed input")
+
+
+UPDATE_KEYWORDS = {"update_idxs", "share_cache", "batch_offset", "compute_kernel_config", "mesh_coords", "block_size",
+                   "num_kv_heads", "cache_position_modulo"}
+
+
+def _paged_update_op(cache_tensor, input_tensor, *, update_idxs_tensor=None, page_table=None, **kwargs):
+    if update_idxs_tensor is None or page_table is None:
+        raise NotImplementedError("stand-in: paged_update_cache with update_idxs_tensor and page_table only")
+    unknown = set(kwargs) - UPDATE_KEYWORDS
+    if unknown:
+        raise TypeError(f"paged_update_cache() got unexpected keyword arguments {sorted(unknown)}")
+    _check_update(cache_tensor, input_tensor, update_idxs_tensor, page_table, "paged_update_cache")
     run_op("paged_update_cache", lambda c, i, p, t: _paged_update(c, i, p, t), cache_tensor, input_tensor,
            update_idxs_tensor, page_table, inplace=True)
 
 
 def _paged_fused_update_op(cache_tensor1, input_tensor1, cache_tensor2, input_tensor2, *, update_idxs_tensor=None,
                            page_table=None, **kwargs):
-    _paged_update_op(cache_tensor1, input_tensor1, update_idxs_tensor=update_idxs_tensor, page_table=page_table)
-    _paged_update_op(cache_tensor2, input_tensor2, update_idxs_tensor=update_idxs_tensor, page_table=page_table)
+    for cache, update in ((cache_tensor1, input_tensor1), (cache_tensor2, input_tensor2)):
+        _check_update(cache, update, update_idxs_tensor, page_table, "paged_fused_update_cache")
+    for cache, update in ((cache_tensor1, input_tensor1), (cache_tensor2, input_tensor2)):
+        run_op("paged_update_cache", lambda c, i, p, t: _paged_update(c, i, p, t), cache, update,
+               update_idxs_tensor, page_table, inplace=True)
 
 
 def paged_keys(cache: torch.Tensor, page_row: torch.Tensor, first: int, end: int) -> torch.Tensor:
@@ -621,9 +952,46 @@ def _sdpa_decode(q: Tensor, k: Tensor, v: Tensor, page_table: Tensor, positions:
 
 
 def _paged_sdpa_decode(input_tensor_q, input_tensor_k, input_tensor_v, page_table_tensor=None, *, is_causal=True,
-                       attn_mask=None, cur_pos_tensor=None, scale=None, sliding_window_size=None, **kwargs):
+                       attn_mask=None, cur_pos_tensor=None, scale=None, sliding_window_size=None, memory_config=None,
+                       **kwargs):
+    """sdpa_decode_device_operation.cpp SdpaDecodeDeviceOperation::validate_on_program_cache_miss (read at 00b0fa3f,
+    texts of the 0.81.1 wheel), causal paged decode: q, k, v BFLOAT16/BFLOAT8_B/BFLOAT4_B (no FLOAT32), k and v
+    tilized and in DRAM; q height-sharded or interleaved in DRAM (both allowed); cur_pos INT32 ROW_MAJOR, one per page
+    table row; the page table INT32 ROW_MAJOR; one head_dim. The output goes where memory_config says (height-sharded
+    if sharded), else DRAM (sdpa_decode.cpp: DEFAULT_OUTPUT_MEMORY_CONFIG)."""
+    q, k, v, table, pos = input_tensor_q, input_tensor_k, input_tensor_v, page_table_tensor, cur_pos_tensor
+    if not is_causal or attn_mask is not None or table is None or pos is None:
+        raise NotImplementedError("stand-in: causal paged SDPA decode with cur_pos_tensor")
+    for t in (q, k, v):
+        if t.dtype not in (bfloat16, bfloat8_b, "bfloat4_b"):
+            raise RuntimeError(f"Unsupported data type {_dtype_name(t.dtype)}.")
+    if k.layout != TILE_LAYOUT or v.layout != TILE_LAYOUT:
+        raise RuntimeError("Inputs to SDPA must be tilized except for Q")
+    if q.mem.is_sharded() and q.mem.memory_layout != ShardStrategy.HEIGHT:
+        raise RuntimeError(f"Q tensor memory layout must be HEIGHT_SHARDED when sharded but got {q.mem.memory_layout}")
+    if not q.mem.is_sharded() and q.mem.buffer_type != "DRAM":
+        raise RuntimeError(f"Q tensor buffer type must be DRAM when not sharded but got {q.mem.buffer_type}")
+    for i, t in ((1, k), (2, v)):
+        if t.mem.buffer_type != "DRAM":
+            raise RuntimeError(f"Input tensor {i} buffer type must be DRAM but got {t.mem.buffer_type}")
+    out = memory_config or DRAM_MEMORY_CONFIG
+    if out.is_sharded() and out.memory_layout != ShardStrategy.HEIGHT:
+        raise RuntimeError(f"Output memory config layout must be HEIGHT_SHARDED when sharded but got "
+                           f"{out.memory_layout}")
+    if pos.dtype != int32:
+        raise RuntimeError(f"Expect cur_pos to be INT32, got {_dtype_name(pos.dtype)}")
+    if pos.layout != ROW_MAJOR_LAYOUT:
+        raise RuntimeError(f"Expect cur_pos to be ROW_MAJOR, got {pos.layout}")
+    if pos.shape[-1] != table.shape[0]:
+        raise RuntimeError(f"cur_pos must have batch size equal to Q, got {pos.shape[0]} and {table.shape[0]}")
+    if table.dtype != int32:
+        raise RuntimeError("Error: SDPA currently only supports INT32 datatype")
+    if table.layout != ROW_MAJOR_LAYOUT:
+        raise RuntimeError(f"Page table tensor layout must be ROW_MAJOR but got {table.layout}")
+    if not q.shape[-1] == k.shape[-1] == v.shape[-1]:
+        raise RuntimeError("Q, K, V must have same hidden size")
     return run_op("paged_sdpa_decode", lambda q, k, v, t, p: _sdpa_decode(q, k, v, t, p, scale, sliding_window_size),
-                  input_tensor_q, input_tensor_k, input_tensor_v, page_table_tensor, cur_pos_tensor)
+                  q, k, v, table, pos, mem=out)
 
 
 experimental = types.SimpleNamespace(paged_update_cache=_paged_update_op,

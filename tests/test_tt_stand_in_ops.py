@@ -1,0 +1,95 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The stand-in's ttnn ops (tests/tt_stand_in/ttnn.py, a TEST DOUBLE) refuse what ttnn 0.81.1 refuses, and their
+traced forms replay: cheap checks of the rules the device draft head depends on."""
+import pytest
+import torch
+
+from .tt_stand_in import ttnn as t
+
+
+@pytest.fixture
+def mesh(monkeypatch):
+    monkeypatch.setattr(t, "FABRIC", {"config": t.FabricConfig.DISABLED, "open_meshes": 0})
+    return t.open_mesh_device(t.MeshShape(1, 1), trace_region_size=10**9)
+
+
+def dev(x, mesh, dtype=t.bfloat16, layout=t.TILE_LAYOUT, mem=None):
+    return t.from_torch(x, dtype=dtype, layout=layout, device=mesh, memory_config=mem)
+
+
+def test_as_tensor_cache_file(mesh, tmp_path):
+    w = torch.randn(64, 32)
+    with pytest.raises(RuntimeError, match="memory_config must be specified when device is specified"):
+        t.as_tensor(w, t.bfloat16, device=mesh)
+    kwargs = dict(layout=t.TILE_LAYOUT, device=mesh, memory_config=t.DRAM_MEMORY_CONFIG,
+                  mesh_mapper=t.ReplicateTensorToMesh(mesh), cache_file_name=tmp_path / "w")
+    first = t.as_tensor(w, t.bfloat16, **kwargs)
+    assert (tmp_path / "w_dtype_BFLOAT16_layout_TILE.tensorbin").is_file()
+    again = t.as_tensor(torch.zeros(64, 32), t.bfloat16, **kwargs)  # read from the file, not from the argument
+    assert torch.equal(t.to_torch(again), t.to_torch(first)) and again.layout == t.TILE_LAYOUT
+
+
+def test_refusals(mesh):
+    x = dev(torch.randn(1, 1, 32, 64), mesh)
+    with pytest.raises(RuntimeError, match="The width of the first tensor must be equal to the height"):
+        t.linear(x, dev(torch.randn(32, 16), mesh))
+    with pytest.raises(RuntimeError, match="Inputs to matmul must be tilized"):
+        t.linear(x, dev(torch.randn(64, 16), mesh, layout=t.ROW_MAJOR_LAYOUT))
+    with pytest.raises(RuntimeError, match="Gamma's last padded dim needs to equal tile width"):
+        t.rms_norm(x, weight=dev(torch.ones(1, 1, 1, 64), mesh, layout=t.ROW_MAJOR_LAYOUT))
+    assert t.rms_norm(x, weight=dev(torch.ones(1, 1, 2, 32), mesh, layout=t.ROW_MAJOR_LAYOUT)).shape == x.shape
+    with pytest.raises(RuntimeError, match="optional output tensor currently unsupported!"):
+        t.concat([x, x], dim=3, output_tensor=dev(torch.zeros(1, 1, 32, 128), mesh))
+    with pytest.raises(RuntimeError, match="All Tensors should have same dtypes."):
+        t.concat([x, dev(torch.randn(1, 1, 32, 64), mesh, dtype=t.float32)], dim=3)
+    with pytest.raises(RuntimeError, match="Weights tensor must have BFLOAT16 dtype"):
+        t.embedding(dev(torch.zeros(1, 32), mesh, t.uint32, t.ROW_MAJOR_LAYOUT),
+                    dev(torch.randn(100, 64), mesh, t.float32, t.ROW_MAJOR_LAYOUT))
+    with pytest.raises(RuntimeError, match="Invalid arguments to reshape"):
+        t.reshape(x, [1, 32, 3, 64])
+    with pytest.raises(RuntimeError, match="Inputs to softmax must be tilized"):
+        t.softmax(dev(torch.randn(1, 1, 32, 64), mesh, layout=t.ROW_MAJOR_LAYOUT))
+
+
+def test_cache_update_and_sdpa_decode_operands(mesh):
+    """paged_update_cache wants its update height-sharded, one user per core; SDPA decode takes q in DRAM but not in
+    float32."""
+    cache = dev(torch.zeros(64, 1, 32, 32), mesh, dtype=t.bfloat8_b)
+    table = dev(torch.arange(64).view(32, 2), mesh, t.int32, t.ROW_MAJOR_LAYOUT, t.DRAM_MEMORY_CONFIG)
+    pos = dev(torch.arange(32), mesh, t.int32, t.ROW_MAJOR_LAYOUT, t.DRAM_MEMORY_CONFIG)
+    update = dev(torch.randn(1, 32, 1, 32), mesh)
+    with pytest.raises(RuntimeError, match="Expect input_tensor to be sharded"):
+        t.experimental.paged_update_cache(cache, update, update_idxs_tensor=pos, page_table=table)
+    sharded = t.create_sharded_memory_config((32, 32), t.CoreGrid(y=4, x=8), t.ShardStrategy.HEIGHT,
+                                             use_height_and_width_as_shard_shape=True)
+    t.experimental.paged_update_cache(cache, t.to_memory_config(update, sharded), update_idxs_tensor=pos,
+                                      page_table=table)
+    assert torch.equal(cache.data[10, :, 5], update.data[0, 5])  # row 5, position 5: block table[5, 0] = 10
+    q = dev(torch.randn(1, 32, 4, 32), mesh, mem=t.DRAM_MEMORY_CONFIG)
+    out = t.transformer.paged_scaled_dot_product_attention_decode(q, cache, cache, page_table_tensor=table,
+                                                                  cur_pos_tensor=pos)
+    assert out.shape == q.shape and out.mem == t.DRAM_MEMORY_CONFIG
+    with pytest.raises(RuntimeError, match="Unsupported data type FLOAT32."):
+        t.transformer.paged_scaled_dot_product_attention_decode(
+            dev(torch.randn(1, 32, 4, 32), mesh, dtype=t.float32), cache, cache, page_table_tensor=table,
+            cur_pos_tensor=pos)
+
+
+def test_copy_into_a_persistent_tensor_replays(mesh):
+    """ttnn.copy writes a persistent tensor inside a trace; an intermediate deallocated during capture stays
+    readable by the replays."""
+    src = dev(torch.zeros(1, 1, 32, 64), mesh)
+    dst = dev(torch.zeros(1, 1, 32, 128), mesh)
+
+    def program():
+        mid = t.concat([src, src], dim=3)
+        t.copy(t.mul(mid, mid), dst)
+        t.deallocate(mid)
+    program()  # compiles
+    trace = t.begin_trace_capture(mesh)
+    program()
+    t.end_trace_capture(mesh, trace)
+    t.copy_host_to_device_tensor(t.from_torch(torch.full((1, 1, 32, 64), 3.0), dtype=t.bfloat16,
+                                              layout=t.TILE_LAYOUT), src)
+    t.execute_trace(mesh, trace)
+    assert torch.equal(t.to_torch(dst), torch.full((1, 1, 32, 128), 9.0))
