@@ -11,6 +11,8 @@ from models.tt_transformers.torch_backend.cpu_kernels import load_cpu_kernels
 from models.tt_transformers.torch_backend.model import Transformer
 from models.tt_transformers.torch_backend.model_config import ModelArgs
 
+from .stand_in_backend import plain_outputs, prompts, tt  # noqa: F401  (fixtures of the ttnn tests)
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # The bf16 CPU kernels the embedded model runs on here (None on CPUs without AVX512-BF16: tests that need them
@@ -64,28 +66,12 @@ def random_model(dtype=torch.float32, max_seq_len: int = 64, seed: int = 0, std:
 
 def random_head_tensors(target: ModelArgs, seed: int = 0, std: float = 0.3, draft_vocab: Optional[int] = None,
                         taps=None, embed: bool = False, layout: str = "speculators", **layer):
-    """(HeadConfig, tensors under speculators' names) of a random EAGLE-3 head for `target`: normal(0, std) weights,
-    norms near 1; draft_vocab: a random share of the target's ids (with d2t and t2d); taps default (0, N/2, N-1)."""
-    from models.tt_transformers.torch_backend.draft_head import HeadConfig, expected_shapes
+    """A random EAGLE-3 head for `target` (draft_head.random_head) with the tests' defaults: normal(0, std) weights,
+    taps (0, N/2, N-1)."""
+    from models.tt_transformers.torch_backend.draft_head import random_head
 
-    gen = torch.Generator().manual_seed(seed)
-    fields = {f: getattr(target, f) for f in ModelArgs.__dataclass_fields__}
-    fields.update(n_layers=1, **layer)
-    draft_vocab = draft_vocab or target.vocab_size
     taps = tuple(taps or (0, target.n_layers // 2, target.n_layers - 1))
-    config = HeadConfig(layout, ModelArgs(**fields), draft_vocab, taps, target.dim, False)
-    tensors = {name: torch.randn(shape, generator=gen) * std for name, shape in expected_shapes(config).items()}
-    for name in tensors:
-        if name.endswith("norm.weight"):
-            tensors[name] = 1 + tensors[name] / 3
-    if draft_vocab < target.vocab_size:
-        ids = torch.randperm(target.vocab_size, generator=gen)[:draft_vocab].sort().values
-        tensors["d2t"] = ids - torch.arange(draft_vocab)
-        tensors["t2d"] = torch.zeros(target.vocab_size, dtype=torch.bool)
-        tensors["t2d"][ids] = True
-    if embed:
-        tensors["embed_tokens.weight"] = torch.randn(target.vocab_size, target.dim, generator=gen) * std
-    return config, tensors
+    return random_head(target, seed, std, draft_vocab, taps, embed, layout, **layer)
 
 
 def random_head(model: Transformer, seed: int = 0, std: float = 0.3, vocab_share: float = 0.75, **kwargs):

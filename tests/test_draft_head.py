@@ -224,7 +224,7 @@ def test_hybrid_takes_the_draft_expected_to_bring_more():
             return (1 + self.expected) / (1 + extra_cost(n))
 
         def propose(self, users, contexts, max_tokens, extra_cost, trees=False):
-            self.calls.append(list(users))
+            self.calls.append(dict(zip(users, max_tokens)))
             return [Draft([7, 7], "head", expected=self.expected) for _ in users]
 
         def accept(self, user, verified):
@@ -237,7 +237,7 @@ def test_hybrid_takes_the_draft_expected_to_bring_more():
         hybrid.start([0, 1], [context, [9]], SamplingParams())
         drafts = hybrid.propose([0, 1], [context, [9, 8]], [4, 4], linear_cost(0.0))
         assert drafts[0].source == source and drafts[1].source == "head"  # user 1 has nothing to copy
-        assert (0 in head.calls[0]) == (source == "head")
+        assert (head.calls[0][0] > 0) == (source == "head")  # told of every user, 0 tokens where the copy wins
         assert (0 in suffix.pending) == (source == "suffix")
         hybrid.accept(0, Verified([4], [], [3] + drafts[0].tokens))
         assert head.accepted == [0]
@@ -470,4 +470,4 @@ def test_a_head_slower_than_the_target_step_is_reported_once(monkeypatch):
     finally:
         logger.remove(sink)
     assert cost.value == pytest.approx(4.0)
-    assert len(messages) == 1 and "4.0 ms on the host, 4.0x the target's step (1.0 ms)" in messages[0], messages
+    assert len(messages) == 1 and "4.0 ms, 4.0x the target's step (1.0 ms)" in messages[0], messages

@@ -38,6 +38,9 @@ def test_every_stage_runs_and_reports(monkeypatch, tmp_path):
     assert facts["device"] == "N150" and facts["model"] == "SmolLM2-135M-Instruct" and facts["mesh"] == [1, 1]
     assert facts["weight_cache"].startswith(str(tmp_path / "cache"))
     assert len(facts["verify_ids"]) == 5 and facts["perf"]["identical_to_baseline"]
+    head = facts["draft_head"]  # the shipped head on the device, its chain beside the torch head's
+    assert head["head"].endswith("SmolLM2-135M-Instruct") and len(head["device_chain"]) == len(head["torch_chain"]) == 4
+    assert head["first_logits_max_rel_diff"] < 0.05
     assert json.loads((tmp_path / "report.json").read_text())["ok"]
 
 

@@ -8,61 +8,15 @@ depend on the batch shape), so the reference here is plain decoding through the 
 import pytest
 import torch
 
-from models.tt_transformers.demo.speculative_decoding.speculative_demo import encode
 from models.tt_transformers.demo.speculative_decoding.speculative_generator import SpeculativeGenerator
 from models.tt_transformers.speculative.backend import UserRows
 from models.tt_transformers.speculative.drafters import HybridDrafter, ModelDrafter, SuffixDrafter
 from models.tt_transformers.torch_backend.checkpoint import load_model, resolve_checkpoint
 from models.tt_transformers.torch_backend.generator import TorchCausalLM
-from models.tt_transformers.torch_backend.model_config import ModelArgs
 from models.tt_transformers.ttnn_backend import attention as ordered_attention
-from models.tt_transformers.ttnn_backend.generator import TtnnCausalLM
-from models.tt_transformers.ttnn_backend.model import build_tt_model
 
-from .tt_stand_in import install
-from .tt_stand_in import tt_transformers as stand_in_tt
+from .stand_in_backend import MAX_SEQ_LEN, STAND_IN_TRACE_REGION, backend_builder, outputs
 from .tt_stand_in import ttnn as stand_in_ttnn
-
-MAX_SEQ_LEN = 192
-STAND_IN_TRACE_REGION = 10**9  # bytes of the stand-in's own trace accounting (ttnn.TRACE_OP_BYTES per op)
-
-
-def backend_builder(monkeypatch, checkpoint, shape=(1, 1)):
-    install(monkeypatch)
-    mesh = stand_in_ttnn.open_mesh_device(stand_in_ttnn.MeshShape(*shape), trace_region_size=STAND_IN_TRACE_REGION)
-
-    def build(max_users, max_seq_len=MAX_SEQ_LEN, float32=False):
-        """The demo's default bfloat8_b weights, which the stand-in computes in torch bfloat16; float32: the
-        stand-in computes them in float32 instead (TT has no float32 weights: a way to compare with the torch
-        backend's float32 numerics, not a device setting)."""
-        if float32:
-            monkeypatch.setitem(stand_in_tt.COMPUTE_DTYPES, stand_in_ttnn.bfloat8_b, torch.float32)
-        model = build_tt_model(mesh, checkpoint.folder, checkpoint.name, max_users, max_seq_len, True)
-        return TtnnCausalLM(model, max_users, max_seq_len)
-    return build
-
-
-@pytest.fixture
-def tt(monkeypatch, embedded_checkpoint):
-    """Build a backend on the stand-in: tt(max_users, max_seq_len=MAX_SEQ_LEN, float32=False)."""
-    return backend_builder(monkeypatch, embedded_checkpoint)
-
-
-@pytest.fixture(scope="module")
-def prompts(embedded_tokenizer, sample_prompt_tokens):
-    code = "def area(w, h):\n    return w * h\n\ndef perimeter(w, h):\n    return 2 * (w + h)\n"
-    copy = encode(embedded_tokenizer, f"Rename w to width and h to height in this code:\n{code}", True)
-    return [copy, sample_prompt_tokens[1], sample_prompt_tokens[2], sample_prompt_tokens[4]]
-
-
-@pytest.fixture(scope="module")
-def plain_outputs(embedded_checkpoint, prompts):
-    """Plain greedy decoding of the four prompts through the stand-in's 32-row step (each row is computed on its
-    own, so a user's output does not depend on the batch it shares the tile with)."""
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        lm = backend_builder(monkeypatch, embedded_checkpoint)(4)
-        return outputs(SpeculativeGenerator(lm, None, 0).generate(prompts, 32))
-
 
 def drafter_for(lm, mode):
     if mode == "suffix":
@@ -70,10 +24,6 @@ def drafter_for(lm, mode):
     if mode == "model":
         return ModelDrafter(lm.draft_view(8))
     return HybridDrafter(SuffixDrafter(1), ModelDrafter(lm.draft_view(8), draft_cost=0.3))
-
-
-def outputs(results):
-    return [r.output_tokens for r in results]
 
 
 def test_logits_match_the_torch_backend_in_float32(tt, embedded_checkpoint, prompts):
@@ -96,10 +46,6 @@ def test_logits_match_the_torch_backend_in_float32(tt, embedded_checkpoint, prom
     assert max(errors) < 2e-3
 
 
-def cache_contents(lm):
-    return [t.data.clone() for layer in lm.tt.kv_cache for t in layer]
-
-
 EAGLE3_TAPS = (2, 15, 27)  # an EAGLE-3 head's default taps (2, N // 2, N - 3) for the embedded model's 30 layers
 
 
@@ -110,22 +56,20 @@ def block_errors(ours: torch.Tensor, ref: torch.Tensor, dim: int) -> list[float]
 
 
 def test_taps_match_the_torch_backend_in_float32(tt, embedded_checkpoint, prompts):
-    """What an EAGLE-3 head reads back: the residual stream entering layers 2, 15 and 27, concatenated in that order,
-    for the prompt (the decode program over it, 32 positions a run, writing nothing: the cache is what prefill left)
-    and for a verify step's rows, against the torch backend's taps (float32)."""
+    """What an EAGLE-3 head reads: the residual stream entering layers 2, 15 and 27, concatenated in that order, for
+    the prompt (read back from TT's prefill as it runs the layers) and for a verify step's rows (left in the tap tile),
+    against the torch backend's taps (float32)."""
     lm = tt(2, float32=True)
     torch_lm = TorchCausalLM(load_model(embedded_checkpoint, torch.float32, MAX_SEQ_LEN, cpu_kernels=False), 30, 2)
     dim = torch_lm.model.args.dim
-    prompt = prompts[0][:40]  # two 32-row runs
-    lm.prefill(0, prompt)
-    written = cache_contents(lm)
+    prompt = prompts[0][:40]
     ours = lm.prefill(0, prompt, taps=EAGLE3_TAPS).hidden[0]
-    assert all(torch.equal(a, b) for a, b in zip(cache_contents(lm), written))
     ref = torch_lm.prefill(0, prompt, taps=EAGLE3_TAPS).hidden[0]
     assert ours.shape == ref.shape == (40, 3 * dim) and ours.dtype == torch.bfloat16
     errors = block_errors(ours, ref, dim)
     rows = [UserRows(0, [11, 22, 33, 44], 40)]
-    ours, ref = lm.step(rows, taps=EAGLE3_TAPS).hidden[0], torch_lm.step(rows, taps=EAGLE3_TAPS).hidden[0]
+    lm.step(rows, taps=EAGLE3_TAPS)
+    ours, ref = lm.read_taps(EAGLE3_TAPS)[:4], torch_lm.step(rows, taps=EAGLE3_TAPS).hidden[0]
     assert ours.shape == ref.shape == (4, 3 * dim)
     errors += block_errors(ours, ref, dim)
     print(f"stand-in vs torch backend, taps {EAGLE3_TAPS} (read back in bf16): max relative error {max(errors):.2e}")
@@ -142,12 +86,16 @@ def test_taps_come_from_the_layers_named(tt, embedded_checkpoint, prompts):
     lm.prefill(0, prompts[1][:20])
     rows = [UserRows(0, [5, 17, 300, 41], 20)]
     layers, attention = list(lm.tt.model.layers), [layer.attention for layer in lm.tt.model.layers]
-    out = lm.step(rows, taps=(0, 9)).hidden[0]
+    def tapped(taps):
+        lm.step(rows, taps=taps)
+        return lm.read_taps(taps)[:4]
+
+    out = tapped((0, 9))
     embedding = load_model(embedded_checkpoint, torch.bfloat16, MAX_SEQ_LEN, cpu_kernels=False).tok_embeddings
-    assert torch.equal(out[:, :dim], embedding(torch.tensor(rows[0].tokens)).to(torch.bfloat16))
-    swapped = lm.step(rows, taps=(9, 0)).hidden[0]
+    assert torch.equal(out[:, :dim], embedding(torch.tensor(rows[0].tokens)).float())
+    swapped = tapped((9, 0))
     assert torch.equal(swapped, torch.cat([out[:, dim:], out[:, :dim]], dim=1))
-    assert torch.equal(lm.step(rows, taps=(9, 9, 0)).hidden[0], torch.cat([out[:, dim:], swapped], dim=1))
+    assert torch.equal(tapped((9, 9, 0)), torch.cat([out[:, dim:], swapped], dim=1))
     assert not torch.equal(out[:, :dim], out[:, dim:])
     assert lm.tt.model.layers == layers and [layer.attention for layer in layers] == attention
     assert all("forward" not in vars(layer) for layer in layers)  # the class's forward again
@@ -168,34 +116,12 @@ def test_tap_capture_restores_the_layers_when_a_layer_fails(monkeypatch):
         def forward(self, x):
             raise RuntimeError("op failed")
 
-    monkeypatch.setattr(generator, "dram_copy", lambda x: x)
     layers = [Layer(), Layer()]
     with pytest.raises(RuntimeError, match="op failed"):
-        with generator.TapCapture(layers, (1, 0)) as capture:
+        with generator.TapCapture(layers, (1, 0), copy=lambda x: x) as capture:
             layers[1].forward(5)  # how LightweightModule.__call__ calls it
-    assert capture.outputs == {1: 5}
+    assert capture.outputs == {0: [], 1: [5]}
     assert all("forward" not in vars(layer) for layer in layers)
-
-
-def test_head_drafts_identical_to_plain_through_the_verify_step(tt, embedded_checkpoint, prompts, plain_outputs):
-    """The shipped EAGLE-3 head beside the device as the demo builds it (on the host, on the checkpoint's embedding
-    without decoder layers), fed the taps every traced step reads back (the hybrid's choice is backend-independent:
-    tests/test_draft_head.py); the ttnn backend verifies chains."""
-    from models.tt_transformers.demo.speculative_decoding.speculative_demo import DRAFT_HEADS, DemoConfig, host_draft_head
-    from models.tt_transformers.speculative.head_drafter import HeadDrafter, RunCost
-    from models.tt_transformers.torch_backend.draft_head import read_draft_head
-
-    lm = tt(4)
-    args = ModelArgs.from_hf_config(embedded_checkpoint.config)
-    head = read_draft_head(DRAFT_HEADS / embedded_checkpoint.name, args)
-    drafter = HeadDrafter(host_draft_head(head, lm, embedded_checkpoint, args, DemoConfig(max_seq_len=MAX_SEQ_LEN,
-                                                                                          batch_size=4)))
-    drafter.cost = RunCost(drafter.cost.estimate, measure=False)  # the stand-in's step time is no device's
-    assert drafter.taps == (2, 15, 27)
-    results = SpeculativeGenerator(lm, drafter, 6).generate(prompts, 32)
-    assert outputs(results) == plain_outputs
-    steps = [it for r in results for it in r.iterations if it.draft_source == "head"]
-    assert steps and sum(it.accepted for it in steps) > 0
 
 
 @pytest.mark.parametrize("batch", [1, 4])
@@ -250,6 +176,7 @@ def test_every_row_of_a_verify_step_is_written(tt, prompts, monkeypatch):
     keys and values are in the cache (checked against what each update op was given); with the batched write
     TT-Transformers issues (every row in one op) rows are lost."""
     def verify_step(lm):
+        lm.prefill(0, prompts[0][:40])  # TT's prefill warm-up compiles its programs before any trace exists
         lm.step([UserRows(0, [0] * 7, 100)])  # compiles and captures the 8-pass trace: what follows is a replay
         for user in (0, 1):
             lm.prefill(user, prompts[user][:40])
@@ -274,11 +201,15 @@ def test_ordered_cache_writes_are_needed(tt, prompts, plain_outputs, monkeypatch
 
 
 def test_racing_write_model():
-    """The stand-in's paged_update_cache: rows in the same block in one op keep only the last row's write."""
+    """The stand-in's paged_update_cache: rows in the same block in one op keep only the last row's write. (The update
+    is height sharded one row per core, as the op wants it: paged_update_cache_device_operation.cpp.)"""
     t = stand_in_ttnn
     mesh = t.open_mesh_device()
-    cache = t.from_torch(torch.zeros(4, 1, 32, 2), device=mesh)
-    update = t.from_torch(torch.arange(1, 7, dtype=torch.float32).view(1, 3, 1, 2), device=mesh)  # rows [1 2] [3 4] [5 6]
+    cache = t.from_torch(torch.zeros(4, 1, 32, 2), layout=t.TILE_LAYOUT, device=mesh)
+    update = t.from_torch(torch.arange(1, 7, dtype=torch.float32).view(1, 3, 1, 2), dtype=t.bfloat16,
+                          layout=t.TILE_LAYOUT, device=mesh)  # rows [1 2] [3 4] [5 6]
+    update = t.to_memory_config(update, t.create_sharded_memory_config((32, 32), t.CoreGrid(y=1, x=3), t.ShardStrategy.HEIGHT,
+                                                                      use_height_and_width_as_shard_shape=True))
     rows = torch.tensor([[2, 3], [2, 3], [1, 0]])
     pos = t.from_torch(torch.tensor([5, 6, 40]), dtype=t.int32, device=mesh)
     t.experimental.paged_update_cache(cache, update, update_idxs_tensor=pos, page_table=t.from_torch(rows, dtype=t.int32,
@@ -294,9 +225,16 @@ def test_traces_replay_without_allocating(tt, prompts):
     lm = tt(2)
     gen = SpeculativeGenerator(lm, SuffixDrafter(2), 3)
     gen.generate(prompts[:2], 16)  # captures the traces this workload needs
-    before = lm.tt.mesh_device.allocations
+    mesh, step, steps = lm.tt.mesh_device, lm.step, []
+
+    def counting(*args, **kwargs):  # TT's prefill allocates between replays (as on a device): the steps must not
+        before = mesh.allocations
+        out = step(*args, **kwargs)
+        steps.append(mesh.allocations - before)
+        return out
+    lm.step = counting
     gen.generate(prompts[:2], 16)
-    assert lm.tt.mesh_device.allocations == before
+    assert steps and set(steps) == {0}
     t, mesh = stand_in_ttnn, lm.tt.mesh_device
     with pytest.raises(RuntimeError, match="never captured"):
         t.execute_trace(mesh, 999, cq_id=0)

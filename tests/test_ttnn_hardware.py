@@ -4,10 +4,12 @@ everywhere, run where /dev/tenstorrent* exists, reported as skipped with the rea
 
     MESH_DEVICE=N150 HF_MODEL=meta-llama/Llama-3.1-8B-Instruct pytest tests/test_ttnn_hardware.py -m tt_hardware
 
-HF_MODEL names a checkpoint TT-Transformers runs (a local folder or a hub id in the local Hugging Face cache). Run
-`make tt-smoke` first (test_smoke here): it stops at the first stage that fails. The perf test
-(`models_performance_bare_metal`) writes bench_results/perf_<device>_<model>.json with the TT perf keys and the
-measured time of every traced step shape (what the cost model's constants in ttnn_backend/generator.py estimate).
+HF_MODEL names a checkpoint TT-Transformers runs (a local folder or a hub id in the local Hugging Face cache);
+DRAFT_HEAD an EAGLE-3 head for it (a folder or hub id: the EAGLE authors' or speculators' layout), for the draft head
+on the device. Run `make tt-smoke` first (test_smoke here): it stops at the first stage that fails. The perf tests
+(`models_performance_bare_metal`) write bench_results/perf_<device>_<model>.json (and perf_head_...) with the TT perf
+keys and the measured time of every traced step shape (what the cost model's constants in ttnn_backend/generator.py
+estimate).
 """
 import json
 import os
@@ -25,6 +27,7 @@ from models.tt_transformers.demo.speculative_decoding.speculative_generator impo
 from models.tt_transformers.speculative.drafters import HybridDrafter, ModelDrafter, SuffixDrafter
 from models.tt_transformers.torch_backend.checkpoint import resolve_checkpoint
 from models.tt_transformers.ttnn_backend.device import mesh_shape
+from models.tt_transformers.ttnn_backend.draft_head import TtnnDraftHead
 from models.tt_transformers.ttnn_backend.generator import TtnnCausalLM
 from models.tt_transformers.ttnn_backend.model import build_tt_model
 
@@ -33,6 +36,7 @@ from .conftest import REPO_ROOT
 pytestmark = pytest.mark.tt_hardware
 
 CODE_EDITS = str(REPO_ROOT / "benchmarks" / "prompt_sets" / "code_edit.json")
+CHAT = str(REPO_ROOT / "benchmarks" / "prompt_sets" / "chat.json")
 # Decode tok/s/user targets per f"{MESH_DEVICE}_{model}" and mode. None measured yet (no device was available where
 # this was written): until a run on the device fills them in, each speculative mode's floor is plain decoding's
 # tok/s/user on the same device in the same run.
@@ -43,10 +47,16 @@ PERF = dict(backend="ttnn", input_prompts=CODE_EDITS, max_generated_tokens=128, 
             n_draft_tokens=16, draft_model=os.environ.get("DRAFT_MODEL"), draft_mode="hybrid")
 
 
+HEAD_PERF = dict(backend="ttnn", input_prompts=CHAT, max_generated_tokens=128, compare_baseline=1, n_draft_tokens=4,
+                 draft_head=os.environ.get("DRAFT_HEAD"), draft_mode="hybrid")
+
+
 @pytest.fixture
 def device_params():
-    """A trace region for the largest run here (the perf test's 16 drafts, hybrid: every trace kind)."""
-    return {"trace_region_size": trace_region_size(DemoConfig(**PERF), mesh_shape())}
+    """A trace region for the largest run here (the perf test's 16 drafts, hybrid: every trace kind; a draft head's
+    traces beside it)."""
+    return {"trace_region_size": trace_region_size(DemoConfig(**PERF), mesh_shape())
+            + (trace_region_size(DemoConfig(**HEAD_PERF), mesh_shape()) if HEAD_PERF["draft_head"] else 0)}
 
 
 @pytest.fixture
@@ -85,6 +95,89 @@ def test_lossless_on_device(mesh_device, checkpoint, batch):
     view = target.draft_view(max(1, target.n_layers // 4))
     for drafter in (SuffixDrafter(), ModelDrafter(view), HybridDrafter(SuffixDrafter(), ModelDrafter(view, 0.25))):
         assert [r.output_tokens for r in SpeculativeGenerator(target, drafter, 8).generate(prompts, 64)] == plain
+
+
+def device_head_drafter(target, checkpoint, n_draft_tokens: int):
+    """DRAFT_HEAD, else the head shipped for the model, else a random EAGLE-3 head of its shape (lossless all the
+    same: its drafts fail), on the device beside `target` (demo.draft_head), traced with it."""
+    from models.tt_transformers.demo.speculative_decoding import speculative_demo as demo
+    from models.tt_transformers.torch_backend.draft_head import random_head, read_draft_head
+    from models.tt_transformers.torch_backend.model_config import ModelArgs
+
+    config = DemoConfig(backend="ttnn", n_draft_tokens=n_draft_tokens, draft_head=os.environ.get("DRAFT_HEAD"))
+    args = ModelArgs.from_hf_config(checkpoint.config)
+    folder = demo.draft_head_folder(DemoConfig(**{**vars(config), "draft_mode": "hybrid"}), checkpoint.name)
+    head = read_draft_head(folder, args) if folder is not None else random_head(args)
+    drafter = demo.draft_head(head, target, checkpoint, args, config)
+    demo.warm_up(target, drafter, None, config)
+    return drafter
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_device_head_lossless_on_device(mesh_device, checkpoint, batch):
+    """The draft head on the device (DRAFT_HEAD, the shipped one, or a random one), in head and hybrid modes, equals
+    plain greedy decoding through the same traced 32-row step."""
+    from models.tt_transformers.demo.speculative_decoding.speculative_demo import encode, load_prompts
+    from models.tt_transformers.torch_backend.checkpoint import load_tokenizer
+
+    tokenizer = load_tokenizer(checkpoint)
+    prompts = [encode(tokenizer, p, True) for p in load_prompts(CHAT)][:batch]
+    target = TtnnCausalLM(build_tt_model(mesh_device, checkpoint.folder, checkpoint.name, batch, 1024, True), batch,
+                          1024)
+    plain = [r.output_tokens for r in SpeculativeGenerator(target, None, 0).generate(prompts, 64)]
+    head = device_head_drafter(target, checkpoint, 4)
+    for drafter in (head, HybridDrafter(SuffixDrafter(), head)):
+        assert [r.output_tokens for r in SpeculativeGenerator(target, drafter, 4).generate(prompts, 64)] == plain
+
+
+def per_position(report: dict, bucket: int = 32) -> dict:
+    """Decode tok/s/user per span of `bucket` generated positions (0-31, 32-63, ...), over every prompt's iterations
+    (batch 1): how the speed holds as the context grows."""
+    tokens, seconds = {}, {}
+    for prompt in report["prompts"]:
+        position = 1  # the first token comes from the prefill
+        for it in prompt["iterations"]:
+            span = position // bucket * bucket
+            tokens[span] = tokens.get(span, 0) + it["accepted"] + 1
+            seconds[span] = seconds.get(span, 0.0) + it["ms"] / 1e3
+            position += it["accepted"] + 1
+    return {f"{span}-{span + bucket - 1}": tokens[span] / seconds[span] for span in sorted(tokens)}
+
+
+@pytest.mark.models_performance_bare_metal
+def test_device_head_perf(mesh_device, checkpoint):
+    """Head and hybrid modes with a published head (DRAFT_HEAD) on chat prompts (batch 1, 128 tokens, 4 drafts):
+    records tokens per forward, decode tok/s/user overall and per position, the TT perf keys and the measured time of
+    every head trace (feed passes, chain length), beside plain decoding in the same run; hybrid's floor is plain's
+    tok/s/user (PERF_TARGETS when set)."""
+    if not HEAD_PERF["draft_head"]:
+        pytest.skip("set DRAFT_HEAD to a published EAGLE-3 head for HF_MODEL (a folder or a hub id in the local cache)")
+    device = os.environ.get("MESH_DEVICE", "N150")
+    key = f"{device}_{checkpoint.name}"
+    measurements, head_ms = {}, {}
+    pool = ModelPool()
+    try:
+        for mode in ("head", "hybrid"):
+            report = run_demo(DemoConfig(**{**HEAD_PERF, "draft_mode": mode}), mesh_device, pool)
+            summary = report["summary"]
+            assert summary["identical_to_baseline"]
+            measurements[mode] = {**{k: summary[k] for k in ("compile_prefill", "compile_decode",
+                                                             "prefill_time_to_token", "decode_t/s/u", "decode_t/s",
+                                                             "acceptance_rate", "mean_tokens_per_step",
+                                                             "draft_head_run_cost")},
+                                  "decode_t/s/u_per_position": per_position(report)}
+            measurements.setdefault("plain", {"decode_t/s/u": summary["baseline_decode_tok_s"]})
+        for model in pool.models.values():
+            if isinstance(model, TtnnDraftHead):
+                head_ms.update({f"passes={p} k={k}": 1e3 * sum(t) / len(t) for (p, k), t in model.step_times.items()})
+    finally:
+        pool.close()
+    out = REPO_ROOT / "bench_results" / f"perf_head_{key}.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps({"device": device, "model": checkpoint.name, "draft_head": HEAD_PERF["draft_head"],
+                               "measurements": measurements, "head_trace_ms": head_ms}, indent=2))
+    floor = PERF_TARGETS.get(key, {}).get("head_hybrid", measurements["plain"]["decode_t/s/u"])
+    assert measurements["hybrid"]["decode_t/s/u"] >= floor, (measurements["hybrid"], floor, str(out))
 
 
 @pytest.mark.models_performance_bare_metal

@@ -17,7 +17,7 @@ from models.tt_transformers.ttnn_backend.model import build_tt_model, weight_cac
 from models.tt_transformers.ttnn_backend.trace_plan import model_trace_bytes, pass_ladder, trace_keys, trace_ops
 
 from .conftest import save_tiny_hf_checkpoint, write_json
-from .test_ttnn_backend import STAND_IN_TRACE_REGION
+from .stand_in_backend import STAND_IN_TRACE_REGION
 from .tt_stand_in import install
 from .tt_stand_in import tt_transformers as stand_in_tt
 from .tt_stand_in import ttnn as stand_in_ttnn
@@ -125,27 +125,43 @@ def test_split_vocabulary_argmax_and_top_k_per_device(stand_in, tiny):
         assert [r.output_tokens for r in spec] == reference_output
 
 
-def test_taps_on_a_two_device_mesh_equal_one_devices(stand_in, tiny):
-    """Issue 24: the residual stream entering a decoder layer is split over the devices along dim in decode
-    (tt/decoder.py: "x is fractured across devices ... sharded in L1 (for decode)"; tt/embedding.py splits the
-    embedding's columns): each tapped copy stays split, is read back concatenated in device order, and equals one
-    device's taps, for a step and for a prefill."""
-    prompt, rows = [5, 9, 17, 5, 9, 17, 5, 9], [UserRows(0, [3, 7, 11], 8)]
+def test_taps_and_the_device_head_on_a_two_device_mesh_equal_one_devices(stand_in, tiny, tmp_path):
+    """The residual stream entering a decoder layer is split over the devices along dim (tt/decoder.py: "x is
+    fractured across devices and interleaved in DRAM (for prefill) and sharded in L1 (for decode)"; tt/embedding.py
+    splits the embedding's columns): a prefill's taps are read back concatenated in device order, a step's are
+    all-gathered into the tap tile (whole rows on every device), and the head, replicated, drafts what it drafts on one
+    device."""
+    from models.tt_transformers.speculative.head_drafter import HeadFeed
+    from models.tt_transformers.torch_backend.checkpoint import read_embedding
+    from models.tt_transformers.torch_backend.model_config import ModelArgs
+    from models.tt_transformers.ttnn_backend.draft_head import TtnnDraftHead
+
+    from .conftest import random_head_tensors
+
+    prompt, rows, taps = [5, 9, 17, 5, 9, 17, 5, 9], [UserRows(0, [3, 7, 11], 8)], (1, 0, 3)
+    args = ModelArgs.from_hf_config(tiny.config)
+    config, weights = random_head_tensors(args, seed=1, taps=taps)
+
+    def run(mesh):
+        lm = build(mesh, tiny)
+        lm.warm_up(3, 0, taps)
+        head = TtnnDraftHead(lm, config, weights, read_embedding(tiny), 2, args, cache_dir=tmp_path / str(id(mesh)))
+        head.warm_up()
+        states = lm.prefill(0, prompt, taps=taps).hidden[0]
+        drafted = head.draft([HeadFeed(0, 0, prompt[1:] + [3], states=states)], [0], 2)
+        lm.step(rows, taps=taps)
+        return lm, states, lm.read_taps(taps)[:3], drafted
+
     one_device = mesh_of((1, 1))
-    single = build(one_device, tiny)
-    reference = single.prefill(0, prompt, taps=(0, 1)).hidden[0], single.step(rows, taps=(1, 0)).hidden[0]
+    _, *reference = run(one_device)
     stand_in_ttnn.close_mesh_device(one_device)  # the fabric cannot change while a mesh is open
     stand_in.setenv("MESH_DEVICE", "N300")
     with tt_device.open_mesh(trace_region_size=STAND_IN_TRACE_REGION) as mesh:
-        two = build(mesh, tiny)
-        out = two.prefill(0, prompt, taps=(0, 1)).hidden[0], two.step(rows, taps=(1, 0)).hidden[0]
-        assert out[0].shape == (8, 2 * two.tt.args.dim)
-        assert all(torch.equal(a, b) for a, b in zip(out, reference))
-        copies = two.traces[(4, 0, (1, 0))].hidden
-        assert {i: (t.shards, t.memory_config()) for i, t in copies.items()} == {
-            i: (2, stand_in_ttnn.DRAM_MEMORY_CONFIG) for i in (0, 1)}
-        with pytest.raises(RuntimeError, match="needs a mesh_composer"):  # one device's copy holds half of dim
-            stand_in_ttnn.to_torch(copies[0])
+        lm, *out = run(mesh)
+        assert out[0].shape == (8, 3 * lm.tt.args.dim)
+        assert torch.equal(out[0], reference[0]) and torch.equal(out[1], reference[1])
+        assert out[2] == reference[2]
+        assert lm.tap_tile(taps).shards == 1  # all-gathered (tt_all_gather): every device holds whole rows
 
 
 def test_decode_residual_layout_and_the_tap_copy(stand_in, tiny):
@@ -172,16 +188,19 @@ def test_decode_residual_layout_and_the_tap_copy(stand_in, tiny):
 
 
 def test_trace_plan_with_taps():
-    """Issue 24: traces are keyed by (write passes, top k, taps); the tapped ones add the prompt-state replay and one
-    DRAM copy per tapped layer to the op count; the trace region grows with them."""
+    """Traces are keyed by (write passes, top k, taps); a tapped one adds a DRAM copy and a gather per tap and the
+    concat into the tap tile to the op count; a device head's traces are counted beside the target's."""
+    from models.tt_transformers.ttnn_backend.trace_plan import head_region_bytes
+
     taps = (2, 15, 27)
-    assert trace_keys(5, 4, taps) == sorted({(p, 4, taps) for p in (1, 2, 4, 5)} | {(1, 0, ()), (1, 0, taps)})
+    assert trace_keys(5, 4, taps) == sorted({(p, 4, taps) for p in (1, 2, 4, 5)} | {(1, 0, ())})
     assert trace_keys(5, 0, ()) == [(1, 0, ()), (2, 0, ()), (4, 0, ()), (5, 0, ())]
-    assert trace_ops(30, (1, 0, taps), 49152) - trace_ops(30, (1, 0, ()), 49152) == 3
-    assert trace_ops(30, (1, 0, (2, 2)), 49152) - trace_ops(30, (1, 0, ()), 49152) == 1  # one copy per layer
+    assert trace_ops(30, (1, 0, taps), 49152) - trace_ops(30, (1, 0, ()), 49152) == 7
     plain = model_trace_bytes("Llama-3.1-8B", ["N150"], 1, 32, 32, 128256, 5, 0, ())
     tapped = model_trace_bytes("Llama-3.1-8B", ["N150"], 1, 32, 32, 128256, 5, 0, (2, 16, 29))
-    assert len(tapped) == len(plain) + 1 and sum(tapped) > sum(plain)
+    assert len(tapped) == len(plain) + 1 and sum(tapped) > sum(plain)  # the plain step beside the tapped ones
+    head = head_region_bytes("Llama-3.1-8B", ["N150"], 32, 4)
+    assert len(head) == 8 and sum(head) < sum(plain) / 2  # eight one-layer traces: less than half the target's four
 
 
 def test_model_name_and_weight_cache_from_the_real_name(stand_in, tmp_path, embedded_checkpoint, tiny):

@@ -18,7 +18,6 @@ import json
 import subprocess
 import sys
 import tempfile
-from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -32,8 +31,8 @@ from models.tt_transformers.torch_backend.draft_head import (  # noqa: E402
     HeadConfig,
     HeadRunner,
     default_taps,
-    expected_shapes,
     load_draft_head,
+    random_head,
     write_head,
 )
 from models.tt_transformers.torch_backend.generator import TorchCausalLM  # noqa: E402
@@ -53,29 +52,6 @@ def llama8b_shaped() -> ModelArgs:
                      "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
                      tie_word_embeddings=False, sliding_window=None, max_position_embeddings=131072,
                      model_type="llama")
-
-
-def random_config(target: ModelArgs, draft_vocab: int, **options) -> HeadConfig:
-    layer = replace(target, n_layers=1)
-    return HeadConfig("speculators", layer, draft_vocab, default_taps(target.n_layers), target.dim, **options)
-
-
-def random_tensors(config: HeadConfig, seed: int) -> dict:
-    """Weights at the scale of a trained layer (std 1/sqrt(fan-in)), norms near 1, a random draft vocabulary."""
-    gen = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, shape in expected_shapes(config).items():
-        if name == "d2t":
-            continue
-        out[name] = (1 + 0.1 * torch.randn(shape, generator=gen) if name.endswith("norm.weight") or "fc_norm" in name
-                     else torch.randn(shape, generator=gen) / shape[-1] ** 0.5)
-    vocab = config.layer.vocab_size
-    if config.draft_vocab_size < vocab:
-        ids = torch.randperm(vocab, generator=gen)[: config.draft_vocab_size].sort().values
-        out["d2t"] = ids - torch.arange(config.draft_vocab_size)
-        out["t2d"] = torch.zeros(vocab, dtype=torch.bool)
-        out["t2d"][ids] = True
-    return out
 
 
 def our_chain(head_folder: Path, target: Transformer, taps: torch.Tensor, tokens: list[int],
@@ -105,7 +81,8 @@ def reference_chain(python: str, head_folder: Path, taps, tokens, embed, drafted
 
 
 def cases():
-    """(name, target model in float32, the same in bf16 as the demo runs it, taps, tokens, head configs)."""
+    """(name, target model in float32, the same in bf16 as the demo runs it, taps, tokens, random heads: (config,
+    tensors) at the scale of a trained layer)."""
     ckpt = resolve_checkpoint(None)
     model = load_model(ckpt, torch.bfloat16, 256)
     prompt = load_tokenizer(ckpt)("The water cycle moves water between the oceans, the air and the land.").input_ids
@@ -113,7 +90,7 @@ def cases():
     taps = TorchCausalLM(model, args.n_layers, 1).prefill(0, prompt, taps=default_taps(args.n_layers)).hidden[0]
     f32 = load_model(ckpt, torch.float32, 256, cpu_kernels=False, n_layers=0)
     yield ("SmolLM2-135M (real taps)", f32, model, taps[:-1].float(), prompt,
-           [random_config(args, 8192)])
+           [random_head(args, 0, draft_vocab=8192)])
     small = llama8b_shaped()
     torch.manual_seed(0)
     f32 = Transformer(small, torch.float32, 256)
@@ -124,9 +101,10 @@ def cases():
     taps = torch.randn(14, 3 * small.dim)
     tokens = torch.randint(0, small.vocab_size, (15,), generator=torch.Generator().manual_seed(1)).tolist()
     yield ("Llama-3.1-8B-shaped (32 layers, 256 wide)", f32, bf16, taps, tokens,
-           [random_config(small, 1024), random_config(small, 1024, norm_before_residual=True),
-            random_config(small, 1024, norm_output=True, fc_norm=True),
-            random_config(small, small.vocab_size, norm_before_fc=True)])
+           [random_head(small, 0, draft_vocab=1024), random_head(small, 1, draft_vocab=1024,
+                                                                 options={"norm_before_residual": True}),
+            random_head(small, 2, draft_vocab=1024, options={"norm_output": True, "fc_norm": True}),
+            random_head(small, 3, options={"norm_before_fc": True})])
 
 
 def main(argv=None):
@@ -137,9 +115,8 @@ def main(argv=None):
     report, failed = [], False
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        for name, f32, bf16, taps, tokens, configs in cases():
-            for i, config in enumerate(configs):
-                tensors = random_tensors(config, seed=i)
+        for name, f32, bf16, taps, tokens, heads in cases():
+            for config, tensors in heads:
                 # the authors' layout has no fc/output norm options (speculators' converter drops them)
                 plain = not (config.norm_output or config.fc_norm or config.norm_before_fc)
                 for layout in ("speculators", "eagle") if plain else ("speculators",):

@@ -7,9 +7,10 @@ with its time, stopping at the first failure with what to send back.
 Stages: ttnn import and version; device open (the fabric on meshes of several devices); model build (weight
 conversion into the cache folder, logged); compile and trace capture (TT's prefill warm-up and every decode trace
 the run uses); prefill of one prompt; one plain traced decode step; one verify step with
-drafts; the tapped hidden states an EAGLE-3 head reads (layers 0, 2, N/2 and N-3, for the prompt and one step);
-speculative decoding identical to plain decoding through the same verify-shaped step for 32 tokens; the
-TT perf keys of a short demo run. The report (every stage, its seconds, the failure with its traceback, the
+drafts; the tapped hidden states an EAGLE-3 head reads (layers 0, 2, N/2 and N-3: the prompt's read back from the
+prefill, a step's left in the tap tile); the draft head on the device (the run's head, else a random EAGLE-3 head:
+its chain against the torch head fed the same states); speculative decoding identical to plain decoding through the
+same verify-shaped step for 32 tokens; the TT perf keys of a short demo run. The report (every stage, its seconds, the failure with its traceback, the
 versions) is written to --report as JSON.
 """
 import argparse
@@ -64,26 +65,44 @@ def smoke_taps(n_layers: int) -> tuple[int, ...]:
     return tuple(dict.fromkeys(min(max(i, 0), n_layers - 1) for i in (0, 2, n_layers // 2, n_layers - 3)))
 
 
-def taps_region(config: demo.DemoConfig, shape) -> int:
-    """Trace region for the taps stage's one extra trace (1 write pass, no top k, smoke_taps), with the margin."""
+def smoke_head(config: demo.DemoConfig, ckpt, args) -> tuple:
+    """The head the draft-head stage runs: the run's (--draft_head, or the one shipped for the model), else a random
+    EAGLE-3 head of the target's shape (seeded)."""
+    from models.tt_transformers.torch_backend.draft_head import random_head, read_draft_head
+
+    folder = demo.draft_head_folder(demo.DemoConfig(**{**vars(config), "draft_mode": "hybrid"}), ckpt.name)
+    return (folder, read_draft_head(folder, args)) if folder is not None else ("random", random_head(args))
+
+
+def stages_region(config: demo.DemoConfig, shape) -> int:
+    """Trace region for the traces the stages add to the run's: the taps stage's (1 write pass, smoke_taps), and the
+    head stage's (the target's steps with the head's taps and the head's own traces), with the margin."""
     from models.tt_transformers.torch_backend.checkpoint import resolve_checkpoint
     from models.tt_transformers.torch_backend.model_config import ModelArgs
-    from models.tt_transformers.ttnn_backend.trace_plan import device_names_for, region_bytes, trace_bytes
+    from models.tt_transformers.ttnn_backend.trace_plan import (
+        device_names_for,
+        head_region_bytes,
+        model_trace_bytes,
+        region_bytes,
+    )
 
     ckpt = resolve_checkpoint(config.model, "--model" if config.model else "HF_MODEL")
     args = ModelArgs.from_hf_config(ckpt.config)
-    n_devices = shape[0] * shape[1]
-    share = -(-args.vocab_size // (32 * n_devices)) * 32 if n_devices > 1 else args.vocab_size
-    key = (1, 0, smoke_taps(args.n_layers))
-    return region_bytes([max(trace_bytes(ckpt.name, device, args.n_layers, args.n_layers, key, share)
-                             for device in device_names_for(shape, os.environ.get("MESH_DEVICE")) or [None])])
+    devices, n = device_names_for(shape, os.environ.get("MESH_DEVICE")), shape[0] * shape[1]
+    k = max(1, config.n_draft_tokens)
+    head_taps = smoke_head(config, ckpt, args)[1][0].taps
+    traces = model_trace_bytes(ckpt.name, devices, n, args.n_layers, args.n_layers, args.vocab_size, 1, 0,
+                               smoke_taps(args.n_layers))
+    traces += model_trace_bytes(ckpt.name, devices, n, args.n_layers, args.n_layers, args.vocab_size, k + 1, 0,
+                                head_taps)
+    return region_bytes(traces + head_region_bytes(ckpt.name, devices, args.n_layers, k))
 
 
 def open_device(s: Smoke) -> None:
     from models.tt_transformers.ttnn_backend.device import fabric_config_for, mesh_shape, open_mesh
 
     shape = mesh_shape()
-    region = demo.trace_region_size(s.config, shape) + taps_region(s.config, shape)
+    region = demo.trace_region_size(s.config, shape) + stages_region(s.config, shape)
     s.mesh = s.exits.enter_context(open_mesh(trace_region_size=region))
     s.exits.callback(s.pool.close)  # traces released before the mesh closes
     s.facts.update(mesh=list(shape), fabric=str(fabric_config_for(shape)), trace_region_size=region)
@@ -119,17 +138,18 @@ def verify_step(s: Smoke) -> None:
 
 
 def tapped_states(s: Smoke) -> None:
-    """The residual stream entering the tapped layers, copied out of the traced decode step (split over the devices
-    along dim on N300/T3K): for the prompt (the decode program replayed over it, writing nothing) and for a step of
-    the prompt's last token at its own position. Tap 0 (the embedding) must be the same in both; the other taps are
-    reported (the step rewrites that position's cache with decode's numerics, the replay reads prefill's)."""
+    """The residual stream entering the tapped layers: for the prompt, read back from TT's prefill as it runs the
+    layers, and for a step of the prompt's last token at its own position, left in the tap tile by the traced step
+    (all-gathered on N300/T3K) and read here. Tap 0 (the embedding) must be the same in both; the other taps are
+    reported (prefill's and decode's numerics differ)."""
     import torch
 
     from models.tt_transformers.speculative.backend import UserRows
 
     taps, dim = smoke_taps(s.lm.n_layers), s.lm.tt.args.dim
     prompt = s.lm.prefill(0, s.tokens, taps=taps).hidden[0]
-    step = s.lm.step([UserRows(0, [s.tokens[-1]], len(s.tokens) - 1)], taps=taps).hidden[0]
+    s.lm.step([UserRows(0, [s.tokens[-1]], len(s.tokens) - 1)], taps=taps)
+    step = s.lm.read_taps(taps)[:1]
     if prompt.shape != (len(s.tokens), len(taps) * dim) or step.shape != (1, len(taps) * dim):
         raise AssertionError(f"tapped states of shape {tuple(prompt.shape)} and {tuple(step.shape)}, expected "
                              f"({len(s.tokens)}, {len(taps) * dim}) and (1, {len(taps) * dim})")
@@ -137,11 +157,53 @@ def tapped_states(s: Smoke) -> None:
         raise AssertionError("tapped states hold non-finite values")
     last = prompt[-1:].float()
     if not torch.equal(last[:, :dim], step[:, :dim].float()):
-        raise AssertionError("tap 0 (the embedding) differs between the prompt replay and the step")
+        raise AssertionError("tap 0 (the embedding) differs between the prefill and the step")
     blocks = list(zip(last.split(dim, dim=1), step.float().split(dim, dim=1)))
     s.facts["taps"] = {"layers": list(taps), "norms": [round(b.norm().item(), 3) for _, b in blocks],
-                       "step_vs_replay_max_rel_diff": [round(((a - b).abs().max() / b.abs().max()).item(), 4)
-                                                       for a, b in blocks]}
+                       "step_vs_prefill_max_rel_diff": [round(((a - b).abs().max() / b.abs().max()).item(), 4)
+                                                        for a, b in blocks]}
+
+
+def device_head(s: Smoke) -> None:
+    """The run's draft head (or a random EAGLE-3 head of this target's shape, seeded, where none ships) on the device,
+    traced with the target's traces: fed the prompt's taps, it drafts a chain of --n_draft_tokens; the torch head fed
+    the same states (bfloat16, on the host) drafts beside it. Reported: both chains, the head's probabilities and the
+    first draft's logits' difference (bfloat8_b weights on the device); the run fails on non-finite logits or a first
+    draft that is not among the torch head's top 5."""
+    import torch
+
+    from models.tt_transformers.speculative.head_drafter import HeadFeed
+    from models.tt_transformers.torch_backend.checkpoint import load_model, resolve_checkpoint
+    from models.tt_transformers.torch_backend.draft_head import HeadRunner, build_draft_head
+    from models.tt_transformers.torch_backend.model_config import ModelArgs
+
+    ckpt = resolve_checkpoint(s.config.model, "--model" if s.config.model else "HF_MODEL")
+    args = ModelArgs.from_hf_config(ckpt.config)
+    folder, head = smoke_head(s.config, ckpt, args)
+    k = max(1, s.config.n_draft_tokens)
+    config = demo.DemoConfig(**{**vars(s.config), "n_draft_tokens": k})
+    drafter = demo.draft_head(head, s.lm, ckpt, args, config, lambda make: s.pool.get(("smoke head",), make))
+    dev = drafter.head
+    demo.warm_up(s.lm, drafter, None, config)
+    out = s.lm.prefill(0, s.tokens, taps=head[0].taps)
+    context = s.tokens + out.ids[0]
+    ids, probs = dev.draft([HeadFeed(0, 0, context[1:], states=out.hidden[0])], [0], k)[0]
+    host = load_model(ckpt, torch.bfloat16, s.config.max_seq_len, "cpu", cpu_kernels=False, n_layers=0)
+    runner = HeadRunner(build_draft_head(*head, host), 1, s.config.max_seq_len, args)
+    state, first_ref = runner.run([0], [0], [out.hidden[0]], [context[1:]])[0]
+    reference, logits = [], first_ref
+    for j in range(k):
+        reference.append(int(runner.vocab[logits.argmax()]))
+        state, logits = runner.run([0], [len(s.tokens) + j], [state[-1:]], [[reference[-1]]])[0]
+    device_logits = dev.read_logits((dev.prompt_rows, k), 0)[dev.prompt_rows - 1]  # slot 0's last prompt row
+    if not torch.isfinite(device_logits).all():
+        raise AssertionError("the device head's logits hold non-finite values")
+    top5 = runner.vocab[first_ref.topk(5).indices].tolist()
+    s.facts["draft_head"] = {"head": str(folder), "device_chain": ids, "torch_chain": reference,
+                             "probs": [round(p, 3) for p in probs], "first_logits_max_rel_diff": round(
+                                 ((device_logits - first_ref).abs().max() / first_ref.abs().max()).item(), 4)}
+    if ids[0] not in top5:
+        raise AssertionError(f"the device head's first draft {ids[0]} is not among the torch head's top 5 {top5}")
 
 
 def lossless(s: Smoke) -> None:
@@ -165,7 +227,8 @@ def perf_keys(s: Smoke) -> None:
 STAGES: list[tuple[str, Callable[[Smoke], None]]] = [
     ("ttnn import", import_ttnn), ("device open", open_device), ("model build", build_model),
     ("compile and trace capture", compile_and_capture), ("prefill", prefill), ("plain decode step", decode_step), ("verify step", verify_step),
-    ("tapped states", tapped_states), (f"lossless over {SMOKE_TOKENS} tokens", lossless), ("perf keys", perf_keys)]
+    ("tapped states", tapped_states), ("draft head on the device", device_head),
+    (f"lossless over {SMOKE_TOKENS} tokens", lossless), ("perf keys", perf_keys)]
 
 
 def run(config: demo.DemoConfig, report_path: Path, stages=None) -> dict:

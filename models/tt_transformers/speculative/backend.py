@@ -34,16 +34,26 @@ class UserRows:
 
 
 @dataclass
+class DeviceRows:
+    """A user's tapped states that stayed on the device: its rows of the step's tap tile, first_row onward, at
+    positions start_pos onward (a TT device's draft head reads them there)."""
+
+    first_row: int
+    start_pos: int
+
+
+@dataclass
 class StepOutput:
     """Per fed user, for each of its rows (or only the last one for a prefill): the greedy token ids, which is all
     a device sends back for greedy verification; the top-k ids per row when asked for (token recycling drafts from
     them); float32 logits when asked for (sampling); the tapped hidden states when asked for: the residual stream
-    entering each requested layer, concatenated in the order asked (an EAGLE-3 draft head drafts from them)."""
+    entering each requested layer, concatenated in the order asked (an EAGLE-3 draft head drafts from them), or, from
+    a device that keeps them for a head of its own, where they are (DeviceRows)."""
 
     ids: list[list[int]]
     logits: Optional[list[torch.Tensor]] = None
     top_ids: Optional[list[list[list[int]]]] = None
-    hidden: Optional[list[torch.Tensor]] = None  # [rows, len(taps) * dim] tapped states (every prompt token for a prefill)
+    hidden: Optional[list] = None  # [rows, len(taps) * dim] tapped states (every prompt token for a prefill), or DeviceRows
 
 
 class CausalLM(Protocol):

@@ -413,16 +413,17 @@ class HybridDrafter:
 
     def propose(self, users, contexts, max_tokens, extra_cost, trees=False):
         drafts = self.suffix.propose(users, contexts, max_tokens, extra_cost, trees)
-        fallback = [i for i, d in enumerate(drafts) if max_tokens[i] > 0 and (
-            not d.tokens or (1 + d.expected) / (1 + extra_cost(len(d.tokens)))
-            < self.fallback.draft_value(users[i], max_tokens[i], extra_cost))]
-        if fallback:
-            fallback_drafts = self.fallback.propose([users[i] for i in fallback], [contexts[i] for i in fallback],
-                                                    [max_tokens[i] for i in fallback], extra_cost, trees)
-            for i, d in zip(fallback, fallback_drafts):
-                if d.tokens or not drafts[i].tokens:
-                    self.suffix.withdraw(users[i])
-                    drafts[i] = d
+        tries = [max_tokens[i] > 0 and (not d.tokens or (1 + d.expected) / (1 + extra_cost(len(d.tokens)))
+                                        < self.fallback.draft_value(users[i], max_tokens[i], extra_cost))
+                 for i, d in enumerate(drafts)]
+        # every user is passed on, with 0 tokens where the copy wins: a head on a TT device feeds each verified step's
+        # rows at the next proposal (the step after rewrites them); the others do nothing for 0 tokens
+        fallback_drafts = self.fallback.propose(users, contexts, [n if t else 0 for n, t in zip(max_tokens, tries)],
+                                                extra_cost, trees)
+        for i, d in enumerate(fallback_drafts):
+            if tries[i] and (d.tokens or not drafts[i].tokens):
+                self.suffix.withdraw(users[i])
+                drafts[i] = d
         return drafts
 
     def accept(self, user, verified):

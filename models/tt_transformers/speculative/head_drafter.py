@@ -7,7 +7,8 @@ and token t+1, and gives the token at t+2 and a state the next draft step reads.
 states for the rows it verifies (and for the prompt at prefill), so a draft always starts from true states: the
 last step's accepted rows are fed first (one run, with everything else the head has not seen), then the head drafts
 on its own states, one run per token (per tree depth). Its KV cache (one layer) is rolled back by position as the
-target's is. The backend may be a TT device: the head runs where `DraftHeadModel` runs (on the host in torch).
+target's is. On the torch backend the head (`DraftHeadModel`) runs beside the target; on a TT device it runs on the
+device (`ChainDraftHead`, TracedHeadDrafter), where the target leaves the taps.
 """
 import time
 from dataclasses import dataclass, field
@@ -74,11 +75,15 @@ class HeadDrafter:
         self.sampling, self.streams = SamplingParams(), None
 
     def start(self, users, prompts, sampling, hidden=None):
+        self._reset(users, sampling, hidden)
+        self.known = {u: [h] for u, h in zip(users, hidden)}
+        self.fed_len = {u: 0 for u in users}
+
+    def _reset(self, users, sampling, hidden) -> None:
+        """A new request per user: its length policy (learned from the last request's), nothing pending."""
         if hidden is None:
             raise ValueError("a draft head drafts from the target's tapped hidden states: the generator must ask the "
                              "backend for them (Drafter.taps)")
-        self.known = {u: [h] for u, h in zip(users, hidden)}
-        self.fed_len = {u: 0 for u in users}
         self.pending = {}
         self.policies = {u: DraftLengthPolicy.learned_from(self.policies.values(), self.draft_cost) for u in users}
         self.sampling = sampling
@@ -233,6 +238,11 @@ class HeadDrafter:
 
     def accept(self, user, verified: Verified):
         self.known[user].append(verified.hidden[verified.true_rows].to(self.known[user][0].dtype))
+        self._learn(user, verified)
+
+    def _learn(self, user, verified: Verified) -> None:
+        """What the verification says of the user's last head draft: acceptance per depth and confidence, and the
+        length policy."""
         self.cost.verified()
         pending = self.pending.pop(user, None)
         if pending is None:
@@ -250,6 +260,94 @@ class HeadDrafter:
                 if tree.nodes[i].parent == last:
                     self.acceptance.observe(tree.nodes[i].depth, tree.nodes[i].confidence, False)
         self.policies[user].update(pending.length, verified.n_accepted)
+
+
+@dataclass
+class HeadFeed:
+    """Rows a traced head is fed before it drafts, at positions start_pos onward, each with the token after it: a
+    verified step's true rows where the device left their tapped states (tile_rows, DeviceRows), or a prompt's states
+    from the prefill (states [n, len(taps) * dim])."""
+
+    user: int
+    start_pos: int
+    next_tokens: list[int]
+    tile_rows: Optional[list[int]] = None
+    states: Optional[torch.Tensor] = None
+
+
+class ChainDraftHead(Protocol):
+    vocab: torch.Tensor  # [V'] the draft vocabulary as target ids
+    vocab_size: int
+    taps: tuple[int, ...]
+    draft_cost: float  # one chain step, in target steps (an estimate until measured)
+    chain_len: int  # tokens one drafting replay gives (fixed per trace)
+
+    def draft(self, feeds: Sequence[HeadFeed], chain_users: Sequence[int], k: int
+              ) -> dict[int, tuple[list[int], list[float]]]:
+        """Feed every row of `feeds`, then draft k tokens (1 or chain_len) for each of chain_users from its last fed
+        row: {user: (target ids, the head's probability of each)}."""
+
+
+class TracedHeadDrafter(HeadDrafter):
+    """A head that runs where its target keeps the taps (a TT device: ttnn_backend/draft_head.py). The target's step
+    leaves them on the device, so every verified step's true rows are fed at the next proposal, whoever drafted them
+    (the next step rewrites the tap tile), and one traced replay drafts a chain of chain_len tokens for every user
+    that drafts. The chain is then cut where one more token no longer pays for its verification (the replay is
+    spent), with acceptance learned and gated as HeadDrafter's. Under sampling the chain is the head's argmax,
+    verified as a point-mass draft (lossless; q over the draft vocabulary stays on the device)."""
+
+    def __init__(self, head: ChainDraftHead):
+        super().__init__(head)
+        self.feeds: dict[int, HeadFeed] = {}
+        self.prompt_states: dict[int, torch.Tensor] = {}
+
+    def start(self, users, prompts, sampling, hidden=None):
+        self._reset(users, sampling, hidden)
+        self.feeds = {}
+        self.prompt_states = dict(zip(users, hidden))  # fed at the first proposal, when the token after it is known
+
+    def propose(self, users, contexts, max_tokens, extra_cost, trees=False):
+        feeds = []
+        for u, ctx in zip(users, contexts):
+            if u in self.prompt_states:
+                states = self.prompt_states.pop(u)
+                feeds.append(HeadFeed(u, 0, list(ctx[1 : len(states) + 1]), states=states))
+            elif u in self.feeds:
+                feeds.append(self.feeds.pop(u))
+        wanted, probes = {}, set()
+        for u, n in zip(users, max_tokens):
+            n = min(n, self.head.chain_len)
+            if n > 0 and any(f.user == u for f in feeds):
+                pays = self.draft_value(u, n, extra_cost) > 1.0
+                if self.policies[u].gate(int(pays), n):
+                    wanted[u] = n
+                    if not pays:
+                        probes.add(u)
+        if not feeds:
+            return [Draft([], "none") for _ in users]
+        k = self.head.chain_len if wanted else 1
+        start = time.perf_counter()
+        chains = self.head.draft(feeds, list(wanted), k)
+        if wanted:
+            self.cost.ran((time.perf_counter() - start) / k)
+            self.cost.proposed_at = time.perf_counter()
+        drafts = {}
+        for u, n in wanted.items():
+            chain = HeadChain()
+            for token, p in zip(*(values[:n] for values in chains[u])):
+                chain.extend(token, p, None, self.acceptance, 0.0, extra_cost)
+            k = chain.paying or int(u in probes)
+            if k:
+                self.pending[u] = HeadDraft(chain.confidences[:k], k)
+                drafts[u] = Draft(chain.tokens[:k], "head", expected=sum(chain.path_probs[:k]))
+        return [drafts.get(u, Draft([], "none")) for u in users]
+
+    def accept(self, user, verified: Verified):
+        rows = verified.hidden  # DeviceRows: where the step left the user's tapped states
+        true = verified.true_rows
+        self.feeds[user] = HeadFeed(user, rows.start_pos, list(verified.new_tokens[: len(true)]),
+                                    tile_rows=[rows.first_row + r for r in true])
+        self._learn(user, verified)
 
 
 @dataclass
@@ -335,9 +433,8 @@ class HeadChain:
 class RunCost:
     """What one head run costs, in target steps, measured on this machine: decayed means of a run's seconds and of a
     target step's (from the end of a proposal to its verification). Until both are measured, the estimate from the
-    weights each streams, which is low on a CPU (a run's op launches do not shrink with its weights); on a TT device
-    the head runs on the host beside the device's step. measure=False keeps the estimate (drafts that do not depend
-    on timing, for tests)."""
+    weights each streams, which is low on a CPU (a run's op launches do not shrink with its weights). measure=False
+    keeps the estimate (drafts that do not depend on timing, for tests)."""
 
     decay = 0.9
     WARN_AFTER = 8  # verified proposals before a head slower than the target's step is reported (once)
@@ -363,6 +460,6 @@ class RunCost:
             self.step_s = seconds if self.step_s is None else self.decay * self.step_s + (1 - self.decay) * seconds
             self.verifications += 1
             if self.measure and self.verifications == self.WARN_AFTER and self.value > 1.0:
-                logger.warning(f"Draft head: a run takes {1e3 * self.run_s:.1f} ms on the host, {self.value:.1f}x the "
-                               f"target's step ({1e3 * self.step_s:.1f} ms): its drafts rarely pay here (it drafts "
-                               "only when its acceptance covers that; on a TT device the head belongs on the device)")
+                logger.warning(f"Draft head: a run takes {1e3 * self.run_s:.1f} ms, {self.value:.1f}x the target's step "
+                               f"({1e3 * self.step_s:.1f} ms): its drafts rarely pay here (it drafts only when its "
+                               "acceptance covers that)")

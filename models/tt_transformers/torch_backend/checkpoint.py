@@ -254,9 +254,23 @@ class SafetensorsIndex:
         return packed
 
 
+EMBEDDING = "model.embed_tokens.weight"
+
+
+def read_embedding(ckpt: Checkpoint, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The token embedding [vocab, dim] alone: what a draft head on a TT device looks its fed tokens up in."""
+    index = SafetensorsIndex(_safetensors_files(ckpt.folder))
+    name = EMBEDDING
+    if name not in index.entries:
+        raise CheckpointError(f"checkpoint {ckpt.folder} is missing tensor {name!r}; is it a complete checkpoint?")
+    out = torch.empty(index.entries[name][3], dtype=dtype)
+    index.read_into(name, out)
+    return out
+
+
 def hf_tensor_names(args: ModelArgs) -> dict[str, list[str]]:
     """Our parameter name -> the Hugging Face tensors it is made of (q/k/v and gate/up are fused, in that order)."""
-    names = {"tok_embeddings.weight": ["model.embed_tokens.weight"], "norm.weight": ["model.norm.weight"]}
+    names = {"tok_embeddings.weight": [EMBEDDING], "norm.weight": ["model.norm.weight"]}
     if not args.tie_word_embeddings:
         names["output.weight"] = ["lm_head.weight"]
     for i in range(args.n_layers):
@@ -296,7 +310,7 @@ def load_model(ckpt: Checkpoint, dtype: torch.dtype, max_seq_len: int, device: s
                cpu_kernels: bool = True, n_layers: Optional[int] = None) -> Transformer:
     """Our Transformer with the checkpoint's weights; bf16 on CPU runs on the bf16 CPU kernels where they build
     (cpu_kernels=False or TT_CPU_KERNELS=0: torch ops, oneDNN-prepacked linears). n_layers: load only the first
-    n layers (0: the embedding, final norm and LM head, what a host-side draft head needs beside a TT device).
+    n layers (0: the embedding, final norm and LM head).
 
     Streams: one layer at a time is read (tensor by tensor, from whichever shards hold it), converted, fused and
     packed before the next; on the kernels every linear layer is packed a chunk of rows at a time straight from

@@ -17,7 +17,7 @@ import hashlib
 import json
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import accumulate
 from pathlib import Path
 from typing import Optional, Sequence
@@ -144,6 +144,34 @@ def read_head_config(folder: Path, target: ModelArgs, flag: str = "--draft_head"
     # a missing option is False, as speculators' Eagle3SpeculatorConfig (vLLM reads a missing norm_before_residual
     # in a speculators config as True; speculators always writes it)
     return HeadConfig(layout, layer, draft_vocab, taps, target_hidden, **options)
+
+
+def random_head(target: ModelArgs, seed: int = 0, std: Optional[float] = None, draft_vocab: Optional[int] = None,
+                taps: Optional[Sequence[int]] = None, embed: bool = False, layout: str = "speculators",
+                options: Optional[dict] = None, **layer) -> tuple[HeadConfig, dict]:
+    """(HeadConfig, tensors under speculators' names) of a random EAGLE-3 head of the target's shape, for checks where
+    no trained head is at hand (make tt-smoke, check-eagle3, tests): normal weights (std, else 1/sqrt(fan-in) as a
+    trained layer's), norms near 1; draft_vocab: a random share of the target's ids (with d2t and t2d); taps: default
+    vLLM's; options: HeadConfig's; layer: ModelArgs fields of the head's layer that differ from the target's."""
+    gen = torch.Generator().manual_seed(seed)
+    draft_vocab = draft_vocab or target.vocab_size
+    taps = tuple(taps or default_taps(target.n_layers))
+    config = HeadConfig(layout, replace(target, n_layers=1, **layer), draft_vocab, taps, target.dim, **(options or {}))
+    tensors = {}
+    for name, shape in expected_shapes(config).items():
+        raw = torch.randn(shape, generator=gen)
+        if "norm" in name:
+            tensors[name] = 1 + raw * std / 3 if std else 1 + 0.1 * raw
+        else:
+            tensors[name] = raw * std if std else raw / shape[-1] ** 0.5
+    if draft_vocab < target.vocab_size:
+        ids = torch.randperm(target.vocab_size, generator=gen)[:draft_vocab].sort().values
+        tensors["d2t"] = ids - torch.arange(draft_vocab)
+        tensors["t2d"] = torch.zeros(target.vocab_size, dtype=torch.bool)
+        tensors["t2d"][ids] = True
+    if embed:
+        tensors["embed_tokens.weight"] = torch.randn(target.vocab_size, target.dim, generator=gen) * (std or 1.0)
+    return config, tensors
 
 
 def expected_shapes(config: HeadConfig) -> dict[str, tuple[int, ...]]:
@@ -380,14 +408,22 @@ def save_draft_head(head: Eagle3Head, folder: Path, card: dict) -> None:
     write_head(folder, head.config, head_tensors(head), "speculators", card)
 
 
+def estimated_run_cost(config: HeadConfig, target: ModelArgs) -> float:
+    """One head run relative to a target decode step: the ratio of the weights each streams (fc, the layer and the
+    draft LM head against every target layer and the whole LM head); the drafter measures the real ratio."""
+    a = config.layer
+    params = (len(config.taps) * config.target_hidden * a.dim + 2 * a.dim * a.head_dim * (a.n_heads + 2 * a.n_kv_heads)
+              + a.n_heads * a.head_dim * a.dim + 3 * a.dim * a.hidden_dim + config.draft_vocab_size * a.dim)
+    return params / target.weight_bytes_per_token(target.n_layers, 1)
+
+
 class HeadRunner:
     """The head with a KV cache of its own per user (one layer), run in packed steps like the target's: every row
     attends through its own call, so its results do not depend on what else shares the run. Rows are chains (a
     user's consecutive positions) or tree nodes (each in its own slot past max_seq_len, seeing the user's cache
     before the tree and its ancestors). The `DraftHeadModel` of speculative/head_drafter.py.
 
-    draft_cost: one run relative to a target decode step, estimated as the ratio of the weights each streams (fc,
-    layer and LM head against every target layer and the whole LM head) until the drafter measures it."""
+    draft_cost: one run relative to a target decode step (estimated_run_cost) until the drafter measures it."""
 
     max_rows = 256  # catch-up rows per user and run (a prompt goes in chunks)
     max_tree_nodes = TREE_SLOTS
@@ -400,9 +436,7 @@ class HeadRunner:
         cos, sin = rope_tables(a, max_seq_len + 1, head.dtype)
         self.cos, self.sin = cos.to(device), sin.to(device)
         self.vocab, self.vocab_size, self.taps = head.vocab, a.vocab_size, config.taps
-        params = (len(config.taps) * config.target_hidden * a.dim + 2 * a.dim * a.head_dim * (a.n_heads + 2 * a.n_kv_heads)
-                  + a.n_heads * a.head_dim * a.dim + 3 * a.dim * a.hidden_dim + config.draft_vocab_size * a.dim)
-        self.draft_cost = params / target_args.weight_bytes_per_token(target_args.n_layers, 1)
+        self.draft_cost = estimated_run_cost(config, target_args)
 
     @torch.inference_mode()
     def _forward(self, exact: list[ExactToken], states: torch.Tensor, tokens: list[int], every_row: bool,

@@ -17,12 +17,13 @@
 - top k (token recycling): `ttnn.topk` runs multi-core only on power-of-two widths (trace_plan.vocab_slices); each
   device's vocabulary share is cut into slices of such a width (the last padded with -inf), the top k of each taken
   on device, and the few candidates merged on the host.
-- taps (for an EAGLE-3 draft head, which runs on the host): a step asked for layers `taps` also copies the residual
-  stream entering each of those decoder layers to DRAM inside the trace (TapCapture: [1, 1, 32, dim] per tapped
-  layer, split over the devices along dim on a mesh) and reads them back as 32 rows x len(taps) * dim, concatenated
-  in the order asked; a prefill asked for them replays the decode program over the prompt, 32 positions at a time,
-  with every cache write switched off (all write-pass positions -1): the prompt's states come from the cache the
-  prefill wrote, which stays as it was.
+- taps (for an EAGLE-3 draft head on the device, draft_head.py): a step asked for layers `taps` also copies the
+  residual stream entering each of those decoder layers to DRAM inside the trace (TapCapture), all-gathers each on a
+  mesh (the residual is split over the devices along dim) and concatenates them, in the order asked, into the tap tile
+  [1, 1, 32, len(taps) * dim], a persistent tensor the head's traces read: nothing comes back to the host, the step
+  returns where each user's rows sit in the tile (DeviceRows). A prefill asked for them reads each tapped layer's
+  prefill input back to the host as TT-Transformers' prefill runs it (PromptTaps): once per request, for the head's
+  prompt rows.
 - traces: one per (write passes, top k, taps) for the pass counts a run can need (trace_plan.pass_ladder), planned
   by `warm_up` and replayed. A buffer allocated while a trace is live may be overwritten when that trace replays
   (tt-metal's allocator warns of it, allocator.cpp verify_safe_allocation), so traces are made for the whole mesh at
@@ -35,12 +36,12 @@ import contextlib
 import time
 import weakref
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 import torch
 
-from ..speculative.backend import StepOutput, UserRows
+from ..speculative.backend import DeviceRows, StepOutput, UserRows
 from .device import TRACE_REGIONS
 from .model import TILE_ROWS, TTModel, supported_kwargs
 from .trace_plan import TraceKey, pass_ladder, passes_for, region_bytes, trace_bytes, trace_keys, vocab_slices
@@ -69,10 +70,12 @@ class StepInputs:
 @dataclass
 class DeviceInputs:
     """A model's persistent device inputs, shared by a target and its draft views (each refreshes them in full
-    before every replay): the step's inputs and, on split-vocabulary meshes, the padded-column mask."""
+    before every replay): the step's inputs, on split-vocabulary meshes the padded-column mask, and per taps the tap
+    tile a tapped step writes (a draft head's input)."""
 
     step: Optional[StepInputs] = None
     vocab_mask: Any = None
+    taps: dict = field(default_factory=dict)  # taps -> [1, 1, 32, len(taps) * dim] on every device
 
 
 @dataclass
@@ -82,7 +85,6 @@ class Trace:
     best: Any  # [1, 1, 32, 1] per device: each device's max (merging across devices), or None on one share
     logits: Any  # [1, 1, 32, share] row-major per device
     top: Optional[list]  # per vocabulary slice: (values, indices) [1, 1, 32, k] per device, or None
-    hidden: Optional[dict]  # tapped layer -> its input x copied to DRAM, [1, 1, 32, dim] (split over devices); or None
 
 
 def device_tensors(outputs) -> list:
@@ -112,8 +114,10 @@ def dram_copy(x):
 
 
 class TapCapture:
-    """While a traced step is captured (or compiled), the decoder layers named by `taps` copy their input x, the
-    residual stream entering the layer, to DRAM before they run: an output of the trace like the logits.
+    """While a traced step is captured (or compiled), or TT-Transformers' prefill runs, the decoder layers named by
+    `taps` hand their input x, the residual stream entering the layer, to `copy` before they run: in a traced step a
+    copy to DRAM (dram_copy), an output of the trace like the logits; in a prefill a read back to the host (each call's
+    results are kept in call order: a long prompt's prefill runs the layers once per chunk).
 
     TT-Transformers' Transformer.forward (tt/model.py, read at 3c5c3944) runs `for i, layer in enumerate(self.layers)`:
     in decode (not on a Galaxy) `x = ttnn.to_memory_config(x, self.args.get_residual_mem_config(mode, ...),
@@ -129,12 +133,14 @@ class TapCapture:
     and sharded in L1 (for decode)", with `assert x.memory_config() == skip_mem_cfg`): [1, 1, 32, dim / devices] per
     device, width-sharded in L1 over dram_shard_core_grid_for_k(dim // devices), device d holding columns
     [d * dim / devices, (d + 1) * dim / devices) as the embedding's weights are split (tt/embedding.py,
-    ShardTensor2dMesh(dims=(None, 3))). So on N300/T3K the copies are read back concatenated along the last dim
-    (ConcatMeshToTensor) and on one device as they are. A Galaxy keeps x split over its 4 mesh columns and
-    replicated over its 8 rows (its layout differs between tt-metal versions): refused (TtnnCausalLM._check_taps)."""
+    ShardTensor2dMesh(dims=(None, 3))). So on N300/T3K the copies are all-gathered along the last dim and on one
+    device taken as they are. In prefill x is [1, 1, S, dim / devices], interleaved in DRAM (tt/decoder.py, same
+    comment). A Galaxy keeps x split over its 4 mesh columns and replicated over its 8 rows (its layout differs
+    between tt-metal versions): refused (TtnnCausalLM._check_taps)."""
 
-    def __init__(self, layers, taps: Sequence[int]):
-        self.layers, self.taps, self.outputs, self.saved = layers, sorted(set(taps)), {}, {}
+    def __init__(self, layers, taps: Sequence[int], copy=None):
+        self.layers, self.taps, self.copy, self.saved = layers, sorted(set(taps)), copy or dram_copy, {}
+        self.outputs: dict[int, list] = {i: [] for i in self.taps}
 
     def __enter__(self):
         for i in self.taps:
@@ -145,7 +151,7 @@ class TapCapture:
 
     def _tapped(self, i: int, forward):
         def tapped_forward(x, *args, **kwargs):
-            self.outputs[i] = dram_copy(x)  # issued before the layer's own ops: it reads x as the layer receives it
+            self.outputs[i].append(self.copy(x))  # before the layer's own ops: x as the layer receives it
             return forward(x, *args, **kwargs)
         return tapped_forward
 
@@ -295,15 +301,23 @@ class TtnnCausalLM:
                 ) -> StepOutput:
         taps = self._check_taps(taps)
         generator = self.tt.generator
-        out = generator.prefill_forward_text(torch.tensor([list(tokens)]), **supported_kwargs(
-            generator.prefill_forward_text, page_table=self.tt.page_table[user : user + 1], kv_cache=[self.tt.kv_cache],
-            prompt_lens=[len(tokens)], empty_slots=[user], enable_trace=False))
+        with TapCapture(self.tt.model.layers, taps, copy=self._to_host) as capture:
+            out = generator.prefill_forward_text(torch.tensor([list(tokens)]), **supported_kwargs(
+                generator.prefill_forward_text, page_table=self.tt.page_table[user : user + 1],
+                kv_cache=[self.tt.kv_cache], prompt_lens=[len(tokens)], empty_slots=[user], enable_trace=False))
         row = out.reshape(-1)[: self.vocab_size].float().view(1, -1)
-        states = None
-        if taps:  # the decode program over the prompt, 32 positions a step, writing nothing
-            states = [torch.cat([self._run([UserRows(user, list(tokens[i : i + TILE_ROWS]), i)], False, 0, taps,
-                                           write=False).hidden[0] for i in range(0, len(tokens), TILE_ROWS)])]
+        states = [prompt_taps(capture.outputs, taps, len(tokens))] if taps else None
         return StepOutput([row.argmax(dim=-1).tolist()], [row] if logits else None, hidden=states)
+
+    def _to_host(self, x) -> torch.Tensor:
+        """A prefill's x [1, 1, S, dim / devices] read back as [S, dim] bfloat16 (device parts side by side)."""
+        import ttnn
+
+        if self.num_devices > 1:
+            host = ttnn.to_torch(x, mesh_composer=ttnn.ConcatMeshToTensor(self.tt.mesh_device, dim=3))
+        else:
+            host = ttnn.to_torch(ttnn.get_device_tensors(x)[0])
+        return host.reshape(-1, host.shape[-1])[:, : self.tt.args.dim].to(torch.bfloat16)
 
     def commit_path(self, user: int, start_pos: int, path: Sequence[int]) -> None:
         raise NotImplementedError("the ttnn backend verifies chains only (supports_trees is False)")
@@ -313,6 +327,26 @@ class TtnnCausalLM:
         if any(r.parents is not None for r in rows):
             raise ValueError("the ttnn backend verifies chains only (supports_trees is False)")
         return self._run(rows, logits, top_k, self._check_taps(taps))
+
+    def tap_tile(self, taps: tuple[int, ...]):
+        """The persistent tap tile for these taps [1, 1, 32, len(taps) * dim], bfloat16 on every device: allocated by
+        the first program that compiles with it (prepare_mesh: never while a trace is live)."""
+        import ttnn
+
+        if taps not in self.inputs.taps:
+            self.inputs.taps[taps] = ttnn.from_torch(
+                torch.zeros(1, 1, TILE_ROWS, len(taps) * self.tt.args.dim), dtype=ttnn.bfloat16,
+                layout=ttnn.TILE_LAYOUT, device=self.tt.mesh_device, memory_config=ttnn.DRAM_MEMORY_CONFIG,
+                mesh_mapper=ttnn.ReplicateTensorToMesh(self.tt.mesh_device))
+        return self.inputs.taps[taps]
+
+    def read_taps(self, taps: Sequence[int]) -> torch.Tensor:
+        """The tap tile the last step with these taps wrote, [32, len(taps) * dim] (what a device head reads; for
+        checks: the loop never reads it)."""
+        import ttnn
+
+        tile = self.tap_tile(tuple(taps))
+        return ttnn.to_torch(ttnn.get_device_tensors(tile)[0]).reshape(TILE_ROWS, -1).float()
 
     def _check_taps(self, taps: Sequence[int]) -> tuple[int, ...]:
         """taps as a trace key; layer ids out of range, or any on a Galaxy, refused with one line."""
@@ -327,20 +361,18 @@ class TtnnCausalLM:
 
     # ---- one traced step -------------------------------------------------------------------------------------
 
-    def _run(self, rows: Sequence[UserRows], logits: bool, top_k: int, taps: tuple[int, ...], write: bool = True
-             ) -> StepOutput:
-        """One replay of the decode trace over `rows` (write=False: no cache writes, all pass positions -1). A
-        shape no warm-up planned is planned now and the mesh's traces made again (prepare_mesh). taps: checked
-        (_check_taps)."""
+    def _run(self, rows: Sequence[UserRows], logits: bool, top_k: int, taps: tuple[int, ...]) -> StepOutput:
+        """One replay of the decode trace over `rows`. A shape no warm-up planned is planned now and the mesh's traces
+        made again (prepare_mesh). taps: checked (_check_taps)."""
         import ttnn
 
-        passes = passes_for(max(len(u.tokens) for u in rows), self.ladder) if write else 1
+        passes = passes_for(max(len(u.tokens) for u in rows), self.ladder)
         key = (passes, top_k, taps)
         if key not in self.traces:
             self.planned.add(key)
             self.check_trace_region()
             prepare_mesh(self.tt.mesh_device)
-        r = self._run_inputs(rows, write, passes)
+        r = self._run_inputs(rows, True, passes)
         trace = self.traces[key]
         start = time.perf_counter()
         ttnn.execute_trace(self.tt.mesh_device, trace.trace_id, cq_id=0, blocking=False)
@@ -349,7 +381,6 @@ class TtnnCausalLM:
         ids = self._argmax(trace, r)
         all_logits = self._read_logits(trace) if logits else None
         top = self._top_k(trace, top_k) if top_k else None
-        states = self._read_taps(trace, taps) if taps else None
         self.step_times[key].append(time.perf_counter() - start)  # the step as the loop sees it: reads included
         out_ids, out_logits, out_top, out_hidden, start = [], [], [], [], 0
         for user_rows in rows:
@@ -359,8 +390,8 @@ class TtnnCausalLM:
                 out_logits.append(all_logits[start:end])
             if top_k:
                 out_top.append(top[start:end])
-            if taps:
-                out_hidden.append(states[start:end])
+            if taps:  # the user's tapped states stay in the tap tile, rows start..end - 1
+                out_hidden.append(DeviceRows(start, user_rows.start_pos))
             start = end
         return StepOutput(out_ids, out_logits if logits else None, out_top if top_k else None,
                           out_hidden if taps else None)
@@ -407,22 +438,6 @@ class TtnnCausalLM:
             composer = ttnn.ConcatMeshToTensor(self.tt.mesh_device, dim=3)
             return ttnn.to_torch(tensor, mesh_composer=composer).reshape(TILE_ROWS, -1)
         return ttnn.to_torch(ttnn.get_device_tensors(tensor)[0]).reshape(TILE_ROWS, -1)
-
-    def _read_taps(self, trace: Trace, taps: tuple[int, ...]) -> torch.Tensor:
-        """[32, len(taps) * dim] bfloat16: each tapped layer's input, in the order asked. On a mesh of several devices
-        each holds dim / devices columns of it (TapCapture), read back in one call per layer concatenated in device
-        order (ConcatMeshToTensor along the last dim); on one device as it is."""
-        import ttnn
-
-        dim, mesh = self.tt.args.dim, self.tt.mesh_device
-        composer = ttnn.ConcatMeshToTensor(mesh, dim=3) if self.num_devices > 1 else None
-        read = {}
-        for i in dict.fromkeys(taps):
-            tensor = trace.hidden[i]
-            host = (ttnn.to_torch(tensor, mesh_composer=composer) if composer is not None
-                    else ttnn.to_torch(ttnn.get_device_tensors(tensor)[0]))
-            read[i] = host.reshape(TILE_ROWS, -1)[:, :dim].to(torch.bfloat16)
-        return torch.cat([read[i] for i in taps], dim=1)
 
     def _argmax(self, trace: Trace, rows: int) -> list[int]:
         """The greedy id of each of the first `rows` rows (the idle rows after them, at position -1, hold whatever the
@@ -480,8 +495,8 @@ class TtnnCausalLM:
 
     def _forward(self, top_k: int, taps: tuple[int, ...]) -> list:
         """The traced program: the decode forward over the tile, then per device the argmax (and the max, and the
-        top k of each slice) over its vocabulary share; with `taps`, each tapped layer's input too. Outputs go to
-        DRAM (a trace keeps them: L1 is for the ops)."""
+        top k of each slice) over its vocabulary share; with `taps`, the tap tile written. Outputs go to DRAM (a
+        trace keeps them: L1 is for the ops)."""
         import ttnn
 
         i, model, dram = self.inputs.step, self.tt.model, ttnn.DRAM_MEMORY_CONFIG
@@ -500,7 +515,29 @@ class TtnnCausalLM:
             best = None
         ids = ttnn.argmax(rows, dim=-1, keepdim=True, memory_config=dram)
         top = self._slice_top_k(tiles, top_k) if top_k else None
-        return [ids, best, rows, top, dict(capture.outputs) if taps else None]
+        if taps:
+            self._write_tap_tile(capture.outputs, taps)
+        return [ids, best, rows, top]
+
+    def _write_tap_tile(self, copies: dict, taps: tuple[int, ...]) -> None:
+        """The tapped layers' inputs, in the order asked, into the persistent tap tile: on a mesh each is first
+        all-gathered along dim (TapCapture: device d holds columns d * dim / devices onward), so every device holds
+        whole rows, as the head (replicated) reads them. The gather is TT-Transformers' own (tt/ccl.py
+        tt_all_gather: the model's TT_CCL semaphores, persistent as a trace needs), cluster_axis None: over the whole
+        1 x N mesh. Not called on one device: its "# N150" guard compares a list with a tuple
+        (`list(mesh_device.shape) == (1, 1)`), so it would go on to all_gather_async, which needs two devices."""
+        import ttnn
+        from models.tt_transformers.tt.ccl import tt_all_gather
+
+        dram, model = ttnn.DRAM_MEMORY_CONFIG, self.tt.model
+        parts = [copies[i][0] for i in taps]
+        if self.num_devices > 1:
+            parts = [tt_all_gather(**supported_kwargs(tt_all_gather, input_tensor=p, mesh_device=model.mesh_device,
+                                                      tt_ccl=model.tt_ccl, cluster_axis=None, dim=3,
+                                                      memory_config=dram)) for p in parts]
+        # concat takes no preallocated output in 0.81.1 ("optional output tensor currently unsupported!",
+        # data_movement/concat/concat.cpp): copied into the tile (ttnn.copy: input_b modified in place, equal shapes)
+        ttnn.copy(ttnn.concat(parts, dim=3, memory_config=dram), self.tap_tile(taps))
 
     def _slice_top_k(self, tiles, k: int) -> list:
         import ttnn
@@ -515,3 +552,19 @@ class TtnnCausalLM:
                 piece = ttnn.pad(piece, [(0, 0), (0, 0), (0, 0), (0, width - (end - s * width))], float("-inf"))
             top.append(ttnn.topk(piece, k=k, dim=-1, memory_config=dram))
         return top
+
+
+def prompt_taps(copies: dict, taps: Sequence[int], n: int) -> torch.Tensor:
+    """A prefill's tapped states [n, len(taps) * dim] from TapCapture's host copies: per layer, the last calls' chunks
+    in order, as many as cover the prompt (TT's prefill warm-up, when this prefill ran it first, comes before), cut
+    to the prompt's n rows (the rest is TT's padding)."""
+    per_layer = {}
+    for i in set(taps):
+        chunks, rows = [], 0
+        for chunk in reversed(copies[i]):
+            if rows >= n:
+                break
+            chunks.insert(0, chunk)
+            rows += len(chunk)
+        per_layer[i] = torch.cat(chunks)[:n]
+    return torch.cat([per_layer[i] for i in taps], dim=1)

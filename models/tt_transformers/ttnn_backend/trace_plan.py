@@ -12,7 +12,8 @@ Sizes: tt-metal sizes the trace region per model and device (models/tt_transform
 get_supported_trace_region_size) for TT-Transformers' own decode trace; TT_TRACE_REGION below is that table and
 TT_DEFAULT_TRACE_REGION the text demo's parametrized default (simple_text_demo.py, device_params). One of our
 traces is that size scaled by its op count over a plain TT-Transformers decode step's: each extra write pass adds
-two `paged_update_cache` ops per layer, each top-k slice a slice, a pad and a topk, each tapped layer one copy.
+two `paged_update_cache` ops per layer, each top-k slice a slice, a pad and a topk, each tapped layer a copy and
+a gather, and the tap tile a concat.
 """
 import math
 import re
@@ -61,13 +62,10 @@ TraceKey = tuple[int, int, tuple[int, ...]]  # (write passes, top k, taps)
 
 
 def trace_keys(max_rows_per_user: int, top_k: int, taps: Sequence[int]) -> list[TraceKey]:
-    """Every trace a run uses: its steps at each pass count; one plain step (a baseline or warm-up run: 1 pass, no
-    top k or taps); with taps, the prompt-state replay (1 pass, writing nothing)."""
+    """Every trace a run uses: its steps at each pass count, and one plain step (a baseline or warm-up run: 1 pass, no
+    top k or taps)."""
     taps = tuple(taps) if taps else ()  # (None or False from a caller that asks for none)
-    keys = {(passes, top_k, taps) for passes in pass_ladder(max_rows_per_user)} | {(1, 0, ())}
-    if taps:
-        keys.add((1, 0, taps))
-    return sorted(keys)
+    return sorted({(passes, top_k, taps) for passes in pass_ladder(max_rows_per_user)} | {(1, 0, ())})
 
 
 def vocab_slices(vocab_size: int) -> tuple[int, int]:
@@ -85,7 +83,22 @@ def trace_ops(n_layers: int, key: TraceKey, vocab_size: int) -> int:
     ops = n_layers * (OPS_PER_LAYER + 2 * (passes - 1)) + HEAD_OPS + 2  # + slice off the padded vocab, argmax
     if top_k:
         ops += 3 * vocab_slices(vocab_size)[1]
-    return ops + len(set(taps))  # one copy to DRAM per tapped layer
+    return ops + (2 * len(taps) + 1 if taps else 0)  # a copy to DRAM and a gather per tap, the concat
+
+
+HeadKey = tuple[int, int]  # a device draft head's trace: (feed write passes, chain length k)
+HEAD_LAYER_OPS = 45  # one head-layer step (draft_head.py _layer and _choose): norms, matmuls, rotary, attention, MLP
+
+
+def head_trace_keys(chain_len: int) -> list[HeadKey]:
+    """Every trace a device draft head uses: feeds of each pass count a verified step's rows can need (up to
+    chain_len + 1 per user), each feed-only (k = 1) and drafting (k = chain_len)."""
+    return sorted({(passes, k) for passes in pass_ladder(chain_len + 1) for k in (1, chain_len)})
+
+
+def head_trace_ops(key: HeadKey) -> int:
+    passes, k = key
+    return k * HEAD_LAYER_OPS + 2 * (passes - 1)
 
 
 def base_model_name(model_name: str) -> str:
@@ -94,12 +107,21 @@ def base_model_name(model_name: str) -> str:
     return match.group(1) if match else model_name
 
 
+def op_bytes(model_name: str, device_name: Optional[str], full_layers: int) -> float:
+    """Trace region per op: TT's region for the whole model (trace_region_config.py) over its decode step's ops."""
+    tt_region = TT_TRACE_REGION.get(base_model_name(model_name), {}).get(device_name, TT_DEFAULT_TRACE_REGION)
+    return tt_region / (full_layers * OPS_PER_LAYER + HEAD_OPS)
+
+
 def trace_bytes(model_name: str, device_name: Optional[str], full_layers: int, n_layers: int,
                 key: TraceKey, vocab_size: int) -> int:
     """One trace of an n_layers model (a view of a full_layers model: TT's figure is for the whole model)."""
-    tt_region = TT_TRACE_REGION.get(base_model_name(model_name), {}).get(device_name, TT_DEFAULT_TRACE_REGION)
-    tt_ops = full_layers * OPS_PER_LAYER + HEAD_OPS
-    return math.ceil(tt_region * trace_ops(n_layers, key, vocab_size) / tt_ops)
+    return math.ceil(op_bytes(model_name, device_name, full_layers) * trace_ops(n_layers, key, vocab_size))
+
+
+def head_trace_bytes(model_name: str, device_name: Optional[str], full_layers: int, key: HeadKey) -> int:
+    """One trace of a device draft head beside a full_layers target."""
+    return math.ceil(op_bytes(model_name, device_name, full_layers) * head_trace_ops(key))
 
 
 def region_bytes(traces: list[int]) -> int:
@@ -125,3 +147,9 @@ def model_trace_bytes(model_name: str, device_names: list[str], n_devices: int, 
     share = math.ceil(vocab_size / (32 * n_devices)) * 32 if n_devices > 1 else vocab_size
     return [max(trace_bytes(model_name, device, full_layers, n_layers, key, share) for device in device_names or [None])
             for key in trace_keys(max_rows_per_user, top_k, taps)]
+
+
+def head_region_bytes(model_name: str, device_names: list[str], full_layers: int, chain_len: int) -> list[int]:
+    """Every trace a device draft head captures (head_trace_keys), for the largest of the device names."""
+    return [max(head_trace_bytes(model_name, device, full_layers, key) for device in device_names or [None])
+            for key in head_trace_keys(chain_len)]

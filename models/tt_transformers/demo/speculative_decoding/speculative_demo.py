@@ -368,13 +368,18 @@ def head_taps(folder: Path, args) -> tuple[int, ...]:
 
 
 def trace_region_size(config: DemoConfig, shape: tuple[int, int]) -> int:
-    """The trace region a ttnn run on a mesh of this shape needs: every decode trace of the target and of the draft
-    model (ttnn_backend/trace_plan.py), for the draft mode's most demanding choice (hybrid: recycling's top k, a head's
-    taps and a draft model's traces all counted)."""
+    """The trace region a ttnn run on a mesh of this shape needs: every decode trace of the target, of the draft model
+    and of a draft head (ttnn_backend/trace_plan.py), for the draft mode's most demanding choice (hybrid: recycling's
+    top k, a head's taps and traces and a draft model's traces all counted)."""
     from models.tt_transformers.torch_backend.checkpoint import resolve_checkpoint
     from models.tt_transformers.torch_backend.model_config import ModelArgs
     from models.tt_transformers.ttnn_backend.model import TILE_ROWS
-    from models.tt_transformers.ttnn_backend.trace_plan import device_names_for, model_trace_bytes, region_bytes
+    from models.tt_transformers.ttnn_backend.trace_plan import (
+        device_names_for,
+        head_region_bytes,
+        model_trace_bytes,
+        region_bytes,
+    )
 
     ckpt = resolve_checkpoint(config.model, "--model" if config.model else "HF_MODEL")
     args = ModelArgs.from_hf_config(ckpt.config)
@@ -386,6 +391,8 @@ def trace_region_size(config: DemoConfig, shape: tuple[int, int]) -> int:
     target_layers = config.target_layers or args.n_layers
     traces = model_trace_bytes(ckpt.name, device, n_devices, args.n_layers, target_layers, args.vocab_size,
                                config.n_draft_tokens + 1, top_k, taps)
+    if taps:
+        traces += head_region_bytes(ckpt.name, device, args.n_layers, config.n_draft_tokens)
     if drafting and config.draft_mode in ("model", "hybrid"):  # a draft steps up to a whole tile per user
         draft = resolve_checkpoint(config.draft_model, "--draft_model") if config.draft_model else ckpt
         draft_args = ModelArgs.from_hf_config(draft.config)
@@ -422,7 +429,6 @@ def build(config: DemoConfig, mesh_device=None, pool: Optional[ModelPool] = None
     `mesh_device`); models come from `pool` when an earlier run built them with the same settings. Returns the
     checkpoint, tokenizer, target, drafter, draft model (None without one), prompts, their tokens and the EOS ids."""
     from models.tt_transformers.speculative.drafters import HybridDrafter, ModelDrafter, SuffixDrafter
-    from models.tt_transformers.speculative.head_drafter import HeadDrafter
     from models.tt_transformers.torch_backend.checkpoint import load_tokenizer, resolve_checkpoint
     from models.tt_transformers.torch_backend.draft_head import DraftHeadError, read_draft_head
     from models.tt_transformers.torch_backend.model_config import ModelArgs
@@ -487,7 +493,8 @@ def build(config: DemoConfig, mesh_device=None, pool: Optional[ModelPool] = None
         target.supports_trees = False
     drafter = draft_lm = None
     if head_weights is not None:
-        head = HeadDrafter(host_draft_head(head_weights, target, ckpt, args, config))
+        head = draft_head(head_weights, target, ckpt, args, config,
+                          lambda make: pool.get(("head", str(head_folder), config.n_draft_tokens, built_with), make))
         drafter = head if config.draft_mode == "head" else HybridDrafter(copied, head)
         logger.info(f"Draft head {head_folder.name} ({head_weights[0].layout}): taps {list(head.taps)}, "
                     f"{len(head.vocab):,} draft tokens, a run ~{head.draft_cost:.2f} step")
@@ -510,19 +517,27 @@ def build(config: DemoConfig, mesh_device=None, pool: Optional[ModelPool] = None
     return ckpt, tokenizer, target, drafter, draft_lm, prompts, tokens, eos_token_ids(ckpt, tokenizer)
 
 
-def host_draft_head(head: tuple, target, ckpt, args, config: DemoConfig):
-    """The draft head in torch beside the target, as a HeadRunner: on the torch backend it borrows the target's
-    embedding; beside a TT device it runs on the host, on the checkpoint's embedding loaded there (no decoder layers),
-    fed the tapped states each traced step reads back."""
-    import torch
-
-    from models.tt_transformers.torch_backend.checkpoint import load_model
+def draft_head(head: tuple, target, ckpt, args, config: DemoConfig, pooled=lambda make: make()):
+    """The draft head's drafter beside the target: on a TT device the head runs on the device (TtnnDraftHead: chains of
+    --n_draft_tokens, one traced replay each, fed the taps the target's steps leave there; the tokens it is fed are
+    looked up on the host in the checkpoint's embedding, or the head's own; built through `pooled`, so runs share it
+    and the pool releases its traces); on torch a HeadRunner beside the target, on its embedding."""
+    from models.tt_transformers.speculative.head_drafter import HeadDrafter, TracedHeadDrafter
+    from models.tt_transformers.torch_backend.checkpoint import read_embedding
     from models.tt_transformers.torch_backend.draft_head import HeadRunner, build_draft_head
 
-    host = getattr(target, "model", None)
-    if not hasattr(host, "tok_embeddings"):  # a TT-Transformers model: the head's target parts on the host
-        host = load_model(ckpt, torch.bfloat16, config.max_seq_len, "cpu", n_layers=0)
-    return HeadRunner(build_draft_head(*head, host), config.batch_size, config.max_seq_len, args)
+    if backend_of(config) == "ttnn":
+        import ttnn
+
+        from models.tt_transformers.ttnn_backend.draft_head import TtnnDraftHead
+
+        config_, weights = head
+        embedding = weights.get("embed_tokens.weight")
+        embedding = read_embedding(ckpt) if embedding is None else embedding
+        return TracedHeadDrafter(pooled(lambda: TtnnDraftHead(target, config_, weights, embedding,
+                                                              config.n_draft_tokens, args,
+                                                              weights_dtype=getattr(ttnn, dtype_of(config)))))
+    return HeadDrafter(HeadRunner(build_draft_head(*head, target.model), config.batch_size, config.max_seq_len, args))
 
 
 def sampling_params(config: DemoConfig) -> SamplingParams:
@@ -621,6 +636,9 @@ def warm_up(target, drafter, draft_lm, config: DemoConfig) -> dict:
     for lm, rows, k, h in work:
         for key, seconds in lm.warm_up(min(rows, lm.max_step_rows), k, h).items():
             times[key] += seconds
+    head = getattr(getattr(drafter, "fallback", drafter), "head", None)
+    if hasattr(head, "warm_up"):  # a head on the device: its traces, made with the target's
+        times["compile_decode"] += head.warm_up()
     return times
 
 

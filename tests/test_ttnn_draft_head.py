@@ -1,0 +1,146 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The EAGLE-3 draft head on the device (ttnn_backend/draft_head.py), run against the stand-in (tests/tt_stand_in: a
+TEST DOUBLE for ttnn and TT-Transformers; it is not a device and proves nothing about one): the taps stay in the tap
+tile, the head's traced replays feed it and draft chains, only ids and probabilities come back. Lossless here means
+identical to plain greedy decoding through the same 32-row verify step, as in tests/test_ttnn_backend.py."""
+import pytest
+import torch
+
+from models.tt_transformers.demo.speculative_decoding.speculative_generator import SpeculativeGenerator
+from models.tt_transformers.speculative.backend import DeviceRows, UserRows
+from models.tt_transformers.speculative.drafters import HybridDrafter, SuffixDrafter
+from models.tt_transformers.speculative.head_drafter import HeadFeed, RunCost, TracedHeadDrafter
+from models.tt_transformers.torch_backend.checkpoint import read_embedding
+from models.tt_transformers.torch_backend.draft_head import HeadRunner, build_draft_head, read_draft_head
+from models.tt_transformers.torch_backend.model import Transformer
+from models.tt_transformers.torch_backend.model_config import ModelArgs
+from models.tt_transformers.ttnn_backend.draft_head import TtnnDraftHead
+from models.tt_transformers.ttnn_backend.trace_plan import head_trace_keys
+
+from .conftest import random_head_tensors
+from .stand_in_backend import MAX_SEQ_LEN, outputs
+from .tt_stand_in import ttnn as stand_in_ttnn
+
+CHAIN = 4  # --n_draft_tokens: the head's traced chain length
+
+
+def device_head(lm, checkpoint, head, tmp_path, chain=CHAIN):
+    """A TtnnDraftHead beside a stand-in target as the demo builds it (the checkpoint's embedding, unless the head
+    ships one), the target's traces for the head's taps planned and made first."""
+    config, weights = head
+    args = ModelArgs.from_hf_config(checkpoint.config)
+    embedding = weights.get("embed_tokens.weight", None)
+    embedding = read_embedding(checkpoint) if embedding is None else embedding
+    lm.warm_up(chain + 1, 0, config.taps)
+    dev = TtnnDraftHead(lm, config, weights, embedding, chain, args, cache_dir=tmp_path / "head")
+    dev.warm_up()
+    return dev
+
+
+def random_head(checkpoint, std=0.05, **kw):
+    return random_head_tensors(ModelArgs.from_hf_config(checkpoint.config), seed=3, std=std, **kw)
+
+
+def test_device_head_logits_match_the_torch_head_in_float32(tt, embedded_checkpoint, prompts, tmp_path):
+    """A random EAGLE-3 head (with a draft vocabulary and d2t) fed a prompt's taps, then drafting a chain on the
+    device: every chain step's draft-vocabulary logits against the torch head's (HeadRunner, float32) fed the same
+    states and the same tokens. Tolerance 1e-3 of the largest logit: float32 on both sides, different op order."""
+    lm = tt(2, float32=True)
+    head = random_head(embedded_checkpoint, draft_vocab=20000)
+    dev = device_head(lm, embedded_checkpoint, head, tmp_path)  # the stand-in computes its bfloat8_b in float32
+    prompt = prompts[1][:45]
+    out = lm.prefill(1, prompt, taps=head[0].taps)
+    context = prompt + out.ids[0]
+    drafted = dev.draft([HeadFeed(1, 0, context[1:], states=out.hidden[0])], [1], CHAIN)[1]
+
+    target = Transformer(ModelArgs.from_hf_config(embedded_checkpoint.config), torch.float32, MAX_SEQ_LEN)
+    target.tok_embeddings.weight.data = read_embedding(embedded_checkpoint, torch.float32)
+    runner = HeadRunner(build_draft_head(*head, target), 2, MAX_SEQ_LEN, target.args)
+    state, logits = runner.run([1], [0], [out.hidden[0].float()], [context[1:]])[0]
+    share = dev.prompt_rows  # the prompt's last rows share the final replay, slot 0: its last row drafts
+    errors, ids = [], []
+    for j in range(CHAIN):
+        ours = dev.read_logits((share, CHAIN), j)[share - 1]
+        errors.append(((ours - logits).abs().max() / logits.abs().max()).item())
+        ids.append(int(runner.vocab[logits.argmax()]))
+        state, logits = runner.run([1], [len(prompt) + j], [state[-1:]], [[ids[-1]]])[0]
+    print(f"device head vs torch head, float32, {CHAIN} chain steps: max error {max(errors):.2e} of the largest logit")
+    assert max(errors) < 1e-3
+    assert drafted[0] == ids  # the chain's ids, mapped to the target's through d2t
+    assert all(0 < p <= 1 for p in drafted[1])
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("mode", ["head", "hybrid"])
+@pytest.mark.parametrize("which", ["shipped", "random"])
+def test_device_head_identical_to_plain_through_the_verify_step(tt, embedded_checkpoint, prompts, plain_outputs,
+                                                                tmp_path, which, mode, batch):
+    """The shipped head and a random EAGLE-3 head (24k-token draft vocabulary), in head and hybrid modes, batches of 1
+    and 4: the same tokens as plain decoding through the same step (what the head drafts is the torch head's:
+    test_device_head_logits_match_the_torch_head_in_float32)."""
+    from models.tt_transformers.demo.speculative_decoding.speculative_demo import DRAFT_HEADS
+
+    lm = tt(batch)
+    args = ModelArgs.from_hf_config(embedded_checkpoint.config)
+    head = read_draft_head(DRAFT_HEADS / embedded_checkpoint.name, args) if which == "shipped" else \
+        random_head(embedded_checkpoint, std=0.3, draft_vocab=24000)  # confident enough to draft
+    drafter = TracedHeadDrafter(device_head(lm, embedded_checkpoint, head, tmp_path))
+    drafter.cost = RunCost(0.05, measure=False)  # the stand-in's times are no device's
+    if mode == "hybrid":
+        drafter = HybridDrafter(SuffixDrafter(1), drafter)
+    groups = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
+    results = [r for g in groups for r in SpeculativeGenerator(lm, drafter, CHAIN).generate(g, 32)]
+    assert outputs(results) == plain_outputs
+    assert any(it.draft_source == "head" for r in results for it in r.iterations)  # the head drafted
+    assert set(lm.traces) | set(drafter_head(drafter).traces) <= planned(lm, drafter_head(drafter))  # nothing new
+
+
+def drafter_head(drafter):
+    return getattr(drafter, "fallback", drafter).head
+
+
+def planned(lm, head) -> set:
+    return set(lm.planned) | set(head.planned)
+
+
+def test_the_step_leaves_the_taps_in_the_tile(tt, embedded_checkpoint, prompts, tmp_path):
+    """A tapped step returns where each user's rows sit in the tap tile (DeviceRows) and writes the tile: the named
+    layers' inputs, in the order asked, equal to what the prefill reads back for the same positions."""
+    lm = tt(2, float32=True)
+    taps = (9, 0, 20)
+    lm.warm_up(5, 0, taps)
+    prompt = prompts[0][:30]
+    whole = lm.prefill(0, prompt, taps=taps).hidden[0]  # [30, 3 * dim], read back from TT's prefill
+    lm.prefill(0, prompt[:26], taps=taps)
+    out = lm.step([UserRows(1, [5], 0), UserRows(0, prompt[26:30], 26)], taps=taps)
+    assert out.hidden == [DeviceRows(0, 0), DeviceRows(1, 26)]
+    tile = lm.read_taps(taps)
+    error = ((tile[1:5] - whole[26:30].float()).abs().max() / whole.float().abs().max()).item()
+    assert error < 2e-2  # the prefill's chunked attention against the decode step's (bfloat16 read-back)
+
+
+def test_head_traces_are_planned_and_counted(tt, embedded_checkpoint, tmp_path):
+    """The head's traces are (feed passes, k) for the feeds a chain's verification can need, each feed-only and
+    drafting; they are made with the target's (prepare_mesh) and counted against the trace region."""
+    lm = tt(1)
+    dev = device_head(lm, embedded_checkpoint, random_head(embedded_checkpoint), tmp_path)
+    assert head_trace_keys(CHAIN) == [(1, 1), (1, 4), (2, 1), (2, 4), (4, 1), (4, 4), (5, 1), (5, 4)]
+    assert set(dev.traces) == set(head_trace_keys(CHAIN)) == dev.planned
+    assert all(key in lm.traces for key in lm.planned)
+    with pytest.raises(ValueError, match="taps"):
+        TtnnDraftHead(tt(1), *random_head(embedded_checkpoint, taps=(1, 2, 3)), read_embedding(embedded_checkpoint),
+                      CHAIN, ModelArgs.from_hf_config(embedded_checkpoint.config), cache_dir=tmp_path / "b").warm_up()
+
+
+def test_converted_weights_are_cached(tt, embedded_checkpoint, tmp_path):
+    """The head's weights are converted once (ttnn.as_tensor with cache_file_name, as TT-Transformers caches its own):
+    a second head from the same files reads them back and drafts the same."""
+    lm = tt(1)
+    head = random_head(embedded_checkpoint)
+    first = device_head(lm, embedded_checkpoint, head, tmp_path)
+    files = sorted(p.name for p in (tmp_path / "head").iterdir())
+    assert files and any("lm_head" in f for f in files)
+    second = device_head(lm, embedded_checkpoint, head, tmp_path)
+    assert sorted(p.name for p in (tmp_path / "head").iterdir()) == files
+    for name, w in first.weights.items():
+        assert torch.equal(w.data, second.weights[name].data), name
