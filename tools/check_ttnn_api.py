@@ -55,6 +55,8 @@ def signature_text(obj) -> str:
     """What the wheel's binary says the op accepts: a nanobind signature, a Python signature, or the argument
     error a registered op raises when called with nothing (it parses arguments before running anything)."""
     texts = [str(s[0]) for s in getattr(obj, "__nb_signature__", ())]
+    if isinstance(obj, type):  # a bound class (ttnn.CoreGrid): its constructor's signature
+        texts += [str(s[0]) for s in getattr(obj.__init__, "__nb_signature__", ())]
     function = getattr(obj, "function", None)
     texts += [str(s[0]) for s in getattr(function, "__nb_signature__", ())]
     if not texts:
