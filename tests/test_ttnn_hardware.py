@@ -130,6 +130,19 @@ def test_device_head_lossless_on_device(mesh_device, checkpoint, batch):
         assert [r.output_tokens for r in SpeculativeGenerator(target, drafter, 4).generate(prompts, 64)] == plain
 
 
+def mean_ms(times: dict, name: str) -> dict:
+    """Each traced shape's mean replay time in ms, keyed by `name` formatted with the shape's key."""
+    return {name.format(*(list(k) if isinstance(k, tuple) else k for k in key)): 1e3 * sum(t) / len(t)
+            for key, t in times.items() if t}
+
+
+def write_perf(name: str, report: dict):
+    out = REPO_ROOT / "bench_results" / f"{name}.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    return out
+
+
 def per_position(report: dict, bucket: int = 32) -> dict:
     """Decode tok/s/user per span of `bucket` generated positions (0-31, 32-63, ...), over every prompt's iterations
     (batch 1): how the speed holds as the context grows."""
@@ -169,13 +182,12 @@ def test_device_head_perf(mesh_device, checkpoint):
             measurements.setdefault("plain", {"decode_t/s/u": summary["baseline_decode_tok_s"]})
         for model in pool.models.values():
             if isinstance(model, TtnnDraftHead):
-                head_ms.update({f"passes={p} k={k}": 1e3 * sum(t) / len(t) for (p, k), t in model.step_times.items()})
+                head_ms.update(mean_ms(model.step_times, "passes={} k={}"))
     finally:
         pool.close()
-    out = REPO_ROOT / "bench_results" / f"perf_head_{key}.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps({"device": device, "model": checkpoint.name, "draft_head": HEAD_PERF["draft_head"],
-                               "measurements": measurements, "head_trace_ms": head_ms}, indent=2))
+    out = write_perf(f"perf_head_{key}", {"device": device, "model": checkpoint.name,
+                                          "draft_head": HEAD_PERF["draft_head"], "measurements": measurements,
+                                          "head_trace_ms": head_ms})
     floor = PERF_TARGETS.get(key, {}).get("head_hybrid", measurements["plain"]["decode_t/s/u"])
     assert measurements["hybrid"]["decode_t/s/u"] >= floor, (measurements["hybrid"], floor, str(out))
 
@@ -201,14 +213,12 @@ def test_speculative_perf(mesh_device, checkpoint):
                                                           "acceptance_rate", "mean_tokens_per_step")}
             measurements.setdefault("plain", {"decode_t/s/u": summary["baseline_decode_tok_s"]})
         for lm in pool.models.values():
-            step_ms[f"{lm.n_layers} layers"] = {f"passes={p} top_k={k} taps={list(taps)}": 1e3 * sum(t) / len(t)
-                                                for (p, k, taps), t in lm.step_times.items() if t}
+            if isinstance(lm, TtnnCausalLM):
+                step_ms[f"{lm.n_layers} layers"] = mean_ms(lm.step_times, "passes={} top_k={} taps={}")
     finally:
         pool.close()
-    out = REPO_ROOT / "bench_results" / f"perf_{key}.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps({"device": device, "model": checkpoint.name, "draft_model": PERF["draft_model"],
-                               "measurements": measurements, "step_ms": step_ms}, indent=2))
+    out = write_perf(f"perf_{key}", {"device": device, "model": checkpoint.name, "draft_model": PERF["draft_model"],
+                                     "measurements": measurements, "step_ms": step_ms})
     targets = PERF_TARGETS.get(key, {})
     for mode in ("suffix", "hybrid") + (("model",) if PERF["draft_model"] else ()):
         floor = targets.get(mode, measurements["plain"]["decode_t/s/u"])
