@@ -188,14 +188,15 @@ def test_decode_residual_layout_and_the_tap_copy(stand_in, tiny):
 
 
 def test_trace_plan_with_taps():
-    """Traces are keyed by (write passes, top k, taps); a tapped one adds a DRAM copy and a gather per tap and the
-    concat into the tap tile to the op count; a device head's traces are counted beside the target's."""
+    """Traces are keyed by (write passes, top k, taps); a tapped one adds a DRAM copy and a slice per tap and the
+    stack, gather, concat and copy into the tap tile to the op count; a device head's traces are counted beside the
+    target's."""
     from models.tt_transformers.ttnn_backend.trace_plan import head_region_bytes
 
     taps = (2, 15, 27)
     assert trace_keys(5, 4, taps) == sorted({(p, 4, taps) for p in (1, 2, 4, 5)} | {(1, 0, ())})
     assert trace_keys(5, 0, ()) == [(1, 0, ()), (2, 0, ()), (4, 0, ()), (5, 0, ())]
-    assert trace_ops(30, (1, 0, taps), 49152) - trace_ops(30, (1, 0, ()), 49152) == 7
+    assert trace_ops(30, (1, 0, taps), 49152) - trace_ops(30, (1, 0, ()), 49152) == 10
     plain = model_trace_bytes("Llama-3.1-8B", ["N150"], 1, 32, 32, 128256, 5, 0, ())
     tapped = model_trace_bytes("Llama-3.1-8B", ["N150"], 1, 32, 32, 128256, 5, 0, (2, 16, 29))
     assert len(tapped) == len(plain) + 1 and sum(tapped) > sum(plain)  # the plain step beside the tapped ones

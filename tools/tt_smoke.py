@@ -65,13 +65,13 @@ def smoke_taps(n_layers: int) -> tuple[int, ...]:
     return tuple(dict.fromkeys(min(max(i, 0), n_layers - 1) for i in (0, 2, n_layers // 2, n_layers - 3)))
 
 
-def smoke_head(config: demo.DemoConfig, ckpt, args) -> tuple:
-    """The head the draft-head stage runs: the run's (--draft_head, or the one shipped for the model), else a random
-    EAGLE-3 head of the target's shape (seeded)."""
-    from models.tt_transformers.torch_backend.draft_head import random_head, read_draft_head
+RANDOM_DRAFT_VOCAB = 32000  # a random head's draft vocabulary, as published EAGLE-3 heads for Llama-3 have
 
-    folder = demo.draft_head_folder(demo.DemoConfig(**{**vars(config), "draft_mode": "hybrid"}), ckpt.name)
-    return (folder, read_draft_head(folder, args)) if folder is not None else ("random", random_head(args))
+
+def smoke_head_folder(config: demo.DemoConfig, ckpt):
+    """The head the draft-head stage runs: the run's (--draft_head, or the one shipped for the model), else None (a
+    random EAGLE-3 head of the target's shape, seeded)."""
+    return demo.draft_head_folder(demo.DemoConfig(**{**vars(config), "draft_mode": "hybrid"}), ckpt.name)
 
 
 def stages_region(config: demo.DemoConfig, shape) -> int:
@@ -89,8 +89,11 @@ def stages_region(config: demo.DemoConfig, shape) -> int:
     ckpt = resolve_checkpoint(config.model, "--model" if config.model else "HF_MODEL")
     args = ModelArgs.from_hf_config(ckpt.config)
     devices, n = device_names_for(shape, os.environ.get("MESH_DEVICE")), shape[0] * shape[1]
+    from models.tt_transformers.torch_backend.draft_head import default_taps, read_head_config
+
     k = max(1, config.n_draft_tokens)
-    head_taps = smoke_head(config, ckpt, args)[1][0].taps
+    folder = smoke_head_folder(config, ckpt)
+    head_taps = read_head_config(folder, args).taps if folder is not None else default_taps(args.n_layers)
     traces = model_trace_bytes(ckpt.name, devices, n, args.n_layers, args.n_layers, args.vocab_size, 1, 0,
                                smoke_taps(args.n_layers))
     traces += model_trace_bytes(ckpt.name, devices, n, args.n_layers, args.n_layers, args.vocab_size, k + 1, 0,
@@ -174,12 +177,19 @@ def device_head(s: Smoke) -> None:
 
     from models.tt_transformers.speculative.head_drafter import HeadFeed
     from models.tt_transformers.torch_backend.checkpoint import load_model, resolve_checkpoint
-    from models.tt_transformers.torch_backend.draft_head import HeadRunner, build_draft_head
+    from models.tt_transformers.torch_backend.draft_head import (
+        HeadRunner,
+        build_draft_head,
+        random_head,
+        read_draft_head,
+    )
     from models.tt_transformers.torch_backend.model_config import ModelArgs
 
     ckpt = resolve_checkpoint(s.config.model, "--model" if s.config.model else "HF_MODEL")
     args = ModelArgs.from_hf_config(ckpt.config)
-    folder, head = smoke_head(s.config, ckpt, args)
+    folder = smoke_head_folder(s.config, ckpt)
+    head = read_draft_head(folder, args) if folder is not None else \
+        random_head(args, draft_vocab=min(RANDOM_DRAFT_VOCAB, args.vocab_size))
     k = max(1, s.config.n_draft_tokens)
     config = demo.DemoConfig(**{**vars(s.config), "n_draft_tokens": k})
     drafter = demo.draft_head(head, s.lm, ckpt, args, config, lambda make: s.pool.get(("smoke head",), make))
@@ -195,11 +205,11 @@ def device_head(s: Smoke) -> None:
     for j in range(k):
         reference.append(int(runner.vocab[logits.argmax()]))
         state, logits = runner.run([0], [len(s.tokens) + j], [state[-1:]], [[reference[-1]]])[0]
-    device_logits = dev.read_logits((dev.prompt_rows, k), 0)[dev.prompt_rows - 1]  # slot 0's last prompt row
+    device_logits = dev.read_logits(0)[dev.last_rows[0]]
     if not torch.isfinite(device_logits).all():
         raise AssertionError("the device head's logits hold non-finite values")
     top5 = runner.vocab[first_ref.topk(5).indices].tolist()
-    s.facts["draft_head"] = {"head": str(folder), "device_chain": ids, "torch_chain": reference,
+    s.facts["draft_head"] = {"head": str(folder or "random"), "device_chain": ids, "torch_chain": reference,
                              "probs": [round(p, 3) for p in probs], "first_logits_max_rel_diff": round(
                                  ((device_logits - first_ref).abs().max() / first_ref.abs().max()).item(), 4)}
     if ids[0] not in top5:

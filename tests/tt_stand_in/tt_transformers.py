@@ -261,8 +261,9 @@ class ModelArgs:
 
 
 class TT_CCL:
-    """tt/ccl.py TT_CCL: built by every Transformer, one mesh or many; it makes global semaphores, handed out in turn
-    to the CCL ops."""
+    """tt/ccl.py TT_CCL: built by every Transformer, one mesh or many; it makes global semaphores, which TT hands out
+    in turn (double-buffered, `get_and_cycle_*`) to successive CCL ops. The stand-in hands out the same ones every
+    time: it does not model two successive collectives racing on one semaphore (a hardware check)."""
 
     def __init__(self, mesh_device):
         grid = mesh_device.compute_with_storage_grid_size()
@@ -279,9 +280,10 @@ class TT_CCL:
 def tt_all_gather(input_tensor, mesh_device, tt_ccl, cluster_axis, dim, num_links=2, memory_config=None,
                   sharded=False, topology=ttnn.Topology.Linear, dtype=ttnn.bfloat16, buffer_key=None):
     """tt/ccl.py tt_all_gather (read at 7d857b2a and in a later copy taking tt_ccl, whose commit the index does not
-    show; in both its "# N150" guard compares a list with a tuple,
-    `list(mesh_device.shape) == (1, 1)`, which is never true: on one device only cluster_axis=1 returns the input,
-    cluster_axis=None goes on to all_gather_async, which stops there). The input to DRAM (not sharded), cast to
+    show; in both its "# N150" guard compares a list with a tuple, `list(mesh_device.shape) == (1, 1)`, which is
+    never true: on one device only cluster_axis=1 returns the input, cluster_axis=None goes on to all_gather_async,
+    which stops there. At 013eaee3 the guard compares lists and returns the input on one device: the backend, which
+    calls it only on meshes of several devices, works with either). The input to DRAM (not sharded), cast to
     `dtype`, gathered with all_gather_async, then deallocated."""
     if list(mesh_device.shape) == (1, 1) or (cluster_axis == 1 and 1 in list(mesh_device.shape)):
         return input_tensor

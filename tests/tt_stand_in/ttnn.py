@@ -20,7 +20,7 @@ against the constraints a device imposes (names and keywords are those of ttnn 0
 - paged_update_cache takes its update height-sharded, one user per core; paged SDPA decode takes q height-sharded or
   in DRAM, bfloat16/bfloat8_b (no float32);
 - the ops a device draft head uses (as_tensor with its cache file, linear, rms_norm, concat, copy, mul, silu,
-  embedding, reshape, softmax) with the refusals their validate functions make; concat refuses a
+  embedding, repeat, reshape, softmax) with the refusals their validate functions make; concat refuses a
   preallocated output and all_gather_async refuses a single device, as the wheel does.
 Each rule that mirrors a tt-metal check names the file and function it follows (read at versions near v0.81.1; the
 error texts are the ones in the ttnn 0.81.1 wheel's libraries).
@@ -766,8 +766,11 @@ def embedding(input_tensor: Tensor, weight: Tensor, *, memory_config=None, outpu
               layout=ROW_MAJOR_LAYOUT, embeddings_type=None, dtype=None) -> Tensor:
     """embedding_device_operation.cpp EmbeddingsDeviceOperation::validate_on_program_cache_miss (read at 5acfb5ff,
     texts of the 0.81.1 wheel): UINT32 or BFLOAT16 ids, a ROW_MAJOR BFLOAT16 table (no FLOAT32), both interleaved; a
-    TILE output needs the ids' width and the table's a multiple of 32. ids [batch, ..., seq] -> [batch, seq, width]
-    in `layout`, dtype `dtype` or the table's. A table split over the mesh along its width gives each device its
+    table's first two dims 1 ("First two dimensions for the weights must be 1"); ROW_MAJOR ids [batch, 1, 1, seq]
+    (the op's wrapper makes a 2-D [batch, seq] so; "Only dim 0 && 3 for the input can be non 1"). A TILE output is
+    tilized in the op when the ids' width and the table's are multiples of 32 (embedding.cpp
+    EmbeddingOperation::invoke at 02a75206, fused_tilized), else converted after it. ids -> [batch, seq, width] in
+    `layout`, dtype `dtype` or the table's. A table split over the mesh along its width gives each device its
     columns."""
     ids, table = input_tensor, weight
     if output_tensor is not None or padding_idx is not None or embeddings_type is not None:
@@ -782,17 +785,28 @@ def embedding(input_tensor: Tensor, weight: Tensor, *, memory_config=None, outpu
         raise RuntimeError("Embedding does not currently support sharded inputs")
     if table.mem.is_sharded():
         raise RuntimeError("Embedding does not currently support sharded weights")
-    if layout == TILE_LAYOUT and ids.shape[-1] % 32:
-        raise RuntimeError(f"Input tensor width {ids.shape[-1]} must be a multiple of tile height 32 to have the "
-                           "output tensor tilized")
-    if layout == TILE_LAYOUT and table.shape[-1] // table.shards % 32:
-        raise RuntimeError(f"Number of columns in table {table.shape[-1] // table.shards} must be factor of tile "
-                           "width 32")
+    if len(table.shape) == 4 and table.shape[:2] != (1, 1):
+        raise RuntimeError(f"First two dimensions for the weights must be 1 but got {table.shape[0]} and "
+                           f"{table.shape[1]}")
+    if len(ids.shape) == 4 and ids.layout == ROW_MAJOR_LAYOUT and ids.shape[1:3] != (1, 1):
+        raise RuntimeError("Only dim 0 && 3 for the input can be non 1")
 
     def fn(i, w):
         rows = w.data.reshape(-1, w.shape[-1])[i.data.long().reshape(-1)]
         return rows.reshape(i.shape[0], i.shape[-1], -1), dtype or w.dtype, layout
     return run_op("embedding", fn, ids, table, shards=table.shards, mem=memory_config)
+
+
+def repeat(input_tensor: Tensor, repetition_vector, *, memory_config=None, optional_output_tensor=None) -> Tensor:
+    """ttnn.repeat: the input repeated along each dim as many times as the vector says (its docstring; one entry per
+    dim). A replicated input only."""
+    t = input_tensor
+    reps = list(repetition_vector)
+    if len(reps) != len(t.shape):
+        raise RuntimeError(f"stand-in: repetition vector {reps} must have one entry per dim of {list(t.shape)}")
+    if optional_output_tensor is not None or t.shards != 1:
+        raise NotImplementedError("stand-in: repeat of a replicated tensor, without output tensor")
+    return run_op("repeat", lambda x: (x.data.repeat(*reps), x.dtype, x.layout), t, mem=memory_config)
 
 
 def reshape(input_tensor: Tensor, shape, *, memory_config=None, pad_value=0, reshape_tile_mode=None,
@@ -990,6 +1004,13 @@ def _paged_sdpa_decode(input_tensor_q, input_tensor_k, input_tensor_v, page_tabl
         raise RuntimeError(f"Page table tensor layout must be ROW_MAJOR but got {table.layout}")
     if not q.shape[-1] == k.shape[-1] == v.shape[-1]:
         raise RuntimeError("Q, K, V must have same hidden size")
+    if k.shape[1] > 1:  # grouped-query attention (several KV heads)
+        if out.is_sharded():
+            raise RuntimeError("Sharded output not supported for GQA")
+        if q.dtype != bfloat16:
+            raise RuntimeError(f"GQA expects BFLOAT16 input tensor, but got {_dtype_name(q.dtype)}")
+        if q.shape[2] % k.shape[1]:
+            raise RuntimeError(f"GQA expects Q to have a multiple of K heads, but got {q.shape[2]} and {k.shape[1]}")
     return run_op("paged_sdpa_decode", lambda q, k, v, t, p: _sdpa_decode(q, k, v, t, p, scale, sliding_window_size),
                   q, k, v, table, pos, mem=out)
 

@@ -281,6 +281,7 @@ class ChainDraftHead(Protocol):
     taps: tuple[int, ...]
     draft_cost: float  # one chain step, in target steps (an estimate until measured)
     chain_len: int  # tokens one drafting replay gives (fixed per trace)
+    last_draft_s: float  # seconds of the last replay of draft() (the prompt's feed-only replays before it excluded)
 
     def draft(self, feeds: Sequence[HeadFeed], chain_users: Sequence[int], k: int
               ) -> dict[int, tuple[list[int], list[float]]]:
@@ -326,10 +327,9 @@ class TracedHeadDrafter(HeadDrafter):
         if not feeds:
             return [Draft([], "none") for _ in users]
         k = self.head.chain_len if wanted else 1
-        start = time.perf_counter()
         chains = self.head.draft(feeds, list(wanted), k)
-        if wanted:
-            self.cost.ran((time.perf_counter() - start) / k)
+        if wanted:  # a chain step's share of the drafting replay (a prompt's feed-only replays are the prefill's)
+            self.cost.ran(self.head.last_draft_s / k)
             self.cost.proposed_at = time.perf_counter()
         drafts = {}
         for u, n in wanted.items():

@@ -21,7 +21,9 @@ built for the model's own width and sharded program configs; the head's attentio
 concat, the paged cache update and paged SDPA decode TT's attention uses, with its own paged KV cache (a page-table
 row per user, as the target's). Rotary embeddings in the checkpoint's rotate-half layout: the rotation is folded into
 extra q/k columns of the qkv weight (rotate_half(W x) = (R W) x), so the step is q * cos + q_rot * sin with cos/sin
-rows gathered by position (ttnn.embedding) from tables as wide as the q and k heads: elementwise on equal shapes.
+rows gathered by position (ttnn.embedding, head_dim wide) and repeated across the q and k heads (ttnn.repeat):
+elementwise on equal shapes. (The wheel's rotary_embedding_hf would spare the extra columns; its decode mode wants
+height-sharded inputs and caches, not modelled here: left.)
 Weights are converted once and cached as TT-Transformers caches its own (ttnn.as_tensor with cache_file_name), in
 its performance preset's dtypes (bfloat8_b matmul weights, bfloat16 norms and tables; the KV cache bfloat8_b).
 Meshes: the head is replicated on every device (the target's traced step all-gathers the taps, so no head trace
@@ -115,9 +117,7 @@ class TtnnDraftHead:
         host = head_weights(config, weights, embedding)
         self.embedding = host.pop("embedding").to(torch.bfloat16)  # the feed's next tokens are looked up on the host
         cos, sin = rope_tables(a, self.max_seq_len, torch.float32)
-        width = (a.n_heads + a.n_kv_heads) * a.head_dim
-        host["rope_cos"] = cos.repeat(1, width // a.head_dim).view(1, 1, self.max_seq_len, width)
-        host["rope_sin"] = sin.repeat(1, width // a.head_dim).view(1, 1, self.max_seq_len, width)
+        host["rope_cos"], host["rope_sin"] = cos.view(1, 1, self.max_seq_len, -1), sin.view(1, 1, self.max_seq_len, -1)
         self.cache_dir = cache_dir or cache_root() / "tt_draft_heads" / head_id(config, weights)
         self.weights = {name: self._device_weight(name, w) for name, w in host.items()}
         shape = (target.max_batch_size * self.blocks, a.n_kv_heads, BLOCK_SIZE, a.head_dim)
@@ -130,24 +130,30 @@ class TtnnDraftHead:
         self.inputs: Optional[HeadInputs] = None
         self.traces: dict[HeadKey, HeadTrace] = {}
         self.step_times: dict[HeadKey, list] = {}
+        self.last_draft_s, self.last_key = 0.0, None  # the last replay, reads included: what a chain step is priced by
+        self.last_rows: dict[int, int] = {}  # the tile row each user of the last drafting replay drafted in
         self.draft_cost = estimated_run_cost(config, target_args)  # one chain step, until measured (RunCost)
         MESH_MODELS[id(self.mesh)].add(self)
 
     # ---- weights -------------------------------------------------------------------------------------------------
 
     def _device_weight(self, name: str, w: torch.Tensor):
-        """One tensor on every device, converted once and cached as TT-Transformers caches its own (ttnn.as_tensor
-        with cache_file_name, which appends the dtype and layout to the file name): matmul weights in the head's dtype
-        (TILE); norm weights and gathered tables bfloat16 ROW_MAJOR (models/common/rmsnorm.py, tt/embedding.py; a
-        ttnn.embedding table must be "BFLOAT16", embedding_device_operation.cpp)."""
+        """One tensor on every device: the head's own weights converted once and cached as TT-Transformers caches its
+        own (ttnn.as_tensor with cache_file_name, which appends the dtype and layout to the file name and loads an
+        existing file whatever its shape: the folder is keyed by the head's tensors), matmul weights in the head's
+        dtype (TILE), norm weights bfloat16 ROW_MAJOR (models/common/rmsnorm.py). The gathered tables (the draft-id
+        embedding, taken from the target's, and the rotary rows, as long as this run's max_seq_len) are built each
+        time, bfloat16 ROW_MAJOR (tt/embedding.py; a ttnn.embedding table must be "BFLOAT16",
+        embedding_device_operation.cpp)."""
         import ttnn
 
-        table = name in ("draft_embedding", "rope_cos", "rope_sin") or "norm" in name
+        table = name in ("draft_embedding", "rope_cos", "rope_sin")
         self.cache_dir.mkdir(parents=True, exist_ok=True)
-        return ttnn.as_tensor(w, dtype=ttnn.bfloat16 if table else self.dtype,
-                              layout=ttnn.ROW_MAJOR_LAYOUT if table else ttnn.TILE_LAYOUT, device=self.mesh,
-                              mesh_mapper=ttnn.ReplicateTensorToMesh(self.mesh), memory_config=ttnn.DRAM_MEMORY_CONFIG,
-                              cache_file_name=self.cache_dir / name)
+        return ttnn.as_tensor(w, dtype=ttnn.bfloat16 if table or "norm" in name else self.dtype,
+                              layout=ttnn.ROW_MAJOR_LAYOUT if table or "norm" in name else ttnn.TILE_LAYOUT,
+                              device=self.mesh, mesh_mapper=ttnn.ReplicateTensorToMesh(self.mesh),
+                              memory_config=ttnn.DRAM_MEMORY_CONFIG,
+                              cache_file_name=None if table else self.cache_dir / name)
 
     # ---- the program ---------------------------------------------------------------------------------------------
 
@@ -206,10 +212,11 @@ class TtnnDraftHead:
         residual = normed if c.norm_before_residual else state
         x = ttnn.concat([self._norm(embeds, "layer.input_layernorm.weight"), normed], dim=3, memory_config=dram)
         qkv = self._linear(x, "layer.attention.wqkv.weight")  # q, k, v, then rotate_half(q), rotate_half(k)
-        cos = ttnn.embedding(rope_rows, self.weights["rope_cos"], layout=ttnn.TILE_LAYOUT, memory_config=dram)
-        sin = ttnn.embedding(rope_rows, self.weights["rope_sin"], layout=ttnn.TILE_LAYOUT, memory_config=dram)
         width = (H + Hk) * D
-        cos, sin = ttnn.reshape(cos, [1, 1, TILE_ROWS, width]), ttnn.reshape(sin, [1, 1, TILE_ROWS, width])  # [1, 32, w]
+        cos, sin = (ttnn.repeat(ttnn.reshape(ttnn.embedding(rope_rows, self.weights[name], layout=ttnn.TILE_LAYOUT,
+                                                            memory_config=dram), [1, 1, TILE_ROWS, D]),
+                                [1, 1, 1, H + Hk], memory_config=dram)  # each row's cos/sin across the q and k heads
+                    for name in ("rope_cos", "rope_sin"))
         qk = ttnn.add(ttnn.mul(self._cols(qkv, 0, width), cos, memory_config=dram),
                       ttnn.mul(self._cols(qkv, width + Hk * D, 2 * width + Hk * D), sin, memory_config=dram),
                       memory_config=dram)
@@ -404,6 +411,7 @@ class TtnnDraftHead:
             ttnn.execute_trace(self.mesh, self.traces[key].trace_id, cq_id=0, blocking=False)
             out = self._read(self.traces[key], [row for _, row in chains]) if chains else []
             self.step_times.setdefault(key, []).append(time.perf_counter() - start)
+        self.last_draft_s, self.last_key, self.last_rows = self.step_times[key][-1], key, dict(chains)
         return {user: drafted for (user, _), drafted in zip(chains, out)}
 
     def _prompt_replays(self, feeds: Sequence[HeadFeed]) -> list[tuple[list, torch.Tensor]]:
@@ -437,12 +445,13 @@ class TtnnDraftHead:
         probs = torch.stack([read(t).float() for t in trace.probs], dim=1)[rows]
         return [(self.vocab[i].tolist(), p.tolist()) for i, p in zip(ids, probs)]
 
-    def read_logits(self, key: HeadKey, step: int) -> torch.Tensor:
-        """Chain step `step`'s draft-vocabulary logits [32, V'] from the last replay of the key's trace (for checks:
-        the loop reads ids and probabilities only)."""
+    def read_logits(self, step: int) -> torch.Tensor:
+        """Chain step `step`'s draft-vocabulary logits [32, V'] of the last replay (rows: last_rows; for checks: the
+        loop reads ids and probabilities only)."""
         import ttnn
 
-        return ttnn.to_torch(ttnn.get_device_tensors(self.traces[key].logits[step])[0]).reshape(TILE_ROWS, -1).float()
+        logits = self.traces[self.last_key].logits[step]
+        return ttnn.to_torch(ttnn.get_device_tensors(logits)[0]).reshape(TILE_ROWS, -1).float()
 
 
 def head_id(config: HeadConfig, weights: dict) -> str:

@@ -263,7 +263,9 @@ class TtnnCausalLM:
         self._run_inputs([UserRows(0, [0], 0)], write=False, passes=TILE_ROWS)
         passes, top_k, taps = key
         self.tt.passes.positions = self.inputs.step.pass_positions[:passes]
-        for tensor in device_tensors(self._forward(top_k, taps)):
+        # a scratch tile: the tap tile may hold a verified step's states the head has not been fed yet
+        scratch = ttnn.clone(self.tap_tile(taps), memory_config=ttnn.DRAM_MEMORY_CONFIG) if taps else None
+        for tensor in device_tensors(self._forward(top_k, taps, scratch)) + ([scratch] if taps else []):
             ttnn.deallocate(tensor)
 
     def capture(self, key: TraceKey) -> None:
@@ -274,7 +276,7 @@ class TtnnCausalLM:
         mesh = self.tt.mesh_device
         self.tt.passes.positions = self.inputs.step.pass_positions[:passes]
         trace_id = ttnn.begin_trace_capture(mesh, cq_id=0)
-        outputs = self._forward(top_k, taps)
+        outputs = self._forward(top_k, taps, self.tap_tile(taps) if taps else None)
         ttnn.end_trace_capture(mesh, trace_id, cq_id=0)
         self.traces[key] = Trace(trace_id, *outputs)
 
@@ -493,10 +495,10 @@ class TtnnCausalLM:
         return ttnn.from_torch(mask, dtype=ttnn.bfloat16, layout=ttnn.TILE_LAYOUT, device=self.tt.mesh_device,
                                mesh_mapper=mapper)
 
-    def _forward(self, top_k: int, taps: tuple[int, ...]) -> list:
+    def _forward(self, top_k: int, taps: tuple[int, ...], tile=None) -> list:
         """The traced program: the decode forward over the tile, then per device the argmax (and the max, and the
-        top k of each slice) over its vocabulary share; with `taps`, the tap tile written. Outputs go to DRAM (a
-        trace keeps them: L1 is for the ops)."""
+        top k of each slice) over its vocabulary share; with `taps`, the tapped states written to `tile`. Outputs go
+        to DRAM (a trace keeps them: L1 is for the ops)."""
         import ttnn
 
         i, model, dram = self.inputs.step, self.tt.model, ttnn.DRAM_MEMORY_CONFIG
@@ -516,28 +518,32 @@ class TtnnCausalLM:
         ids = ttnn.argmax(rows, dim=-1, keepdim=True, memory_config=dram)
         top = self._slice_top_k(tiles, top_k) if top_k else None
         if taps:
-            self._write_tap_tile(capture.outputs, taps)
+            self._write_taps(capture.outputs, taps, tile)
         return [ids, best, rows, top]
 
-    def _write_tap_tile(self, copies: dict, taps: tuple[int, ...]) -> None:
-        """The tapped layers' inputs, in the order asked, into the persistent tap tile: on a mesh each is first
-        all-gathered along dim (TapCapture: device d holds columns d * dim / devices onward), so every device holds
-        whole rows, as the head (replicated) reads them. The gather is TT-Transformers' own (tt/ccl.py
-        tt_all_gather: the model's TT_CCL semaphores, persistent as a trace needs), cluster_axis None: over the whole
-        1 x N mesh. Not called on one device: its "# N150" guard compares a list with a tuple
-        (`list(mesh_device.shape) == (1, 1)`), so it would go on to all_gather_async, which needs two devices."""
+    def _write_taps(self, copies: dict, taps: tuple[int, ...], tile) -> None:
+        """The tapped layers' inputs, in the order asked, into `tile` ([1, 1, 32, len(taps) * dim], whole rows on every
+        device, as the replicated head reads them). On a mesh each copy holds dim / devices columns (TapCapture), so
+        the copies are stacked along the rows ([1, 1, 32 * len(taps), dim / devices]) and all-gathered along dim once
+        (one collective per step, not one per tap), then each tap's 32 rows go side by side. The gather is
+        TT-Transformers' own (tt/ccl.py tt_all_gather: the model's TT_CCL semaphores, persistent as a trace needs),
+        cluster_axis None: over the whole 1 x N mesh; not called on one device (some versions' "# N150" guard compares
+        a list with a tuple, `list(mesh_device.shape) == (1, 1)`, and would go on to all_gather_async, which needs two
+        devices)."""
         import ttnn
         from models.tt_transformers.tt.ccl import tt_all_gather
 
-        dram, model = ttnn.DRAM_MEMORY_CONFIG, self.tt.model
+        dram, model, dim = ttnn.DRAM_MEMORY_CONFIG, self.tt.model, self.tt.args.dim
         parts = [copies[i][0] for i in taps]
         if self.num_devices > 1:
-            parts = [tt_all_gather(**supported_kwargs(tt_all_gather, input_tensor=p, mesh_device=model.mesh_device,
-                                                      tt_ccl=model.tt_ccl, cluster_axis=None, dim=3,
-                                                      memory_config=dram)) for p in parts]
+            rows = tt_all_gather(**supported_kwargs(
+                tt_all_gather, input_tensor=ttnn.concat(parts, dim=2, memory_config=dram), mesh_device=model.mesh_device,
+                tt_ccl=model.tt_ccl, cluster_axis=None, dim=3, memory_config=dram))
+            parts = [ttnn.slice(rows, [0, 0, j * TILE_ROWS, 0], [1, 1, (j + 1) * TILE_ROWS, dim], memory_config=dram)
+                     for j in range(len(taps))]
         # concat takes no preallocated output in 0.81.1 ("optional output tensor currently unsupported!",
         # data_movement/concat/concat.cpp): copied into the tile (ttnn.copy: input_b modified in place, equal shapes)
-        ttnn.copy(ttnn.concat(parts, dim=3, memory_config=dram), self.tap_tile(taps))
+        ttnn.copy(ttnn.concat(parts, dim=3, memory_config=dram), tile)
 
     def _slice_top_k(self, tiles, k: int) -> list:
         import ttnn

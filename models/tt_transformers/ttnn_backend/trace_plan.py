@@ -12,8 +12,8 @@ Sizes: tt-metal sizes the trace region per model and device (models/tt_transform
 get_supported_trace_region_size) for TT-Transformers' own decode trace; TT_TRACE_REGION below is that table and
 TT_DEFAULT_TRACE_REGION the text demo's parametrized default (simple_text_demo.py, device_params). One of our
 traces is that size scaled by its op count over a plain TT-Transformers decode step's: each extra write pass adds
-two `paged_update_cache` ops per layer, each top-k slice a slice, a pad and a topk, each tapped layer a copy and
-a gather, and the tap tile a concat.
+two `paged_update_cache` ops per layer, each top-k slice a slice, a pad and a topk, each tapped layer a copy and a
+slice, and the tap tile a stack, a gather, a concat and a copy.
 """
 import math
 import re
@@ -83,11 +83,11 @@ def trace_ops(n_layers: int, key: TraceKey, vocab_size: int) -> int:
     ops = n_layers * (OPS_PER_LAYER + 2 * (passes - 1)) + HEAD_OPS + 2  # + slice off the padded vocab, argmax
     if top_k:
         ops += 3 * vocab_slices(vocab_size)[1]
-    return ops + (2 * len(taps) + 1 if taps else 0)  # a copy to DRAM and a gather per tap, the concat
+    return ops + (2 * len(taps) + 4 if taps else 0)  # per tap a copy and a slice; stack, gather, concat, copy
 
 
 HeadKey = tuple[int, int]  # a device draft head's trace: (feed write passes, chain length k)
-HEAD_LAYER_OPS = 45  # one head-layer step (draft_head.py _layer and _choose): norms, matmuls, rotary, attention, MLP
+HEAD_LAYER_OPS = 47  # one head-layer step (draft_head.py _layer and _choose): norms, matmuls, rotary, attention, MLP
 
 
 def head_trace_keys(chain_len: int) -> list[HeadKey]:

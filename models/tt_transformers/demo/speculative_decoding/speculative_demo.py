@@ -494,7 +494,8 @@ def build(config: DemoConfig, mesh_device=None, pool: Optional[ModelPool] = None
     drafter = draft_lm = None
     if head_weights is not None:
         head = draft_head(head_weights, target, ckpt, args, config,
-                          lambda make: pool.get(("head", str(head_folder), config.n_draft_tokens, built_with), make))
+                          lambda make: pool.get(("head", str(head_folder), target_layers, config.n_draft_tokens,
+                                                 built_with), make))
         drafter = head if config.draft_mode == "head" else HybridDrafter(copied, head)
         logger.info(f"Draft head {head_folder.name} ({head_weights[0].layout}): taps {list(head.taps)}, "
                     f"{len(head.vocab):,} draft tokens, a run ~{head.draft_cost:.2f} step")
