@@ -70,12 +70,10 @@ class HeadTrace:
     logits: list  # per chain step: [1, 1, 32, V'] (kept on the device; tests read them)
 
 
-def head_weights(config: HeadConfig, weights: dict, embedding: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The head's tensors as the device program reads them (float32, converted once per dtype): linear weights
+def head_weights(config: HeadConfig, weights: dict) -> dict[str, torch.Tensor]:
+    """The head's own tensors as the device program reads them (float32, converted once per dtype): linear weights
     transposed [in, out]; qkv with the rotate-half copies of q and k appended; norms [1, 1, dim / 32, 32] as
-    TT-Transformers' RMSNorm stores them (models/common/rmsnorm.py); the embedding in draft-id order, the chain's
-    table, [1, 1, V', dim] as tt/embedding.py stores its own (ttnn.embedding: "First two dimensions for the weights
-    must be 1"); the full embedding [vocab, dim] for the host."""
+    TT-Transformers' RMSNorm stores them (models/common/rmsnorm.py)."""
     a = config.layer
     H, Hk, D = a.n_heads, a.n_kv_heads, a.head_dim
     out = {}
@@ -86,10 +84,6 @@ def head_weights(config: HeadConfig, weights: dict, embedding: torch.Tensor) -> 
             rotated = torch.cat([-qk[:, D // 2 :], qk[:, : D // 2]], dim=1).reshape((H + Hk) * D, -1)
             w = torch.cat([w, rotated])
         out[name] = w.view(1, 1, -1, 32) if w.dim() == 1 else w.t().contiguous()
-    vocab = torch.arange(config.draft_vocab_size) + weights["d2t"].long() if "d2t" in weights else \
-        torch.arange(config.draft_vocab_size)
-    out["embedding"] = embedding.float()
-    out["draft_embedding"] = embedding[vocab].float().view(1, 1, len(vocab), -1)
     return out
 
 
@@ -114,8 +108,11 @@ class TtnnDraftHead:
         self.blocks = math.ceil(self.max_seq_len / BLOCK_SIZE)
         self.page_table = torch.arange(target.max_batch_size * self.blocks, dtype=torch.int32).view(
             target.max_batch_size, self.blocks)
-        host = head_weights(config, weights, embedding)
-        self.embedding = host.pop("embedding").to(torch.bfloat16)  # the feed's next tokens are looked up on the host
+        host = head_weights(config, weights)
+        self.embedding = embedding.to(torch.bfloat16)  # the feed's next tokens are looked up on the host
+        # the chain's table: the embedding in draft-id order, [1, 1, V', dim] as tt/embedding.py stores its own
+        # (ttnn.embedding: "First two dimensions for the weights must be 1")
+        host["draft_embedding"] = embedding[self.vocab].float().view(1, 1, len(self.vocab), -1)
         cos, sin = rope_tables(a, self.max_seq_len, torch.float32)
         host["rope_cos"], host["rope_sin"] = cos.view(1, 1, self.max_seq_len, -1), sin.view(1, 1, self.max_seq_len, -1)
         self.cache_dir = cache_dir or cache_root() / "tt_draft_heads" / head_id(config, weights)
