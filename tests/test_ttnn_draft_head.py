@@ -124,9 +124,12 @@ def test_head_traces_are_planned_and_counted(tt, embedded_checkpoint, tmp_path):
     assert head_trace_keys(CHAIN) == [(1, 1), (1, 4), (2, 1), (2, 4), (4, 1), (4, 4), (5, 1), (5, 4)]
     assert set(dev.traces) == set(head_trace_keys(CHAIN)) == dev.planned
     assert all(key in lm.traces for key in lm.planned)
+    args = ModelArgs.from_hf_config(embedded_checkpoint.config)
     with pytest.raises(ValueError, match="taps"):
         TtnnDraftHead(tt(1), *random_head(embedded_checkpoint, taps=(1, 2, 3)), read_embedding(embedded_checkpoint),
-                      CHAIN, ModelArgs.from_hf_config(embedded_checkpoint.config), cache_dir=tmp_path / "b").warm_up()
+                      CHAIN, args, cache_dir=tmp_path / "b").warm_up()
+    with pytest.raises(ValueError, match=r"--n_draft_tokens 40: .* 1 to 32 tokens .*; lower it"):
+        TtnnDraftHead(lm, *random_head(embedded_checkpoint), read_embedding(embedded_checkpoint), 40, args)
 
 
 def test_converted_weights_are_cached(tt, embedded_checkpoint, tmp_path):

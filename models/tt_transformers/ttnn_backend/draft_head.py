@@ -97,7 +97,8 @@ class TtnnDraftHead:
         import ttnn
 
         if not 1 <= chain_len <= TILE_ROWS:
-            raise ValueError(f"--n_draft_tokens {chain_len}: a device head drafts chains of 1 to {TILE_ROWS} tokens")
+            raise ValueError(f"--n_draft_tokens {chain_len}: a draft head on the device drafts chains of 1 to "
+                             f"{TILE_ROWS} tokens (one 32-row tile); lower it, or use --draft_mode suffix")
         self.target, self.config, self.chain_len = target, config, chain_len
         self.mesh = target.tt.mesh_device
         a = self.args = config.layer
