@@ -315,10 +315,10 @@ class TracedHeadDrafter(HeadDrafter):
                 feeds.append(HeadFeed(u, 0, list(ctx[1 : len(states) + 1]), states=states))
             elif u in self.feeds:
                 feeds.append(self.feeds.pop(u))
-        wanted, probes = {}, set()
+        wanted, probes, fed = {}, set(), {f.user for f in feeds}
         for u, n in zip(users, max_tokens):
             n = min(n, self.head.chain_len)
-            if n > 0 and any(f.user == u for f in feeds):
+            if n > 0 and u in fed:
                 pays = self.draft_value(u, n, extra_cost) > 1.0
                 if self.policies[u].gate(int(pays), n):
                     wanted[u] = n

@@ -117,6 +117,7 @@ class TtnnDraftHead:
         cos, sin = rope_tables(a, self.max_seq_len, torch.float32)
         host["rope_cos"], host["rope_sin"] = cos.view(1, 1, self.max_seq_len, -1), sin.view(1, 1, self.max_seq_len, -1)
         self.cache_dir = cache_dir or cache_root() / "tt_draft_heads" / head_id(config, weights)
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
         self.weights = {name: self._device_weight(name, w) for name, w in host.items()}
         shape = (target.max_batch_size * self.blocks, a.n_kv_heads, BLOCK_SIZE, a.head_dim)
         self.kv_cache = [ttnn.as_tensor(torch.zeros(shape), dtype=ttnn.bfloat8_b, layout=ttnn.TILE_LAYOUT,
@@ -146,7 +147,6 @@ class TtnnDraftHead:
         import ttnn
 
         table = name in ("draft_embedding", "rope_cos", "rope_sin")
-        self.cache_dir.mkdir(parents=True, exist_ok=True)
         return ttnn.as_tensor(w, dtype=ttnn.bfloat16 if table or "norm" in name else self.dtype,
                               layout=ttnn.ROW_MAJOR_LAYOUT if table or "norm" in name else ttnn.TILE_LAYOUT,
                               device=self.mesh, mesh_mapper=ttnn.ReplicateTensorToMesh(self.mesh),
@@ -166,10 +166,10 @@ class TtnnDraftHead:
 
         return ttnn.linear(x, self.weights[name], dtype=ttnn.bfloat16, memory_config=ttnn.DRAM_MEMORY_CONFIG)
 
-    def _cols(self, x, start: int, end: int, rows: int = TILE_ROWS):
+    def _cols(self, x, start: int, end: int):
         import ttnn
 
-        return ttnn.slice(x, [0, 0, 0, start], [1, 1, rows, end], memory_config=ttnn.DRAM_MEMORY_CONFIG)
+        return ttnn.slice(x, [0, 0, 0, start], [1, 1, TILE_ROWS, end], memory_config=ttnn.DRAM_MEMORY_CONFIG)
 
     def _heads(self, x, n_heads: int, sharded: bool):
         """[1, 1, 32, n * D] -> [1, 32, n, D] (the decode layout of TT's attention: batch rows, then heads; a tiled
