@@ -56,3 +56,23 @@ def test_a_failing_stage_stops_the_run(monkeypatch, tmp_path):
     assert report["stages"][-1]["error"] == "RuntimeError: TT_FATAL: out of DRAM"
     assert "out of DRAM" in report["stages"][-1]["traceback"]
     assert stand_in_ttnn.FABRIC["open_meshes"] == 0  # the mesh was closed on the way out
+
+
+def test_the_report_survives_a_failed_teardown(monkeypatch, tmp_path):
+    """The report a TT user is told to send back is written before the teardown and again after it: a capture that
+    fails and a trace that then will not release still leave the stage's failure, and the teardown's, on disk."""
+    stand_in_machine(monkeypatch, tmp_path)
+
+    def refuse():
+        raise RuntimeError("TT_THROW: trace in use")
+
+    def capture_fails(s):
+        s.exits.callback(refuse)
+        raise RuntimeError("TT_FATAL: capture failed")
+    stages = [("device open", tt_smoke.open_device), ("compile and trace capture", capture_fails)]
+    report = tt_smoke.run(smoke_config(tmp_path), tmp_path / "report.json", stages)
+    assert not report["ok"] and report["teardown"] == "RuntimeError: TT_THROW: trace in use"
+    written = json.loads((tmp_path / "report.json").read_text())
+    assert written["stages"][-1]["error"] == "RuntimeError: TT_FATAL: capture failed"
+    assert written["teardown"] == report["teardown"]
+    assert stand_in_ttnn.FABRIC["open_meshes"] == 0  # the mesh still closed

@@ -119,7 +119,8 @@ def test_split_vocabulary_argmax_and_top_k_per_device(stand_in, tiny):
         assert out.ids == reference.ids and out.top_ids == reference.top_ids
         assert torch.equal(out.logits[0], reference.logits[0])
         gathered = {key for key in mesh.compiled if key[0] == "all_gather_async"}
-        assert gathered == {("all_gather_async", ((1, 1, 32, 64),))}  # the norms' inputs only: never the logits
+        # the norms' inputs only (each device's [1, 1, 32, dim / 2]: shapes are per device, as ttnn's): never the logits
+        assert gathered == {("all_gather_async", ((1, 1, 32, 32),))}
         assert plain(build(mesh, tiny), prompt, 12) == reference_output
         spec = SpeculativeGenerator(build(mesh, tiny), SuffixDrafter(1, recycle=4), 4).generate(prompt, 12)
         assert [r.output_tokens for r in spec] == reference_output
@@ -244,6 +245,23 @@ def demo_config(tmp_path, **overrides):
                                      draft_layers=4, backend="ttnn", compare_baseline=1), **overrides})
 
 
+def test_runs_in_sequence_fit_the_region_sized_for_the_most_demanding(stand_in, tmp_path):
+    """Issue 30's review finding 1: the hardware perf test sizes the trace region for a hybrid run, then runs suffix,
+    hybrid and model drafting on one pool. Each run replaces what a model plans (a model's earlier runs' traces are
+    released when the mesh's traces are next made), so the third run fits; accumulated, the target's plans of all
+    three runs outgrew the region at the model run (N150 387 MB opened vs 504 needed)."""
+    stand_in.setenv("MESH_DEVICE", "N150")
+    config = demo_config(tmp_path, draft_mode="hybrid", max_generated_tokens=6)
+    pool = demo.ModelPool()
+    with tt_device.open_mesh(trace_region_size=demo.trace_region_size(config, (1, 1))) as mesh:
+        try:
+            for mode in ("suffix", "hybrid", "model"):
+                summary = demo.run_demo(demo.DemoConfig(**{**vars(config), "draft_mode": mode}), mesh, pool)["summary"]
+                assert summary["identical_to_baseline"], mode
+        finally:
+            pool.close()
+
+
 def test_runs_share_one_model_and_release_their_traces(stand_in, tmp_path):
     """Finding 5: runs given one pool build the target once; every trace is released when the pool closes, and a
     run without a pool releases its own."""
@@ -284,15 +302,17 @@ def test_traces_are_planned_and_fit_the_region(stand_in, tmp_path):
 
 
 def test_buffers_allocated_under_a_live_trace_on_the_stand_in(stand_in, tiny):
-    """The stand-in's side of the trace-allocation rule (allocator.cpp verify_safe_allocation): a buffer allocated
-    while a trace is live, still alive when that trace replays, fails; the backend makes the mesh's traces anew (all
-    released, all allocated and compiled, then all captured) when a model on it needs another."""
+    """The stand-in's side of the trace-allocation rule (allocator.cpp verify_safe_allocation, ttnn 0.81.1): a buffer
+    allocated while a trace is live gets a warning (once) and is overwritten when that trace replays; the backend
+    makes the mesh's traces anew (all released, all allocated and compiled, then all captured) when a model on it
+    needs another, so nothing of its own is ever allocated under a live trace."""
     mesh = mesh_of((1, 1))
     first = build(mesh, tiny)
     first.step([UserRows(0, [1], 0)])
-    held = stand_in_ttnn.from_torch(torch.zeros(4), device=mesh)  # allocated under first's live trace
-    with pytest.raises(RuntimeError, match="allocated while a trace was live"):
-        first.step([UserRows(0, [1], 0)])
+    with pytest.warns(RuntimeWarning, match="unsafe due to the existence of an active trace"):
+        held = stand_in_ttnn.from_torch(torch.zeros(4), device=mesh)  # allocated under first's live trace
+    first.step([UserRows(0, [1], 0)])
+    assert held.data.isnan().all()  # overwritten by the replay
     stand_in_ttnn.deallocate(held)
     second = build(mesh, tiny)  # its weights and cache are allocated under first's traces too
     second.step([UserRows(0, [1, 2], 0)])  # remakes every trace on the mesh: safe again
@@ -324,6 +344,8 @@ def test_nothing_compiles_while_timed(stand_in, tmp_path, embedded_checkpoint):
         return generate(self, *args, **kwargs)
     stand_in.setattr(SpeculativeGenerator, "generate", timed)
     stand_in.setattr(stand_in_ttnn, "begin_trace_capture", lambda *a, **k: events.append("capture") or capture(*a, **k))
+    release = stand_in_ttnn.release_trace
+    stand_in.setattr(stand_in_ttnn, "release_trace", lambda *a: events.append("release") or release(*a))
     stand_in.setattr(stand_in_tt.Generator, "warmup_model_prefill",
                      lambda self, *a, **k: (events.append("prefill warm-up") if not self.already_warmed_up_prefill
                                             else None) or warmup(self, *a, **k))
@@ -333,6 +355,8 @@ def test_nothing_compiles_while_timed(stand_in, tmp_path, embedded_checkpoint):
         events.clear()
         summary = demo.run_demo(demo_config(tmp_path, **overrides), mesh)["summary"]
         first_timed = events.index("timed")
+        # review finding 4: every model is planned first, then each trace captured once: none released to be made again
+        assert "release" not in events[:first_timed], overrides
         assert "capture" in events[:first_timed] and "capture" not in events[first_timed:], overrides
         assert events[:first_timed].count("prefill warm-up") == models  # the target's, and a separate draft's
         assert "prefill warm-up" not in events[first_timed:], overrides
@@ -392,3 +416,51 @@ def test_options_beside_tt_metal_demo_conftest(stand_in, tmp_path):
     stand_in.setenv("MESH_DEVICE", "N150")
     report = demo.run_demo(demo_config(tmp_path, draft_mode="suffix"), mesh_of((1, 1)))
     assert report["environment"]["device"] == "N150 (1 x 1 mesh)"
+
+
+def test_blackhole_device_params_and_the_system_mesh(stand_in):
+    """Issue 30's review finding 5: device params as tt-metal's get_updated_device_params makes them (Blackhole with a
+    fabric: the MUX tensix config and ROW dispatch; ROW without both falls back to COL; one DispatchCoreConfig), and
+    with MESH_DEVICE unset the system mesh's own shape (open_mesh_device without one: 8 x 4 on a Galaxy)."""
+    fabric_calls, opened = [], []
+    set_fabric, open_device = stand_in_ttnn.set_fabric_config, stand_in_ttnn.open_mesh_device
+    stand_in.setattr(stand_in_ttnn, "set_fabric_config", lambda *a, **k: fabric_calls.append(a) or set_fabric(*a, **k))
+    stand_in.setattr(stand_in_ttnn, "open_mesh_device", lambda **k: opened.append(k) or open_device(**k))
+
+    def open_and_close(**params):
+        with tt_device.open_mesh(trace_region_size=10**6, **params):
+            pass
+        return opened[-1]["dispatch_core_config"]
+    stand_in.setattr(stand_in_ttnn, "ARCH", {"name": "blackhole"})
+    stand_in.setenv("MESH_DEVICE", "P300")
+    config = open_and_close()
+    assert config.axis == stand_in_ttnn.DispatchCoreAxis.ROW
+    assert config.fabric_tensix_config == stand_in_ttnn.FabricTensixConfig.MUX
+    assert fabric_calls[0][0] == stand_in_ttnn.FabricConfig.FABRIC_1D
+    assert fabric_calls[0][-1] == stand_in_ttnn.FabricTensixConfig.MUX
+    stand_in.setenv("MESH_DEVICE", "P150")
+    assert open_and_close(dispatch_core_axis=stand_in_ttnn.DispatchCoreAxis.ROW).axis == stand_in_ttnn.DispatchCoreAxis.COL
+    stand_in.setattr(stand_in_ttnn, "ARCH", {"name": "wormhole_b0"})
+    stand_in.setenv("MESH_DEVICE", "N150")
+    config = open_and_close()
+    assert (config.type, config.axis, config.fabric_tensix_config) == (None, None, None)
+    assert opened[-1]["mesh_shape"] == (1, 1)
+    stand_in.delenv("MESH_DEVICE")
+    open_and_close()
+    assert opened[-1]["mesh_shape"] is None  # the system mesh, whatever its shape
+
+
+def test_a_sampled_step_reads_only_the_rows_in_use(stand_in, tiny):
+    """Issue 30's review finding 3: a sampled step's logits come back for the rows in use (the smallest traced slice
+    of 4, 8 or 16 rows holding them), not 32 rows x the vocabulary (~8 MB a step for Llama-3.1-8B); the same values."""
+    mesh = mesh_of((1, 1))
+    lm = build(mesh, tiny)
+    full = lm.step([UserRows(0, [1, 2, 3, 4, 5, 6], 0)], logits=True).logits[0]
+    reads, to_torch = [], stand_in_ttnn.to_torch
+    stand_in.setattr(stand_in_ttnn, "to_torch", lambda t, *a, **k: reads.append(tuple(t.shape)) or to_torch(t, *a, **k))
+    for rows, read in ((3, 4), (6, 8), (12, 16), (20, 32)):
+        reads.clear()
+        out = lm.step([UserRows(0, list(range(1, rows + 1)), 0)],
+                      logits=True)
+        assert [shape[-2] for shape in reads if shape[-1] > 1] == [read], rows  # one read of the logits
+        assert out.logits[0].shape[0] == rows and torch.equal(out.logits[0][:6], full[: min(rows, 6)])

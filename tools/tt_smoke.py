@@ -4,8 +4,10 @@ with its time, stopping at the first failure with what to send back.
 
     MESH_DEVICE=N150 HF_MODEL=meta-llama/Llama-3.1-8B-Instruct make tt-smoke
 
-Stages: ttnn import and version; device open (the fabric on meshes of several devices); model build (weight
-conversion into the cache folder, logged); compile and trace capture (TT's prefill warm-up and every decode trace
+Stages: ttnn import and version; the TT-Transformers details the backend relies on, probed without a device
+(tt_surface.py: one line each); device open (the fabric on meshes of several devices); model build (weight
+conversion into the cache folder, logged); a prefill and a verify step run eagerly (--trace 0: a failure names the
+op, not a trace); compile and trace capture (TT's prefill warm-up and every decode trace
 the run uses); prefill of one prompt; one plain traced decode step; one verify step with
 drafts; the tapped hidden states an EAGLE-3 head reads (layers 0, 2, N/2 and N-3: the prompt's read back from the
 prefill, a step's left in the tap tile); the draft head on the device (the run's head, else a random EAGLE-3 head:
@@ -46,6 +48,21 @@ class Smoke:
         self.mesh = self.lm = self.drafter = self.tokens = None
         self.pool = demo.ModelPool()  # the demo run of the last stage reuses the model built here
         self.facts: dict = {}
+
+
+def tt_transformers_surface(s: Smoke) -> None:
+    """Every TT-Transformers detail the backend relies on, probed against the installed tt-metal without opening a
+    device (ttnn_backend/tt_surface.py): one line each, found with its variant or missing with the file to look at."""
+    from models.tt_transformers.ttnn_backend.tt_surface import probe
+
+    lines = probe()
+    for name, found, variant in lines:
+        (logger.info if found else logger.error)(f"  {'found' if found else 'MISSING'}: {name}: {variant}")
+    s.facts["tt_transformers_surface"] = {name: variant for name, _, variant in lines}
+    missing = [name for name, found, _ in lines if not found]
+    if missing:
+        raise LookupError(f"{len(missing)} TT-Transformers detail(s) the backend relies on are missing: "
+                          f"{'; '.join(missing)}")
 
 
 def import_ttnn(s: Smoke) -> None:
@@ -116,6 +133,22 @@ def build_model(s: Smoke) -> None:
     s.tokens = demo.encode(tokenizer, PROMPT, bool(s.config.instruct))
     args = s.lm.tt.args
     s.facts.update(model=args.model_name, device=args.device_name, weight_cache=str(args.model_cache_path))
+
+
+def eager_steps(s: Smoke) -> None:
+    """A prefill with taps and a verify step with the top k and taps, run op by op (--trace 0) before anything is
+    captured: a failure here is an op's, not a trace's."""
+    from models.tt_transformers.speculative.backend import UserRows
+
+    s.lm.trace = False
+    try:
+        taps = smoke_taps(s.lm.n_layers)
+        first = s.lm.prefill(0, s.tokens, taps=taps).ids[0][0]
+        rows = [first, *s.tokens[-4:]]
+        s.facts["eager_verify_ids"] = s.lm.step([UserRows(0, rows, len(s.tokens))], top_k=s.drafter.top_k,
+                                                taps=taps).ids[0]
+    finally:
+        s.lm.trace = True
 
 
 def compile_and_capture(s: Smoke) -> None:
@@ -235,37 +268,57 @@ def perf_keys(s: Smoke) -> None:
 
 
 STAGES: list[tuple[str, Callable[[Smoke], None]]] = [
-    ("ttnn import", import_ttnn), ("device open", open_device), ("model build", build_model),
+    ("ttnn import", import_ttnn), ("TT-Transformers surface", tt_transformers_surface), ("device open", open_device),
+    ("model build", build_model), ("eager prefill and verify step", eager_steps),
     ("compile and trace capture", compile_and_capture), ("prefill", prefill), ("plain decode step", decode_step), ("verify step", verify_step),
     ("tapped states", tapped_states), ("draft head on the device", device_head),
     (f"lossless over {SMOKE_TOKENS} tokens", lossless), ("perf keys", perf_keys)]
 
 
-def run(config: demo.DemoConfig, report_path: Path, stages=None) -> dict:
-    """Every stage in order until one fails; the report, also written to report_path."""
-    report = {"stages": [], "ok": True}
-    with ExitStack() as exits:
-        smoke = Smoke(config, exits)
-        for i, (name, stage) in enumerate(stages or STAGES, 1):
-            start = time.perf_counter()
-            try:
-                stage(smoke)
-            except Exception as e:  # noqa: BLE001: any failure is the finding this tool reports
-                seconds = time.perf_counter() - start
-                report["stages"].append({"stage": name, "seconds": seconds, "error": f"{type(e).__name__}: {e}",
-                                         "traceback": traceback.format_exc()})
-                report["ok"] = False
-                logger.error(f"stage {i} ({name}) FAILED after {seconds:.1f}s: {type(e).__name__}: {e}")
-                logger.error(f"stopped there; {SEND_BACK}: {report_path}")
-                break
+def run_stages(smoke: Smoke, stages, report: dict, report_path: Path) -> None:
+    """Every stage in order until one fails, each recorded in the report."""
+    for i, (name, stage) in enumerate(stages, 1):
+        start = time.perf_counter()
+        try:
+            stage(smoke)
+        except Exception as e:  # noqa: BLE001: any failure is the finding this tool reports
             seconds = time.perf_counter() - start
-            report["stages"].append({"stage": name, "seconds": seconds})
-            logger.info(f"stage {i} ({name}) passed in {seconds:.1f}s")
-        report["facts"] = smoke.facts
+            report["stages"].append({"stage": name, "seconds": seconds, "error": f"{type(e).__name__}: {e}",
+                                     "traceback": traceback.format_exc()})
+            report["ok"] = False
+            logger.error(f"stage {i} ({name}) FAILED after {seconds:.1f}s: {type(e).__name__}: {e}")
+            logger.error(f"stopped there; {SEND_BACK}: {report_path}")
+            return
+        seconds = time.perf_counter() - start
+        report["stages"].append({"stage": name, "seconds": seconds})
+        logger.info(f"stage {i} ({name}) passed in {seconds:.1f}s")
+
+
+def write_report(report: dict, smoke: Smoke, report_path: Path) -> None:
+    report["facts"] = smoke.facts
     report["environment"] = {"MESH_DEVICE": os.environ.get("MESH_DEVICE"), "HF_MODEL": os.environ.get("HF_MODEL"),
                              "TT_CACHE_PATH": os.environ.get("TT_CACHE_PATH"),
                              **demo.environment(smoke.facts.get("device", "not opened"))}
     demo.write_json_atomic(report_path, report)
+
+
+def run(config: demo.DemoConfig, report_path: Path, stages=None) -> dict:
+    """Every stage in order until one fails; the report, also written to report_path: before the teardown (the models
+    released, the mesh closed), so that a teardown that crashes or hangs after a failed capture cannot lose it, and
+    again after it, with the teardown's own failure if it had one."""
+    report = {"stages": [], "ok": True}
+    smoke = Smoke(config, None)
+    try:
+        with ExitStack() as exits:
+            smoke.exits = exits
+            run_stages(smoke, stages or STAGES, report, report_path)
+            write_report(report, smoke, report_path)
+    except Exception as e:  # noqa: BLE001: the teardown's failure is reported beside the stages'
+        report["ok"] = False
+        report["teardown"] = f"{type(e).__name__}: {e}"
+        logger.error(f"teardown FAILED: {type(e).__name__}: {e}; {SEND_BACK}: {report_path}")
+    finally:
+        write_report(report, smoke, report_path)
     if report["ok"]:
         logger.info(f"all {len(report['stages'])} stages passed: {json.dumps(smoke.facts.get('perf'))}; report "
                     f"{report_path}")

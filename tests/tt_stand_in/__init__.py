@@ -10,7 +10,7 @@ from . import ttnn as stand_in_ttnn
 TT_TRANSFORMERS_MODULES = ("models.tt_transformers.tt", "models.tt_transformers.tt.common",
                            "models.tt_transformers.tt.model", "models.tt_transformers.tt.model_config",
                            "models.tt_transformers.tt.attention", "models.tt_transformers.tt.generator",
-                           "models.tt_transformers.tt.ccl")
+                           "models.tt_transformers.tt.ccl", "models.common", "models.common.lightweightmodule")
 
 
 def install(monkeypatch) -> None:

@@ -91,12 +91,11 @@ def num_blocks_in_seq(seq_len: int, block_size: int) -> int:  # tt/common.py
 
 
 def get_padded_prefill_len(seq_len: int) -> int:
-    """tt/common.py get_padded_prefill_len: 128, then 1024, then the next power of two."""
+    """tt/common.py get_padded_prefill_len (553f842d, 001cd078): 128, else "whichever is smaller: a power of 2 or a
+    multiple of 2048"."""
     if seq_len <= 128:
         return 128
-    if seq_len <= 1024:
-        return 1024
-    return 2 ** (seq_len - 1).bit_length()
+    return min(2 ** math.ceil(math.log2(seq_len)), 2048 * math.ceil(seq_len / 2048))
 
 
 def get_base_model_name(model_name: str) -> str:
@@ -261,20 +260,33 @@ class ModelArgs:
 
 
 class TT_CCL:
-    """tt/ccl.py TT_CCL: built by every Transformer, one mesh or many; it makes global semaphores, which TT hands out
-    in turn (double-buffered, `get_and_cycle_*`) to successive CCL ops. The stand-in hands out the same ones every
-    time: it does not model two successive collectives racing on one semaphore (a hardware check)."""
+    """tt/ccl.py TT_CCL (013eaee3): built by every Transformer, one mesh or many; for each axis slot (cluster axis 0,
+    1, none: `2 if not cluster_axis else cluster_axis`, so axis 0 shares slot 2) two barrier semaphores and two pairs
+    of all-gather semaphores, handed out in turn (`(idx + 1) % 2`, "double buffered"). The stand-in does not model two
+    collectives racing on one semaphore (a hardware check); it hands them out as TT does."""
 
     def __init__(self, mesh_device):
         grid = mesh_device.compute_with_storage_grid_size()
         self.mesh_device, self.mode = mesh_device, "decode"
-        self.semaphores = [ttnn.create_global_semaphore(mesh_device, (grid.x, grid.y), 0) for _ in range(36)]
+
+        def semaphore():
+            return ttnn.create_global_semaphore(mesh_device, (grid.x, grid.y), 0)
+        self.barrier_idx, self.ag_idx = [0, 0, 0], [0, 0, 0]
+        self.barrier = [[semaphore() for _ in range(2)] for _ in range(3)]
+        self.ag = [[[semaphore() for _ in range(2)] for _ in range(2)] for _ in range(3)]
+
+    @staticmethod
+    def _cycle(idx, handles, cluster_axis):
+        slot = 2 if not cluster_axis else cluster_axis
+        current = idx[slot]
+        idx[slot] = (current + 1) % 2
+        return handles[slot][current]
 
     def get_and_cycle_ag_semaphore_handles(self, cluster_axis=None):
-        return self.semaphores[:2]
+        return self._cycle(self.ag_idx, self.ag, cluster_axis)
 
     def get_and_cycle_barrier_semaphore_handle(self, cluster_axis=None):
-        return self.semaphores[2]
+        return self._cycle(self.barrier_idx, self.barrier, cluster_axis)
 
 
 def tt_all_gather(input_tensor, mesh_device, tt_ccl, cluster_axis, dim, num_links=2, memory_config=None,
@@ -509,7 +521,8 @@ class Transformer:
                        for i in range(self.n_layers)]
         # On-device sampling (and the split-sampling trace hook) where each device's vocabulary share fits 64k
         splits = args.num_devices if list(mesh_device.shape) != [1, 1] else 2
-        self.sampling = object() if prefetcher is None and args.vocab_size // splits <= 64 * 1024 else None
+        self._supports_on_device_sampling = prefetcher is None and args.vocab_size // splits <= 64 * 1024
+        self.sampling = object() if self._supports_on_device_sampling else None
 
     def prepare_decode_inputs_host(self, tokens, current_pos, page_table=None):
         B = tokens.shape[0]
@@ -612,11 +625,34 @@ class Transformer:
                             chunk_page_table=chunk_page_table, chunk_start_idx=chunk_start_idx,
                             get_last_token=get_last_token, kv_cache=kv_cache, batch_size=batch_size)
 
+    def process_output_decode(self, tt_out, B):
+        """tt/model.py process_output_decode: device 0's copy of the gathered logits, the first B rows."""
+        out = ttnn.to_torch(ttnn.get_device_tensors(tt_out)[0]).float()
+        return out.reshape(-1, out.shape[-1])[:B, : self.vocab_size]
+
     def process_output_prefill(self, tt_out, last_token_idx):
         """tt/model.py (5cd1b56c): concat_host_output (the devices' parts side by side) at row last_token_idx of the
         last token's tile, cut to the vocabulary."""
         parts = [ttnn.to_torch(t) for t in ttnn.get_device_tensors(tt_out)]
         return torch.cat(parts, dim=-1)[0, 0, last_token_idx, : self.vocab_size]
+
+
+class SamplingParams:  # models/common/sampling (re-exported by tt/generator.py)
+    def __init__(self, temperature=0.0, top_k=-1, top_p=1.0):
+        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+
+
+def create_tt_model(mesh_device, instruct, max_batch_size, optimizations, max_seq_len, paged_attention_config=None,
+                    dtype=ttnn.bfloat8_b, state_dict=None, num_layers=None):
+    """tt/common.py create_tt_model: ModelArgs, the Transformer with TT's own attention, each layer's cache."""
+    args = ModelArgs(mesh_device, instruct=instruct, max_batch_size=max_batch_size, optimizations=optimizations,
+                     max_seq_len=max_seq_len)
+    if num_layers is not None:
+        args.n_layers = num_layers
+    state_dict = state_dict or args.load_state_dict()
+    model = Transformer(args=args, mesh_device=mesh_device, dtype=dtype, state_dict=state_dict,
+                        weight_cache_path=args.weight_cache_path(dtype), paged_attention_config=paged_attention_config)
+    return args, model, [layer.attention.layer_past for layer in model.layers], state_dict
 
 
 class Generator:
@@ -667,7 +703,25 @@ class Generator:
                                                                last_token_idx=last_token_idx,
                                                                kv_cache=kv_cache[model_id], model_id=model_id)
                 out[idx, 0] = self.model[model_id].process_output_prefill(logits, last_token_idx % 32)
+        if sampling_params is not None:  # TT samples the first token on the device: (tokens [B, 1], log probs)
+            return out.argmax(dim=-1), None
         return out
+
+    def decode_forward(self, tokens, start_pos, page_table=None, kv_cache=None, enable_trace=True,
+                       read_from_device=True, sampling_params=None, reset_batch=False, prompt_tokens=None,
+                       output_tokens=None, **kwargs):
+        """tt/generator.py Generator.decode_forward (2026): (token ids [B], log probs) with sampling_params (TT samples
+        on the device: greedy is an argmax), else (logits [B, 1, V], None). The stand-in runs the step eagerly (TT
+        traces it: not modelled) with the gathered logits and takes the argmax on the host."""
+        model = self.model[0]
+        host = model.prepare_decode_inputs_host(tokens.view(-1), start_pos.view(-1), page_table)
+        tt_tokens, current_pos, rope_idxs, tt_page_table = copy_host_to_device(host, mesh_device=self.mesh_device)
+        logits, _ = model.ttnn_decode_forward(tt_tokens, current_pos, rot_mat_idxs=rope_idxs, page_table=tt_page_table,
+                                              kv_cache=kv_cache[0])
+        rows = model.process_output_decode(logits, tokens.shape[0])
+        if sampling_params is not None:
+            return rows.argmax(dim=-1).view(-1), None
+        return rows.view(tokens.shape[0], 1, -1), None
 
     def prefill_forward_single_user_text(self, tokens, page_table, user_id, last_token_idx, kv_cache=None, model_id=-1,
                                          **kwargs):

@@ -28,6 +28,7 @@ error texts are the ones in the ttnn 0.81.1 wheel's libraries).
 import builtins
 import math
 import types
+import warnings
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -151,6 +152,17 @@ class MeshDevice:
         # to the existence of an active trace. These buffers may be corrupted once a trace is executed if they are
         # not released before then"; program.cpp allocates kernel binaries through the same allocator).
         self.unsafe: list = []
+        self.warnings: list = []
+        self.corrupted_programs: set = set()  # ops whose binaries a replay overwrote
+
+    def allocated_under_trace(self, what) -> None:
+        """0.81.1 logs a warning (once) and goes on (allocator.cpp verify_safe_allocation); the buffer is corrupted
+        when a trace next replays (execute_trace)."""
+        if not self.warnings:
+            self.warnings.append("Allocating device buffers is unsafe due to the existence of an active trace. These "
+                                 "buffers may be corrupted once a trace is executed.")
+            warnings.warn(self.warnings[0], RuntimeWarning, stacklevel=3)
+        self.unsafe.append(what)
 
     def get_num_devices(self) -> int:
         return self.shape[0] * self.shape[1]
@@ -186,7 +198,29 @@ def close_mesh_device(mesh_device) -> None:
     FABRIC["open_meshes"] -= 1
 
 
-device = types.SimpleNamespace(is_wormhole_b0=lambda mesh_device: True, is_blackhole=lambda mesh_device: False)
+ARCH = {"name": "wormhole_b0"}  # get_arch_name(); a test sets "blackhole"
+
+
+class FabricTensixConfig:  # ttnn.FabricTensixConfig members (ttnn 0.81.1)
+    DISABLED, MUX = "DISABLED", "MUX"
+
+
+class DispatchCoreAxis:  # ttnn.DispatchCoreAxis members
+    ROW, COL = "ROW", "COL"
+
+
+class DispatchCoreConfig:
+    """ttnn/device.py DispatchCoreConfig(type=None, axis=None, fabric_tensix_config=None) (ttnn 0.81.1)."""
+
+    def __init__(self, type=None, axis=None, fabric_tensix_config=None):
+        self.type, self.axis, self.fabric_tensix_config = type, axis, fabric_tensix_config
+
+
+def _is_blackhole(device=None) -> bool:  # ttnn/device.py is_blackhole: the arch name without a device
+    return "blackhole" in get_arch_name()
+
+
+device = types.SimpleNamespace(is_wormhole_b0=lambda mesh_device: True, is_blackhole=_is_blackhole)
 
 
 class ClusterType:  # ttnn.cluster.ClusterType (some members)
@@ -197,7 +231,7 @@ cluster = types.SimpleNamespace(ClusterType=ClusterType, get_cluster_type=lambda
 
 
 def get_arch_name() -> str:
-    return "wormhole_b0"
+    return ARCH["name"]
 
 
 def create_global_semaphore(mesh_device, cores, initial_value, buffer_type=None):
@@ -218,7 +252,7 @@ class Tensor:
             if device.capturing is not None:
                 device.capture_allocations += 1
             elif device.traces:
-                device.unsafe.append(weakref.ref(self))
+                device.allocated_under_trace(weakref.ref(self))
 
     @property
     def data(self) -> torch.Tensor:
@@ -230,7 +264,11 @@ class Tensor:
 
     @property
     def shape(self):
-        return tuple(self._data.shape)
+        """Each device's shape, as ttnn's on a mesh: a tensor split over 2 devices along its last dim reports half of
+        it (checked on ttnn 0.81.1, mock N300: ShardTensor2dMesh(dims=(None, 3)) of [1, 1, 32, 256] has shape
+        [1, 1, 32, 128])."""
+        shape = tuple(self._data.shape)
+        return shape[:-1] + (shape[-1] // self.shards,) if self.shards > 1 else shape
 
     def memory_config(self) -> MemoryConfig:
         return self.mem
@@ -354,8 +392,11 @@ def run_op(name: str, fn, *args, inplace: bool = False, shards: Optional[int] = 
         outputs = _wrap(fn(*args, **kwargs), device, shards, mem, garbage=True)
         device.capturing.append((fn, args, kwargs, outputs))
         return outputs
+    if name in device.corrupted_programs and not device.replaying:
+        raise RuntimeError(f"stand-in: the kernel binaries of {name}, compiled while a trace was live, were "
+                           "overwritten by a replay (allocator.cpp verify_safe_allocation's warning)")
     if key not in device.compiled and device.traces:  # its kernel binaries go to DRAM while a trace is live
-        device.unsafe.append(("program", name))
+        device.allocated_under_trace(("program", name))
     device.compiled.add(key)
     device.ops_run += 1
     result = fn(*args, **kwargs)
@@ -401,11 +442,13 @@ def end_trace_capture(mesh_device: MeshDevice, trace_id: int, *, cq_id=None) -> 
 def execute_trace(mesh_device: MeshDevice, trace_id: int, *, cq_id=None, blocking: bool = True) -> None:
     if trace_id not in mesh_device.traces:
         raise RuntimeError(f"stand-in: trace {trace_id} was never captured")
-    live = [u for u in mesh_device.unsafe if not isinstance(u, weakref.ref) or (u() is not None and not u().deallocated)]
-    if live:
-        raise RuntimeError(f"stand-in: {len(live)} device buffers or programs were allocated while a trace was live "
-                           f"({live[0] if not isinstance(live[0], weakref.ref) else 'a tensor'}): replaying the trace "
-                           "may overwrite them (allocator.cpp verify_safe_allocation)")
+    # what was allocated under a live trace and is still alive may be overwritten now: the stand-in overwrites it
+    # (NaN in a tensor; a program's binaries: every later op it runs raises), as the warning says may happen
+    for u in mesh_device.unsafe:
+        if isinstance(u, weakref.ref) and u() is not None and not u().deallocated and u()._data.is_floating_point():
+            u()._data.fill_(float("nan"))
+    mesh_device.corrupted_programs |= {name for kind, name in
+                                       (u for u in mesh_device.unsafe if not isinstance(u, weakref.ref))}
     mesh_device.replaying = True
     try:
         for fn, args, kwargs, outputs in mesh_device.traces[trace_id]:
@@ -527,13 +570,16 @@ def topk(input_tensor, k=32, dim=-1, largest=True, sorted=True, *, memory_config
     65535, at least 8192, or 1024 at <= 2 tile rows; k <= 64; the rest single-core, counted here), and
     resolve_index_dtype (uint16 unless the padded width is over 65535 or the input is float32)."""
     shape = input_tensor.shape
-    width = shape[-1] // input_tensor.shards
+    width = shape[-1]  # each device's
     if len(shape) != 4:
         raise RuntimeError(f"Input shape must be 4D, got {shape}")
     if input_tensor.layout != TILE_LAYOUT:
         raise RuntimeError("The input must be in tiled format")
-    if width < 64:
-        raise RuntimeError(f"Input shape inner dim {width} must be >= 64, pad with +/-infinity if necessary")
+    if width < 64:  # the host wrapper pads the width to 64 (topk.cpp), with float's smallest positive value when largest
+        pad = torch.finfo(torch.float32).tiny if largest else torch.finfo(torch.float32).max
+        padded = run_op("topk_pad", lambda t: (per_shard(t, lambda d: F.pad(d, (0, 64 - width), value=pad)), t.dtype,
+                                               t.layout), input_tensor)
+        return topk(padded, k, dim, largest, sorted, memory_config=memory_config)
     if (shape[0] * shape[1] * shape[2]) % 32:
         raise RuntimeError(f"Input height (combined input_shape[0-3]) {shape[0] * shape[1] * shape[2]} must be a "
                            "multiple of 32")
@@ -815,8 +861,8 @@ def reshape(input_tensor: Tensor, shape, *, memory_config=None, pad_value=0, res
     old_volume`, "Invalid arguments to reshape": checked by calling the 0.81.1 wheel). A split tensor keeps its last
     dim."""
     t = input_tensor
-    shape = list(shape)
-    volume = t.data.numel()
+    shape = list(shape)  # each device's, as the tensor's own shape
+    volume = t.data.numel() // t.shards
     if shape.count(-1) == 1:
         known = math.prod(n for n in shape if n != -1)
         shape[shape.index(-1)] = volume // known if known and volume % known == 0 else -2
@@ -824,7 +870,8 @@ def reshape(input_tensor: Tensor, shape, *, memory_config=None, pad_value=0, res
         raise RuntimeError("Invalid arguments to reshape")
     if t.shards > 1 and shape[-1] != t.shape[-1]:
         raise NotImplementedError("stand-in: reshape of a split tensor keeps its last dim")
-    return run_op("reshape", lambda x: (x.data.reshape(shape), x.dtype, x.layout), t, mem=memory_config)
+    return run_op("reshape", lambda x: (per_shard(x, lambda d: d.reshape(shape)), x.dtype, x.layout), t,
+                  mem=memory_config)
 
 
 def softmax(input_tensor: Tensor, dim=-1, *, memory_config=None, compute_kernel_config=None,

@@ -21,6 +21,8 @@ Built through TT-Transformers' `Transformer(..., attention_class=...)` hook. The
 """
 from typing import Any
 
+from .tt_surface import uses_qk_fused
+
 
 class KVWritePasses:
     """The position tensors (one per pass, device tensors refreshed every step) the current trace writes with;
@@ -50,7 +52,7 @@ def ordered_write_attention(base: type, passes: KVWritePasses) -> type:
 
     class Attention(base):
         def forward_decode(self, *args, **kwargs):
-            if self.use_qk_fused:  # the fused update is not ordered: build the model with use_qk_fused False
+            if uses_qk_fused(self):  # the fused update is not ordered: build the model with use_qk_fused False
                 raise ValueError("ordered cache writes need ModelArgs.use_qk_fused = False before the model is built")
             batched = ttnn.experimental.paged_update_cache
             ttnn.experimental.paged_update_cache = ordered_update(batched, passes)

@@ -52,27 +52,53 @@ def fabric_config_for(shape: tuple[int, int]):
     return ttnn.FabricConfig.FABRIC_1D
 
 
+def dispatch_params(device_params: dict, fabric) -> tuple[dict, object]:
+    """device_params as tt-metal's get_updated_device_params (tests/scripts/common.py, the 2026 form copied into its
+    downstream conftests) turns them into open_mesh_device's: dispatch_core_axis and dispatch_core_type become one
+    ttnn.DispatchCoreConfig(type, axis, fabric_tensix_config). On Blackhole a fabric without a tensix config gets the
+    MUX one and ROW dispatch (the variant that defaults it: "Blackhole with fabric enabled, defaulting to
+    fabric_tensix_config=MUX and use DispatchCoreAxis.ROW"); ROW dispatch without both falls back to COL. Returns the
+    parameters and the fabric tensix config set_fabric passes on (None: ttnn's default)."""
+    import ttnn
+
+    params = dict(device_params)
+    axis, kind = params.pop("dispatch_core_axis", None), params.pop("dispatch_core_type", None)
+    tensix = params.pop("fabric_tensix_config", None)
+    if ttnn.device.is_blackhole():
+        if fabric is not None and tensix is None:
+            tensix, axis = ttnn.FabricTensixConfig.MUX, ttnn.DispatchCoreAxis.ROW
+        elif not (fabric is not None and tensix is not None) and axis == ttnn.DispatchCoreAxis.ROW:
+            axis = ttnn.DispatchCoreAxis.COL  # "ROW dispatch requires both fabric and tensix config"
+    params.setdefault("dispatch_core_config", ttnn.DispatchCoreConfig(kind, axis, tensix))
+    return params, tensix
+
+
 @contextmanager
 def open_mesh(name: Optional[str] = None, trace_region_size: int = 0, fabric_config=True,
               num_command_queues: int = NUM_COMMAND_QUEUES, reliability_mode=None, **device_params):
     """The mesh device for MESH_DEVICE, closed on exit. Takes device_params as tt-metal's demos parametrize them:
     like tt-metal's root conftest.py `mesh_device` fixture it pops fabric_config (True: the mesh's own, as
-    fabric_config_for; None or False: none; else that FabricConfig) and reliability_mode, runs set_fabric before
-    open_mesh_device (which takes no fabric keyword), and after closing reset_fabric (the fabric config cannot
-    change while a mesh is open)."""
+    fabric_config_for; None or False: none; else that FabricConfig) and reliability_mode, resolves the dispatch
+    config (dispatch_params), runs set_fabric before open_mesh_device (which takes no fabric keyword), and after
+    closing reset_fabric (the fabric config cannot change while a mesh is open). With MESH_DEVICE unset (and no name)
+    it opens the system mesh's own shape, as open_mesh_device does without one (8 x 4 on a Galaxy)."""
     import ttnn
 
     if not tt_device_present():
         raise ValueError("the ttnn backend needs a Tenstorrent device (no /dev/tenstorrent* here); use --backend torch")
+    named = name if name is not None else os.environ.get("MESH_DEVICE")
     shape = mesh_shape(name)
     fabric = fabric_config_for(shape) if fabric_config is True else (fabric_config or None)
     if shape == (1, 1):
         fabric = None  # models/tt_transformers/conftest.py: no fabric on a single device
+    device_params, tensix = dispatch_params(device_params, fabric)
     if fabric is not None:
-        ttnn.set_fabric_config(fabric, reliability_mode or ttnn.FabricReliabilityMode.STRICT_INIT)
+        ttnn.set_fabric_config(fabric, reliability_mode or ttnn.FabricReliabilityMode.STRICT_INIT, None,
+                               *([tensix] if tensix is not None else []))
     try:
-        mesh = ttnn.open_mesh_device(mesh_shape=ttnn.MeshShape(*shape), trace_region_size=trace_region_size,
-                                     num_command_queues=num_command_queues, **device_params)
+        mesh = ttnn.open_mesh_device(mesh_shape=ttnn.MeshShape(*shape) if named else None,
+                                     trace_region_size=trace_region_size, num_command_queues=num_command_queues,
+                                     **device_params)
         TRACE_REGIONS[id(mesh)] = trace_region_size
         try:
             yield mesh

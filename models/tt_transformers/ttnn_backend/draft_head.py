@@ -44,7 +44,7 @@ from ..speculative.head_drafter import HeadFeed
 from ..torch_backend.draft_head import HeadConfig, estimated_run_cost, parameter_names
 from ..torch_backend.model_config import ModelArgs
 from ..torch_backend.rope import rope_tables
-from .generator import MESH_MODELS, TtnnCausalLM, prepare_mesh
+from .generator import MESH_MODELS, TtnnCausalLM, captured, device_tensors, prepare_mesh, release_all
 from .model import BLOCK_SIZE, TILE_ROWS
 from .trace_plan import HeadKey, head_trace_bytes, head_trace_keys, pass_ladder, passes_for
 
@@ -126,11 +126,14 @@ class TtnnDraftHead:
         self.ladder = pass_ladder(chain_len + 1)
         self.prompt_rows = self.ladder[-1]  # prompt rows per user and replay: the feed's widest trace
         self.planned: set[HeadKey] = set()
+        self.compiled: set[HeadKey] = set()
+        self.trace = target.trace  # eager (False) with an eager target: every replay runs its ops one by one
         self.inputs: Optional[HeadInputs] = None
         self.traces: dict[HeadKey, HeadTrace] = {}
         self.step_times: dict[HeadKey, list] = {}
         self.last_draft_s, self.last_key = 0.0, None  # the last replay, reads included: what a chain step is priced by
         self.last_rows: dict[int, int] = {}  # the tile row each user of the last drafting replay drafted in
+        self.last_eager: Optional[HeadTrace] = None  # an eager replay's outputs, until the next
         self.draft_cost = estimated_run_cost(config, target_args)  # one chain step, until measured (RunCost)
         MESH_MODELS[id(self.mesh)].add(self)
 
@@ -276,44 +279,42 @@ class TtnnDraftHead:
     # ---- traces (made with the mesh's other models: generator.prepare_mesh) --------------------------------------
 
     def warm_up(self) -> float:
-        """Plan the head's traces (trace_plan.head_trace_keys) and make them with every other model's on the mesh;
-        seconds spent. The target must have planned steps with the head's taps (they write its input)."""
+        """Plan the head's traces (trace_plan.head_trace_keys), made with every other model's on the mesh by the
+        target's prepare_traces (or the first replay that needs them); seconds spent. The target must have planned
+        steps with the head's taps (they write its input)."""
         if not any(taps == self.taps for *_, taps in self.target.planned):
             raise ValueError(f"the target's steps do not write taps {list(self.taps)}: warm it up with them first")
         start = time.perf_counter()
         self.planned |= set(head_trace_keys(self.chain_len))
         self.target.check_trace_region()
-        prepare_mesh(self.mesh)
         return time.perf_counter() - start
 
     def _trace_bytes(self, key: HeadKey) -> int:
         args = self.target.tt.args
-        return head_trace_bytes(args.model_name, args.device_name, args.full_model_n_layers, key)
+        return head_trace_bytes(args.model_name, args.device_name, self.target.tt.full_layers, key)
 
     def compile(self, key: HeadKey) -> None:
         """Run the program once outside a trace with every position -1 (nothing written), so its kernels are built."""
         import ttnn
 
         self._write_inputs(key, [], [])
-        out = self._forward(key)
-        for tensor in out.ids + out.probs + out.logits:
+        self._deallocate(self._forward(key))
+
+    @staticmethod
+    def _deallocate(out: HeadTrace) -> None:
+        import ttnn
+
+        for tensor in device_tensors([out.ids, out.probs, out.logits]):
             ttnn.deallocate(tensor)
 
     def capture(self, key: HeadKey) -> None:
-        import ttnn
-
-        trace_id = ttnn.begin_trace_capture(self.mesh, cq_id=0)
-        out = self._forward(key)
-        ttnn.end_trace_capture(self.mesh, trace_id, cq_id=0)
+        trace_id, out = captured(self.mesh, lambda: self._forward(key))
         out.trace_id = trace_id
         self.traces[key] = out
 
     def release_traces(self) -> None:
-        import ttnn
-
-        for trace in self.traces.values():
-            ttnn.release_trace(self.mesh, trace.trace_id)
-        self.traces = {}
+        traces, self.traces = self.traces, {}
+        release_all(self.mesh, [t.trace_id for t in traces.values()])
 
     def __del__(self):  # as TtnnCausalLM: a dropped head's traces leave the trace region
         with contextlib.suppress(Exception):
@@ -322,6 +323,7 @@ class TtnnDraftHead:
     def release(self) -> None:
         self.release_traces()
         self.planned.clear()
+        self.compiled.clear()
         MESH_MODELS[id(self.mesh)].discard(self)
 
     # ---- inputs --------------------------------------------------------------------------------------------------
@@ -395,7 +397,7 @@ class TtnnDraftHead:
             final = n == len(replays) - 1
             chains = [(user, rows[-1]) for user, rows, *_ in replay if final and user in chain_users]
             key = (passes_for(max(len(rows) for _, rows, *_ in replay), self.ladder), k if final else 1)
-            if key not in self.traces:
+            if key not in (self.traces if self.trace else self.compiled):
                 self.planned.add(key)
                 self.target.check_trace_region()
                 prepare_mesh(self.mesh)
@@ -406,8 +408,14 @@ class TtnnDraftHead:
                     mesh_mapper=ttnn.ReplicateTensorToMesh(self.mesh)), tile_tensor)
             self._write_inputs(key, replay, chains)
             start = time.perf_counter()
-            ttnn.execute_trace(self.mesh, self.traces[key].trace_id, cq_id=0, blocking=False)
-            out = self._read(self.traces[key], [row for _, row in chains]) if chains else []
+            if self.trace:
+                program = self.traces[key]
+                ttnn.execute_trace(self.mesh, program.trace_id, cq_id=0, blocking=False)
+            else:  # eager: the same program, op by op (its outputs kept until the next replay, for read_logits)
+                if self.last_eager is not None:
+                    self._deallocate(self.last_eager)
+                program = self.last_eager = self._forward(key)
+            out = self._read(program, [row for _, row in chains]) if chains else []
             self.step_times.setdefault(key, []).append(time.perf_counter() - start)
         self.last_draft_s, self.last_key, self.last_rows = self.step_times[key][-1], key, dict(chains)
         return {user: drafted for (user, _), drafted in zip(chains, out)}
@@ -448,7 +456,7 @@ class TtnnDraftHead:
         loop reads ids and probabilities only)."""
         import ttnn
 
-        logits = self.traces[self.last_key].logits[step]
+        logits = (self.traces[self.last_key] if self.trace else self.last_eager).logits[step]
         return ttnn.to_torch(ttnn.get_device_tensors(logits)[0]).reshape(TILE_ROWS, -1).float()
 
 

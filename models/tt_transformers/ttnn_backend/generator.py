@@ -40,10 +40,12 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 import torch
+from loguru import logger
 
 from ..speculative.backend import DeviceRows, StepOutput, UserRows
 from .device import TRACE_REGIONS
 from .model import TILE_ROWS, TTModel, supported_kwargs
+from .tt_surface import can_keep_shares, decode_forward_kwargs, decode_logits, padded_vocab
 from .trace_plan import TraceKey, pass_ladder, passes_for, region_bytes, trace_bytes, trace_keys, vocab_slices
 
 # What a step costs, in units of streaming the weights once (a decode step of the tile, which computes all 32 rows
@@ -52,6 +54,9 @@ from .trace_plan import TraceKey, pass_ladder, passes_for, region_bytes, trace_b
 # perf test records the step time of every traced shape (TtnnCausalLM.step_times) to replace them.
 WRITE_PASS_COST = 0.01
 KEY_COST = 2e-6  # per row per cached position
+# Row counts a sampled step reads its logits in: each traced program also slices the logits' first R rows
+# (row-major, a copy of R x share values on the device), and a step reads the smallest slice holding its rows.
+LOGIT_READS = (4, 8, 16)
 # The models on each mesh (id(mesh) -> TtnnCausalLMs): traces are prepared for all of them at once.
 MESH_MODELS: defaultdict = defaultdict(weakref.WeakSet)
 
@@ -85,6 +90,7 @@ class Trace:
     best: Any  # [1, 1, 32, 1] per device: each device's max (merging across devices), or None on one share
     logits: Any  # [1, 1, 32, share] row-major per device
     top: Optional[list]  # per vocabulary slice: (values, indices) [1, 1, 32, k] per device, or None
+    first_rows: dict = field(default_factory=dict)  # R -> the logits' first R rows [1, 1, R, share] (LOGIT_READS)
 
 
 def device_tensors(outputs) -> list:
@@ -165,24 +171,60 @@ class TapCapture:
 
 def prepare_mesh(mesh) -> None:
     """Make every planned trace of every model on the mesh: all traces released, then every model's persistent inputs
-    allocated and every planned program compiled, then every trace captured. Nothing is allocated or compiled while a
-    trace is live."""
+    allocated and every planned program compiled, then every trace captured (eager models, trace=False, compile only).
+    Nothing is allocated or compiled while a trace is live. Runs only where the traces differ from the plans (one
+    missing, or one no longer planned), so that a run whose models were all planned first (the demo's warm_up)
+    captures each trace once."""
     models = list(MESH_MODELS[id(mesh)])
+    if all(set(lm.traces) == (lm.planned if lm.trace else set()) and lm.compiled >= lm.planned for lm in models):
+        return
     for lm in models:
         lm.release_traces()
     for lm in models:
-        for key in sorted(lm.planned):
+        for key in sorted(lm.planned - lm.compiled):
             lm.compile(key)
+            lm.compiled.add(key)
     for lm in models:
-        for key in sorted(lm.planned):
+        for key in sorted(lm.planned if lm.trace else ()):
             lm.capture(key)
+
+
+def captured(mesh, program):
+    """(trace id, outputs) of `program()` captured as a trace. A failure between begin and end of the capture ends and
+    releases that capture before it is raised again: a capture left open would turn every later op, the teardown's
+    included, into a recording, and the failure the user must send back would be lost behind another."""
+    import ttnn
+
+    trace_id = ttnn.begin_trace_capture(mesh, cq_id=0)
+    try:
+        outputs = program()
+    except BaseException:
+        with contextlib.suppress(Exception):
+            ttnn.end_trace_capture(mesh, trace_id, cq_id=0)
+        with contextlib.suppress(Exception):
+            ttnn.release_trace(mesh, trace_id)
+        raise
+    ttnn.end_trace_capture(mesh, trace_id, cq_id=0)
+    return trace_id, outputs
+
+
+def release_all(mesh, trace_ids) -> None:
+    """Release traces, going on past one that will not release (a teardown after a failed run must still close the
+    mesh); the failures are logged."""
+    import ttnn
+
+    for trace_id in trace_ids:
+        try:
+            ttnn.release_trace(mesh, trace_id)
+        except Exception as e:  # noqa: BLE001: teardown reports and goes on
+            logger.warning(f"trace {trace_id} could not be released ({type(e).__name__}: {e}); going on")
 
 
 class TtnnCausalLM:
     """A TT-Transformers model (or a view of its first layers) behind the CausalLM contract."""
 
     def __init__(self, tt: TTModel, max_batch_size: int, max_seq_len: int, shares_target_cache: bool = False,
-                 inputs: Optional[DeviceInputs] = None):
+                 inputs: Optional[DeviceInputs] = None, trace: bool = True):
         if not 1 <= max_batch_size <= TILE_ROWS:
             raise ValueError(f"--batch_size {max_batch_size}: a TT decode step holds at most {TILE_ROWS} users "
                              "(one 32-row tile); use 32 or fewer")
@@ -198,10 +240,14 @@ class TtnnCausalLM:
         self.device_name = f"{args.device_name} ({' x '.join(map(str, args.cluster_shape))} mesh)"
         self.num_devices = args.num_devices
         # Each device reduces its own vocabulary share where TT leaves the LM head's output split (see module doc)
-        self.split_vocab = self.num_devices > 1 and not args.is_galaxy and tt.model.sampling is not None
-        self.share = args.padded_vocab_size // self.num_devices if self.split_vocab else self.vocab_size
+        self.split_vocab = (self.num_devices > 1 and not args.is_galaxy and tt.model.sampling is not None
+                            and can_keep_shares(tt.model))
+        self.share = padded_vocab(args) // self.num_devices if self.split_vocab else self.vocab_size
         self.ladder = pass_ladder(TILE_ROWS)  # until warm_up plans the run's
-        self.planned: set[TraceKey] = set()  # (write passes, top k, taps) of every trace to make
+        self.planned: set[TraceKey] = set()  # (write passes, top k, taps) of every program a run uses
+        self.compiled: set[TraceKey] = set()  # the planned programs already run once (kernels built)
+        # False: every step runs its ops eagerly (TT's demos' enable_trace=False): a failure names the op, not a trace
+        self.trace = trace
         self.inputs = inputs if inputs is not None else DeviceInputs()
         self.traces: dict[TraceKey, Trace] = {}
         self.step_times: dict[TraceKey, list] = defaultdict(list)  # seconds per replay, per trace
@@ -213,7 +259,7 @@ class TtnnCausalLM:
         if not 1 <= n_layers < self.n_layers:
             raise ValueError(f"a draft view needs 1 to {self.n_layers - 1} layers, got {n_layers}")
         return TtnnCausalLM(self.tt.first_layers(n_layers), self.max_batch_size, self.max_seq_len,
-                            shares_target_cache=True, inputs=self.inputs)
+                            shares_target_cache=True, inputs=self.inputs, trace=self.trace)
 
     def step_cost(self, n_rows: int, context_len: float) -> float:
         """A step of n_rows rows: the passes are those of one user holding every row beyond the first (an upper
@@ -225,18 +271,25 @@ class TtnnCausalLM:
 
     def warm_up(self, max_rows_per_user: int, top_k: int, taps: Sequence[int]) -> dict:
         """TT-Transformers' prefill warm-up (its first prefill_forward_text: every supported prefill length), then
-        the traces a run with these settings uses planned, checked against the trace region and made with every
-        other model's on the mesh (prepare_mesh)."""
+        the programs a run with these settings uses planned and checked against the trace region. They are compiled
+        and captured, with every other model's on the mesh, by `prepare_traces` (or the first step that needs them):
+        planning every model first captures each trace once."""
         taps = self._check_taps(taps)
         start = time.perf_counter()
         if not self.shares_target_cache:  # a draft view never prefills: the target's prefill fills its cache
             self.prefill(0, [0])
-        prefill_s = time.perf_counter() - start
         self.ladder = pass_ladder(max_rows_per_user)
-        self.planned |= set(trace_keys(max_rows_per_user, top_k, taps))
+        # a run's plan replaces an earlier run's (their traces are released when the mesh's are next made): runs in
+        # sequence on one model never hold more traces than the most demanding of them
+        self.planned = set(trace_keys(max_rows_per_user, top_k, taps))
         self.check_trace_region()
+        return {"compile_prefill": time.perf_counter() - start, "compile_decode": 0.0}
+
+    def prepare_traces(self) -> float:
+        """Compile, and capture where tracing, every program planned on this mesh (prepare_mesh); seconds spent."""
+        start = time.perf_counter()
         prepare_mesh(self.tt.mesh_device)
-        return {"compile_prefill": prefill_s, "compile_decode": time.perf_counter() - start - prefill_s}
+        return time.perf_counter() - start
 
     def check_trace_region(self) -> None:
         """Stop before capturing with an error that names the fix when the planned traces of every model on the mesh
@@ -244,7 +297,7 @@ class TtnnCausalLM:
         pytest fixture and make tt-smoke)."""
         mesh = self.tt.mesh_device
         region = TRACE_REGIONS.get(id(mesh))
-        needed = sum(lm._trace_bytes(key) for lm in MESH_MODELS[id(mesh)] for key in lm.planned)
+        needed = sum(lm._trace_bytes(key) for lm in MESH_MODELS[id(mesh)] if lm.trace for key in lm.planned)
         if region and needed > region:
             raise ValueError(f"the planned decode traces take about {needed / 1e6:.0f} MB of trace region and the mesh "
                              f"was opened with {region / 1e6:.0f} MB: open it with trace_region_size >= "
@@ -252,7 +305,7 @@ class TtnnCausalLM:
 
     def _trace_bytes(self, key: TraceKey) -> int:
         args = self.tt.args
-        return trace_bytes(args.model_name, args.device_name, args.full_model_n_layers, self.n_layers, key, self.share)
+        return trace_bytes(args.model_name, args.device_name, self.tt.full_layers, self.n_layers, key, self.share)
 
     def compile(self, key: TraceKey) -> None:
         """The program for this key run once, outside any trace, so its kernels are built (and, on a first call, the
@@ -273,19 +326,14 @@ class TtnnCausalLM:
         import ttnn
 
         passes, top_k, taps = key
-        mesh = self.tt.mesh_device
         self.tt.passes.positions = self.inputs.step.pass_positions[:passes]
-        trace_id = ttnn.begin_trace_capture(mesh, cq_id=0)
-        outputs = self._forward(top_k, taps, self.tap_tile(taps) if taps else None)
-        ttnn.end_trace_capture(mesh, trace_id, cq_id=0)
+        trace_id, outputs = captured(self.tt.mesh_device,
+                                     lambda: self._forward(top_k, taps, self.tap_tile(taps) if taps else None))
         self.traces[key] = Trace(trace_id, *outputs)
 
     def release_traces(self) -> None:
-        import ttnn
-
-        for trace in self.traces.values():
-            ttnn.release_trace(self.tt.mesh_device, trace.trace_id)
-        self.traces = {}
+        traces, self.traces = self.traces, {}
+        release_all(self.tt.mesh_device, [t.trace_id for t in traces.values()])
 
     def __del__(self):  # as TT-Transformers' Generator.__del__: a dropped model's traces leave the trace region
         with contextlib.suppress(Exception):  # a destructor never raises (the mesh may be closed already)
@@ -295,6 +343,7 @@ class TtnnCausalLM:
         """Its traces given back, and nothing of it traced again: the model is being dropped."""
         self.release_traces()
         self.planned.clear()
+        self.compiled.clear()
         MESH_MODELS[id(self.tt.mesh_device)].discard(self)
 
     # ---- the CausalLM calls ----------------------------------------------------------------------------------
@@ -370,20 +419,27 @@ class TtnnCausalLM:
 
         passes = passes_for(max(len(u.tokens) for u in rows), self.ladder)
         key = (passes, top_k, taps)
-        if key not in self.traces:
+        if key not in (self.traces if self.trace else self.compiled):
             self.planned.add(key)
             self.check_trace_region()
             prepare_mesh(self.tt.mesh_device)
         r = self._run_inputs(rows, True, passes)
-        trace = self.traces[key]
         start = time.perf_counter()
-        ttnn.execute_trace(self.tt.mesh_device, trace.trace_id, cq_id=0, blocking=False)
+        if self.trace:
+            trace = self.traces[key]
+            ttnn.execute_trace(self.tt.mesh_device, trace.trace_id, cq_id=0, blocking=False)
+        else:  # eager: the same program, op by op
+            self.tt.passes.positions = self.inputs.step.pass_positions[:passes]
+            trace = Trace(None, *self._forward(top_k, taps, self.tap_tile(taps) if taps else None))
         # every output is read right after its own trace's replay: a later trace's capture allocated under this one
         # (prepare_mesh) may overwrite its outputs when that trace replays, never before they are read here
         ids = self._argmax(trace, r)
-        all_logits = self._read_logits(trace) if logits else None
+        all_logits = self._read_logits(trace, r) if logits else None
         top = self._top_k(trace, top_k) if top_k else None
         self.step_times[key].append(time.perf_counter() - start)  # the step as the loop sees it: reads included
+        if not self.trace:
+            for tensor in device_tensors([trace.ids, trace.best, trace.logits, trace.top, trace.first_rows]):
+                ttnn.deallocate(tensor)
         out_ids, out_logits, out_top, out_hidden, start = [], [], [], [], 0
         for user_rows in rows:
             end = start + len(user_rows.tokens)
@@ -436,10 +492,11 @@ class TtnnCausalLM:
         device order, in one read (ConcatMeshToTensor); otherwise one device's copy."""
         import ttnn
 
+        rows = tensor.shape[-2]
         if self.split_vocab:
             composer = ttnn.ConcatMeshToTensor(self.tt.mesh_device, dim=3)
-            return ttnn.to_torch(tensor, mesh_composer=composer).reshape(TILE_ROWS, -1)
-        return ttnn.to_torch(ttnn.get_device_tensors(tensor)[0]).reshape(TILE_ROWS, -1)
+            return ttnn.to_torch(tensor, mesh_composer=composer).reshape(rows, -1)
+        return ttnn.to_torch(ttnn.get_device_tensors(tensor)[0]).reshape(rows, -1)
 
     def _argmax(self, trace: Trace, rows: int) -> list[int]:
         """The greedy id of each of the first `rows` rows (the idle rows after them, at position -1, hold whatever the
@@ -454,8 +511,11 @@ class TtnnCausalLM:
             raise RuntimeError("the device's argmax chose a padded vocabulary column: its mask did not hold")
         return greedy.tolist()
 
-    def _read_logits(self, trace: Trace) -> torch.Tensor:
-        return self._read(trace.logits).float()[:, : self.vocab_size]
+    def _read_logits(self, trace: Trace, rows: int) -> torch.Tensor:
+        """The logits of the first `rows` rows, from the smallest traced slice that holds them (a sampled step of a
+        few rows reads a few rows, not the tile's 32 x the vocabulary: ~8 MB a step for Llama-3.1-8B)."""
+        tensor = next((trace.first_rows[r] for r in sorted(trace.first_rows) if r >= rows), trace.logits)
+        return self._read(tensor).float()[:rows, : self.vocab_size]
 
     def _top_k(self, trace: Trace, k: int) -> list[list[int]]:
         """The k best ids per row from every device's slices' candidates (ids read as unsigned 16 bits: topk
@@ -489,7 +549,7 @@ class TtnnCausalLM:
         """0 over the vocabulary, -inf over the LM head's padded columns, split over the devices as the logits are."""
         import ttnn
 
-        mask = torch.zeros(1, 1, TILE_ROWS, self.tt.args.padded_vocab_size)
+        mask = torch.zeros(1, 1, TILE_ROWS, self.share * self.num_devices)
         mask[..., self.vocab_size :] = float("-inf")
         mapper = ttnn.ShardTensor2dMesh(self.tt.mesh_device, dims=(None, 3), mesh_shape=self.tt.args.cluster_shape)
         return ttnn.from_torch(mask, dtype=ttnn.bfloat16, layout=ttnn.TILE_LAYOUT, device=self.tt.mesh_device,
@@ -503,23 +563,34 @@ class TtnnCausalLM:
 
         i, model, dram = self.inputs.step, self.tt.model, ttnn.DRAM_MEMORY_CONFIG
         with TapCapture(model.layers, taps) as capture:
-            out = model.ttnn_decode_forward(i.tokens, i.current_pos, rot_mat_idxs=i.rope_idxs, page_table=i.page_table,
-                                            kv_cache=self.tt.kv_cache, **({"sampling_on_device": True,
-                                                                           "capture_sampling_trace": True}
-                                                                          if self.split_vocab else {}))
+            out = decode_logits(model.ttnn_decode_forward(
+                i.tokens, i.current_pos, rot_mat_idxs=i.rope_idxs, page_table=i.page_table, kv_cache=self.tt.kv_cache,
+                **decode_forward_kwargs(model, self.split_vocab)))
+        self._check_share(out)
         if self.split_vocab:  # each device's share (the LM head's bfloat8_b): masked in bfloat16, which holds -inf
             tiles = ttnn.add(out, self.inputs.vocab_mask, dtype=ttnn.bfloat16, memory_config=dram)
             best = ttnn.max(tiles, dim=-1, keepdim=True, memory_config=dram)
             rows = ttnn.untilize(tiles, use_multicore=True, memory_config=dram)
         else:  # TT's untilized logits, whole on every device: drop the padded columns
-            rows = ttnn.slice(out[0], [0, 0, 0, 0], [1, 1, TILE_ROWS, self.vocab_size], memory_config=dram)
+            rows = ttnn.slice(out, [0, 0, 0, 0], [1, 1, TILE_ROWS, self.vocab_size], memory_config=dram)
             tiles = ttnn.to_layout(rows, ttnn.TILE_LAYOUT, memory_config=dram) if top_k else None
             best = None
         ids = ttnn.argmax(rows, dim=-1, keepdim=True, memory_config=dram)
         top = self._slice_top_k(tiles, top_k) if top_k else None
         if taps:
             self._write_taps(capture.outputs, taps, tile)
-        return [ids, best, rows, top]
+        first_rows = {r: ttnn.slice(rows, [0, 0, 0, 0], [1, 1, r, rows.shape[-1]], memory_config=dram)
+                      for r in LOGIT_READS}
+        return [ids, best, rows, top, first_rows]
+
+    def _check_share(self, logits) -> None:
+        """The logits' width per device against the share the argmax and top k index by (tt_surface.padded_vocab
+        derives it where ModelArgs has no padded_vocab_size): one line naming the mismatch, not wrong ids."""
+        width = logits.shape[-1]
+        if (width != self.share) if self.split_vocab else (width < self.vocab_size):
+            raise ValueError(f"TT-Transformers' LM head gives {width} logit columns per device where the backend "
+                             f"expected {self.share if self.split_vocab else f'at least {self.vocab_size}'}: this "
+                             "tt-metal pads the vocabulary another way (tt_surface.padded_vocab)")
 
     def _write_taps(self, copies: dict, taps: tuple[int, ...], tile) -> None:
         """The tapped layers' inputs, in the order asked, into `tile` ([1, 1, 32, len(taps) * dim], whole rows on every

@@ -22,6 +22,7 @@ from loguru import logger
 
 from ..native_build import cache_root
 from .attention import KVWritePasses, ordered_write_attention
+from .tt_surface import full_layers
 
 TILE_ROWS = 32  # rows of the decode batch: one tile; every verify row of every user shares it
 BLOCK_SIZE = 32  # KV-cache positions per page
@@ -106,6 +107,7 @@ class TTModel:
     page_table: torch.Tensor  # [max_users, blocks per user] int32: user u's cache blocks
     passes: KVWritePasses
     generator: Any  # models.tt_transformers.tt.generator.Generator, for prefill
+    full_layers: int  # the checkpoint's layers (a view's args are the target's, truncated or not)
 
     @property
     def n_layers(self) -> int:
@@ -120,7 +122,7 @@ class TTModel:
         view.layers = self.model.layers[:n_layers]
         view.n_layers = n_layers
         return TTModel(view, self.args, self.mesh_device, self.kv_cache[:n_layers], self.page_table, self.passes,
-                       None)
+                       None, self.full_layers)
 
 
 def build_tt_model(mesh_device, checkpoint_folder: Path, name: str, max_users: int, max_seq_len: int, instruct: bool,
@@ -141,6 +143,7 @@ def build_tt_model(mesh_device, checkpoint_folder: Path, name: str, max_users: i
         args = ModelArgs(mesh_device, instruct=instruct, max_batch_size=TILE_ROWS,
                          max_seq_len=model_args_seq_len(max_seq_len), optimizations=precision(optimizations))
     logger.info(f"TT-Transformers {args.model_name} on {args.device_name}: weights cached in {args.model_cache_path}")
+    checkpoint_layers = full_layers(args)
     if n_layers is not None:
         args.n_layers = n_layers
     args.use_qk_fused = False  # the cache update is paged_update_cache, which attention.py orders
@@ -151,4 +154,5 @@ def build_tt_model(mesh_device, checkpoint_folder: Path, name: str, max_users: i
                         attention_class=ordered_write_attention(Attention, passes))
     kv_cache = [layer.attention.layer_past for layer in model.layers]
     page_table = torch.arange(max_users * blocks_per_user, dtype=torch.int32).view(max_users, blocks_per_user)
-    return TTModel(model, args, mesh_device, kv_cache, page_table, passes, Generator([model], [args], mesh_device))
+    return TTModel(model, args, mesh_device, kv_cache, page_table, passes, Generator([model], [args], mesh_device),
+                   checkpoint_layers)

@@ -80,7 +80,8 @@ def vocab_slices(vocab_size: int) -> tuple[int, int]:
 
 def trace_ops(n_layers: int, key: TraceKey, vocab_size: int) -> int:
     passes, top_k, taps = key
-    ops = n_layers * (OPS_PER_LAYER + 2 * (passes - 1)) + HEAD_OPS + 2  # + slice off the padded vocab, argmax
+    # + slice off the padded vocab, argmax, the three first-rows slices a sampled step reads (generator.LOGIT_READS)
+    ops = n_layers * (OPS_PER_LAYER + 2 * (passes - 1)) + HEAD_OPS + 5
     if top_k:
         ops += 3 * vocab_slices(vocab_size)[1]
     return ops + (2 * len(taps) + 4 if taps else 0)  # per tap a copy and a slice; stack, gather, concat, copy

@@ -91,6 +91,9 @@ DEMO_OPTIONS = [
     ("device", str, "auto", "torch device: auto (the faster of cpu and cuda for this model, logged), cpu or cuda"),
     ("backend", str, "auto", "torch, ttnn (a Tenstorrent mesh through TT-Transformers) or auto: ttnn when "
                              "MESH_DEVICE is set"),
+    ("enable_trace", int, 1, "ttnn: 1 traces every decode step and draft-head replay (as TT's demos' enable_trace); 0 "
+                             "runs them op by op (slower; a failure names the op, not the trace). The CLI also takes "
+                             "--trace (pytest's own --trace is its debugger)"),
 ]
 
 
@@ -271,6 +274,8 @@ def check_flags(config: DemoConfig, backend: str) -> None:
         raise DemoInputError(f"--max_seq_len must be >= 2, got {config.max_seq_len}")
     if config.device not in DEVICES:
         raise DemoInputError(f"--device {config.device!r} is not one of {', '.join(DEVICES)}")
+    if config.enable_trace not in (0, 1):
+        raise DemoInputError(f"--enable_trace {config.enable_trace} is not 0 or 1 (1: traced steps, 0: eager)")
 
 
 def available_memory_bytes() -> Optional[int]:
@@ -353,7 +358,7 @@ def ttnn_loader(config: DemoConfig, mesh_device):
         tt = build_tt_model(mesh_device, ckpt.folder, ckpt.name, config.batch_size, config.max_seq_len,
                             bool(config.instruct), n_layers, weights_dtype=getattr(ttnn, dtype_of(config)),
                             optimizations=config.precision)
-        return TtnnCausalLM(tt, config.batch_size, config.max_seq_len)
+        return TtnnCausalLM(tt, config.batch_size, config.max_seq_len, trace=bool(config.enable_trace))
     return load
 
 
@@ -640,6 +645,8 @@ def warm_up(target, drafter, draft_lm, config: DemoConfig) -> dict:
     head = getattr(getattr(drafter, "fallback", drafter), "head", None)
     if hasattr(head, "warm_up"):  # a head on the device: its traces, made with the target's
         times["compile_decode"] += head.warm_up()
+    if hasattr(target, "prepare_traces"):  # on a TT mesh: every model planned above, compiled and captured once
+        times["compile_decode"] += target.prepare_traces()
     return times
 
 
@@ -774,7 +781,8 @@ LOG_FORMAT = "<green>{time:HH:mm:ss}</green> | <level>{level: <7}</level> | {mes
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     for name, type_, default, help_ in DEMO_OPTIONS:
-        parser.add_argument(f"--{name}", type=type_, default=default, help=help_)
+        parser.add_argument(f"--{name}", *(["--trace"] if name == "enable_trace" else []), type=type_,
+                            default=default, help=help_)
     config = DemoConfig(**vars(parser.parse_args(argv)))
     try:
         if backend_of(config) == "ttnn":

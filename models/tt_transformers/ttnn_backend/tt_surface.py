@@ -1,0 +1,241 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Every TT-Transformers detail the ttnn backend relies on beyond the calls tt-metal's vLLM integration makes, in one
+place, each with the variants known from tt-metal's history, and a probe that checks them all against the installed
+tt-metal without opening a device (`make tt-smoke`'s first stage prints one line per detail).
+
+The backend pins tt-metal v0.81.1 (d80d9482), which the searchable index does not hold: each variant below names the
+commit it was read at (models/tt_transformers/tt/...). "A", "B" and "C" are three versions of tt/model.py, oldest
+first: A = 00a9ba8f, B = 5cd1b56c, C = a 2026 version whose commit the index does not show (Mode enum, prefetcher,
+on_device_logits). The backend calls the helpers here instead of reaching into TT-Transformers itself.
+"""
+import inspect
+import math
+import re
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+# ---- what the backend calls -------------------------------------------------------------------------------------
+
+
+def decode_forward_kwargs(model, device_shares: bool) -> dict:
+    """The keywords that make Transformer.ttnn_decode_forward hand back each device's own vocabulary share of the
+    logits (device_shares: TILE, not gathered), else the gathered, untilized logits.
+    - C: `on_device_logits=True` returns the raw LM-head output (and advances the positions on the device);
+    - A and B: `sampling_on_device=True, capture_sampling_trace=True` does the same (the split-sampling hook);
+    - without either keyword there is no such path: TT gathers every logit (device_shares must be False)."""
+    params = inspect.signature(model.ttnn_decode_forward).parameters
+    if not device_shares:
+        return {}
+    if "on_device_logits" in params:
+        return {"on_device_logits": True}
+    if "capture_sampling_trace" in params:
+        return {"sampling_on_device": True, "capture_sampling_trace": True}
+    raise ValueError("this TT-Transformers' ttnn_decode_forward has neither on_device_logits nor "
+                     "capture_sampling_trace: the logits cannot stay split over the devices")
+
+
+def can_keep_shares(model) -> bool:
+    """Whether ttnn_decode_forward can return each device's vocabulary share (decode_forward_kwargs)."""
+    params = inspect.signature(model.ttnn_decode_forward).parameters
+    return "on_device_logits" in params or "capture_sampling_trace" in params
+
+
+def decode_logits(out):
+    """The logits tensor of what ttnn_decode_forward returned: `(logits, None)` (B and C on the gathered path), a bare
+    tensor (A on every path, B and C with the device-share keywords), or a list of such pairs (Generator's no-trace
+    path wraps them per data-parallel model)."""
+    while isinstance(out, (tuple, list)):
+        out = out[0]
+    return out
+
+
+def uses_qk_fused(attention) -> bool:
+    """Whether TT's attention updates the cache with the fused op (paged_fused_update_cache), which the backend's
+    ordered writes cannot split: an attribute of the attention object in 2026 versions (`self.use_qk_fused =
+    configuration.use_qk_fused`), read from its args in attention.py@5cd1b56c (`self.args.use_qk_fused`)."""
+    if "use_qk_fused" in vars(attention):
+        return bool(attention.use_qk_fused)
+    return bool(getattr(getattr(attention, "args", None), "use_qk_fused", False))
+
+
+def full_layers(args) -> int:
+    """The checkpoint's layer count before a truncation (ModelArgs.full_model_n_layers where it exists; the versions at
+    17a8a99d have only n_layers, read before the backend truncates it)."""
+    return getattr(args, "full_model_n_layers", None) or args.n_layers
+
+
+def padded_vocab(args) -> int:
+    """The LM head's output width over all devices: ModelArgs.padded_vocab_size where set, else the vocabulary padded
+    so that each device's share is whole tiles (tt/lm_head.py splits the columns evenly; checked against the logits'
+    real width when the first step compiles, TtnnCausalLM._check_share)."""
+    padded = getattr(args, "padded_vocab_size", None)
+    if padded:
+        return padded
+    unit = 32 * args.num_devices
+    return math.ceil(args.vocab_size / unit) * unit
+
+
+# ---- the probe --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Detail:
+    name: str
+    where: str  # the file to look at when it is missing
+    check: Callable[[], Optional[str]]  # the variant found (a short description), or raises / returns None: missing
+
+
+def _source(obj) -> str:
+    return inspect.getsource(obj)
+
+
+def _tt(module: str):
+    import importlib
+
+    return importlib.import_module(f"models.tt_transformers.tt.{module}")
+
+
+def _signature_has(fn, *names) -> str:
+    params = inspect.signature(fn).parameters
+    missing = [n for n in names if n not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values())]
+    if missing:
+        raise LookupError(f"no parameter {', '.join(missing)}")
+    return "takes " + ", ".join(names)
+
+
+def _decode_forward() -> str:
+    model = _tt("model").Transformer
+    if "on_device_logits" in inspect.signature(model.ttnn_decode_forward).parameters:
+        return "C: on_device_logits (each device's share, bare tensor)"
+    if "capture_sampling_trace" in inspect.signature(model.ttnn_decode_forward).parameters:
+        return "A/B: sampling_on_device + capture_sampling_trace (each device's share, bare tensor)"
+    raise LookupError("neither on_device_logits nor capture_sampling_trace")
+
+
+def _decode_return() -> str:
+    text = _source(_tt("model").Transformer.ttnn_decode_forward)
+    pair = re.search(r"return [^\n]*, None\s*$", text, re.MULTILINE)
+    return ("(logits, None) on the gathered path, a bare tensor on the per-device one" if pair
+            else "a bare tensor on every path")
+
+
+def _qk_fused() -> str:
+    attention = _source(_tt("attention").Attention)
+    if "self.use_qk_fused" in attention:
+        return "an attribute of Attention (uses_qk_fused reads it)"
+    if "self.args.use_qk_fused" in attention:
+        return "read from Attention.args (uses_qk_fused reads it)"
+    if "use_qk_fused" not in _source(_tt("model_config").ModelArgs):
+        raise LookupError("no use_qk_fused in ModelArgs or Attention")
+    return "ModelArgs only (never fused in Attention)"
+
+
+def _update_cache_at_call_time() -> str:
+    text = _source(_tt("attention").Attention)
+    if "ttnn.experimental.paged_update_cache(" not in text:
+        raise LookupError("Attention does not call ttnn.experimental.paged_update_cache by its module path: the "
+                          "ordered cache writes (attention.py) would not reach it")
+    return "ttnn.experimental.paged_update_cache looked up at call time"
+
+
+def _layer_call() -> str:
+    from models.common.lightweightmodule import LightweightModule
+
+    class Probe(LightweightModule):
+        def forward(self):
+            return "class"
+
+    probe = Probe()
+    probe.forward = lambda: "instance"
+    if probe() != "instance":
+        raise LookupError("LightweightModule.__call__ does not reach an instance's forward: taps would see nothing")
+    if "layer(" not in _source(_tt("model").Transformer.forward):
+        raise LookupError("Transformer.forward does not call each layer object")
+    return "LightweightModule.__call__ -> self.forward; Transformer.forward calls layer(x, ...)"
+
+
+def _module_map() -> str:
+    text = _source(_tt("model_config").ModelArgs.get_state_dict_prefix)
+    if '"Attention"' not in text and "'Attention'" not in text:
+        raise LookupError("get_state_dict_prefix's module map has no \"Attention\": the backend's Attention subclass "
+                          "would find no weights")
+    return 'module map knows "Attention"'
+
+
+def _model_args_reads() -> str:
+    text = _source(_tt("model_config").ModelArgs)
+    needed = ["device_name", "cluster_shape", "num_devices", "is_galaxy", "vocab_size", "dim", "model_name",
+              "model_cache_path", "n_layers"]
+    missing = [a for a in needed if f"self.{a}" not in text]
+    if missing:
+        raise LookupError(f"ModelArgs sets no {', '.join(missing)}")
+    optional = [a for a in ("padded_vocab_size", "full_model_n_layers") if f"self.{a}" not in text]
+    return "all read attributes set" + (f" ({', '.join(optional)} derived: padded_vocab, full_layers)" if optional
+                                        else "")
+
+
+def _residual_config() -> str:
+    args = _tt("model_config").ModelArgs
+    if hasattr(args, "get_residual_mem_config"):
+        return "get_residual_mem_config(mode, prefetcher)"
+    if "DECODE_RESIDUAL_MEMCFG" in _source(args):
+        return 'model_config["DECODE_RESIDUAL_MEMCFG"]'
+    raise LookupError("no decode residual memory config")
+
+
+def _all_gather() -> str:
+    fn = _tt("ccl").tt_all_gather
+    params = inspect.signature(fn).parameters
+    return ("tt_ccl (all_gather_async with TT_CCL's semaphores)" if "tt_ccl" in params
+            else "no tt_ccl (plain all_gather)")
+
+
+DETAILS = [
+    Detail("ModelArgs(mesh_device, instruct, max_batch_size, max_seq_len, optimizations)", "tt/model_config.py",
+           lambda: _signature_has(_tt("model_config").ModelArgs, "instruct", "max_batch_size", "max_seq_len",
+                                  "optimizations")),
+    Detail("ModelArgs attributes the backend reads", "tt/model_config.py", _model_args_reads),
+    Detail("ModelArgs.weight_cache_path / load_state_dict", "tt/model_config.py",
+           lambda: "both present" if all(hasattr(_tt("model_config").ModelArgs, a)
+                                         for a in ("weight_cache_path", "load_state_dict")) else None),
+    Detail("DecodersPrecision.performance / accuracy", "tt/model_config.py",
+           lambda: "both present" if all(hasattr(_tt("model_config").DecodersPrecision, a)
+                                         for a in ("performance", "accuracy")) else None),
+    Detail("get_state_dict_prefix module map", "tt/model_config.py", _module_map),
+    Detail("decode residual memory config", "tt/model_config.py", _residual_config),
+    Detail("Transformer(..., attention_class=)", "tt/model.py",
+           lambda: _signature_has(_tt("model").Transformer, "attention_class", "paged_attention_config")),
+    Detail("ttnn_decode_forward: per-device logits", "tt/model.py", _decode_forward),
+    Detail("ttnn_decode_forward: return convention", "tt/model.py", _decode_return),
+    Detail("prepare_decode_inputs_host(tokens, current_pos, page_table)", "tt/model.py",
+           lambda: _signature_has(_tt("model").Transformer.prepare_decode_inputs_host, "tokens", "current_pos",
+                                  "page_table")),
+    Detail("use_qk_fused", "tt/attention.py", _qk_fused),
+    Detail("paged_update_cache looked up at call time", "tt/attention.py", _update_cache_at_call_time),
+    Detail("layers called as LightweightModules (taps)", "models/common/lightweightmodule.py, tt/model.py",
+           _layer_call),
+    Detail("copy_host_to_device(host, device_tensors, mesh_device)", "tt/common.py",
+           lambda: _signature_has(_tt("common").copy_host_to_device, "device_tensors", "mesh_device")),
+    Detail("PagedAttentionConfig(block_size, max_num_blocks)", "tt/common.py",
+           lambda: _signature_has(_tt("common").PagedAttentionConfig, "block_size", "max_num_blocks")),
+    Detail("Generator.prefill_forward_text(tokens, page_table, kv_cache, prompt_lens)", "tt/generator.py",
+           lambda: _signature_has(_tt("generator").Generator.prefill_forward_text, "page_table", "kv_cache",
+                                  "prompt_lens")),
+    Detail("tt_all_gather", "tt/ccl.py", _all_gather),
+]
+
+
+def probe() -> list[tuple[str, bool, str]]:
+    """(detail, found, the variant found or what is missing and the file to look at) for every detail, against the
+    installed tt-metal; opens no device."""
+    lines = []
+    for d in DETAILS:
+        try:
+            variant = d.check()
+        except Exception as e:  # noqa: BLE001: a missing module, attribute or parameter is the finding
+            variant, error = None, f"{type(e).__name__}: {e}"
+        else:
+            error = "not found"
+        where = d.where if d.where.startswith("models/") else f"models/tt_transformers/{d.where}"
+        lines.append((d.name, variant is not None, variant or f"missing ({error}): look at {where}"))
+    return lines

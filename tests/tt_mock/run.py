@@ -1,0 +1,234 @@
+# SPDX-License-Identifier: Apache-2.0
+"""`make tt-mock`: every ttnn call the project makes, through the real ttnn 0.81.1 on tt-metal's Mock Device (a mock
+N150, and a mock N300 1x2 mesh with FABRIC_1D), eagerly (`--trace 0`: the Mock Device cannot capture traces).
+
+The backend is built as the demo builds it (device.open_mesh, model.build_tt_model, TtnnCausalLM, TtnnDraftHead)
+over tests/tt_mock/tt_transformers.py (a TEST DOUBLE of TT-Transformers on real ttnn tensors), at the shapes of
+Llama-3.1-8B-Instruct (dim 4096, 32 heads, 8 KV heads, vocabulary 128,256, a random EAGLE-3 head with a 32k draft
+vocabulary; max_seq_len 1024 at batch 32 and 8192 at batch 4) and of the embedded SmolLM2-135M-Instruct, and every
+program a run uses runs: the decode step at each write-pass count with and without the top k and the taps (the tap
+copies, their gather on the mesh, the tap tile), the split-vocabulary argmax, max and top k per device, the inputs'
+host-to-device writes, the prompt taps' reads, and the device draft head's feed and chain (its weights, paged KV
+cache, draft-id embedding and outputs). Readback is all zeros there: the ids are not checked, the calls are.
+
+Each mesh runs in its own process (the mock cluster is chosen by an environment variable before ttnn loads). A call
+is counted where the project's own code (models/tt_transformers) makes it; the double's calls are reported apart.
+Prints one line per case and ends with `tt-mock: <n> calls through ttnn 0.81.1 on mock N150 and N300 1x2, <f>
+failures`; exit status 1 on any failure.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections import Counter
+from functools import partial
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+PROJECT = str(REPO / "models" / "tt_transformers")
+MESHES = {"N150": ("wormhole_N150.yaml", (1, 1)), "N300": ("wormhole_N300.yaml", (1, 2))}
+# HF config.json fields the double's ModelArgs and our torch ModelArgs read
+LLAMA_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+            "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+            "vocab_size": 128256, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 131072,
+            "tie_word_embeddings": False, "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0,
+                                                            "high_freq_factor": 4.0,
+                                                            "original_max_position_embeddings": 8192,
+                                                            "rope_type": "llama3"}}
+SMOLLM2 = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
+           "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+           "vocab_size": 49152, "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "max_position_embeddings": 8192,
+           "tie_word_embeddings": True}
+# (model name, config, max_seq_len, batch size, draft vocabulary of the random head)
+SHAPES = [("Llama-3.1-8B-Instruct", LLAMA_8B, 1024, 32, 32000), ("Llama-3.1-8B-Instruct", LLAMA_8B, 8192, 4, 32000),
+          ("SmolLM2-135M-Instruct", SMOLLM2, 1024, 4, None)]
+N_DRAFT = 4
+
+
+class CallCounter:
+    """Wraps ttnn's callables to count the calls made from the project's code and from the double."""
+
+    def __init__(self):
+        self.ours, self.double = Counter(), Counter()
+
+    def install(self, ttnn) -> None:
+        for module in (ttnn, ttnn.experimental, ttnn.transformer):
+            for name in dir(module):
+                fn = getattr(module, name)
+                if name.startswith("_") or isinstance(fn, type) or not callable(fn) or \
+                        type(fn).__name__ == "module":
+                    continue
+                setattr(module, name, self._wrap(f"{module.__name__}.{name}", fn))
+
+    def _wrap(self, name, fn):
+        def counted(*args, **kwargs):
+            caller = sys._getframe(1).f_code.co_filename
+            (self.ours if caller.startswith(PROJECT) else self.double)[name] += 1
+            return fn(*args, **kwargs)
+        counted.__wrapped__ = fn
+        counted.__doc__ = fn.__doc__
+        return counted
+
+
+def install_double() -> None:
+    """models.tt_transformers.tt.* (and models.common.lightweightmodule) resolve to the double."""
+    from tests.tt_mock import tt_transformers
+
+    for name in ("models.tt_transformers.tt", "models.tt_transformers.tt.common", "models.tt_transformers.tt.model",
+                 "models.tt_transformers.tt.model_config", "models.tt_transformers.tt.attention",
+                 "models.tt_transformers.tt.generator", "models.tt_transformers.tt.ccl",
+                 "models.common", "models.common.lightweightmodule"):
+        sys.modules[name] = tt_transformers
+
+
+def checkpoint(folder: Path, name: str, config: dict) -> Path:
+    path = folder / name
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def run_shape(mesh, name: str, config: dict, max_seq_len: int, batch: int, draft_vocab, work: Path) -> None:
+    """One model shape: the target through every program the demo plans, a prompt's taps, a verify step of several
+    users, then the device draft head fed the prompt and a verified step, drafting chains."""
+    import torch
+
+    from models.tt_transformers.torch_backend.draft_head import random_head
+    from models.tt_transformers.torch_backend.model_config import ModelArgs
+    from models.tt_transformers.ttnn_backend.draft_head import TtnnDraftHead
+    from models.tt_transformers.ttnn_backend.generator import TtnnCausalLM
+    from models.tt_transformers.ttnn_backend.model import build_tt_model
+
+    folder = checkpoint(work, name, config)
+    tt = build_tt_model(mesh, folder, name, batch, max_seq_len, True)
+    lm = TtnnCausalLM(tt, batch, max_seq_len, trace=False)
+    args = ModelArgs.from_hf_config(config)
+    head_config, weights = random_head(args, draft_vocab=draft_vocab)
+    lm.warm_up(N_DRAFT + 1, 4, head_config.taps)  # the steps a hybrid run plans: recycling's top k, the head's taps
+    embedding = torch.zeros(config["vocab_size"], config["hidden_size"], dtype=torch.bfloat16)
+    head = TtnnDraftHead(lm, head_config, weights, embedding, N_DRAFT, args, cache_dir=work / "head" / name)
+    try:
+        exercise(lm, head, head_config.taps, config["hidden_size"])
+    finally:
+        head.release()
+        lm.release()
+
+
+def exercise(lm, head, taps, dim: int) -> None:
+    from models.tt_transformers.speculative.backend import UserRows
+    from models.tt_transformers.speculative.head_drafter import HeadFeed
+
+    head.warm_up()
+    lm.prepare_traces()  # eager: every planned program of the target and the head runs once
+    users = list(range(min(lm.max_batch_size, 3)))
+    prompt = list(range(1, 41))
+    for user in users:
+        out = lm.prefill(user, prompt, taps=taps)
+        assert out.hidden[0].shape == (len(prompt), len(taps) * dim)
+    drafted = head.draft([HeadFeed(u, 0, prompt[1:] + [7], states=out.hidden[0]) for u in users], users, N_DRAFT)
+    rows = [UserRows(u, [7] + drafted[u][0], len(prompt)) for u in users]
+    step = lm.step(rows, logits=True, top_k=4, taps=taps)
+    feeds = [HeadFeed(r.user, r.start_pos, ids[: len(r.tokens)], tile_rows=range(h.first_row, h.first_row + len(r.tokens)))
+             for r, ids, h in zip(rows, step.ids, step.hidden)]
+    head.draft(feeds, users, N_DRAFT)
+    head.draft(feeds, users[:1], 1)
+    lm.step([UserRows(0, [3], len(prompt) + N_DRAFT + 1)])  # a plain decode step
+
+
+def negative_control(mesh) -> None:
+    """A call ttnn must refuse (a matmul whose inner dims differ): if it passes, the mock device is not validating and
+    nothing else this run reports means anything."""
+    import torch
+    import ttnn
+
+    def tile(*shape):
+        return ttnn.from_torch(torch.zeros(*shape), dtype=ttnn.bfloat16, layout=ttnn.TILE_LAYOUT, device=mesh,
+                               mesh_mapper=ttnn.ReplicateTensorToMesh(mesh))
+    try:
+        ttnn.linear(tile(1, 1, 32, 64), tile(32, 32))
+    except RuntimeError as e:
+        if "width of the first tensor must be equal to the height of the second" in str(e):
+            return
+        raise AssertionError(f"the refusal came with another message: {e}") from e
+    raise AssertionError("ttnn.linear of [32, 64] by [32, 32] was accepted: the mock device is not validating")
+
+
+def worker(mesh_name: str, out: Path) -> int:
+    """The cases on one mock mesh; a JSON summary written to `out` (tt-metal logs to stdout)."""
+    import ttnn
+
+    from models.tt_transformers.ttnn_backend import device
+
+    counter = CallCounter()
+    counter.install(ttnn)
+    install_double()
+    device.tt_device_present = lambda: True  # the mock device stands in for /dev/tenstorrent*
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ["TT_CACHE_PATH"] = tmp
+        with device.open_mesh(mesh_name, trace_region_size=50_000_000) as mesh:
+            cases = [(f"{mesh_name} negative control (a refused matmul)", partial(negative_control, mesh))]
+            for name, config, max_seq_len, batch, draft_vocab in SHAPES:
+                cases.append((f"{mesh_name} {name} max_seq_len {max_seq_len} batch {batch}",
+                              partial(run_shape, mesh, name, config, max_seq_len, batch, draft_vocab, Path(tmp))))
+            for case, run in cases:
+                before, start = sum(counter.ours.values()), time.perf_counter()
+                try:
+                    run()
+                    error = None
+                except Exception as e:  # noqa: BLE001: a validation error is the finding
+                    error = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+                results.append({"case": case, "calls": sum(counter.ours.values()) - before, "error": error,
+                                "seconds": round(time.perf_counter() - start, 1)})
+    out.write_text(json.dumps({"mesh": mesh_name, "results": results, "ours": dict(counter.ours),
+                               "double": sum(counter.double.values())}))
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mesh", choices=list(MESHES), help="run one mesh's cases in this process (internal)")
+    parser.add_argument("--summary", help="where --mesh writes its summary (internal)")
+    parser.add_argument("--json", help="also write the summary here")
+    args = parser.parse_args(argv)
+    if args.mesh:
+        return worker(args.mesh, Path(args.summary))
+    summaries, failures, calls = [], 0, Counter()
+    with tempfile.TemporaryDirectory() as jit:
+        for mesh_name, (descriptor, _) in MESHES.items():
+            env = {**os.environ, "ARCH_NAME": "wormhole_b0", "TT_METAL_MOCK_CLUSTER_DESC_PATH": str(HERE / descriptor),
+                   "TT_METAL_CACHE": os.environ.get("TT_METAL_CACHE", jit + "/"), "PYTHONPATH": str(REPO),
+                   "TT_METAL_LOGGER_LEVEL": os.environ.get("TT_METAL_LOGGER_LEVEL", "WARNING")}
+            out = Path(jit) / f"{mesh_name}.json"
+            done = subprocess.run([sys.executable, "-m", "tests.tt_mock.run", "--mesh", mesh_name, "--summary", str(out)],
+                                  cwd=jit, env=env, capture_output=True, text=True)  # tt-metal writes generated/ here
+            try:
+                summary = json.loads(out.read_text())
+            except (OSError, json.JSONDecodeError):
+                print(f"{mesh_name}: the worker died (exit {done.returncode}):\n{done.stdout[-4000:]}\n"
+                      f"{done.stderr[-4000:]}")
+                failures += 1
+                continue
+            summaries.append(summary)
+            calls.update(summary["ours"])
+            for r in summary["results"]:
+                status = "ok" if r["error"] is None else "FAILED"
+                print(f"  {r['case']}: {r['calls']} calls, {r['seconds']} s, {status}")
+                if r["error"]:
+                    failures += 1
+                    print("    " + r["error"].replace("\n", "\n    "))
+    print("  ttnn functions called by the project: " + ", ".join(f"{n.removeprefix('ttnn.')} x{c}"
+                                                                  for n, c in sorted(calls.items())))
+    if args.json:
+        Path(args.json).write_text(json.dumps(summaries, indent=1))
+    print(f"tt-mock: {sum(calls.values())} calls through ttnn 0.81.1 on mock N150 and N300 1x2, {failures} failures")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,358 @@
+# SPDX-License-Identifier: Apache-2.0
+"""TEST DOUBLE for the TT-Transformers modules the ttnn backend imports (models.tt_transformers.tt.*), built on the
+REAL ttnn 0.81.1 wheel running on tt-metal's Mock Device (`make tt-mock`). TT-Transformers is not in the wheel; this
+double computes nothing (no weights, and the mock device reads every tensor back as zeros). What it does is hand the
+backend real ttnn device tensors of the shapes, dtypes, layouts and memory configs TT-Transformers hands over, and
+call the backend's hooks (the attention class, the layer objects the taps wrap, the cache update) the way
+TT-Transformers calls them, so that every ttnn call the backend makes goes through ttnn's own validation, program
+factories and allocators. Numerics and traces stay with the torch stand-in (tests/tt_stand_in); what TT-Transformers
+does beyond this stays with the source reviews.
+
+Mirrored from tt-metal's sources (the pinned v0.81.1 is not in the searchable index; the versions read are named):
+- tt/model_config.py ModelArgs (17a8a99d): HF_MODEL required, device name from the device count, the decode residual
+  memory config (WIDTH-sharded, shard (32, dim / cores / devices) over find_grid's grid closest to 32 cores),
+  get_state_dict_prefix's module map, weight_cache_path, use_qk_fused True for text models. Neither
+  padded_vocab_size nor full_model_n_layers is set (not found in the base class): the backend derives them
+  (tt_surface.py).
+- tt/model.py Transformer (the 2026 version "C"): prepare_decode_inputs_host (uint32 tokens [1, 1, 1, 32],
+  int32 positions and page table, replicated), ttnn_decode_forward with on_device_logits (each device's TILE share
+  of the logits, positions advanced with ttnn.plus_one) or the gathered, untilized (logits, None), the residual
+  moved to its memory config before every layer, each layer called as a LightweightModule.
+- tt/decoder.py TransformerBlock.forward: asserts its input's memory config (decode: the residual's; prefill: DRAM).
+- tt/attention.py Attention.forward_decode (5cd1b56c): nlp_create_qkv_heads_decode into L1 height-sharded heads,
+  then ttnn.experimental.paged_update_cache(keys, k, update_idxs_tensor=current_pos, page_table=page_table), looked
+  up at call time (the backend's ordered writes replace it there). use_qk_fused read into an attribute.
+- tt/ccl.py TT_CCL and tt_all_gather (013eaee3): double-buffered global semaphores per axis slot, all_gather_async
+  over the whole mesh (cluster_axis None), the input to DRAM first and deallocated after.
+- tt/common.py copy_host_to_device, PagedAttentionConfig, get_padded_prefill_len (553f842d).
+- tt/generator.py Generator.prefill_forward_text: the prompt padded, the layers run on x [1, 1, S, dim / devices] in
+  DRAM (the taps' prefill reads), the last token's logits to the host.
+One KV-cache pair is shared by every layer (the shapes and configs are what is checked; 32 layers of an 8B cache at
+8,192 positions would not fit the mock device's DRAM), and only the first and last layers issue the cache update
+(every layer's calls are the same: 30 more copies of them would only slow the run).
+"""
+import json
+import math
+import os
+from enum import Enum
+from pathlib import Path
+
+import torch
+import ttnn
+
+
+class LightweightModule:  # models/common/lightweightmodule.py
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+
+class Mode(Enum):  # tt/common.py (2026)
+    DECODE = "decode"
+    PREFILL = "prefill"
+
+
+class PagedAttentionConfig:  # tt/common.py
+    def __init__(self, block_size=32, max_num_blocks=1024):
+        self.block_size, self.max_num_blocks = block_size, max_num_blocks
+
+
+def copy_host_to_device(host_tensors, device_tensors=None, mesh_device=None, shard_specs=None):
+    """tt/common.py copy_host_to_device (the 2026 form with shard_specs)."""
+    if device_tensors is None:
+        assert mesh_device is not None, "mesh_device is required when device_tensors is None"
+        return [ttnn.to_device(t, device=mesh_device) if t else None for t in host_tensors]
+    for host, device in zip(host_tensors, device_tensors):
+        if host is None:
+            assert device is None
+            continue
+        ttnn.copy_host_to_device_tensor(host, device)
+    return device_tensors
+
+
+def get_padded_prefill_len(seq_len: int) -> int:
+    """tt/common.py (553f842d, 001cd078): 128, else the smaller of the next power of two and a multiple of 2,048."""
+    if seq_len <= 128:
+        return 128
+    return min(2 ** (seq_len - 1).bit_length(), 2048 * math.ceil(seq_len / 2048))
+
+
+class DecodersPrecision:  # tt/model_config.py: the preset ModelArgs keeps as its optimizations
+    def __init__(self, num_decoders, model_name, name):
+        self.num_decoders, self.model_name, self.name = num_decoders, model_name, name
+
+    @classmethod
+    def performance(cls, num_decoders, model_name):
+        return cls(num_decoders, model_name, "performance")
+
+    @classmethod
+    def accuracy(cls, num_decoders, model_name):
+        return cls(num_decoders, model_name, "accuracy")
+
+
+def determine_device_name(mesh_device) -> str:  # tt/model_config.py (Wormhole's table)
+    return {1: "N150", 2: "N300", 4: "N150x4", 8: "T3K", 32: "TG"}[mesh_device.get_num_devices()]
+
+
+def find_grid(n_tiles: int) -> tuple[int, int]:
+    """tt/model_config.py ModelArgs.find_grid (17a8a99d): the core count dividing n_tiles closest to 32, 8 x 8 at
+    most, as (rows, cols)."""
+    cores = sorted((k for k in range(1, 65) if n_tiles % k == 0), key=lambda k: abs(k - 32))
+    for c in cores:
+        for rows in range(1, 9):
+            if c % rows == 0 and c // rows <= 8:
+                return rows, c // rows
+    raise AssertionError(f"Cannot find grid for {n_tiles} tiles")
+
+
+class ModelArgs:
+    """tt/model_config.py ModelArgs (17a8a99d): the settings the backend and this double read."""
+
+    def __init__(self, mesh_device, instruct=False, dummy_weights=False, max_batch_size=1, max_seq_len=1024 * 128,
+                 optimizations=None, cache_hf=False):
+        hf_model = os.getenv("HF_MODEL")
+        assert hf_model, "Please set HF_MODEL to a HuggingFace name e.g. meta-llama/Llama-3.1-8B-Instruct"
+        config = json.loads((Path(hf_model) / "config.json").read_text())
+        self.mesh_device, self.instruct = mesh_device, instruct
+        self.num_devices = mesh_device.get_num_devices()
+        self.device_name = determine_device_name(mesh_device)
+        self.cluster_shape = list(mesh_device.shape)
+        self.is_galaxy = self.num_devices == 32
+        assert max_batch_size in {1, 2, 4, 8, 16, 32}, f"Batch size {max_batch_size} not supported"
+        self.max_batch_size, self.max_seq_len, self.tile_size = max_batch_size, max_seq_len, 32
+        self.tile_padded_batch_rows = 32 * math.ceil(max_batch_size / 32)
+        self.model_name = hf_model.strip("/").split("/")[-1]
+        cache = os.getenv("TT_CACHE_PATH")
+        self.model_cache_path = Path(cache, self.device_name) if cache else Path("model_cache", hf_model,
+                                                                                   self.device_name)
+        self.dim, self.n_layers = config["hidden_size"], config["num_hidden_layers"]
+        self.n_heads, self.n_kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+        self.head_dim = config.get("head_dim") or self.dim // self.n_heads
+        self.vocab_size = config["vocab_size"]
+        self.use_qk_fused = True  # `not self.is_multimodal`
+        self.optimizations = optimizations(self) if callable(optimizations) else optimizations
+
+    def dram_shard_core_grid_for_k(self, k: int):
+        rows, cols = find_grid(k // self.tile_size)
+        return ttnn.CoreGrid(x=cols, y=rows)
+
+    def get_residual_mem_config(self, mode, prefetcher=None):
+        """The decode residual: WIDTH-sharded in L1 over dram_shard_core_grid_for_k(dim / devices); prefill: DRAM."""
+        if mode != Mode.DECODE:
+            return ttnn.DRAM_MEMORY_CONFIG
+        grid = self.dram_shard_core_grid_for_k(self.dim // self.num_devices)
+        return ttnn.create_sharded_memory_config(
+            (self.tile_padded_batch_rows, self.dim // grid.num_cores // self.num_devices), grid,
+            ttnn.ShardStrategy.WIDTH, ttnn.ShardOrientation.ROW_MAJOR, use_height_and_width_as_shard_shape=True)
+
+    def get_state_dict_prefix(self, module_name, layer_num, is_vision=False):
+        module_map = {"MLP": "feed_forward", "Attention": "attention", "TransformerBlock": "", "": ""}
+        return (f"layers.{layer_num}." if layer_num is not None else "") + module_map[module_name]
+
+    def weight_cache_path(self, dtype):
+        kind = {ttnn.bfloat16: "bf16", ttnn.bfloat8_b: "bfp8"}[dtype]
+        return self.model_cache_path / (f"tensor_cache_instruct_{kind}" if self.instruct else f"tensor_cache_{kind}")
+
+    def load_state_dict(self):
+        return {}  # no weights: nothing here computes
+
+
+class TT_CCL:
+    """tt/ccl.py TT_CCL (013eaee3): for each axis slot (0, 1, none) two barrier semaphores and two pairs of all-gather
+    semaphores, handed out in turn ("double buffered")."""
+
+    def __init__(self, mesh_device):
+        self.mesh_device = mesh_device
+        grid = mesh_device.compute_with_storage_grid_size()
+        cores = ttnn.CoreRangeSet({ttnn.CoreRange(ttnn.CoreCoord(0, 0), ttnn.CoreCoord(grid.x - 1, grid.y - 1))})
+        self.barrier_idx, self.ag_idx = [0, 0, 0], [0, 0, 0]
+        self.barrier = [[ttnn.create_global_semaphore(mesh_device, cores, 0) for _ in range(2)] for _ in range(3)]
+        self.ag = [[[ttnn.create_global_semaphore(mesh_device, cores, 0) for _ in range(2)] for _ in range(2)]
+                   for _ in range(3)]
+
+    @staticmethod
+    def _cycle(idx, handles, cluster_axis):
+        slot = 2 if not cluster_axis else cluster_axis
+        current = idx[slot]
+        idx[slot] = (current + 1) % 2
+        return handles[slot][current]
+
+    def get_and_cycle_ag_semaphore_handles(self, cluster_axis=None):
+        return self._cycle(self.ag_idx, self.ag, cluster_axis)
+
+    def get_and_cycle_barrier_semaphore_handle(self, cluster_axis=None):
+        return self._cycle(self.barrier_idx, self.barrier, cluster_axis)
+
+    def get_num_links(self, cluster_axis=None):  # ccl.py get_num_links: N150 (0, 0), N300 and T3K (1, 1)
+        return {"N150": 0, "N300": 1, "T3K": 1}[determine_device_name(self.mesh_device)]
+
+
+def tt_all_gather(input_tensor, mesh_device, tt_ccl, cluster_axis, dim, num_links=None, memory_config=None,
+                  sharded=False, topology=ttnn.Topology.Linear, dtype=ttnn.bfloat16):
+    """tt/ccl.py tt_all_gather (013eaee3)."""
+    if list(mesh_device.shape) == [1, 1] or (cluster_axis == 1 and 1 in list(mesh_device.shape)):
+        return input_tensor
+    if num_links is None:
+        num_links = tt_ccl.get_num_links(cluster_axis)
+    if not sharded:
+        input_tensor = ttnn.to_memory_config(input_tensor, ttnn.DRAM_MEMORY_CONFIG)
+    if input_tensor.dtype != dtype:
+        input_tensor = ttnn.to_memory_config(input_tensor, ttnn.L1_MEMORY_CONFIG, dtype)
+    axis = {} if cluster_axis is None else {"cluster_axis": cluster_axis}
+    gathered = ttnn.experimental.all_gather_async(
+        input_tensor, persistent_output_buffer=None, dim=dim,
+        multi_device_global_semaphore=tt_ccl.get_and_cycle_ag_semaphore_handles(cluster_axis), num_links=num_links,
+        memory_config=memory_config, topology=topology,
+        barrier_semaphore=tt_ccl.get_and_cycle_barrier_semaphore_handle(cluster_axis), chunks_per_sync=10,
+        num_workers_per_link=2, num_buffers_per_channel=2, **axis)
+    input_tensor.deallocate(True)
+    return gathered
+
+
+SHARED_CACHES: dict = {}  # (mesh, shape) -> [keys, values]: one pair for every layer (module docstring)
+
+
+class Attention(LightweightModule):
+    """tt/attention.py Attention: the decode cache update only (no weights, no attention output)."""
+
+    def __init__(self, mesh_device, tt_ccl, args, state_dict, weight_cache_path, layer_num, dtype,
+                 transformation_mats, configuration, paged_attention_config=None, use_paged_kv_cache=False,
+                 prefetcher=None):
+        configuration.get_state_dict_prefix(self.__class__.__name__, layer_num)  # KeyError for an unknown class name
+        self.mesh_device, self.args, self.use_qk_fused = mesh_device, args, configuration.use_qk_fused
+        self.n_local_heads = args.n_heads // args.num_devices
+        self.n_local_kv_heads = args.n_kv_heads // args.num_devices
+        shape = (paged_attention_config.max_num_blocks, self.n_local_kv_heads, paged_attention_config.block_size,
+                 args.head_dim)
+        key = (id(mesh_device), shape)
+        if key not in SHARED_CACHES:
+            SHARED_CACHES[key] = [ttnn.as_tensor(torch.zeros(shape), dtype=ttnn.bfloat8_b, layout=ttnn.TILE_LAYOUT,
+                                                 device=mesh_device, memory_config=ttnn.DRAM_MEMORY_CONFIG,
+                                                 mesh_mapper=ttnn.ReplicateTensorToMesh(mesh_device))
+                                  for _ in range(2)]
+        self.layer_past = SHARED_CACHES[key]
+
+    def forward_decode(self, x, current_pos, rot_mats=None, page_table=None, kv_cache=None):
+        heads = (self.n_local_heads + 2 * self.n_local_kv_heads) * self.args.head_dim
+        xqkv = ttnn.from_torch(torch.zeros(1, 1, 32, heads), dtype=ttnn.bfloat16, layout=ttnn.TILE_LAYOUT,
+                               device=self.mesh_device, memory_config=ttnn.L1_MEMORY_CONFIG,
+                               mesh_mapper=ttnn.ReplicateTensorToMesh(self.mesh_device))
+        _, k, v = ttnn.experimental.nlp_create_qkv_heads_decode(
+            xqkv, num_heads=self.n_local_heads, num_kv_heads=self.n_local_kv_heads,
+            memory_config=ttnn.L1_HEIGHT_SHARDED_MEMORY_CONFIG)
+        keys, values = kv_cache if kv_cache else self.layer_past
+        if self.use_qk_fused:
+            ttnn.experimental.paged_fused_update_cache(keys, k, values, v, update_idxs_tensor=current_pos,
+                                                       page_table=page_table)
+        else:
+            ttnn.experimental.paged_update_cache(keys, k, update_idxs_tensor=current_pos, page_table=page_table)
+            ttnn.experimental.paged_update_cache(values, v, update_idxs_tensor=current_pos, page_table=page_table)
+        return x
+
+
+class TransformerBlock(LightweightModule):
+    """tt/decoder.py TransformerBlock: checks its input's memory config, runs the attention (decode)."""
+
+    def __init__(self, args, mesh_device, tt_ccl, dtype, state_dict, weight_cache_path, layer_num,
+                 transformation_mats, paged_attention_config=None, use_paged_kv_cache=False, attention_class=None,
+                 prefetcher=None):
+        self.args, self.updates_cache = args, layer_num in (0, args.n_layers - 1)
+        self.attention = (attention_class or Attention)(mesh_device, tt_ccl, args, state_dict, weight_cache_path,
+                                                        layer_num, dtype, transformation_mats, args,
+                                                        paged_attention_config, use_paged_kv_cache)
+
+    def forward(self, x, current_pos, rot_mats_global=None, rot_mats_local=None, user_id=0, mode=Mode.DECODE,
+                page_table=None, chunk_page_table=None, chunk_start_idx=None, kv_cache=None, batch_size=1):
+        skip_mem_cfg = self.args.get_residual_mem_config(mode, None)
+        assert x.memory_config() == skip_mem_cfg, f"decoder input memcfg mismatch: {x.memory_config()} != {skip_mem_cfg}"
+        if mode == Mode.DECODE and self.updates_cache:  # the first and last layers' (the same calls in every layer)
+            return self.attention.forward_decode(x, current_pos, rot_mats_global, page_table=page_table,
+                                                 kv_cache=kv_cache)
+        return x
+
+
+class Transformer(LightweightModule):
+    """tt/model.py Transformer (2026, "C")."""
+
+    def __init__(self, args, dtype, mesh_device, state_dict, weight_cache_path, paged_attention_config=None,
+                 use_paged_kv_cache=False, attention_class=None, rope_setup_class=None, prefetcher=None):
+        self.args, self.mesh_device, self.vocab_size, self.n_layers = args, mesh_device, args.vocab_size, args.n_layers
+        self.tt_ccl = TT_CCL(mesh_device)
+        self.layers = [TransformerBlock(args, mesh_device, self.tt_ccl, dtype, state_dict, weight_cache_path, i, {},
+                                        paged_attention_config, use_paged_kv_cache, attention_class)
+                       for i in range(self.n_layers)]
+        splits = args.num_devices if list(mesh_device.shape) != [1, 1] else 2
+        self.sampling = object() if args.vocab_size // splits <= 64 * 1024 else None  # SamplingGenerator or None
+        unit = 32 * args.num_devices  # tt/lm_head.py: the vocabulary split evenly, whole tiles per device
+        self.lm_head_width = math.ceil(args.vocab_size / unit) * unit
+
+    def _mapper(self, dims):
+        return ttnn.ShardTensor2dMesh(self.mesh_device, dims=dims, mesh_shape=self.args.cluster_shape)
+
+    def prepare_decode_inputs_host(self, tokens, current_pos, page_table=None):
+        B = tokens.shape[0]
+        assert current_pos.shape[0] == B, "Batch size mismatch"
+        assert B == self.args.max_batch_size, f"Batch size {B} must be equal to max_batch_size"
+        tokens = torch.nn.functional.pad(tokens.view(-1), (0, 32 - len(tokens)), "constant", 0)
+        tokens = ttnn.unsqueeze_to_4D(ttnn.from_torch(tokens, device=None, dtype=ttnn.uint32,
+                                                      mesh_mapper=ttnn.ReplicateTensorToMesh(self.mesh_device)))
+        rot = torch.maximum(current_pos, torch.tensor(0, dtype=torch.int64))
+        rope_idxs = ttnn.from_torch(torch.nn.functional.pad(rot.view(1, -1), (0, 32 - len(rot))), device=None,
+                                    dtype=ttnn.uint32, mesh_mapper=ttnn.ReplicateTensorToMesh(self.mesh_device))
+        current_pos_tt = ttnn.from_torch(current_pos, device=None, dtype=ttnn.int32, mesh_mapper=self._mapper(
+            (None, None)))
+        if page_table is not None:
+            page_table = ttnn.from_torch(page_table, device=None, dtype=ttnn.int32, mesh_mapper=self._mapper(
+                (None, None)))
+        return tokens, current_pos_tt, rope_idxs, page_table
+
+    def _residual(self, rows: int, mode):
+        """x as the embedding leaves it ([1, 1, rows, dim / devices] bfloat16 in DRAM), in the mode's config."""
+        x = ttnn.from_torch(torch.zeros(1, 1, rows, self.args.dim), dtype=ttnn.bfloat16, layout=ttnn.TILE_LAYOUT,
+                            device=self.mesh_device, memory_config=ttnn.DRAM_MEMORY_CONFIG,
+                            mesh_mapper=self._mapper((None, 3)))
+        return ttnn.to_memory_config(x, self.args.get_residual_mem_config(mode, None))
+
+    def forward(self, x, current_pos, rot_mats_global=None, rot_mats_local=None, user_id=0, mode=Mode.DECODE,
+                page_table=None, chunk_page_table=None, chunk_start_idx=None, get_last_token=-1, kv_cache=None,
+                batch_size=1, page_tables_per_layer=None):
+        for i, layer in enumerate(self.layers):
+            if mode == Mode.DECODE and not self.args.is_galaxy:
+                x = ttnn.to_memory_config(x, self.args.get_residual_mem_config(mode, None), None)
+            x = layer(x, current_pos, rot_mats_global=rot_mats_global, rot_mats_local=rot_mats_local,
+                      user_id=user_id, mode=mode, page_table=page_table, chunk_page_table=chunk_page_table,
+                      chunk_start_idx=chunk_start_idx, kv_cache=kv_cache[i] if kv_cache is not None else None,
+                      batch_size=batch_size)
+        return x
+
+    def ttnn_decode_forward(self, x, current_pos, rot_mat_idxs=None, page_table=None, kv_cache=None,
+                            on_device_logits=False, page_tables_per_layer=None):
+        self.forward(self._residual(32, Mode.DECODE), current_pos, rot_mats_global=rot_mat_idxs, mode=Mode.DECODE,
+                     page_table=page_table, kv_cache=kv_cache)
+        # the LM head's output, each device's share of the columns (bfloat8_b, TILE)
+        logits = ttnn.from_torch(torch.zeros(1, 1, 32, self.lm_head_width), dtype=ttnn.bfloat8_b,
+                                 layout=ttnn.TILE_LAYOUT, device=self.mesh_device,
+                                 memory_config=ttnn.DRAM_MEMORY_CONFIG, mesh_mapper=self._mapper((None, 3)))
+        if on_device_logits:
+            assert self.sampling is not None
+            ttnn.plus_one(current_pos, skip_negative_entries=True)
+            ttnn.plus_one(rot_mat_idxs)
+            return logits
+        if self.args.num_devices > 1:
+            logits = tt_all_gather(logits, self.mesh_device, self.tt_ccl, None, 3)
+        return ttnn.untilize(logits, use_multicore=True, memory_config=ttnn.DRAM_MEMORY_CONFIG), None
+
+
+class Generator:
+    """tt/generator.py Generator: prefill_forward_text runs the layers on the padded prompt (no warm-up sweep)."""
+
+    def __init__(self, model, model_args, mesh_device, processor=None, tokenizer=None):
+        self.model, self.model_args, self.mesh_device = model, model_args, mesh_device
+
+    def prefill_forward_text(self, tokens, page_table=None, kv_cache=None, prompt_lens=None, empty_slots=None,
+                             enable_trace=True, model_id_warmup=None, sampling_params=None, start_pos=None,
+                             return_hidden_states=False, warmup_prefill=True, **kwargs):
+        model = self.model[0]
+        for n in prompt_lens:
+            x = model._residual(get_padded_prefill_len(int(n)), Mode.PREFILL)
+            model.forward(x, None, mode=Mode.PREFILL, page_table=page_table, kv_cache=kv_cache[0])
+        return torch.zeros(tokens.shape[0], 1, model.vocab_size)
