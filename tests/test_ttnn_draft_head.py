@@ -33,6 +33,7 @@ def device_head(lm, checkpoint, head, tmp_path, chain=CHAIN):
     lm.warm_up(chain + 1, 0, config.taps)
     dev = TtnnDraftHead(lm, config, weights, embedding, chain, args, cache_dir=tmp_path / "head")
     dev.warm_up()
+    lm.prepare_traces()  # every model planned, then the mesh's traces made once (as the demo's warm_up)
     return dev
 
 

@@ -419,13 +419,16 @@ def test_options_beside_tt_metal_demo_conftest(stand_in, tmp_path):
 
 
 def test_blackhole_device_params_and_the_system_mesh(stand_in):
-    """Issue 30's review finding 5: device params as tt-metal's get_updated_device_params makes them (Blackhole with a
-    fabric: the MUX tensix config and ROW dispatch; ROW without both falls back to COL; one DispatchCoreConfig), and
-    with MESH_DEVICE unset the system mesh's own shape (open_mesh_device without one: 8 x 4 on a Galaxy)."""
+    """Issue 30's review finding 5: device params as tt-metal's get_updated_device_params makes them (one
+    DispatchCoreConfig; on Blackhole ROW dispatch only with both a fabric and a tensix config, else COL; the tensix
+    config the caller's, else DISABLED, passed to set_fabric_config), and with MESH_DEVICE unset the system mesh's own
+    shape (open_mesh_device without one: 8 x 4 on a Galaxy)."""
     fabric_calls, opened = [], []
     set_fabric, open_device = stand_in_ttnn.set_fabric_config, stand_in_ttnn.open_mesh_device
     stand_in.setattr(stand_in_ttnn, "set_fabric_config", lambda *a, **k: fabric_calls.append(a) or set_fabric(*a, **k))
     stand_in.setattr(stand_in_ttnn, "open_mesh_device", lambda **k: opened.append(k) or open_device(**k))
+    row, col, mux = stand_in_ttnn.DispatchCoreAxis.ROW, stand_in_ttnn.DispatchCoreAxis.COL, \
+        stand_in_ttnn.FabricTensixConfig.MUX
 
     def open_and_close(**params):
         with tt_device.open_mesh(trace_region_size=10**6, **params):
@@ -433,13 +436,13 @@ def test_blackhole_device_params_and_the_system_mesh(stand_in):
         return opened[-1]["dispatch_core_config"]
     stand_in.setattr(stand_in_ttnn, "ARCH", {"name": "blackhole"})
     stand_in.setenv("MESH_DEVICE", "P300")
-    config = open_and_close()
-    assert config.axis == stand_in_ttnn.DispatchCoreAxis.ROW
-    assert config.fabric_tensix_config == stand_in_ttnn.FabricTensixConfig.MUX
-    assert fabric_calls[0][0] == stand_in_ttnn.FabricConfig.FABRIC_1D
-    assert fabric_calls[0][-1] == stand_in_ttnn.FabricTensixConfig.MUX
+    assert open_and_close(dispatch_core_axis=row).axis == col  # a fabric but no tensix config
+    assert fabric_calls[-2] == (stand_in_ttnn.FabricConfig.FABRIC_1D, stand_in_ttnn.FabricReliabilityMode.STRICT_INIT,
+                                None, stand_in_ttnn.FabricTensixConfig.DISABLED)  # (the last: reset after closing)
+    config = open_and_close(dispatch_core_axis=row, fabric_tensix_config=mux)
+    assert (config.axis, config.fabric_tensix_config, fabric_calls[-2][-1]) == (row, mux, mux)
     stand_in.setenv("MESH_DEVICE", "P150")
-    assert open_and_close(dispatch_core_axis=stand_in_ttnn.DispatchCoreAxis.ROW).axis == stand_in_ttnn.DispatchCoreAxis.COL
+    assert open_and_close(dispatch_core_axis=row, fabric_tensix_config=mux).axis == col  # no fabric on one chip
     stand_in.setattr(stand_in_ttnn, "ARCH", {"name": "wormhole_b0"})
     stand_in.setenv("MESH_DEVICE", "N150")
     config = open_and_close()
@@ -448,19 +451,3 @@ def test_blackhole_device_params_and_the_system_mesh(stand_in):
     stand_in.delenv("MESH_DEVICE")
     open_and_close()
     assert opened[-1]["mesh_shape"] is None  # the system mesh, whatever its shape
-
-
-def test_a_sampled_step_reads_only_the_rows_in_use(stand_in, tiny):
-    """Issue 30's review finding 3: a sampled step's logits come back for the rows in use (the smallest traced slice
-    of 4, 8 or 16 rows holding them), not 32 rows x the vocabulary (~8 MB a step for Llama-3.1-8B); the same values."""
-    mesh = mesh_of((1, 1))
-    lm = build(mesh, tiny)
-    full = lm.step([UserRows(0, [1, 2, 3, 4, 5, 6], 0)], logits=True).logits[0]
-    reads, to_torch = [], stand_in_ttnn.to_torch
-    stand_in.setattr(stand_in_ttnn, "to_torch", lambda t, *a, **k: reads.append(tuple(t.shape)) or to_torch(t, *a, **k))
-    for rows, read in ((3, 4), (6, 8), (12, 16), (20, 32)):
-        reads.clear()
-        out = lm.step([UserRows(0, list(range(1, rows + 1)), 0)],
-                      logits=True)
-        assert [shape[-2] for shape in reads if shape[-1] > 1] == [read], rows  # one read of the logits
-        assert out.logits[0].shape[0] == rows and torch.equal(out.logits[0][:6], full[: min(rows, 6)])

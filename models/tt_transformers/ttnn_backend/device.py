@@ -53,24 +53,24 @@ def fabric_config_for(shape: tuple[int, int]):
 
 
 def dispatch_params(device_params: dict, fabric) -> tuple[dict, object]:
-    """device_params as tt-metal's get_updated_device_params (tests/scripts/common.py, the 2026 form copied into its
-    downstream conftests) turns them into open_mesh_device's: dispatch_core_axis and dispatch_core_type become one
-    ttnn.DispatchCoreConfig(type, axis, fabric_tensix_config). On Blackhole a fabric without a tensix config gets the
-    MUX one and ROW dispatch (the variant that defaults it: "Blackhole with fabric enabled, defaulting to
-    fabric_tensix_config=MUX and use DispatchCoreAxis.ROW"); ROW dispatch without both falls back to COL. Returns the
-    parameters and the fabric tensix config set_fabric passes on (None: ttnn's default)."""
+    """device_params as tt-metal's get_updated_device_params (tests/scripts/common.py, the 2026 form the root
+    conftest imports) turns them into open_mesh_device's: dispatch_core_axis and dispatch_core_type become one
+    ttnn.DispatchCoreConfig(type, axis, fabric_tensix_config); on Blackhole ROW dispatch needs both a fabric and a
+    fabric tensix config, else it falls back to COL ("ROW dispatch requires both fabric and tensix config, using
+    DispatchCoreAxis.COL instead"). The tensix config is the caller's (device_params' fabric_tensix_config, e.g. MUX),
+    else the root conftest's get_default_fabric_tensix_config(): DISABLED on every architecture (one downstream copy
+    defaults Blackhole to MUX with ROW dispatch: not followed). Returns the parameters and the tensix config set_fabric
+    passes on."""
     import ttnn
 
     params = dict(device_params)
     axis, kind = params.pop("dispatch_core_axis", None), params.pop("dispatch_core_type", None)
     tensix = params.pop("fabric_tensix_config", None)
-    if ttnn.device.is_blackhole():
-        if fabric is not None and tensix is None:
-            tensix, axis = ttnn.FabricTensixConfig.MUX, ttnn.DispatchCoreAxis.ROW
-        elif not (fabric is not None and tensix is not None) and axis == ttnn.DispatchCoreAxis.ROW:
-            axis = ttnn.DispatchCoreAxis.COL  # "ROW dispatch requires both fabric and tensix config"
+    if ttnn.device.is_blackhole() and not (fabric is not None and tensix is not None) and \
+            axis == ttnn.DispatchCoreAxis.ROW:
+        axis = ttnn.DispatchCoreAxis.COL
     params.setdefault("dispatch_core_config", ttnn.DispatchCoreConfig(kind, axis, tensix))
-    return params, tensix
+    return params, tensix if tensix is not None else ttnn.FabricTensixConfig.DISABLED
 
 
 @contextmanager
@@ -92,9 +92,8 @@ def open_mesh(name: Optional[str] = None, trace_region_size: int = 0, fabric_con
     if shape == (1, 1):
         fabric = None  # models/tt_transformers/conftest.py: no fabric on a single device
     device_params, tensix = dispatch_params(device_params, fabric)
-    if fabric is not None:
-        ttnn.set_fabric_config(fabric, reliability_mode or ttnn.FabricReliabilityMode.STRICT_INIT, None,
-                               *([tensix] if tensix is not None else []))
+    if fabric is not None:  # set_fabric: set_fabric_config(config, reliability_mode, num_planes, fabric_tensix_config)
+        ttnn.set_fabric_config(fabric, reliability_mode or ttnn.FabricReliabilityMode.STRICT_INIT, None, tensix)
     try:
         mesh = ttnn.open_mesh_device(mesh_shape=ttnn.MeshShape(*shape) if named else None,
                                      trace_region_size=trace_region_size, num_command_queues=num_command_queues,

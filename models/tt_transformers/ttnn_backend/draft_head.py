@@ -45,7 +45,7 @@ from ..torch_backend.draft_head import HeadConfig, estimated_run_cost, parameter
 from ..torch_backend.model_config import ModelArgs
 from ..torch_backend.rope import rope_tables
 from .generator import MESH_MODELS, TtnnCausalLM, captured, device_tensors, prepare_mesh, release_all
-from .model import BLOCK_SIZE, TILE_ROWS
+from .model import BLOCK_SIZE, TILE_ROWS, blocks_per_user
 from .trace_plan import HeadKey, head_trace_bytes, head_trace_keys, pass_ladder, passes_for
 
 
@@ -106,7 +106,7 @@ class TtnnDraftHead:
         self.vocab = torch.arange(config.draft_vocab_size) + (weights["d2t"].long() if "d2t" in weights else 0)
         self.dtype = weights_dtype or ttnn.bfloat8_b  # matmul weights
         self.max_seq_len = target.max_seq_len + chain_len  # a chain writes past the last position a step verifies
-        self.blocks = math.ceil(self.max_seq_len / BLOCK_SIZE)
+        self.blocks = blocks_per_user(self.max_seq_len)
         self.page_table = torch.arange(target.max_batch_size * self.blocks, dtype=torch.int32).view(
             target.max_batch_size, self.blocks)
         host = head_weights(config, weights)

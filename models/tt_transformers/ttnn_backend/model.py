@@ -28,6 +28,13 @@ TILE_ROWS = 32  # rows of the decode batch: one tile; every verify row of every 
 BLOCK_SIZE = 32  # KV-cache positions per page
 
 
+def blocks_per_user(positions: int) -> int:
+    """A page-table row's blocks for `positions`, rounded up to a multiple of 8: int32 rows of a multiple of 32 bytes,
+    as TT pads its own prefill page tables (generator.py _pad_or_create_page_table) and paged_fill_cache requires
+    (`page_table_stick_size_B % 32 == 0`)."""
+    return math.ceil(math.ceil(positions / BLOCK_SIZE) / 8) * 8
+
+
 def supported_kwargs(fn, **kwargs) -> dict:
     """The keyword arguments `fn` accepts: TT-Transformers' signatures gained arguments between tags."""
     params = inspect.signature(fn).parameters
@@ -138,7 +145,7 @@ def build_tt_model(mesh_device, checkpoint_folder: Path, name: str, max_users: i
     from models.tt_transformers.tt.model_config import ModelArgs
 
     weights_dtype = weights_dtype or ttnn.bfloat8_b
-    blocks_per_user = math.ceil(max_seq_len / BLOCK_SIZE)
+    blocks = blocks_per_user(max_seq_len)
     with model_env(Path(checkpoint_folder), name):
         args = ModelArgs(mesh_device, instruct=instruct, max_batch_size=TILE_ROWS,
                          max_seq_len=model_args_seq_len(max_seq_len), optimizations=precision(optimizations))
@@ -148,11 +155,11 @@ def build_tt_model(mesh_device, checkpoint_folder: Path, name: str, max_users: i
         args.n_layers = n_layers
     args.use_qk_fused = False  # the cache update is paged_update_cache, which attention.py orders
     passes = KVWritePasses()
-    paged = PagedAttentionConfig(block_size=BLOCK_SIZE, max_num_blocks=max_users * blocks_per_user)
+    paged = PagedAttentionConfig(block_size=BLOCK_SIZE, max_num_blocks=max_users * blocks)
     model = Transformer(args=args, dtype=weights_dtype, mesh_device=mesh_device, state_dict=args.load_state_dict(),
                         weight_cache_path=args.weight_cache_path(weights_dtype), paged_attention_config=paged,
                         attention_class=ordered_write_attention(Attention, passes))
     kv_cache = [layer.attention.layer_past for layer in model.layers]
-    page_table = torch.arange(max_users * blocks_per_user, dtype=torch.int32).view(max_users, blocks_per_user)
+    page_table = torch.arange(max_users * blocks, dtype=torch.int32).view(max_users, blocks)
     return TTModel(model, args, mesh_device, kv_cache, page_table, passes, Generator([model], [args], mesh_device),
                    checkpoint_layers)

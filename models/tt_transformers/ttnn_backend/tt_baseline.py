@@ -12,14 +12,14 @@ both on the same checkpoint, so speedups are stated against what a TT user would
 plain decoding, and compare with TT's published targets.
 """
 import gc
-import math
 import time
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
-from .model import BLOCK_SIZE, model_args_seq_len, model_env, precision, supported_kwargs
+from .generator import release_all
+from .model import BLOCK_SIZE, blocks_per_user, model_args_seq_len, model_env, precision, supported_kwargs
 from .tt_surface import decode_logits
 
 TT_DEMO_BATCHES = (1, 2, 4, 8, 16, 32)  # ModelArgs' supported_batches
@@ -37,7 +37,7 @@ def tt_decode_baseline(mesh_device, folder: Path, name: str, prompts: Sequence[S
     from models.tt_transformers.tt.generator import Generator, SamplingParams
 
     batch = next(b for b in TT_DEMO_BATCHES if b >= len(prompts))
-    blocks = math.ceil(max_seq_len / BLOCK_SIZE)
+    blocks = blocks_per_user(max_seq_len)
     paged = PagedAttentionConfig(block_size=BLOCK_SIZE, max_num_blocks=batch * blocks)
     with model_env(Path(folder), name):
         args, model, kv_cache, _ = create_tt_model(mesh_device, **supported_kwargs(
@@ -66,12 +66,25 @@ def tt_decode_baseline(mesh_device, folder: Path, name: str, prompts: Sequence[S
             outputs.append(token)
             current_pos += 1
     finally:
+        release_all(mesh_device, generator_traces(generator))
         del generator, model, kv_cache
         gc.collect()
     timed = seconds[1:]  # the first step compiles and captures (TT's compile_decode)
     per_user = len(timed) / sum(timed) if timed else 0.0
     return {"decode_t/s/u": per_user, "decode_t/s": per_user * len(prompts), "on_device_sampling": sampling is not None,
             "batch": batch, "tokens": torch.stack(outputs, dim=1)[: len(prompts)].tolist()}
+
+
+def generator_traces(generator) -> list:
+    """The trace ids TT's Generator holds (its trace_id* attributes: dicts keyed by sampling mode and model, or ids),
+    released here rather than left to a destructor the 2026 generator.py may not have."""
+    def ids(value):
+        if isinstance(value, dict):
+            return [i for v in value.values() for i in ids(v)]
+        if isinstance(value, (list, tuple)):
+            return [i for v in value for i in ids(v)]
+        return [] if value is None else [value]
+    return [i for name, value in vars(generator).items() if name.startswith("trace_id") for i in ids(value)]
 
 
 def next_tokens(out, sampled_on_device: bool) -> torch.Tensor:

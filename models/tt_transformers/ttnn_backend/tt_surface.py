@@ -163,7 +163,7 @@ def _module_map() -> str:
 
 
 def _model_args_reads() -> str:
-    text = _source(_tt("model_config").ModelArgs)
+    text = "".join(_source(c) for c in _tt("model_config").ModelArgs.__mro__ if c is not object)  # and its bases
     needed = ["device_name", "cluster_shape", "num_devices", "is_galaxy", "vocab_size", "dim", "model_name",
               "model_cache_path", "n_layers"]
     missing = [a for a in needed if f"self.{a}" not in text]
