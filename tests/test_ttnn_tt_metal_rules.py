@@ -451,3 +451,18 @@ def test_blackhole_device_params_and_the_system_mesh(stand_in):
     stand_in.delenv("MESH_DEVICE")
     open_and_close()
     assert opened[-1]["mesh_shape"] is None  # the system mesh, whatever its shape
+
+
+def test_a_sampled_step_reads_only_the_rows_in_use(stand_in, tiny):
+    """Issue 30's review finding 3: a sampled step's logits come back for the rows in use (the smallest traced slice
+    of 4, 8 or 16 rows holding them), not 32 rows x the vocabulary (~8 MB a step for Llama-3.1-8B); the same values."""
+    mesh = mesh_of((1, 1))
+    lm = build(mesh, tiny)
+    full = lm.step([UserRows(0, [1, 2, 3, 4, 5, 6], 0)], logits=True).logits[0]
+    reads, to_torch = [], stand_in_ttnn.to_torch
+    stand_in.setattr(stand_in_ttnn, "to_torch", lambda t, *a, **k: reads.append(tuple(t.shape)) or to_torch(t, *a, **k))
+    for rows, read in ((3, 4), (6, 8), (12, 16), (20, 32)):
+        reads.clear()
+        out = lm.step([UserRows(0, list(range(1, rows + 1)), 0)], logits=True)
+        assert [shape[-2] for shape in reads if shape[-1] > 1] == [read], rows  # one read of the logits
+        assert out.logits[0].shape[0] == rows and torch.equal(out.logits[0][:6], full[: min(rows, 6)])
