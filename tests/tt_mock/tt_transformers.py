@@ -34,74 +34,27 @@ One KV-cache pair is shared by every layer (the shapes and configs are what is c
 import json
 import math
 import os
+from functools import partial
 from enum import Enum
 from pathlib import Path
 
 import torch
 import ttnn
 
-
-class LightweightModule:  # models/common/lightweightmodule.py
-    def __call__(self, *args, **kwargs):
-        return self.forward(*args, **kwargs)
-
-
-class Mode(Enum):  # tt/common.py (2026)
-    DECODE = "decode"
-    PREFILL = "prefill"
-
-
-class PagedAttentionConfig:  # tt/common.py
-    def __init__(self, block_size=32, max_num_blocks=1024):
-        self.block_size, self.max_num_blocks = block_size, max_num_blocks
+# the stand-in's mirrors of TT-Transformers' ttnn-free pieces (tests/tt_stand_in/tt_transformers.py), shared
+from tests.tt_stand_in import tt_transformers as stand_in
+from tests.tt_stand_in.tt_transformers import (  # noqa: F401: the names TT-Transformers' modules export
+    DecodersPrecision,
+    LightweightModule,
+    Mode,
+    PagedAttentionConfig,
+    determine_device_name,
+    find_grid,
+    get_padded_prefill_len,
+)
 
 
-def copy_host_to_device(host_tensors, device_tensors=None, mesh_device=None, shard_specs=None):
-    """tt/common.py copy_host_to_device (the 2026 form with shard_specs)."""
-    if device_tensors is None:
-        assert mesh_device is not None, "mesh_device is required when device_tensors is None"
-        return [ttnn.to_device(t, device=mesh_device) if t else None for t in host_tensors]
-    for host, device in zip(host_tensors, device_tensors):
-        if host is None:
-            assert device is None
-            continue
-        ttnn.copy_host_to_device_tensor(host, device)
-    return device_tensors
-
-
-def get_padded_prefill_len(seq_len: int) -> int:
-    """tt/common.py (553f842d, 001cd078): 128, else the smaller of the next power of two and a multiple of 2,048."""
-    if seq_len <= 128:
-        return 128
-    return min(2 ** (seq_len - 1).bit_length(), 2048 * math.ceil(seq_len / 2048))
-
-
-class DecodersPrecision:  # tt/model_config.py: the preset ModelArgs keeps as its optimizations
-    def __init__(self, num_decoders, model_name, name):
-        self.num_decoders, self.model_name, self.name = num_decoders, model_name, name
-
-    @classmethod
-    def performance(cls, num_decoders, model_name):
-        return cls(num_decoders, model_name, "performance")
-
-    @classmethod
-    def accuracy(cls, num_decoders, model_name):
-        return cls(num_decoders, model_name, "accuracy")
-
-
-def determine_device_name(mesh_device) -> str:  # tt/model_config.py (Wormhole's table)
-    return {1: "N150", 2: "N300", 4: "N150x4", 8: "T3K", 32: "TG"}[mesh_device.get_num_devices()]
-
-
-def find_grid(n_tiles: int) -> tuple[int, int]:
-    """tt/model_config.py ModelArgs.find_grid (17a8a99d): the core count dividing n_tiles closest to 32, 8 x 8 at
-    most, as (rows, cols)."""
-    cores = sorted((k for k in range(1, 65) if n_tiles % k == 0), key=lambda k: abs(k - 32))
-    for c in cores:
-        for rows in range(1, 9):
-            if c % rows == 0 and c // rows <= 8:
-                return rows, c // rows
-    raise AssertionError(f"Cannot find grid for {n_tiles} tiles")
+copy_host_to_device = partial(stand_in.copy_host_to_device, ttnn=ttnn)  # tt/common.py, on the real ttnn
 
 
 class ModelArgs:
@@ -156,9 +109,9 @@ class ModelArgs:
         return {}  # no weights: nothing here computes
 
 
-class TT_CCL:
-    """tt/ccl.py TT_CCL (013eaee3): for each axis slot (0, 1, none) two barrier semaphores and two pairs of all-gather
-    semaphores, handed out in turn ("double buffered")."""
+class TT_CCL(stand_in.TT_CCL):
+    """tt/ccl.py TT_CCL (013eaee3), its semaphores handed out in turn as the stand-in's mirror does, made on the real
+    ttnn over the device's whole compute grid."""
 
     def __init__(self, mesh_device):
         self.mesh_device = mesh_device
@@ -168,19 +121,6 @@ class TT_CCL:
         self.barrier = [[ttnn.create_global_semaphore(mesh_device, cores, 0) for _ in range(2)] for _ in range(3)]
         self.ag = [[[ttnn.create_global_semaphore(mesh_device, cores, 0) for _ in range(2)] for _ in range(2)]
                    for _ in range(3)]
-
-    @staticmethod
-    def _cycle(idx, handles, cluster_axis):
-        slot = 2 if not cluster_axis else cluster_axis
-        current = idx[slot]
-        idx[slot] = (current + 1) % 2
-        return handles[slot][current]
-
-    def get_and_cycle_ag_semaphore_handles(self, cluster_axis=None):
-        return self._cycle(self.ag_idx, self.ag, cluster_axis)
-
-    def get_and_cycle_barrier_semaphore_handle(self, cluster_axis=None):
-        return self._cycle(self.barrier_idx, self.barrier, cluster_axis)
 
     def get_num_links(self, cluster_axis=None):  # ccl.py get_num_links: N150 (0, 0), N300 and T3K (1, 1)
         return {"N150": 0, "N300": 1, "T3K": 1}[determine_device_name(self.mesh_device)]

@@ -69,8 +69,8 @@ class Mode(Enum):  # tt/common.py
     PREFILL = "prefill"
 
 
-def copy_host_to_device(host_tensors, device_tensors=None, mesh_device=None, shard_specs=None):
-    """tt/common.py copy_host_to_device."""
+def copy_host_to_device(host_tensors, device_tensors=None, mesh_device=None, shard_specs=None, ttnn=ttnn):
+    """tt/common.py copy_host_to_device (ttnn: which one; the mock-device double passes the real one)."""
     if device_tensors is None:
         assert mesh_device is not None, "mesh_device is required when device_tensors is None"
         return [ttnn.to_device(t, device=mesh_device) if t else None for t in host_tensors]
