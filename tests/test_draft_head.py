@@ -113,6 +113,20 @@ def test_both_layouts_and_a_hub_id_load_the_same_head(tmp_path, monkeypatch):
     assert heads["eagle"].config.layout == "eagle"
 
 
+def test_unsorted_taps_are_read_in_ascending_layer_order(tmp_path):
+    """Issue 31's finding 8: fc reads the tapped states in ascending layer order whatever order
+    eagle_aux_hidden_state_layer_ids lists them in (vLLM and sglang capture while walking the layers, speculators
+    trains on that): a head listing [6, 1, 3] taps (1, 3, 6), as the same head listing them sorted."""
+    model = random_model(torch.float32, n_layers=6, max_seq_len=64)
+    unsorted = load_draft_head(write_eagle3_head(tmp_path / "a", model.args, "speculators", draft_vocab=40,
+                                                 taps=(6, 1, 3)), model)
+    ordered = load_draft_head(write_eagle3_head(tmp_path / "b", model.args, "speculators", draft_vocab=40,
+                                                taps=(1, 3, 6)), model)
+    assert unsorted.config.taps == ordered.config.taps == (1, 3, 6)
+    taps, tokens = torch.randn(5, 3 * model.args.dim), [3, 9, 27, 1, 50]
+    assert torch.equal(head_logits(unsorted, taps, tokens), head_logits(ordered, taps, tokens))
+
+
 def test_llama8b_shaped_head_is_lossless_in_both_layouts(tmp_path):
     """A Llama-3.1-8B-shaped target (32 layers, 4:1 grouped-query attention, Llama-3 rope scaling; narrow layers)
     and random EAGLE-3 heads in both layouts with no tap list in their config: the drafter asks the backend for

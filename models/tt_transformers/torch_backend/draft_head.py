@@ -129,7 +129,11 @@ def read_head_config(folder: Path, target: ModelArgs, flag: str = "--draft_head"
     if layer.vocab_size != target.vocab_size:
         raise DraftHeadError(f"{flag} {folder}: the head's vocabulary has {layer.vocab_size} tokens, this target's "
                              f"{target.vocab_size} (another tokenizer): {made_for}")
-    taps = tuple(int(i) for i in (cfg.get("eagle_aux_hidden_state_layer_ids") or default_taps(target.n_layers)))
+    # fc reads the taps in ascending layer order whatever order the list has: vLLM, sglang and speculators' capture
+    # walks the layers and keeps those whose id is listed (vllm llama.py `if idx in self.aux_hidden_state_layers`,
+    # sglang `layers_to_capture`), and speculators' trainer takes the last block as the deepest
+    taps = tuple(sorted(int(i) for i in (cfg.get("eagle_aux_hidden_state_layer_ids")
+                                         or default_taps(target.n_layers))))
     if not taps or any(not 0 <= i <= target.n_layers for i in taps):
         raise DraftHeadError(f"{flag} {folder}: eagle_aux_hidden_state_layer_ids {list(taps)} must be layers of this "
                              f"{target.n_layers}-layer target (0 to {target.n_layers}, the last layer's output): "
