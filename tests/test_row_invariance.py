@@ -36,3 +36,30 @@ def test_packed_linear_equals_f_linear_and_is_row_invariant():
             assert torch.equal(out, F.linear(x, linear.weight))
             for m in (1, 2, 3, 5, 9):
                 assert torch.equal(packed(x[:, :m]), out[:, :m]), (out_f, in_f, m)
+
+
+def test_exact_attention_takes_non_contiguous_queries_and_outputs(monkeypatch):
+    """Issue 32 (CUDA): on an H100 the exact-attention path's `.view` failed ("view size is not compatible with input
+    tensor's size and stride") on query rows and SDPA outputs that were not contiguous there. The CPU path reaches it
+    the same way here: rotary and SDPA handing back the same values in transposed memory; the step's logits are
+    unchanged."""
+    from models.tt_transformers.speculative.backend import UserRows
+    from models.tt_transformers.torch_backend import attention
+    from models.tt_transformers.torch_backend.generator import TorchCausalLM
+
+    from .conftest import random_model
+
+    def transposed(t):  # the same values, the last two dims' strides swapped
+        return t.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+    def run():
+        lm = TorchCausalLM(random_model(), 3, 2)
+        lm.prefill(0, [1, 2, 3])
+        lm.prefill(1, [4, 5])
+        return lm.step([UserRows(0, [6, 7, 8], 3), UserRows(1, [9, 10], 2)], logits=True).logits
+    reference = run()
+    rope, sdpa = attention.apply_rope, attention.F.scaled_dot_product_attention
+    monkeypatch.setattr(attention, "apply_rope", lambda *a: transposed(rope(*a)))
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", lambda *a, **k: transposed(sdpa(*a, **k)))
+    for got, want in zip(run(), reference):
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)

@@ -75,8 +75,9 @@ class Attention(nn.Module):
             for tok, slots in zip(step.exact_tokens, step.exact_keys):
                 keys = k_cache[tok.row, :, tok.first : tok.run_end] if slots is None else k_cache[tok.row][:, slots]
                 values = v_cache[tok.row, :, tok.first : tok.run_end] if slots is None else v_cache[tok.row][:, slots]
+                # reshape, not view: on CUDA the query rows and SDPA's output need not be contiguous there
                 out[0, tok.index] = F.scaled_dot_product_attention(
-                    q[0, tok.index].view(1, Hk, G, D), keys.unsqueeze(0), values.unsqueeze(0)).view(H, D)
+                    q[0, tok.index].reshape(1, Hk, G, D), keys.unsqueeze(0), values.unsqueeze(0)).reshape(H, D)
             return self.wo(out.view(B, T, H * D))
         keys = k_cache[step.read_rows, :, : step.kv_len]
         values = v_cache[step.read_rows, :, : step.kv_len]
