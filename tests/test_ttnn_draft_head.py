@@ -15,6 +15,7 @@ from models.tt_transformers.torch_backend.draft_head import HeadRunner, build_dr
 from models.tt_transformers.torch_backend.model import Transformer
 from models.tt_transformers.torch_backend.model_config import ModelArgs
 from models.tt_transformers.ttnn_backend.draft_head import TtnnDraftHead
+from models.tt_transformers.ttnn_backend.model import TILE_ROWS
 from models.tt_transformers.ttnn_backend.trace_plan import head_trace_keys
 
 from .conftest import random_head_tensors
@@ -99,6 +100,25 @@ def drafter_head(drafter):
 
 def planned(lm, head) -> set:
     return set(lm.planned) | set(head.planned)
+
+
+def test_a_drafting_replay_ends_in_two_reads(tt, embedded_checkpoint, prompts, tmp_path, monkeypatch):
+    """Issue 31's finding 3: the chain's ids and probabilities are joined on the device, so a replay drafting K tokens
+    is read back in two reads (ids, probabilities), not 2 x K blocking reads; the drafts are the same as one read per
+    step would give (the chain's per-step outputs are still there for checks)."""
+    from .tt_stand_in import ttnn as stand_in_ttnn
+
+    lm = tt(2)
+    dev = device_head(lm, embedded_checkpoint, random_head(embedded_checkpoint, draft_vocab=20000), tmp_path)
+    out = lm.prefill(0, prompts[1][:40], taps=dev.taps)
+    reads, to_torch = [], stand_in_ttnn.to_torch
+    monkeypatch.setattr(stand_in_ttnn, "to_torch", lambda t, *a, **k: reads.append(tuple(t.shape)) or
+                        to_torch(t, *a, **k))
+    drafted = dev.draft([HeadFeed(0, 0, prompts[1][1:40] + out.ids[0], states=out.hidden[0])], [0], CHAIN)[0]
+    assert reads == [(1, 1, TILE_ROWS, CHAIN)] * 2
+    trace, row = dev.traces[dev.last_key], dev.last_rows[0]
+    per_step = [int(to_torch(ids).reshape(-1)[row]) for ids in trace.ids]
+    assert drafted[0] == dev.vocab[per_step].tolist() and len(drafted[1]) == CHAIN
 
 
 def test_the_step_leaves_the_taps_in_the_tile(tt, embedded_checkpoint, prompts, tmp_path):

@@ -68,6 +68,8 @@ class HeadTrace:
     ids: list  # per chain step: [1, 1, 32, 1] uint32, the argmax over the draft vocabulary of each row
     probs: list  # per chain step: [1, 1, 32, 1], the softmax probability of that argmax
     logits: list  # per chain step: [1, 1, 32, V'] (kept on the device; tests read them)
+    chain_ids: Any = None  # [1, 1, 32, k] uint32: the steps' ids side by side, read in one go
+    chain_probs: Any = None  # [1, 1, 32, k]: their probabilities, read in one go
 
 
 def head_weights(config: HeadConfig, weights: dict) -> dict[str, torch.Tensor]:
@@ -274,6 +276,10 @@ class TtnnDraftHead:
             out.ids.append(ids)
             out.probs.append(probs)
             out.logits.append(logits)
+        # the chain's outputs side by side, so a replay ends in two reads, not 2 x k (issue 31, finding 3)
+        dram = ttnn.DRAM_MEMORY_CONFIG
+        out.chain_ids = ttnn.concat(out.ids, dim=3, memory_config=dram) if k > 1 else ids
+        out.chain_probs = ttnn.concat(out.probs, dim=3, memory_config=dram) if k > 1 else probs
         return out
 
     # ---- traces (made with the mesh's other models: generator.prepare_mesh) --------------------------------------
@@ -304,7 +310,8 @@ class TtnnDraftHead:
     def _deallocate(out: HeadTrace) -> None:
         import ttnn
 
-        for tensor in device_tensors([out.ids, out.probs, out.logits]):
+        for tensor in device_tensors([out.ids, out.probs, out.logits, out.chain_ids if len(out.ids) > 1 else None,
+                                      out.chain_probs if len(out.ids) > 1 else None]):
             ttnn.deallocate(tensor)
 
     def capture(self, key: HeadKey) -> None:
@@ -441,14 +448,13 @@ class TtnnDraftHead:
         return replays
 
     def _read(self, trace: HeadTrace, rows: list[int]) -> list[tuple[list[int], list[float]]]:
-        """The drafted ids (mapped to the target's) and probabilities of the given rows, one read per chain step."""
+        """The drafted ids (mapped to the target's) and probabilities of the given rows: one read of each."""
         import ttnn
 
         def read(t):
-            return ttnn.to_torch(ttnn.get_device_tensors(t)[0]).reshape(TILE_ROWS, -1)[:, 0]
+            return ttnn.to_torch(ttnn.get_device_tensors(t)[0]).reshape(TILE_ROWS, -1)[:, : len(trace.ids)]
 
-        ids = torch.stack([read(t).long() for t in trace.ids], dim=1)[rows]
-        probs = torch.stack([read(t).float() for t in trace.probs], dim=1)[rows]
+        ids, probs = read(trace.chain_ids).long()[rows], read(trace.chain_probs).float()[rows]
         return [(self.vocab[i].tolist(), p.tolist()) for i, p in zip(ids, probs)]
 
     def read_logits(self, step: int) -> torch.Tensor:

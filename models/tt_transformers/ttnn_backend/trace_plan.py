@@ -99,7 +99,7 @@ def head_trace_keys(chain_len: int) -> list[HeadKey]:
 
 def head_trace_ops(key: HeadKey) -> int:
     passes, k = key
-    return k * HEAD_LAYER_OPS + 2 * (passes - 1)
+    return k * HEAD_LAYER_OPS + 2 * (passes - 1) + (2 if k > 1 else 0)  # + the chain's ids and probabilities joined
 
 
 def base_model_name(model_name: str) -> str:
