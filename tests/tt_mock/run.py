@@ -158,6 +158,29 @@ def negative_control(mesh) -> None:
     raise AssertionError("ttnn.linear of [32, 64] by [32, 32] was accepted: the mock device is not validating")
 
 
+def bfp8_storage() -> None:
+    """ttnn_backend/bfp8.py's reference of bfloat8_b storage against ttnn's own host conversion, value for value:
+    random values over six decades, a non-tile shape, a batch of matrices, and ties (round half to even, clamped)."""
+    import torch
+    import ttnn
+
+    from models.tt_transformers.ttnn_backend.bfp8 import bfp8_round
+
+    torch.manual_seed(0)
+    ties = torch.zeros(32, 32)
+    ties[:, 0] = 64.0  # the block's exponent 6: a step of 1
+    ties[:, 1:16] = torch.tensor([0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.5, 126.5, 127.5, -127.5, 0.25, 0.75, 5.5, 6.5, 7.5])
+    cases = [torch.randn(96, 128) * torch.logspace(-4, 2, 128), torch.randn(50, 70), torch.randn(3, 64, 32) * 1e-3,
+             ties]
+    for x in cases:
+        device = ttnn.to_torch(ttnn.from_torch(x, dtype=ttnn.bfloat8_b, layout=ttnn.TILE_LAYOUT)).float()
+        ours = bfp8_round(x)
+        if not torch.equal(ours, device.reshape(ours.shape)):
+            differ = (ours != device.reshape(ours.shape)).sum().item()
+            raise AssertionError(f"bfp8_round differs from ttnn's bfloat8_b in {differ} of {x.numel()} values "
+                                 f"(shape {list(x.shape)})")
+
+
 def worker(mesh_name: str, out: Path) -> int:
     """The cases on one mock mesh; a JSON summary written to `out` (tt-metal logs to stdout)."""
     import ttnn
@@ -172,7 +195,8 @@ def worker(mesh_name: str, out: Path) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["TT_CACHE_PATH"] = tmp
         with device.open_mesh(mesh_name, trace_region_size=50_000_000) as mesh:
-            cases = [(f"{mesh_name} negative control (a refused matmul)", partial(negative_control, mesh))]
+            cases = [(f"{mesh_name} negative control (a refused matmul)", partial(negative_control, mesh)),
+                     (f"{mesh_name} bfloat8_b storage (bfp8_round = ttnn's host conversion)", bfp8_storage)]
             for name, config, max_seq_len, batch, draft_vocab in SHAPES:
                 cases.append((f"{mesh_name} {name} max_seq_len {max_seq_len} batch {batch}",
                               partial(run_shape, mesh, name, config, max_seq_len, batch, draft_vocab, Path(tmp))))
