@@ -121,6 +121,32 @@ def test_a_drafting_replay_ends_in_two_reads(tt, embedded_checkpoint, prompts, t
     assert drafted[0] == dev.vocab[per_step].tolist() and len(drafted[1]) == CHAIN
 
 
+def test_every_head_op_runs_with_tt_decode_configs(tt, embedded_checkpoint, prompts, tmp_path, monkeypatch):
+    """Issue 31's finding 1 (configs): every rms_norm, linear and softmax of the head gets a compute-kernel config (norms
+    HiFi2 with fp32 accumulation, matmuls HiFi4 with fp32 accumulation) and SDPA decode TT's program config with the
+    exact exp; before, each took its defaults."""
+    from .tt_stand_in import ttnn as stand_in_ttnn
+
+    lm = tt(1)
+    dev = device_head(lm, embedded_checkpoint, random_head(embedded_checkpoint, draft_vocab=20000), tmp_path)
+    out = lm.prefill(0, prompts[1][:40], taps=dev.taps)
+    seen = {}
+    for name in ("rms_norm", "linear", "softmax"):
+        op = getattr(stand_in_ttnn, name)
+        monkeypatch.setattr(stand_in_ttnn, name, lambda *a, _op=op, _name=name, **k: seen.setdefault(_name, []).append(
+            k.get("compute_kernel_config")) or _op(*a, **k))
+    sdpa = stand_in_ttnn.transformer.paged_scaled_dot_product_attention_decode
+    monkeypatch.setattr(stand_in_ttnn.transformer, "paged_scaled_dot_product_attention_decode",
+                        lambda *a, **k: seen.setdefault("sdpa", []).append((k.get("compute_kernel_config"),
+                                                                            k.get("program_config"))) or sdpa(*a, **k))
+    dev.trace = False  # the ops run now, where they can be seen (eager: the same program)
+    dev.draft([HeadFeed(0, 0, prompts[1][1:40] + out.ids[0], states=out.hidden[0])], [0], CHAIN)
+    fidelity = {name: {(c.math_fidelity, c.fp32_dest_acc_en) for c in configs} for name, configs in seen.items()
+                if name != "sdpa"}
+    assert fidelity == {"rms_norm": {("HiFi2", True)}, "linear": {("HiFi4", True)}, "softmax": {("HiFi2", True)}}
+    assert {(k.math_fidelity, p.exp_approx_mode, p.k_chunk_size) for k, p in seen["sdpa"]} == {("HiFi2", False, 256)}
+
+
 def test_the_step_leaves_the_taps_in_the_tile(tt, embedded_checkpoint, prompts, tmp_path):
     """A tapped step returns where each user's rows sit in the tap tile (DeviceRows) and writes the tile: the named
     layers' inputs, in the order asked, equal to what the prefill reads back for the same positions."""

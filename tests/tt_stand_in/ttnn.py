@@ -198,6 +198,29 @@ def close_mesh_device(mesh_device) -> None:
     FABRIC["open_meshes"] -= 1
 
 
+class MathFidelity:  # ttnn.MathFidelity members (ttnn 0.81.1)
+    LoFi, HiFi2, HiFi3, HiFi4 = "LoFi", "HiFi2", "HiFi3", "HiFi4"
+
+
+class WormholeComputeKernelConfig:
+    """ttnn.WormholeComputeKernelConfig: keyword-only, as the wheel's constructor (the stand-in computes as it does
+    without it: fidelity is a device matter)."""
+
+    def __init__(self, *, math_fidelity=None, math_approx_mode=True, fp32_dest_acc_en=False, packer_l1_acc=False,
+                 dst_full_sync_en=False, throttle_level=None):
+        self.math_fidelity, self.math_approx_mode = math_fidelity, math_approx_mode
+        self.fp32_dest_acc_en, self.packer_l1_acc = fp32_dest_acc_en, packer_l1_acc
+
+
+class SDPAProgramConfig:
+    """ttnn.SDPAProgramConfig: keyword-only; q_chunk_size and k_chunk_size required, as the wheel's constructor."""
+
+    def __init__(self, *, compute_with_storage_grid_size, q_chunk_size, k_chunk_size, exp_approx_mode=None,
+                 sub_core_grids=None, max_cores_per_head_batch=16, max_k_splits=1, matmul_math_fidelity=None,
+                 segmented_accumulation=False):
+        self.q_chunk_size, self.k_chunk_size, self.exp_approx_mode = q_chunk_size, k_chunk_size, exp_approx_mode
+
+
 ARCH = {"name": "wormhole_b0"}  # get_arch_name(); a test sets "blackhole"
 
 

@@ -72,6 +72,35 @@ class HeadTrace:
     chain_probs: Any = None  # [1, 1, 32, k]: their probabilities, read in one go
 
 
+@dataclass
+class HeadKernelConfigs:
+    """The compute-kernel and SDPA configs the head's ops run with (issue 31, finding 1: without them each op took
+    its defaults, SDPA decode an approximate exp). TT's own decode: RMSNorm in HiFi2 with fp32 accumulation
+    (models/common/rmsnorm.py), SDPA decode in HiFi2 with exp_approx_mode False (tt/model_config.py,
+    SDPA_DECODE_PROGCFG and sdpa_decode_compute_kernel_cfg: chunks of 256 over the compute grid); the matmuls in
+    HiFi4 with fp32 accumulation, as tt-metal's own DFlash drafter runs its draft layers (dflash_tt.py: "five serial
+    draft layers amplify projection error enough to change proposal top-1 under HiFi2"). Accepted by ttnn 0.81.1 at
+    both shapes on the mock device (make tt-mock); their effect on the drafts only hardware can measure."""
+
+    norm: Any
+    matmul: Any
+    sdpa: Any
+    sdpa_program: Any
+
+    @classmethod
+    def for_mesh(cls, mesh) -> "HeadKernelConfigs":
+        import ttnn
+
+        def kernel(fidelity, fp32):
+            return ttnn.WormholeComputeKernelConfig(math_fidelity=fidelity, math_approx_mode=False,
+                                                    fp32_dest_acc_en=fp32, packer_l1_acc=fp32)
+        grid = mesh.compute_with_storage_grid_size()
+        return cls(norm=kernel(ttnn.MathFidelity.HiFi2, True), matmul=kernel(ttnn.MathFidelity.HiFi4, True),
+                   sdpa=kernel(ttnn.MathFidelity.HiFi2, False),
+                   sdpa_program=ttnn.SDPAProgramConfig(compute_with_storage_grid_size=grid, q_chunk_size=256,
+                                                       k_chunk_size=256, exp_approx_mode=False))
+
+
 def head_weights(config: HeadConfig, weights: dict) -> dict[str, torch.Tensor]:
     """The head's own tensors as the device program reads them (float32, converted once per dtype): linear weights
     transposed [in, out]; qkv with the rotate-half copies of q and k appended; norms [1, 1, dim / 32, 32] as
@@ -107,6 +136,7 @@ class TtnnDraftHead:
         self.taps, self.vocab_size = tuple(config.taps), a.vocab_size
         self.vocab = torch.arange(config.draft_vocab_size) + (weights["d2t"].long() if "d2t" in weights else 0)
         self.dtype = weights_dtype or ttnn.bfloat8_b  # matmul weights
+        self.configs = HeadKernelConfigs.for_mesh(self.mesh)
         self.max_seq_len = target.max_seq_len + chain_len  # a chain writes past the last position a step verifies
         self.blocks = blocks_per_user(self.max_seq_len)
         self.page_table = torch.arange(target.max_batch_size * self.blocks, dtype=torch.int32).view(
@@ -164,12 +194,13 @@ class TtnnDraftHead:
         import ttnn
 
         return ttnn.rms_norm(x, epsilon=self.args.norm_eps, weight=self.weights[name],
-                             memory_config=ttnn.DRAM_MEMORY_CONFIG)
+                             memory_config=ttnn.DRAM_MEMORY_CONFIG, compute_kernel_config=self.configs.norm)
 
     def _linear(self, x, name: str):
         import ttnn
 
-        return ttnn.linear(x, self.weights[name], dtype=ttnn.bfloat16, memory_config=ttnn.DRAM_MEMORY_CONFIG)
+        return ttnn.linear(x, self.weights[name], dtype=ttnn.bfloat16, memory_config=ttnn.DRAM_MEMORY_CONFIG,
+                           compute_kernel_config=self.configs.matmul)
 
     def _cols(self, x, start: int, end: int):
         import ttnn
@@ -233,7 +264,8 @@ class TtnnDraftHead:
             ttnn.experimental.paged_update_cache(values, v, update_idxs_tensor=pass_positions, page_table=page_table)
         attn = ttnn.transformer.paged_scaled_dot_product_attention_decode(
             q, keys, values, page_table_tensor=page_table, cur_pos_tensor=positions, scale=D ** -0.5,
-            sliding_window_size=a.sliding_window, memory_config=dram)
+            sliding_window_size=a.sliding_window, program_config=self.configs.sdpa_program,
+            compute_kernel_config=self.configs.sdpa, memory_config=dram)
         attn = ttnn.reshape(ttnn.slice(attn, [0, 0, 0, 0], [1, TILE_ROWS, H, D], memory_config=dram),
                             [1, 1, TILE_ROWS, H * D])
         h = ttnn.add(residual, self._linear(attn, "layer.attention.wo.weight"), memory_config=dram)
@@ -253,7 +285,8 @@ class TtnnDraftHead:
         dram = ttnn.DRAM_MEMORY_CONFIG
         ids = ttnn.argmax(ttnn.untilize(logits, use_multicore=True, memory_config=dram), dim=-1, keepdim=True,
                           memory_config=dram)
-        probs = ttnn.max(ttnn.softmax(logits, dim=-1, memory_config=dram), dim=-1, keepdim=True, memory_config=dram)
+        probs = ttnn.max(ttnn.softmax(logits, dim=-1, memory_config=dram, compute_kernel_config=self.configs.norm),
+                         dim=-1, keepdim=True, memory_config=dram)
         return ids, probs
 
     def _forward(self, key: HeadKey):
