@@ -41,6 +41,8 @@ def test_every_stage_runs_and_reports(monkeypatch, tmp_path):
     head = facts["draft_head"]  # the shipped head on the device, its chain beside the torch head's
     assert head["head"].endswith("SmolLM2-135M-Instruct") and len(head["device_chain"]) == len(head["torch_chain"]) == 4
     assert head["first_logits_max_rel_diff"] < 0.05
+    agreement = head["agreement"]  # issue 31's finding 9: over at least 32 chain steps, against the host head
+    assert agreement["chain_steps"] >= tt_smoke.MIN_CHAIN_STEPS and agreement["first_draft_same"] >= 0.8
     assert json.loads((tmp_path / "report.json").read_text())["ok"]
 
 
@@ -76,3 +78,26 @@ def test_the_report_survives_a_failed_teardown(monkeypatch, tmp_path):
     assert written["stages"][-1]["error"] == "RuntimeError: TT_FATAL: capture failed"
     assert written["teardown"] == report["teardown"]
     assert stand_in_ttnn.FABRIC["open_meshes"] == 0  # the mesh still closed
+
+
+def test_a_published_head_given_by_flag(monkeypatch, tmp_path):
+    """`make tt-smoke ARGS='--draft_head FOLDER'` runs the draft-head stage on that head (issue 31's finding 9), its
+    drafts compared with the host head's over at least 32 chain steps; a folder that is not there stops the run at
+    its first stage that needs the head (device open: the trace region is sized for it), in the report."""
+    from models.tt_transformers.torch_backend.checkpoint import resolve_checkpoint
+    from models.tt_transformers.torch_backend.model_config import ModelArgs
+
+    from .conftest import write_eagle3_head
+
+    stand_in_machine(monkeypatch, tmp_path)
+    args = ModelArgs.from_hf_config(resolve_checkpoint(None).config)
+    folder = write_eagle3_head(tmp_path / "published", args, draft_vocab=20000, std=0.3)
+    stages = [("device open", tt_smoke.open_device), ("model build", tt_smoke.build_model),
+              ("draft head on the device", tt_smoke.device_head)]
+    report = tt_smoke.run(smoke_config(tmp_path), tmp_path / "report.json", stages, draft_head=str(folder))
+    assert report["ok"], report["stages"][-1].get("error")
+    head = report["facts"]["draft_head"]
+    assert head["head"] == str(folder) and head["agreement"]["chain_steps"] >= tt_smoke.MIN_CHAIN_STEPS
+    assert tt_smoke.main(["--draft_head", str(tmp_path / "missing"), "--report", str(tmp_path / "r.json")]) == 1
+    failed = json.loads((tmp_path / "r.json").read_text())["stages"][-1]
+    assert failed["stage"] == "device open" and "missing" in failed["error"]
