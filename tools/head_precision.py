@@ -66,9 +66,13 @@ def agreement(reference: list[list[int]], other: list[list[int]]) -> dict:
                 sum(n > 0 for n in prefixes) / len(prefixes), 4)}
 
 
-def shipped_head_case(k: int, stride: int) -> tuple[dict, list]:
-    from models.tt_transformers.demo.speculative_decoding.speculative_demo import DRAFT_HEADS, encode, load_prompts
-    from models.tt_transformers.demo.speculative_decoding.speculative_demo import DEFAULT_PROMPTS
+def shipped_head_case(stride: int) -> tuple[dict, list]:
+    from models.tt_transformers.demo.speculative_decoding.speculative_demo import (
+        DEFAULT_PROMPTS,
+        DRAFT_HEADS,
+        encode,
+        load_prompts,
+    )
     from models.tt_transformers.demo.speculative_decoding.speculative_generator import SpeculativeGenerator
     from models.tt_transformers.torch_backend.checkpoint import load_model, load_tokenizer, resolve_checkpoint
     from models.tt_transformers.torch_backend.draft_head import read_draft_head
@@ -93,13 +97,12 @@ def shipped_head_case(k: int, stride: int) -> tuple[dict, list]:
         [(target, states, whole, starts) for whole, states, starts in sequences]
 
 
-def llama8b_case(k: int) -> tuple[dict, list]:
+def llama8b_case() -> tuple[dict, list]:
     from models.tt_transformers.torch_backend.draft_head import random_head
     from models.tt_transformers.torch_backend.model import Transformer
     from models.tt_transformers.torch_backend.model_config import ModelArgs
 
-    sys.path.insert(0, str(REPO))
-    from tests.tt_mock.run import LLAMA_8B
+    from tests.tt_mock.run import LLAMA_8B  # the 8B shapes make tt-mock runs at
 
     args = ModelArgs.from_hf_config(LLAMA_8B)
     config, weights = random_head(args, draft_vocab=32000)
@@ -129,8 +132,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     start = time.perf_counter()
     report = {"chain": args.chain,
-              "SmolLM2-135M-Instruct shipped head": measure(*shipped_head_case(args.chain, args.stride), args.chain),
-              "Llama-3.1-8B-shaped random head (32k draft vocabulary)": measure(*llama8b_case(args.chain), args.chain)}
+              "SmolLM2-135M-Instruct shipped head": measure(*shipped_head_case(args.stride), args.chain),
+              "Llama-3.1-8B-shaped random head (32k draft vocabulary)": measure(*llama8b_case(), args.chain)}
     report["seconds"] = round(time.perf_counter() - start, 1)
     print(json.dumps(report, indent=1))
     if args.json:
