@@ -64,7 +64,8 @@ def test_cache_update_and_sdpa_decode_operands(mesh):
                                              use_height_and_width_as_shard_shape=True)
     t.experimental.paged_update_cache(cache, t.to_memory_config(update, sharded), update_idxs_tensor=pos,
                                       page_table=table)
-    assert torch.equal(cache.data[10, :, 5], update.data[0, 5])  # row 5, position 5: block table[5, 0] = 10
+    # row 5, position 5: block table[5, 0] = 10, packed as the cache's dtype stores it
+    assert torch.equal(cache.data[10, :, 5], t.stored(update.data[0, 5], cache.dtype))
     q = dev(torch.randn(1, 32, 4, 32), mesh, mem=t.DRAM_MEMORY_CONFIG)
     out = t.transformer.paged_scaled_dot_product_attention_decode(q, cache, cache, page_table_tensor=table,
                                                                   cur_pos_tensor=pos)
@@ -111,3 +112,64 @@ def test_rules_taken_from_the_code_they_cite(mesh):
     assert first is not second and first is third  # double-buffered
     assert ccl.get_and_cycle_ag_semaphore_handles(1) is not first  # axis 1 has a slot of its own
     assert ccl.get_and_cycle_ag_semaphore_handles(0) is second  # axis 0 shares the no-axis slot (`not 0`)
+
+
+def test_bfloat8_b_is_stored_as_the_device_stores_it(mesh):
+    """Issue 31, finding 1: weights, caches and op outputs in bfloat8_b hold what ttnn's host conversion gives
+    (bfp8.py, checked against the wheel by make tt-mock), not float32; the wheel refuses bfloat8_b in row-major."""
+    from models.tt_transformers.ttnn_backend.bfp8 import bfp8_round
+
+    w = torch.randn(64, 96)
+    stored = t.to_torch(dev(w, mesh, dtype=t.bfloat8_b))
+    assert torch.equal(stored, bfp8_round(w)) and not torch.equal(stored, w)
+    x = dev(torch.randn(1, 1, 32, 64), mesh)
+    out = t.to_torch(t.linear(x, dev(w, mesh), dtype=t.bfloat8_b))
+    assert torch.equal(out, bfp8_round(out)) and out.isfinite().all()
+    with pytest.raises(RuntimeError, match="Layout must be Layout::TILE for bfloat8_b"):
+        t.from_torch(w, dtype=t.bfloat8_b, layout=t.ROW_MAJOR_LAYOUT)
+
+
+def test_tt_attention_head_ops_refuse_what_tt_metal_refuses(mesh):
+    """The TT head ops the device draft head runs (issue 31, finding 4 and 7), with the checks their device operations
+    make: nlp_create_qkv_heads_decode takes no bfloat8_b and puts each user's heads on its own core;
+    rotary_embedding_llama wants cos, sin and the rotation matrix on the input's cores in decode and rotates each
+    pair (x0, x1) to (x0 cos - x1 sin, x1 cos + x0 sin); nlp_concat_heads_decode wants height-sharded heads;
+    paged_fill_cache copies tiles without converting (dtypes equal) into the page-table slice's blocks."""
+    from models.tt_transformers.ttnn_backend.draft_head import rotation_matrix
+
+    H, Hk, D = 4, 2, 32
+    per_user = t.create_sharded_memory_config((32, D), t.CoreGrid(y=4, x=8), t.ShardStrategy.HEIGHT,
+                                              use_height_and_width_as_shard_shape=True)
+    qkv = torch.randn(1, 1, 32, (H + 2 * Hk) * D)
+    with pytest.raises(RuntimeError, match="Unsupported data format"):
+        t.experimental.nlp_create_qkv_heads_decode(dev(qkv, mesh, dtype=t.bfloat8_b), num_heads=H, num_kv_heads=Hk,
+                                                   memory_config=per_user)
+    q, k, v = t.experimental.nlp_create_qkv_heads_decode(dev(qkv, mesh), num_heads=H, num_kv_heads=Hk,
+                                                         memory_config=per_user)
+    assert (q.shape, k.shape, q.mem) == ((1, 32, H, D), (1, 32, Hk, D), per_user)
+    assert torch.equal(t.to_torch(v)[0, 3], qkv[0, 0, 3, (H + Hk) * D :].view(Hk, D))
+    angle = torch.rand(32, 1, D // 2)
+    cos, sin = (torch.stack((f(angle), f(angle)), dim=-1).flatten(-2).view(1, 32, 1, D) for f in (torch.cos, torch.sin))
+    cos_d, sin_d = (t.interleaved_to_sharded(dev(c, mesh), per_user) for c in (cos, sin))
+    mat = dev(rotation_matrix().repeat(1, 1, 32, 1), mesh, mem=t.create_sharded_memory_config(
+        (32, 32), t.CoreGrid(y=4, x=8), t.ShardStrategy.HEIGHT, use_height_and_width_as_shard_shape=True))
+    rotated = t.to_torch(t.experimental.rotary_embedding_llama(q, cos_d, sin_d, mat, is_decode_mode=True))
+    x = t.to_torch(q)
+    assert torch.allclose(rotated[..., 0::2], x[..., 0::2] * cos[..., 0::2] - x[..., 1::2] * sin[..., 0::2])
+    assert torch.allclose(rotated[..., 1::2], x[..., 1::2] * cos[..., 1::2] + x[..., 0::2] * sin[..., 1::2])
+    elsewhere = t.create_sharded_memory_config((32, D), t.CoreGrid(y=2, x=8), t.ShardStrategy.HEIGHT,
+                                               use_height_and_width_as_shard_shape=True)
+    with pytest.raises(RuntimeError, match="on the input's cores"):
+        t.experimental.rotary_embedding_llama(q, t.to_memory_config(cos_d, elsewhere), t.to_memory_config(
+            sin_d, elsewhere), mat, is_decode_mode=True)
+    with pytest.raises(RuntimeError, match="Input tensor must be sharded"):
+        t.experimental.nlp_concat_heads_decode(dev(torch.randn(1, 32, H, D), mesh), num_heads=H)
+    joined = t.experimental.nlp_concat_heads_decode(q, num_heads=H)
+    assert joined.shape == (1, 1, 32, H * D) and joined.mem.memory_layout == t.ShardStrategy.WIDTH
+    cache = dev(torch.zeros(16, Hk, 32, D), mesh, dtype=t.bfloat8_b)
+    table = dev(torch.tensor([[7, 3]]), mesh, t.int32, t.ROW_MAJOR_LAYOUT, t.DRAM_MEMORY_CONFIG)
+    rows = dev(torch.randn(1, Hk, 64, D), mesh)
+    with pytest.raises(RuntimeError, match="must match the cache's"):
+        t.experimental.paged_fill_cache(cache, rows, table, batch_idx=0)
+    t.experimental.paged_fill_cache(cache, t.typecast(rows, t.bfloat8_b), table, batch_idx=0)
+    assert torch.equal(cache.data[3, :, 5], t.stored(rows.data[0, :, 37], t.bfloat8_b))  # row 37: block 1 -> 3

@@ -167,7 +167,8 @@ def lost_writes(writes) -> int:
         for b, pos in enumerate(positions.data.tolist()):
             if pos != -1:
                 block = int(page_table.data[b, pos // stand_in_ttnn.BLOCK])
-                lost += not torch.equal(cache.data[block, :, pos % stand_in_ttnn.BLOCK], data.data[0, b])
+                lost += not torch.equal(cache.data[block, :, pos % stand_in_ttnn.BLOCK],
+                                        stand_in_ttnn.stored(data.data[0, b], cache.dtype).to(cache.data.dtype))
     return lost
 
 

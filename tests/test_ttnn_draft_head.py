@@ -14,17 +14,18 @@ from models.tt_transformers.torch_backend.checkpoint import read_embedding
 from models.tt_transformers.torch_backend.draft_head import HeadRunner, build_draft_head, read_draft_head
 from models.tt_transformers.torch_backend.model import Transformer
 from models.tt_transformers.torch_backend.model_config import ModelArgs
-from models.tt_transformers.ttnn_backend.draft_head import TtnnDraftHead
+from models.tt_transformers.ttnn_backend.draft_head import CONFIDENCE_TOP, FILL_ROWS, TtnnDraftHead
 from models.tt_transformers.ttnn_backend.model import TILE_ROWS
-from models.tt_transformers.ttnn_backend.trace_plan import head_trace_keys
+from models.tt_transformers.ttnn_backend.trace_plan import head_trace_keys, head_trace_ops
 
 from .conftest import random_head_tensors
+from .tt_stand_in import ttnn as stand_in_ttnn
 from .stand_in_backend import MAX_SEQ_LEN, outputs
 
 CHAIN = 4  # --n_draft_tokens: the head's traced chain length
 
 
-def device_head(lm, checkpoint, head, tmp_path, chain=CHAIN):
+def device_head(lm, checkpoint, head, tmp_path, chain=CHAIN, weights_dtype=None):
     """A TtnnDraftHead beside a stand-in target as the demo builds it (the checkpoint's embedding, unless the head
     ships one), the target's traces for the head's taps planned and made first."""
     config, weights = head
@@ -32,7 +33,7 @@ def device_head(lm, checkpoint, head, tmp_path, chain=CHAIN):
     embedding = weights.get("embed_tokens.weight", None)
     embedding = read_embedding(checkpoint) if embedding is None else embedding
     lm.warm_up(chain + 1, 0, config.taps)
-    dev = TtnnDraftHead(lm, config, weights, embedding, chain, args, cache_dir=tmp_path / "head")
+    dev = TtnnDraftHead(lm, config, weights, embedding, chain, args, weights_dtype, cache_dir=tmp_path / "head")
     dev.warm_up()
     lm.prepare_traces()  # every model planned, then the mesh's traces made once (as the demo's warm_up)
     return dev
@@ -48,7 +49,7 @@ def test_device_head_logits_match_the_torch_head_in_float32(tt, embedded_checkpo
     states and the same tokens. Tolerance 1e-3 of the largest logit: float32 on both sides, different op order."""
     lm = tt(2, float32=True)
     head = random_head(embedded_checkpoint, draft_vocab=20000)
-    dev = device_head(lm, embedded_checkpoint, head, tmp_path)  # the stand-in computes its bfloat8_b in float32
+    dev = device_head(lm, embedded_checkpoint, head, tmp_path, weights_dtype=stand_in_ttnn.float32)  # bf16 KV cache
     prompt = prompts[1][:45]
     out = lm.prefill(1, prompt, taps=head[0].taps)
     context = prompt + out.ids[0]
@@ -103,10 +104,9 @@ def planned(lm, head) -> set:
 
 
 def test_a_drafting_replay_ends_in_two_reads(tt, embedded_checkpoint, prompts, tmp_path, monkeypatch):
-    """Issue 31's finding 3: the chain's ids and probabilities are joined on the device, so a replay drafting K tokens
-    is read back in two reads (ids, probabilities), not 2 x K blocking reads; the drafts are the same as one read per
-    step would give (the chain's per-step outputs are still there for checks)."""
-    from .tt_stand_in import ttnn as stand_in_ttnn
+    """Issue 31's finding 3: the chain's ids and top values are joined on the device, so a replay drafting K tokens
+    is read back in two reads (ids, values), not 2 x K blocking reads; the drafts are the steps' argmaxes and each
+    confidence the softmax over the step's top values (finding 2)."""
 
     lm = tt(2)
     dev = device_head(lm, embedded_checkpoint, random_head(embedded_checkpoint, draft_vocab=20000), tmp_path)
@@ -115,23 +115,24 @@ def test_a_drafting_replay_ends_in_two_reads(tt, embedded_checkpoint, prompts, t
     monkeypatch.setattr(stand_in_ttnn, "to_torch", lambda t, *a, **k: reads.append(tuple(t.shape)) or
                         to_torch(t, *a, **k))
     drafted = dev.draft([HeadFeed(0, 0, prompts[1][1:40] + out.ids[0], states=out.hidden[0])], [0], CHAIN)[0]
-    assert reads == [(1, 1, TILE_ROWS, CHAIN)] * 2
-    trace, row = dev.traces[dev.last_key], dev.last_rows[0]
-    per_step = [int(to_torch(ids).reshape(-1)[row]) for ids in trace.ids]
-    assert drafted[0] == dev.vocab[per_step].tolist() and len(drafted[1]) == CHAIN
+    assert reads == [(1, 1, CHAIN, TILE_ROWS), (1, 1, TILE_ROWS, CHAIN * CONFIDENCE_TOP)]
+    row = dev.last_rows[0]
+    logits = [dev.read_logits(j)[row] for j in range(CHAIN)]
+    assert drafted[0] == dev.vocab[[int(step.argmax()) for step in logits]].tolist()
+    top = [step.topk(CONFIDENCE_TOP).values for step in logits]
+    assert drafted[1] == pytest.approx([float(torch.softmax(t, dim=0)[0]) for t in top], rel=1e-5)
 
 
 def test_every_head_op_runs_with_tt_decode_configs(tt, embedded_checkpoint, prompts, tmp_path, monkeypatch):
-    """Issue 31's finding 1 (configs): every rms_norm, linear and softmax of the head gets a compute-kernel config (norms
-    HiFi2 with fp32 accumulation, matmuls HiFi4 with fp32 accumulation) and SDPA decode TT's program config with the
-    exact exp; before, each took its defaults."""
-    from .tt_stand_in import ttnn as stand_in_ttnn
+    """Issue 31's finding 1 (configs): every rms_norm and linear of the head gets a compute-kernel config (norms HiFi2
+    with fp32 accumulation, matmuls HiFi4 with fp32 accumulation) and SDPA decode TT's program config with the exact
+    exp; before, each took its defaults."""
 
     lm = tt(1)
     dev = device_head(lm, embedded_checkpoint, random_head(embedded_checkpoint, draft_vocab=20000), tmp_path)
     out = lm.prefill(0, prompts[1][:40], taps=dev.taps)
     seen = {}
-    for name in ("rms_norm", "linear", "softmax"):
+    for name in ("rms_norm", "linear"):
         op = getattr(stand_in_ttnn, name)
         monkeypatch.setattr(stand_in_ttnn, name, lambda *a, _op=op, _name=name, **k: seen.setdefault(_name, []).append(
             k.get("compute_kernel_config")) or _op(*a, **k))
@@ -143,8 +144,79 @@ def test_every_head_op_runs_with_tt_decode_configs(tt, embedded_checkpoint, prom
     dev.draft([HeadFeed(0, 0, prompts[1][1:40] + out.ids[0], states=out.hidden[0])], [0], CHAIN)
     fidelity = {name: {(c.math_fidelity, c.fp32_dest_acc_en) for c in configs} for name, configs in seen.items()
                 if name != "sdpa"}
-    assert fidelity == {"rms_norm": {("HiFi2", True)}, "linear": {("HiFi4", True)}, "softmax": {("HiFi2", True)}}
+    assert fidelity == {"rms_norm": {("HiFi2", True)}, "linear": {("HiFi4", True)}}
     assert {(k.math_fidelity, p.exp_approx_mode, p.k_chunk_size) for k, p in seen["sdpa"]} == {("HiFi2", False, 256)}
+
+
+def ops_run(monkeypatch) -> list:
+    """The names of the stand-in ops run from now on (each op goes through run_op)."""
+    names, run_op = [], stand_in_ttnn.run_op
+    monkeypatch.setattr(stand_in_ttnn, "run_op", lambda name, *a, **k: names.append(name) or run_op(name, *a, **k))
+    return names
+
+
+def test_the_head_runs_tt_decode_attention_and_sampling_ops(tt, embedded_checkpoint, prompts, tmp_path, monkeypatch):
+    """Issue 31's findings 4, 2 and 6, op by op (eager: the traced program's ops): q, k and v come from TT's
+    nlp_create_qkv_heads_decode over the checkpoint's qkv rows alone (q and k permuted to Meta's pairs: no extra
+    rotated columns), rotary_embedding_llama rotates them with TT's rotation matrix and nlp_concat_heads_decode joins the
+    heads (no repeat, no tiled reshape); the confidence comes from topk on power-of-two slices (multi-core), not a
+    one-core softmax and max over a row of the draft vocabulary; the argmax writes the next step's token tensor
+    directly, so no reshape of ids either."""
+    lm = tt(1)
+    config, weights = head = random_head(embedded_checkpoint, draft_vocab=20000)
+    dev = device_head(lm, embedded_checkpoint, head, tmp_path)
+    a = config.layer
+    assert sum(w.shape[-1] for w in dev.weights["layer.attention.wqkv.weight"]) == \
+        (a.n_heads + 2 * a.n_kv_heads) * a.head_dim
+    out = lm.prefill(0, prompts[1][:40], taps=dev.taps)
+    dev.trace = False
+    single_core = lm.tt.mesh_device.single_core_topk
+    names = ops_run(monkeypatch)
+    dev.draft([HeadFeed(0, 0, prompts[1][1:40] + out.ids[0], states=out.hidden[0])], [0], CHAIN)
+    fills = names.count("nlp_create_qkv_heads")  # the prompt's earlier rows: k rotated once per fill
+    assert fills == 1 and names.count("rotary_embedding_llama") == 2 * CHAIN + fills
+    assert names.count("nlp_create_qkv_heads_decode") == names.count("nlp_concat_heads_decode") == CHAIN
+    assert not {"repeat", "reshape", "softmax", "max"} & set(names)
+    assert names.count("topk") == CHAIN and lm.tt.mesh_device.single_core_topk == single_core
+
+
+def test_a_prompt_goes_in_by_prefill_shaped_fills_then_one_replay(tt, embedded_checkpoint, prompts, tmp_path,
+                                                                  monkeypatch):
+    """Issue 31's finding 7: a prompt's rows before its last K + 1 go into the head's cache FILL_ROWS at a time with
+    TT's prefill-shaped ops (nlp_create_qkv_heads, rotary_embedding_llama, paged_fill_cache into the chunk's page-table
+    slice), and one replay feeds the rest and drafts: 600 rows take 3 fills and 1 replay where they took 120 replays.
+    The drafts are the torch head's fed the same states (float32)."""
+    lm = tt(1, max_seq_len=640, float32=True)
+    head = random_head(embedded_checkpoint, draft_vocab=20000)
+    dev = device_head(lm, embedded_checkpoint, head, tmp_path, weights_dtype=stand_in_ttnn.float32)
+    prompt = (prompts[1] * 20)[:600]
+    out = lm.prefill(0, prompt, taps=dev.taps)
+    names = ops_run(monkeypatch)
+    replays, execute = [], stand_in_ttnn.execute_trace
+    monkeypatch.setattr(stand_in_ttnn, "execute_trace", lambda *a, **k: replays.append(a) or execute(*a, **k))
+    drafted = dev.draft([HeadFeed(0, 0, prompt[1:] + out.ids[0], states=out.hidden[0])], [0], CHAIN)[0]
+    fills = -(-(600 - (CHAIN + 1)) // FILL_ROWS)
+    assert (len(replays), names.count("paged_fill_cache"), names.count("nlp_create_qkv_heads")) == (1, 2 * fills, fills)
+
+    target = Transformer(ModelArgs.from_hf_config(embedded_checkpoint.config), torch.float32, 640)
+    target.tok_embeddings.weight.data = read_embedding(embedded_checkpoint, torch.float32)
+    runner = HeadRunner(build_draft_head(*head, target), 1, 640, target.args)
+    state, logits = runner.run([0], [0], [out.hidden[0].float()], [prompt[1:] + out.ids[0]])[0]
+    ids = []
+    for j in range(CHAIN):
+        ids.append(int(runner.vocab[logits.argmax()]))
+        state, logits = runner.run([0], [600 + j], [state[-1:]], [[ids[-1]]])[0]
+    assert drafted[0] == ids
+
+
+def test_head_traces_hold_no_more_ops_than_the_region_counts(tt, embedded_checkpoint, tmp_path):
+    """trace_plan.head_trace_ops (what the trace region is sized by) is not below the ops a captured head trace
+    records, for every key."""
+    lm = tt(1)
+    dev = device_head(lm, embedded_checkpoint, random_head(embedded_checkpoint, draft_vocab=20000), tmp_path)
+    mesh = lm.tt.mesh_device
+    recorded = {key: mesh.trace_sizes[t.trace_id] // stand_in_ttnn.TRACE_OP_BYTES for key, t in dev.traces.items()}
+    assert all(ops <= head_trace_ops(key) for key, ops in recorded.items()), recorded
 
 
 def test_the_step_leaves_the_taps_in_the_tile(tt, embedded_checkpoint, prompts, tmp_path):
@@ -181,9 +253,9 @@ def test_head_traces_are_planned_and_counted(tt, embedded_checkpoint, tmp_path):
 
 def test_converted_weights_are_cached(tt, embedded_checkpoint, tmp_path):
     """The head's weights are converted once (ttnn.as_tensor with cache_file_name, as TT-Transformers caches its own):
-    a second head from the same files reads them back; the tables that depend on the run (rotary rows as long as its
-    max_seq_len, the draft-id embedding from its target's) are built each time, never read from the cache (as_tensor
-    loads a cached file whatever its shape)."""
+    a second head from the same files reads them back; the tables that depend on the run (rotary rows over its
+    cache's positions, the draft-id embedding from its target's) are built each time, never read from the cache
+    (as_tensor loads a cached file whatever its shape)."""
     head = random_head(embedded_checkpoint)
     first = device_head(tt(1), embedded_checkpoint, head, tmp_path)
     files = sorted(p.name for p in (tmp_path / "head").iterdir())
@@ -191,7 +263,8 @@ def test_converted_weights_are_cached(tt, embedded_checkpoint, tmp_path):
     second = device_head(tt(1, max_seq_len=2 * MAX_SEQ_LEN), embedded_checkpoint, head, tmp_path)
     assert sorted(p.name for p in (tmp_path / "head").iterdir()) == files
     for name, w in first.weights.items():
-        if name.startswith("rope"):  # as long as each run's positions
-            assert w.shape[2] == MAX_SEQ_LEN + CHAIN and second.weights[name].shape[2] == 2 * MAX_SEQ_LEN + CHAIN
-        else:
-            assert torch.equal(w.data, second.weights[name].data), name
+        assert all(torch.equal(x.data, y.data) for x, y in zip(*(
+            ws if isinstance(ws, list) else [ws] for ws in (w, second.weights[name])))), name
+    assert (first.tables["rope_cos"].shape[2], second.tables["rope_cos"].shape[2]) == (first.blocks * 32,
+                                                                                        second.blocks * 32)
+    assert second.blocks > first.blocks

@@ -349,7 +349,10 @@ class Attention:
         self.n_heads, self.n_kv_heads, self.head_dim = a.n_heads, a.n_kv_heads, a.head_dim
         self.scale, self.sliding_window = a.head_dim ** -0.5, a.sliding_window
         shape = (paged_attention_config.max_num_blocks, a.n_kv_heads, paged_attention_config.block_size, a.head_dim)
-        self.layer_past = [ttnn.Tensor(torch.zeros(shape, dtype=state_dict.dtype), ttnn.bfloat8_b, ttnn.TILE_LAYOUT,
+        # bfloat8_b as TT's performance preset (its writes rounded so); in the stand-in's float32 mode labelled
+        # bfloat16, which the stand-in keeps unrounded (SDPA decode takes no float32 cache)
+        kv_dtype = ttnn.bfloat16 if state_dict.dtype == torch.float32 else ttnn.bfloat8_b
+        self.layer_past = [ttnn.Tensor(torch.zeros(shape, dtype=state_dict.dtype), kv_dtype, ttnn.TILE_LAYOUT,
                                        mesh_device) for _ in range(2)]
 
     def _qkv_rope(self, x, rope_idxs):
@@ -393,7 +396,8 @@ class Attention:
             blocks = fill_page_table.data[user_id].long()[positions // keys.shape[2]]
 
             def fill(cache, new):  # ttnn.experimental.paged_fill_cache(cache, new[:, :, :page_len], page table)
-                cache.data[blocks, :, positions % keys.shape[2]] = new.data[0, :page_len].to(cache.data.dtype)
+                cache.data[blocks, :, positions % keys.shape[2]] = ttnn.stored(new.data[0, :page_len],
+                                                                               cache.dtype).to(cache.data.dtype)
             # (the page table stays out of the stand-in's compile key: see the module docstring)
             for cache, new in ((keys, k), (values, v)):
                 ttnn.run_op("paged_fill_cache", fill, cache, new, inplace=True)
@@ -505,6 +509,9 @@ class Transformer:
                  use_paged_kv_cache=False, attention_class=None, rope_setup_class=None, prefetcher=None):
         model = torch_model(state_dict["folder"], COMPUTE_DTYPES[dtype])  # computes in the weights' dtype
         self.args, self.mesh_device, self.model = args, mesh_device, model
+        # TT's LM head writes bfloat8_b logits (tt/lm_head.py LMHead.forward), rounded as the device stores them; the
+        # stand-in's float32 mode (numerics checks against torch, not TT) keeps them float32
+        self.logits_dtype = ttnn.float32 if COMPUTE_DTYPES[dtype] == torch.float32 else ttnn.bfloat8_b
         self.vocab_size, self.n_layers = args.vocab_size, args.n_layers
         self.tt_ccl = TT_CCL(mesh_device)
         self.embd = Embedding(model.tok_embeddings, args)
@@ -566,11 +573,11 @@ class Transformer:
         x = self.norm(x, mode=mode)
         m = self.model
 
-        def lm_head(t):  # bfloat8_b (tt/lm_head.py LMHead.forward); columns past the vocabulary are padding
+        def lm_head(t):  # columns past the vocabulary are padding
             logits = m.output(t.data).float()
             padded = torch.full((*logits.shape[:-1], self.args.padded_vocab_size), PADDED_VOCAB_GARBAGE)
             padded[..., : self.vocab_size] = logits
-            return padded, ttnn.bfloat8_b, ttnn.TILE_LAYOUT
+            return padded, self.logits_dtype, ttnn.TILE_LAYOUT
         x = ttnn.run_op("lm_head", lm_head, x, shards=self.args.num_devices)
         if mode == Mode.PREFILL:
             x = ttnn.to_layout(x, layout=ttnn.ROW_MAJOR_LAYOUT, memory_config=ttnn.DRAM_MEMORY_CONFIG)

@@ -37,6 +37,8 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
+from models.tt_transformers.ttnn_backend.bfp8 import bfp8_round
+
 uint16, uint32, int32, bfloat16, bfloat8_b, float32 = "uint16", "uint32", "int32", "bfloat16", "bfloat8_b", "float32"
 ROW_MAJOR_LAYOUT, TILE_LAYOUT = "ROW_MAJOR", "TILE"
 
@@ -78,6 +80,53 @@ class CoreGrid:  # ttnn.CoreGrid
     @property
     def num_cores(self) -> int:
         return self.x * self.y
+
+
+L1_WIDTH_SHARDED_MEMORY_CONFIG = MemoryConfig(ShardStrategy.WIDTH, "L1")  # no shard spec: the op computes it
+
+
+class TensorMemoryLayout:  # ttnn.TensorMemoryLayout (the stand-in's layouts are ShardStrategy's strings)
+    INTERLEAVED, HEIGHT_SHARDED, WIDTH_SHARDED, BLOCK_SHARDED = ("INTERLEAVED", ShardStrategy.HEIGHT,
+                                                                 ShardStrategy.WIDTH, ShardStrategy.BLOCK)
+
+
+class BufferType:  # ttnn.BufferType
+    DRAM, L1 = "DRAM", "L1"
+
+
+class CoreRange:
+    def __init__(self, start, end):
+        self.start, self.end = start, end
+
+    def num_cores(self) -> int:
+        return (self.end.x - self.start.x + 1) * (self.end.y - self.start.y + 1)
+
+
+class CoreRangeSet:
+    def __init__(self, ranges):
+        self.ranges = list(ranges)
+
+    def num_cores(self) -> int:
+        return sum(r.num_cores() for r in self.ranges)
+
+
+def ShardSpec(grid, shape, orientation):  # noqa: N802 (ttnn.ShardSpec): the stand-in's (shape, cores, orientation)
+    return tuple(shape), grid.num_cores(), orientation
+
+
+class MatmulMultiCoreReuseMultiCastDRAMShardedProgramConfig:
+    def __init__(self, *, in0_block_w, per_core_M, per_core_N, fused_activation=None):  # noqa: N803 (ttnn's names)
+        self.in0_block_w, self.per_core_M, self.per_core_N = in0_block_w, per_core_M, per_core_N
+        self.fused_activation = fused_activation
+
+
+class MatmulMultiCoreReuseMultiCastProgramConfig:
+    def __init__(self, *, compute_with_storage_grid_size, in0_block_w, out_subblock_h, out_subblock_w,  # noqa: N803
+                 per_core_M, per_core_N, transpose_mcast, fused_activation=None, fuse_batch=True, out_block_h=None,
+                 out_block_w=None, allowed_worker_cores=None):
+        self.grid, self.in0_block_w, self.per_core_M, self.per_core_N = (compute_with_storage_grid_size, in0_block_w,
+                                                                         per_core_M, per_core_N)
+        self.out_subblock_h, self.out_subblock_w = out_subblock_h, out_subblock_w
 
 
 def create_sharded_memory_config(shape, core_grid, strategy, orientation=ShardOrientation.ROW_MAJOR,
@@ -327,11 +376,25 @@ class ShardTensor2dMesh:
         self.mesh_device, self.shards = mesh_device, 1 if tuple(dims) == (None, None) else mesh_device.get_num_devices()
 
 
+def stored(data: torch.Tensor, dtype) -> torch.Tensor:
+    """Values as a device holds them in `dtype`: bfloat8_b as ttnn's own host conversion rounds it (ttnn_backend/bfp8.py,
+    checked against the wheel by make tt-mock; 16 values share an exponent, so an infinity has no encoding and reads
+    back as NaN). bfloat16 stays float32 here (the stand-in's float32 mode relies on it)."""
+    if dtype != bfloat8_b or not data.is_floating_point():
+        return data
+    finite = data.isfinite()
+    return torch.where(finite, bfp8_round(torch.where(finite, data, 0.0)), float("nan"))
+
+
 def from_torch(tensor, dtype=None, *, layout=ROW_MAJOR_LAYOUT, device=None, mesh_mapper=None, memory_config=None,
                **kwargs) -> Tensor:
+    """py_to_tt_tensor.cpp: bfloat8_b only in TILE layout ("Layout must be Layout::TILE for bfloat8_b or bfloat4_b!",
+    the wheel's message)."""
     dtype = dtype or float32
+    if dtype == bfloat8_b and layout != TILE_LAYOUT:
+        raise RuntimeError("TT_FATAL: Layout must be Layout::TILE for bfloat8_b or bfloat4_b!")
     shards = getattr(mesh_mapper, "shards", 1)
-    return Tensor(tensor.detach().to(TORCH_DTYPES[dtype]).clone(), dtype, layout, device, shards,
+    return Tensor(stored(tensor.detach().to(TORCH_DTYPES[dtype]).clone(), dtype), dtype, layout, device, shards,
                   memory_config or DRAM_MEMORY_CONFIG)
 
 
@@ -432,8 +495,7 @@ def _wrap(result, device, shards, mem, garbage=False):
         mems = mem if isinstance(mem, list) else [mem] * len(result)
         return tuple(_wrap(r, device, shards, m, garbage) for r, m in zip(result, mems))
     data, dtype, layout = result
-    if dtype == bfloat8_b and data.is_floating_point():  # 16 values share an exponent: no room for an infinity
-        data = torch.where(data.isinf(), float("nan"), data)
+    data = stored(data, dtype)
     if garbage:
         data = torch.full_like(data, -7 if dtype in (uint16, uint32, int32) else float("nan"))
     return Tensor(data, dtype, layout, device, shards, mem)
@@ -478,9 +540,9 @@ def execute_trace(mesh_device: MeshDevice, trace_id: int, *, cq_id=None, blockin
             result = fn(*args, **kwargs)
             if outputs is None:
                 continue
-            for out, (data, _, _) in zip(outputs if isinstance(outputs, tuple) else (outputs,),
-                                         result if isinstance(outputs, tuple) else (result,)):
-                out.data.copy_(data)
+            for out, (data, dtype, _) in zip(outputs if isinstance(outputs, tuple) else (outputs,),
+                                             result if isinstance(outputs, tuple) else (result,)):
+                out.data.copy_(stored(data, dtype))
             mesh_device.ops_run += 1
     finally:
         mesh_device.replaying = False
@@ -515,6 +577,18 @@ def argmax(input_tensor: Tensor, dim=None, keepdim=False, *, sub_core_grids=None
     _last_dim(input_tensor, dim)
     if input_tensor.layout != ROW_MAJOR_LAYOUT:
         raise NotImplementedError("stand-in: argmax of a TILE tensor runs on one core; untilize first")
+    if output_tensor is not None:  # argmax_device_operation.cpp: its spec is the output's (no shape check, only
+        # dtype, layout and placement), so TT writes [1, 1, 32] ids into its [1, 1, 1, 32] token input
+        t = output_tensor
+        if t.dtype != uint32 or t.layout != ROW_MAJOR_LAYOUT or t.mem.is_sharded():
+            raise RuntimeError("Optional output tensor must be UINT32, ROW_MAJOR and INTERLEAVED")
+        if t.data.numel() != input_tensor.data[..., 0].numel():
+            raise RuntimeError(f"stand-in: argmax's output tensor {t.shape} holds a different number of ids")
+
+        def write(i, out):
+            out.data.copy_(i.data.argmax(dim=-1).reshape(out.data.shape))
+        run_op("argmax", write, input_tensor, t, inplace=True)
+        return t
     return run_op("argmax", lambda t: (per_shard(t, lambda d: d.argmax(dim=-1, keepdim=keepdim)), uint32,
                                        ROW_MAJOR_LAYOUT), input_tensor, mem=memory_config)
 
@@ -568,6 +642,23 @@ def to_memory_config(tensor: Tensor, memory_config=None, dtype=None, output_tens
         return tensor
     return run_op("to_memory_config", lambda t: (t.data.clone(), dtype or t.dtype, t.layout), tensor,
                   mem=memory_config)
+
+
+def interleaved_to_sharded(input_tensor: Tensor, memory_config, output_dtype=None, **kwargs) -> Tensor:
+    """interleaved_to_sharded: an interleaved tensor into a sharded config (TT's rope.py get_rot_mats)."""
+    if input_tensor.mem.is_sharded() or not memory_config.is_sharded():
+        raise RuntimeError("interleaved_to_sharded: an interleaved input and a sharded memory config")
+    return to_memory_config(input_tensor, memory_config, output_dtype)
+
+
+def transpose(input_tensor: Tensor, dim1: int, dim2: int, *, memory_config=None, pad_value=0.0) -> Tensor:
+    return run_op("transpose", lambda t: (t.data.transpose(dim1, dim2).contiguous(), t.dtype, t.layout), input_tensor,
+                  mem=memory_config)
+
+
+def typecast(input_tensor: Tensor, dtype, *, memory_config=None, **kwargs) -> Tensor:
+    """The values in `dtype` (bfloat8_b rounded as the device stores it: _wrap)."""
+    return run_op("typecast", lambda t: (t.data.clone(), dtype, t.layout), input_tensor, mem=memory_config)
 
 
 def pad(input_tensor: Tensor, padding, value, *, use_multicore=None, memory_config=None, **kwargs) -> Tensor:
@@ -711,11 +802,66 @@ def linear(input_tensor_a: Tensor, input_tensor_b: Tensor, *, bias=None, transpo
                            f"Mismatch: width={a.shape[-1]} height={b.shape[-2]}")
     if a.shards != 1 or b.shards != 1:
         raise NotImplementedError("stand-in: linear of replicated tensors")
+    out_mem = memory_config or DRAM_MEMORY_CONFIG
+    if isinstance(program_config, MatmulMultiCoreReuseMultiCastDRAMShardedProgramConfig):
+        out_mem = _dram_sharded_output(a, b, program_config, out_mem)
+    elif b.mem.is_sharded() and not isinstance(program_config, MatmulMultiCoreReuseMultiCastProgramConfig):
+        # the automatic config's MatmulMultiCoreProgramConfig (ttnn 0.81.1 on the mock device, matmul_device_
+        # operation.cpp:1573); the 2-D multicast program reads a DRAM-sharded weight, as TT's prefill matmuls do
+        raise RuntimeError("MatmulMultiCoreProgramConfig: Input B memory layout must be INTERLEAVED, got: "
+                           f"{b.mem.memory_layout}")
+    if isinstance(program_config, MatmulMultiCoreReuseMultiCastProgramConfig):
+        c = program_config
+        tiles_m, tiles_n = math.prod(a.shape[:-1]) // 32, b.shape[-1] // 32
+        if c.per_core_M * c.grid.y < tiles_m or c.per_core_N * c.grid.x < tiles_n or c.per_core_N % c.out_subblock_w \
+                or (a.shape[-1] // 32) % c.in0_block_w:
+            raise RuntimeError("stand-in: the multicast program config does not cover the output or divide its blocks")
 
     def fn(a, b, *bias_):
         out = a.data.float() @ b.data.float().reshape(b.shape[-2], b.shape[-1])
         return (out + bias_[0].data.float().reshape(-1) if bias_ else out), dtype or a.dtype, TILE_LAYOUT
-    return run_op("linear", fn, a, b, *([bias] if bias is not None else []), mem=memory_config or DRAM_MEMORY_CONFIG)
+    return run_op("linear", fn, a, b, *([bias] if bias is not None else []), mem=out_mem)
+
+
+def _dram_sharded_output(a: Tensor, b: Tensor, config, out: MemoryConfig) -> MemoryConfig:
+    """matmul_device_operation.cpp validate_matmul_dram_sharded_config and compute_output_specs (index copy of 2026)
+    and the DRAM-sharded program factory (read at 01502698): a width-sharded ROW_MAJOR in0 of one tile row (M == 32,
+    per_core_M 1) whose output config has its buffer type and layout (L1 width sharded), in0_block_w dividing K and
+    the shard width in tiles, K split evenly over the shards, a width-sharded weight whose padding fills fewer banks
+    than there are (12). Output shard (32, per_core_N tiles) on ceil(N / per_core_N) cores."""
+    tiles_k, tiles_n = a.shape[-1] // 32, b.shape[-1] // 32
+    if not a.mem.is_sharded():
+        raise RuntimeError("Input tensor A must be sharded for DRAM sharded program config")
+    if not out.is_sharded():
+        raise RuntimeError("Output memory config must be sharded for DRAM sharded program config")
+    if a.mem.memory_layout != ShardStrategy.WIDTH:
+        raise RuntimeError("Input tensor A must be WIDTH_SHARDED for DRAM sharded program config")
+    if (a.mem.buffer_type, a.mem.memory_layout) != (out.buffer_type, out.memory_layout):
+        raise RuntimeError("Input tensor A and output memory config must have the same buffer type and layout")
+    if a.mem.shard_spec[2] != ShardOrientation.ROW_MAJOR:
+        raise RuntimeError("Only ROW_MAJOR shard orientation is supported")
+    if math.prod(a.shape[:-1]) != 32 or config.per_core_M != 1:
+        raise RuntimeError("currently only support in0 tensor height of tile height")
+    shard_tiles = a.mem.shard_spec[0][1] // 32
+    if tiles_k % config.in0_block_w or shard_tiles % config.in0_block_w:
+        raise RuntimeError(f"in0_block_w {config.in0_block_w} must divide K ({tiles_k} tiles) and the shard width "
+                           f"({shard_tiles} tiles)")
+    if tiles_k % shard_tiles:
+        raise RuntimeError("in DRAM sharded Matmul we don't have support for un-even sharding currently")
+    if b.mem.memory_layout != ShardStrategy.WIDTH or b.mem.buffer_type != "DRAM":
+        raise RuntimeError("Input B memory layout must be WIDTH_SHARDED (in DRAM)")
+    bank_tiles, banks = b.mem.shard_spec[0][1] // 32, b.mem.shard_spec[1]
+    if bank_tiles * banks < tiles_n or (bank_tiles * banks - tiles_n) // bank_tiles >= banks:
+        raise RuntimeError(f"Padding banks count must be less than workers count {banks}")
+    cores = math.ceil(tiles_n / config.per_core_N)
+    return MemoryConfig(ShardStrategy.WIDTH, out.buffer_type, ((32, config.per_core_N * 32), cores,
+                                                               ShardOrientation.ROW_MAJOR))
+
+
+def sharded_to_interleaved(input_tensor: Tensor, memory_config=None, output_dtype=None, **kwargs) -> Tensor:
+    if not input_tensor.mem.is_sharded():
+        raise RuntimeError("sharded_to_interleaved: the input must be sharded")
+    return to_memory_config(input_tensor, memory_config or DRAM_MEMORY_CONFIG, output_dtype)
 
 
 def rms_norm(input_tensor: Tensor, *, memory_config=None, epsilon=1e-12, weight=None, bias=None,
@@ -927,7 +1073,7 @@ def _paged_update(cache: Tensor, update: Tensor, positions: Tensor, page_table: 
             continue
         block = int(page_table.data[b, pos // BLOCK])
         tile = cache.data[block].clone()  # every row reads the tile as it was before the op
-        tile[:, pos % BLOCK] = update.data[0, b]
+        tile[:, pos % BLOCK] = stored(update.data[0, b], cache.dtype)  # packed into the cache's dtype
         tiles[block] = tile  # and writes it back whole: a later row of the same block undoes an earlier one
     for block, tile in tiles.items():
         cache.data[block] = tile
@@ -1085,6 +1231,195 @@ def _paged_sdpa_decode(input_tensor_q, input_tensor_k, input_tensor_v, page_tabl
                   q, k, v, table, pos, mem=out)
 
 
+# ---- TT's attention head ops (tt/attention.py decode and prefill), as the device draft head runs them ---------------
+
+def _per_core(shape: tuple, cores: int) -> MemoryConfig:
+    return MemoryConfig(ShardStrategy.HEIGHT, "L1", (tuple(shape), cores, ShardOrientation.ROW_MAJOR))
+
+
+def _cores(t: Tensor) -> int:
+    return t.mem.shard_spec[1]
+
+
+def _nlp_create_qkv_heads_decode(input_tensor, *, num_heads, num_kv_heads=None, overlap_qk_coregrid=None,
+                                 batch_offset=None, slice_size=None, memory_config=None):
+    """nlp_create_qkv_heads_decode_device_operation.cpp validate_on_program_cache_miss (read at 5acfb5ff) and the
+    host wrapper's head-count check: a bfloat16/float32 TILE [1, 1, users <= 32, (H + 2 Hk) D], interleaved or width
+    sharded; the output config height sharded (only its grid is used: the op rebuilds it), one user per core, at
+    least as many cores as users (q and k share cores). Outputs [1, users, heads, D] per user core, shard (32, D)."""
+    x, Hk = input_tensor, num_kv_heads or num_heads
+    shape = x.shape
+    if x.dtype not in (float32, bfloat16):
+        raise RuntimeError("Unsupported data format")
+    if x.layout != TILE_LAYOUT:
+        raise RuntimeError("Only tile layout is supported for input tensor")
+    if shape[3] % (num_heads + 2 * Hk):
+        raise RuntimeError(f"Input shape {shape} must be divisible by num_heads + 2*num_kv_heads = "
+                           f"{num_heads + 2 * Hk}")
+    if shape[0] != 1 or shape[1] != 1 or shape[2] > 32:
+        raise RuntimeError(f"Input shape {shape}: [1, 1, users <= 32, width] only")
+    if x.mem.is_sharded() and x.mem.memory_layout != ShardStrategy.WIDTH:
+        raise RuntimeError("Input tensor must be width sharded when sharded")
+    if memory_config is None or memory_config.memory_layout != ShardStrategy.HEIGHT:
+        raise RuntimeError("Output tensor must be height sharded")
+    if num_heads > 32 or num_heads < Hk:
+        raise RuntimeError(f"num_q_heads {num_heads} must be <= 32 and >= num_kv_heads {Hk}")
+    users, D = shape[2], shape[3] // (num_heads + 2 * Hk)
+    if memory_config.shard_spec[1] < users:
+        raise RuntimeError(f"Output core grid ({memory_config.shard_spec[1]} cores) must hold the {users} users")
+    out = _per_core((32, D), users)
+
+    def fn(t):
+        q, k, v = t.data[0, 0].split([num_heads * D, Hk * D, Hk * D], dim=-1)
+        return tuple((part.reshape(1, users, n, D).clone(), t.dtype, TILE_LAYOUT)
+                     for part, n in ((q, num_heads), (k, Hk), (v, Hk)))
+    return run_op("nlp_create_qkv_heads_decode", fn, x, mem=out)
+
+
+def _nlp_create_qkv_heads(input_tensor, input_tensor_kv=None, *, num_heads, num_kv_heads=None, transpose_k_heads=True,
+                          memory_config=None):
+    """nlp_create_qkv_heads_device_operation.cpp (read at 55e3268f): float32/bfloat16/bfloat8_b TILE [B, 1, S, (H +
+    2 Hk) D], S tile-aligned; interleaved input -> interleaved outputs q [B, H, S, D], k [B, Hk, S, D] (or [B, Hk, D,
+    S] with transpose_k_heads), v [B, Hk, S, D]."""
+    x, Hk = input_tensor, num_kv_heads or num_heads
+    shape = x.shape
+    if input_tensor_kv is not None:
+        raise NotImplementedError("stand-in: fused qkv input only")
+    if x.dtype not in (float32, bfloat16, bfloat8_b) or x.layout != TILE_LAYOUT:
+        raise RuntimeError("Unsupported data format")
+    if shape[2] % 32:
+        raise RuntimeError(f"Input sequence {shape[2]} is not tile aligned")
+    if shape[1] != 1:
+        raise RuntimeError(f"Input shape {shape}: dim 1 must be 1")
+    if shape[3] % (num_heads + 2 * Hk):
+        raise RuntimeError(f"Input shape {shape} must be divisible by num_heads + 2*num_kv_heads")
+    if memory_config is not None and memory_config.is_sharded() and not x.mem.is_sharded():
+        raise RuntimeError("Output must be interleaved for an interleaved input")
+    D = shape[3] // (num_heads + 2 * Hk)
+
+    def fn(t):
+        B, S = t.data.shape[0], t.data.shape[2]
+        q, k, v = (part.reshape(B, S, n, D).transpose(1, 2).contiguous()
+                   for part, n in zip(t.data[:, 0].split([num_heads * D, Hk * D, Hk * D], dim=-1), (num_heads, Hk, Hk)))
+        return tuple((part, t.dtype, TILE_LAYOUT) for part in (q, k.transpose(2, 3) if transpose_k_heads else k, v))
+    return run_op("nlp_create_qkv_heads", fn, x, mem=memory_config or DRAM_MEMORY_CONFIG)
+
+
+def _rotary_embedding_llama(input_tensor, cos_cache, sin_cache, trans_mat, is_decode_mode=False, *,
+                            memory_config=None, compute_kernel_config=None):
+    """rotary_embedding_llama_device_operation.cpp validate (read at 07b4a3f7) and the sharded program factory's
+    buffers (read at d6e1aec2, allocated on the input's shard grid: cos, sin and the rotation matrix on the same
+    cores): all four TILE bfloat16, head_dim a multiple of 32 and <= 256, the output layout the input's, cos and sin
+    of one shape. Decode: every tensor height sharded, input [1, users, heads, D], cos/sin [1, users, 1 (a tile), D]
+    shard rows 32, the matrix [1, 1, 32 users, 32] shard (32, 32). Prefill: interleaved input [1, heads, S, D], cos
+    and sin [1, 1 or heads, S, D], the matrix [1, 1, 32, 32]. Computes x * cos + (x @ trans_mat) * sin."""
+    x, cos, sin, mat = input_tensor, cos_cache, sin_cache, trans_mat
+    D = x.shape[-1]
+    for t in (x, cos, sin, mat):
+        if t.layout != TILE_LAYOUT:
+            raise RuntimeError("Input tensors must be tilized")
+        if t.dtype != bfloat16:
+            raise RuntimeError("All input tensors must have dtype = bfloat16")
+    if D % 32 or D > 256:
+        raise RuntimeError(f"head_dim {D} must be a multiple of 32 and <= 256")
+    out = memory_config or x.mem
+    if out.memory_layout != x.mem.memory_layout:
+        raise RuntimeError("Input tensor and output tensor must have same memory layout")
+    if cos.shape != sin.shape:
+        raise RuntimeError("Cos and Sin dims must match")
+    if is_decode_mode:
+        if x.shape[0] != 1:
+            raise RuntimeError("Input tensor must have seq_len (in dim 0) must be 1.")
+        for t in (x, cos, sin, mat):
+            if t.mem.memory_layout != ShardStrategy.HEIGHT:
+                raise RuntimeError("Sharded inputs for RoPE must be HEIGHT_SHARDED.")
+        if x.shape[1] != cos.shape[1]:
+            raise RuntimeError("Cos and Sin must have the same batch size as the input")
+        if cos.mem.shard_spec[0][0] != 32:
+            raise RuntimeError("Cos and Sin must be sharded with n_heads (shard_shape[0]) less than equal to "
+                               "TILE_HEIGHT")
+        if mat.shape[:2] != (1, 1) or mat.mem.shard_spec[0] != (32, 32):
+            raise RuntimeError("Transformation matrix must be [1, 1, ...] sharded in tiles (32, 32)")
+        if not _cores(x) == _cores(cos) == _cores(sin) == _cores(mat):
+            raise RuntimeError("stand-in: cos, sin and the transformation matrix must sit on the input's cores (the "
+                               "program's buffers are allocated on the input's shard grid)")
+    else:
+        if x.mem.is_sharded():
+            raise RuntimeError("Input tensor must be interleaved in prefill mode")
+        if cos.shape[0] != 1 or cos.shape[-1] != D or cos.shape[1] not in (1, x.shape[1]):
+            raise RuntimeError(f"Cos and Sin shape {cos.shape} do not fit the input {x.shape}")
+        if mat.shape != (1, 1, 32, 32):
+            raise RuntimeError("Transformation matrix must be [1, 1, 32, 32] in prefill mode")
+
+    def fn(t, c, s, m):
+        rot = m.data[0, 0, :32, :32]
+        pairs = t.data.reshape(*t.data.shape[:-1], D // 32, 32) @ rot  # the 32 x 32 matrix on each tile's columns
+        return t.data * c.data + pairs.reshape(t.data.shape) * s.data, t.dtype, t.layout
+    return run_op("rotary_embedding_llama", fn, x, cos, sin, mat, mem=out)
+
+
+def _nlp_concat_heads_decode(input_tensor, *, num_heads, memory_config=None, sub_core_grids=None):
+    """nlp_concat_heads_decode_device_operation.cpp validate (read at bc2f1398): bfloat16/float32 TILE [1, users <=
+    32, heads (padded to 32), D], height sharded one user per core, shard (32, D). Output [1, 1, 32, heads * D] width
+    sharded one head per core (memory_config ignored)."""
+    x = input_tensor
+    shape = x.shape
+    if x.dtype not in (float32, bfloat16) or x.layout != TILE_LAYOUT:
+        raise RuntimeError("Unsupported data format")
+    if shape[0] != 1:
+        raise RuntimeError("seqlen=1 for decode")
+    if shape[1] > 32:
+        raise RuntimeError("currently only support less than 32 users")
+    if shape[2] < num_heads:
+        raise RuntimeError(f"input heads {shape[2]} must be >= num_heads {num_heads}")
+    if not x.mem.is_sharded():
+        raise RuntimeError("Input tensor must be sharded")
+    if x.mem.memory_layout != ShardStrategy.HEIGHT:
+        raise RuntimeError("Input tensor must be HEIGHT_SHARDED")
+    if x.mem.shard_spec[0] != (32, shape[3]):
+        raise RuntimeError(f"Input shard shape {x.mem.shard_spec[0]} must be (32 padded heads, {shape[3]})")
+    if _cores(x) != shape[1]:
+        raise RuntimeError("Input core grid num_cores must be equal to num users")
+    out = MemoryConfig(ShardStrategy.WIDTH, "L1", ((32, shape[3]), num_heads, ShardOrientation.ROW_MAJOR))
+
+    def fn(t):
+        users = t.data.shape[1]
+        rows = torch.zeros(1, 1, 32, num_heads * shape[3])
+        rows[0, 0, :users] = t.data[0, :, :num_heads].reshape(users, -1)
+        return rows, t.dtype, TILE_LAYOUT
+    return run_op("nlp_concat_heads_decode", fn, x, mem=out)
+
+
+def _paged_fill_cache(cache_tensor, input_tensor, page_table, *, batch_idx=0, batch_idx_tensor=None, **kwargs):
+    """paged_fill_cache_device_operation.cpp (read at 587257e1) and the 0.81.1 docstring: a raw tile copy (input dtype
+    equal to the cache's), input [1, Hk, S, D] interleaved TILE, page table INT32 interleaved, S within the page
+    table's blocks; input tile t goes to block page_table[batch_idx][t * 32 / block_size], no start offset."""
+    cache, x, table = cache_tensor, input_tensor, page_table
+    if batch_idx_tensor is not None or kwargs:
+        raise NotImplementedError("stand-in: paged_fill_cache with batch_idx only")
+    if x.dtype != cache.dtype:
+        raise RuntimeError(f"paged_fill_cache: input dtype {_dtype_name(x.dtype)} must match the cache's "
+                           f"{_dtype_name(cache.dtype)} (no conversion: typecast first)")
+    if x.mem.is_sharded() or table.mem.is_sharded():
+        raise RuntimeError("paged_fill_cache: input and page table must be interleaved")
+    if table.dtype != int32:
+        raise RuntimeError("page_table must be INT32")
+    if x.layout != TILE_LAYOUT or x.shape[0] != 1 or x.shape[1] != cache.shape[1] or x.shape[3] != cache.shape[3]:
+        raise RuntimeError(f"paged_fill_cache: input {x.shape} does not fit the cache {cache.shape}")
+    if x.shape[2] > cache.shape[2] * table.shape[1]:
+        raise RuntimeError("Input seq_len must fit in max_num_blocks_per_seq")
+
+    def fn(c, t, p):
+        positions = torch.arange(t.data.shape[2])
+        blocks = p.data[batch_idx][positions // BLOCK]
+        c.data[blocks, :, positions % BLOCK] = stored(t.data[0].transpose(0, 1), c.dtype)
+    run_op("paged_fill_cache", fn, cache, x, table, inplace=True)
+
+
 experimental = types.SimpleNamespace(paged_update_cache=_paged_update_op,
-                                     paged_fused_update_cache=_paged_fused_update_op, all_gather_async=_all_gather_async)
+                                     paged_fused_update_cache=_paged_fused_update_op, all_gather_async=_all_gather_async,
+                                     nlp_create_qkv_heads_decode=_nlp_create_qkv_heads_decode,
+                                     nlp_create_qkv_heads=_nlp_create_qkv_heads,
+                                     rotary_embedding_llama=_rotary_embedding_llama,
+                                     nlp_concat_heads_decode=_nlp_concat_heads_decode, paged_fill_cache=_paged_fill_cache)
 transformer = types.SimpleNamespace(paged_scaled_dot_product_attention_decode=_paged_sdpa_decode)

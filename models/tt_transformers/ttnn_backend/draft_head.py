@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """An EAGLE-3 draft head (torch_backend/draft_head.py has its form) on the Tenstorrent device, traced beside the target:
-the taps never leave the device and only the drafted ids (and the head's probability of each) come back.
+the taps never leave the device and only the drafted ids (and the top logits each draft's confidence comes from) come
+back.
 
 What a replay does, for every row of one 32-row tile (the rows the target's verification step used):
 - feed: the head layer over the rows the target just verified, at their positions: its input state is fc over the
@@ -11,19 +12,19 @@ What a replay does, for every row of one 32-row tile (the rows the target's veri
   cache writes go in ordered passes as the target's do (attention.py).
 - chain: k - 1 more steps from each drafting user's last fed row, in that same row (every other row at position -1):
   the head's own output state and the embedding of its last draft, looked up on the device in the head's table
-  ordered by draft id (ttnn.embedding), so no id crosses to the host between steps. Each step's argmax over the draft
-  vocabulary and its softmax probability are the replay's outputs: k ids and k probabilities per row come back.
-The prompt: the prefill's taps come back to the host once per request (PromptTaps) and are written to the tap tile
-32 rows at a time for feed-only replays, the last of which drafts.
+  ordered by draft id (ttnn.embedding of the token tensor the previous step's argmax wrote, as TT's decode feeds its
+  sampled token back), so no id crosses to the host between steps. Each step's ids and its top logits per row are
+  joined on the device: two reads a replay.
+The prompt: the prefill's taps come back to the host once per request (PromptTaps); the rows before the last K + 1
+go into the head's cache with prefill-shaped ops (fill_prompt: k and v only, 256 rows at a time), the last ones
+through the drafting replay.
 
-The head's layer is written with ttnn ops on DRAM-interleaved tiles (TT-Transformers' Attention, MLP and norms are
-built for the model's own width and sharded program configs; the head's attention reads 2 * dim): rms_norm, linear,
-concat, the paged cache update and paged SDPA decode TT's attention uses, with its own paged KV cache (a page-table
-row per user, as the target's). Rotary embeddings in the checkpoint's rotate-half layout: the rotation is folded into
-extra q/k columns of the qkv weight (rotate_half(W x) = (R W) x), so the step is q * cos + q_rot * sin with cos/sin
-rows gathered by position (ttnn.embedding, head_dim wide) and repeated across the q and k heads (ttnn.repeat):
-elementwise on equal shapes. (The wheel's rotary_embedding_hf would spare the extra columns; its decode mode wants
-height-sharded inputs and caches, not modelled here: left.)
+The layer follows TT-Transformers' decode attention (tt/attention.py; TT's Attention and MLP classes themselves are
+built for the model's own width, the head's attention reads 2 * dim): q and k rows of the qkv weight permuted to
+Meta's pairwise rotary layout as TT's checkpoint loader does, nlp_create_qkv_heads_decode, rotary_embedding_llama
+with TT's rotation matrix and cos/sin gathered as RotarySetup does, the paged cache update and paged SDPA decode over
+the head's own paged KV cache (a page-table row per user), nlp_concat_heads_decode; every matmul over the decode
+tile DRAM-sharded with TT's decode program config (DecodeMatmul); norms and elementwise ops DRAM-interleaved.
 Weights are converted once and cached as TT-Transformers caches its own (ttnn.as_tensor with cache_file_name), in
 its performance preset's dtypes (bfloat8_b matmul weights, bfloat16 norms and tables; the KV cache bfloat8_b).
 Meshes: the head is replicated on every device (the target's traced step all-gathers the taps, so no head trace
@@ -44,7 +45,7 @@ from ..speculative.head_drafter import HeadFeed
 from ..torch_backend.draft_head import HeadConfig, estimated_run_cost, parameter_names
 from ..torch_backend.model_config import ModelArgs
 from ..torch_backend.rope import rope_tables
-from .generator import MESH_MODELS, TtnnCausalLM, captured, device_tensors, prepare_mesh, release_all
+from .generator import MESH_MODELS, TtnnCausalLM, captured, device_tensors, prepare_mesh, release_all, slice_top_k
 from .model import BLOCK_SIZE, TILE_ROWS, blocks_per_user
 from .trace_plan import HeadKey, head_trace_bytes, head_trace_keys, pass_ladder, passes_for
 
@@ -55,21 +56,25 @@ class HeadInputs:
 
     embeds: Any  # [1, 1, 32, dim]: each fed row's next-token embedding
     positions: Any  # [32] int32: each fed row's position, -1 elsewhere (attention)
-    rope_rows: Any  # [1, 1, 1, 32] uint32: the same positions clamped at 0 (rotary rows, ttnn.embedding indices)
+    rope_rows: Any  # [1, 32] uint32: the same positions clamped at 0 (rotary rows: TT's rot_mat_idxs, rope.py)
     page_table: Any  # [32, blocks] int32: each row's user's page-table row of the head's cache
     pass_positions: list  # per pass (up to the widest feed's) [32] int32: pass j writes each user's j-th fed row
     chain_positions: list  # chain step j: [32] int32, the drafting users' last fed rows at position + j, -1 elsewhere
-    chain_rope_rows: list  # the same clamped at 0, [1, 1, 1, 32] uint32
+    chain_rope_rows: list  # the same clamped at 0, [1, 32] uint32
+    tokens: list  # per chain step [1, 1, 1, 32] uint32: each row's draft, written by the argmax (TT's tt_out_tok)
 
 
 @dataclass
 class HeadTrace:
     trace_id: Any
-    ids: list  # per chain step: [1, 1, 32, 1] uint32, the argmax over the draft vocabulary of each row
-    probs: list  # per chain step: [1, 1, 32, 1], the softmax probability of that argmax
+    top: list  # per chain step, per vocabulary slice: (values, indices) [1, 1, 32, CONFIDENCE_TOP] of each row
     logits: list  # per chain step: [1, 1, 32, V'] (kept on the device; tests read them)
-    chain_ids: Any = None  # [1, 1, 32, k] uint32: the steps' ids side by side, read in one go
-    chain_probs: Any = None  # [1, 1, 32, k]: their probabilities, read in one go
+    chain_ids: Any = None  # [1, 1, k, 32] uint32: the steps' drafts (HeadInputs.tokens) stacked, read in one go
+    chain_top: Any = None  # [1, 1, 32, k * slices * CONFIDENCE_TOP]: every step's top values side by side, one read
+
+
+CONFIDENCE_TOP = 32  # the top logits a row's confidence is computed from (ttnn.topk's multi-core k is at most 64)
+FILL_ROWS = 256  # a prompt's rows per prefill-shaped cache fill: 8 cache blocks (blocks_per_user is a multiple of 8)
 
 
 @dataclass
@@ -101,9 +106,115 @@ class HeadKernelConfigs:
                                                        k_chunk_size=256, exp_approx_mode=False))
 
 
+@dataclass
+class DecodeMatmul:
+    """How one column chunk of one of the head's matmuls runs over the 32-row decode tile, as TT-Transformers' decode
+    matmuls (tt/model_config.py): the weight width-sharded over the DRAM banks (create_dram_sharded_mem_config: N
+    padded to a multiple of 32 x banks, the last bank's shard holding the padding), the activation width-sharded in L1
+    over a grid that divides K (dram_shard_core_grid_for_k, find_grid), and
+    MatmulMultiCoreReuseMultiCastDRAMShardedProgramConfig (dram_matmul_config): each bank's reader streams its own
+    columns once, the output width-sharded in L1. A wide matmul is cut into chunks (column_chunks), as TT cuts its
+    LM head (tt/lm_head.py: max_columns_per_device)."""
+
+    columns: tuple[int, int]  # the chunk's output columns
+    weight_config: Any
+    input_config: Any  # None where the input comes sharded already (wo: nlp_concat_heads_decode's, a head per core)
+    program: Any
+    fill: Any = None  # the prompt fill's program (fill_program), for the matmuls a fill runs (fc, qkv)
+
+    @classmethod
+    def build(cls, mesh, k: int, columns: tuple[int, int], input_cores: Optional[int] = None) -> "DecodeMatmul":
+        import ttnn
+
+        banks, tile, n = mesh.dram_grid_size(), TILE_ROWS, columns[1] - columns[0]
+        padded = math.ceil(n / (tile * banks.x)) * tile * banks.x
+        weight_config = ttnn.MemoryConfig(ttnn.TensorMemoryLayout.WIDTH_SHARDED, ttnn.BufferType.DRAM, ttnn.ShardSpec(
+            ttnn.CoreRangeSet({ttnn.CoreRange(ttnn.CoreCoord(0, 0), ttnn.CoreCoord(banks.x - 1, banks.y - 1))}),
+            (k, padded // banks.x), ttnn.ShardOrientation.ROW_MAJOR))
+        input_config = None
+        if input_cores is None:
+            rows, cols = find_grid(k // tile, mesh.compute_with_storage_grid_size())
+            input_cores = rows * cols
+            input_config = ttnn.create_sharded_memory_config(
+                (tile, k // input_cores), ttnn.CoreGrid(y=rows, x=cols), ttnn.ShardStrategy.WIDTH,
+                ttnn.ShardOrientation.ROW_MAJOR, use_height_and_width_as_shard_shape=True)
+        program = ttnn.MatmulMultiCoreReuseMultiCastDRAMShardedProgramConfig(
+            in0_block_w=largest_divisor(k // (tile * input_cores), MAX_IN0_BLOCK_W), per_core_M=1,
+            per_core_N=math.ceil(n / (tile * input_cores)), fused_activation=None)
+        return cls(columns, weight_config, input_config, program)
+
+    def add_fill_program(self, mesh, k: int) -> None:
+        """The same matmul over a prompt fill's FILL_ROWS rows: TT's prefill config over the DRAM-sharded weight
+        (ModelArgs.matmul_config: MatmulMultiCoreReuseMultiCastProgramConfig over the compute grid, in0_block_w and
+        out_subblock_w divisors up to 4, which fp32 accumulation's 4-tile destination holds; the automatic config
+        picks a program that wants the weight interleaved: "Input B memory layout must be INTERLEAVED", ttnn 0.81.1
+        on the mock device)."""
+        import ttnn
+
+        grid, tile = mesh.compute_with_storage_grid_size(), TILE_ROWS
+        per_core_n = math.ceil((self.columns[1] - self.columns[0]) / (tile * grid.x))
+        self.fill = ttnn.MatmulMultiCoreReuseMultiCastProgramConfig(
+            compute_with_storage_grid_size=grid, in0_block_w=largest_divisor(k // tile, 4), out_subblock_h=1,
+            out_subblock_w=largest_divisor(per_core_n, 4), per_core_M=math.ceil(FILL_ROWS / (tile * grid.y)),
+            per_core_N=per_core_n, transpose_mcast=False, fused_activation=None, fuse_batch=False)
+
+
+# The L1 budget of a DRAM-sharded matmul (matmul_multicore_reuse_mcast_dram_sharded_program_factory.cpp): per worker
+# its in1 buffer holds 3 x in0_block_w x N / banks weight tiles and its fp32 partials N / banks tiles of 4 KB; an
+# LM head of 49,152 columns (1,536 tiles, 128 per bank) with in0_block_w 8 would need over 1.3 MB of a core's 1.5 MB
+# (it clashed with the L1 buffers on the mock device). So chunks of at most 32 tiles per bank and in0_block_w <= 2:
+# under 0.5 MB a worker.
+MAX_TILES_PER_BANK = 32
+MAX_IN0_BLOCK_W = 2
+
+
+def column_chunks(n: int, banks: int) -> list[tuple[int, int]]:
+    """A matmul's output columns in equal tile-aligned chunks of at most MAX_TILES_PER_BANK tiles per DRAM bank."""
+    count = math.ceil(n / (banks * MAX_TILES_PER_BANK * TILE_ROWS))
+    width = math.ceil(n / count / TILE_ROWS) * TILE_ROWS
+    return [(start, min(n, start + width)) for start in range(0, n, width)]
+
+
+def find_grid(tiles: int, grid) -> tuple[int, int]:
+    """TT's ModelArgs.find_grid (tt/model_config.py): (rows, cols), each at most 8 and within the compute grid, of
+    a core count that divides `tiles`, the count closest to 32 first."""
+    for cores in sorted((c for c in range(1, 65) if tiles % c == 0), key=lambda c: abs(c - 32)):
+        for rows in range(1, min(8, grid.y) + 1):
+            if cores % rows == 0 and cores // rows <= min(8, grid.x):
+                return rows, cores // rows
+    raise ValueError(f"no core grid divides {tiles} tiles")  # unreachable: one core divides anything
+
+
+def largest_divisor(n: int, limit: int = 8) -> int:
+    """TT's ModelArgs.find_largest_divisor: in0_block_w, the largest divisor of n up to 8."""
+    return next(d for d in range(limit, 0, -1) if n % d == 0)
+
+
+def to_meta_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """q or k projection rows from the checkpoint's rotate-half layout to Meta's pairwise one, which TT's
+    rotary_embedding_llama rotates (load_checkpoints.py reverse_permute: within each head, row 2i is row i and row
+    2i + 1 is row i + head_dim / 2). q and k permuted alike leave every q . k, so attention, unchanged."""
+    return w.view(n_heads, 2, w.shape[0] // n_heads // 2, -1).transpose(1, 2).reshape(w.shape)
+
+
+def meta_table(table: torch.Tensor) -> torch.Tensor:
+    """A rotate-half cos/sin table [positions, head_dim] in Meta's pairwise layout (rope.py gather_cos_sin)."""
+    half = table[:, : table.shape[1] // 2]
+    return torch.stack((half, half), dim=-1).flatten(-2)
+
+
+def rotation_matrix() -> torch.Tensor:
+    """TT's get_rot_transformation_mat (tt/common.py): x @ M swaps each pair (x[2k], x[2k + 1]) to
+    (-x[2k + 1], x[2k]), so rotary_embedding_llama computes x * cos + (x @ M) * sin."""
+    m = torch.zeros(TILE_ROWS, TILE_ROWS)
+    m[torch.arange(0, TILE_ROWS, 2), torch.arange(1, TILE_ROWS, 2)] = 1.0
+    m[torch.arange(1, TILE_ROWS, 2), torch.arange(0, TILE_ROWS, 2)] = -1.0
+    return m.view(1, 1, TILE_ROWS, TILE_ROWS)
+
+
 def head_weights(config: HeadConfig, weights: dict) -> dict[str, torch.Tensor]:
     """The head's own tensors as the device program reads them (float32, converted once per dtype): linear weights
-    transposed [in, out]; qkv with the rotate-half copies of q and k appended; norms [1, 1, dim / 32, 32] as
+    transposed [in, out]; qkv's q and k rows in Meta's layout (to_meta_rows); norms [1, 1, dim / 32, 32] as
     TT-Transformers' RMSNorm stores them (models/common/rmsnorm.py)."""
     a = config.layer
     H, Hk, D = a.n_heads, a.n_kv_heads, a.head_dim
@@ -111,9 +222,7 @@ def head_weights(config: HeadConfig, weights: dict) -> dict[str, torch.Tensor]:
     for name, parts in parameter_names(config).items():
         w = torch.cat([weights[p] for p in parts]).float()
         if name.endswith("wqkv.weight"):
-            qk = w[: (H + Hk) * D].view(H + Hk, D, -1)
-            rotated = torch.cat([-qk[:, D // 2 :], qk[:, : D // 2]], dim=1).reshape((H + Hk) * D, -1)
-            w = torch.cat([w, rotated])
+            w = torch.cat([to_meta_rows(w[: H * D], H), to_meta_rows(w[H * D : (H + Hk) * D], Hk), w[(H + Hk) * D :]])
         out[name] = w.view(1, 1, -1, 32) if w.dim() == 1 else w.t().contiguous()
     return out
 
@@ -130,6 +239,10 @@ class TtnnDraftHead:
         if not 1 <= chain_len <= TILE_ROWS:
             raise ValueError(f"--n_draft_tokens {chain_len}: a draft head on the device drafts chains of 1 to "
                              f"{TILE_ROWS} tokens (one 32-row tile); lower it, or use --draft_mode suffix")
+        if config.layer.head_dim % TILE_ROWS:
+            raise ValueError(f"--draft_head: the head's head_dim {config.layer.head_dim} is not a multiple of 32, which "
+                             "TT's rotary_embedding_llama needs on the device; run the head on the host (--backend "
+                             "torch)")
         self.target, self.config, self.chain_len = target, config, chain_len
         self.mesh = target.tt.mesh_device
         a = self.args = config.layer
@@ -141,18 +254,25 @@ class TtnnDraftHead:
         self.blocks = blocks_per_user(self.max_seq_len)
         self.page_table = torch.arange(target.max_batch_size * self.blocks, dtype=torch.int32).view(
             target.max_batch_size, self.blocks)
-        host = head_weights(config, weights)
         self.embedding = embedding.to(torch.bfloat16)  # the feed's next tokens are looked up on the host
-        # the chain's table: the embedding in draft-id order, [1, 1, V', dim] as tt/embedding.py stores its own
-        # (ttnn.embedding: "First two dimensions for the weights must be 1")
-        host["draft_embedding"] = embedding[self.vocab].float().view(1, 1, len(self.vocab), -1)
-        cos, sin = rope_tables(a, self.max_seq_len, torch.float32)
-        host["rope_cos"], host["rope_sin"] = cos.view(1, 1, self.max_seq_len, -1), sin.view(1, 1, self.max_seq_len, -1)
-        self.cache_dir = cache_dir or cache_root() / "tt_draft_heads" / head_id(config, weights)
+        self.cache_dir = cache_dir or cache_root() / "tt_draft_heads" / head_id(config, weights, self.mesh.dram_grid_size().x)
         self.cache_dir.mkdir(parents=True, exist_ok=True)
+        host = head_weights(config, weights)
+        banks = self.mesh.dram_grid_size().x
+        self.matmuls = {name: [DecodeMatmul.build(self.mesh, w.shape[0], columns,
+                                                  a.n_heads if name.endswith("wo.weight") else None)
+                               for columns in column_chunks(w.shape[1], banks)]
+                        for name, w in host.items() if w.dim() == 2}
+        for name in ("fc.weight", "layer.attention.wqkv.weight"):
+            for chunk in self.matmuls[name]:
+                chunk.add_fill_program(self.mesh, host[name].shape[0])
         self.weights = {name: self._device_weight(name, w) for name, w in host.items()}
+        self.tables = self._tables(embedding)
         shape = (target.max_batch_size * self.blocks, a.n_kv_heads, BLOCK_SIZE, a.head_dim)
-        self.kv_cache = [ttnn.as_tensor(torch.zeros(shape), dtype=ttnn.bfloat8_b, layout=ttnn.TILE_LAYOUT,
+        # the KV cache in the precision of TT's preset the weights follow: bfloat8_b with bfloat8_b weights
+        # (performance), bfloat16 otherwise (accuracy; paged SDPA decode takes no float32 cache)
+        cache_dtype = ttnn.bfloat8_b if self.dtype == ttnn.bfloat8_b else ttnn.bfloat16
+        self.kv_cache = [ttnn.as_tensor(torch.zeros(shape), dtype=cache_dtype, layout=ttnn.TILE_LAYOUT,
                                         device=self.mesh, mesh_mapper=ttnn.ReplicateTensorToMesh(self.mesh),
                                         memory_config=ttnn.DRAM_MEMORY_CONFIG) for _ in range(2)]
         self.ladder = pass_ladder(chain_len + 1)
@@ -166,6 +286,7 @@ class TtnnDraftHead:
         self.last_draft_s, self.last_key = 0.0, None  # the last replay, reads included: what a chain step is priced by
         self.last_rows: dict[int, int] = {}  # the tile row each user of the last drafting replay drafted in
         self.last_eager: Optional[HeadTrace] = None  # an eager replay's outputs, until the next
+        self.fill_built = False  # the prompt fill's programs (compile builds them before any trace)
         self.draft_cost = estimated_run_cost(config, target_args)  # one chain step, until measured (RunCost)
         MESH_MODELS[id(self.mesh)].add(self)
 
@@ -174,19 +295,43 @@ class TtnnDraftHead:
     def _device_weight(self, name: str, w: torch.Tensor):
         """One tensor on every device: the head's own weights converted once and cached as TT-Transformers caches its
         own (ttnn.as_tensor with cache_file_name, which appends the dtype and layout to the file name and loads an
-        existing file whatever its shape: the folder is keyed by the head's tensors), matmul weights in the head's
-        dtype (TILE), norm weights bfloat16 ROW_MAJOR (models/common/rmsnorm.py). The gathered tables (the draft-id
-        embedding, taken from the target's, and the rotary rows, as long as this run's max_seq_len) are built each
-        time, bfloat16 ROW_MAJOR (tt/embedding.py; a ttnn.embedding table must be "BFLOAT16",
-        embedding_device_operation.cpp)."""
+        existing file whatever its shape or memory config: the folder is keyed by the head's tensors and the
+        conversion), matmul weights in the head's dtype (TILE) DRAM-sharded (DecodeMatmul), norm weights bfloat16
+        ROW_MAJOR in DRAM (models/common/rmsnorm.py)."""
         import ttnn
 
-        table = name in ("draft_embedding", "rope_cos", "rope_sin")
-        return ttnn.as_tensor(w, dtype=ttnn.bfloat16 if table or "norm" in name else self.dtype,
-                              layout=ttnn.ROW_MAJOR_LAYOUT if table or "norm" in name else ttnn.TILE_LAYOUT,
-                              device=self.mesh, mesh_mapper=ttnn.ReplicateTensorToMesh(self.mesh),
-                              memory_config=ttnn.DRAM_MEMORY_CONFIG,
-                              cache_file_name=None if table else self.cache_dir / name)
+        replicated = ttnn.ReplicateTensorToMesh(self.mesh)
+        if name not in self.matmuls:
+            return ttnn.as_tensor(w, dtype=ttnn.bfloat16, layout=ttnn.ROW_MAJOR_LAYOUT, device=self.mesh,
+                                  mesh_mapper=replicated, memory_config=ttnn.DRAM_MEMORY_CONFIG,
+                                  cache_file_name=self.cache_dir / name)
+        return [ttnn.as_tensor(w[:, chunk.columns[0] : chunk.columns[1]].contiguous(), dtype=self.dtype,
+                               layout=ttnn.TILE_LAYOUT, device=self.mesh, mesh_mapper=replicated,
+                               memory_config=chunk.weight_config, cache_file_name=self.cache_dir / f"{name}.{i}")
+                for i, chunk in enumerate(self.matmuls[name])]
+
+    def _tables(self, embedding: torch.Tensor) -> dict:
+        """The bfloat16 tables that depend on the run, built each time: the chain's embedding in draft-id order
+        ([1, 1, V', dim] ROW_MAJOR as tt/embedding.py stores its own: a ttnn.embedding table must be "BFLOAT16" and
+        ROW_MAJOR, embedding_device_operation.cpp), and TT's RotarySetup pieces (tt/rope.py) over the cache's
+        positions: cos/sin in Meta's layout ROW_MAJOR for the decode gather (a TILE table would be converted at every
+        ttnn.embedding call), the decode rotation matrix one tile per user's core (height-sharded as q and k, which
+        rotary_embedding_llama needs) and the prefill one in DRAM. The host keeps cos/sin for the fill's chunks."""
+        import ttnn
+
+        def table(t, layout, memory_config=ttnn.DRAM_MEMORY_CONFIG):
+            return ttnn.from_torch(t, dtype=ttnn.bfloat16, layout=layout, device=self.mesh, memory_config=memory_config,
+                                   mesh_mapper=ttnn.ReplicateTensorToMesh(self.mesh))
+
+        positions = self.blocks * BLOCK_SIZE
+        self.rope = cos, sin = [meta_table(t).view(1, 1, positions, -1)
+                                for t in rope_tables(self.args, positions, torch.float32)]
+        return {"draft_embedding": table(embedding[self.vocab].float().view(1, 1, len(self.vocab), -1),
+                                         ttnn.ROW_MAJOR_LAYOUT),
+                "rope_cos": table(cos, ttnn.ROW_MAJOR_LAYOUT), "rope_sin": table(sin, ttnn.ROW_MAJOR_LAYOUT),
+                "trans_mat": table(rotation_matrix().repeat(1, 1, TILE_ROWS, 1), ttnn.TILE_LAYOUT,
+                                   self._per_user(TILE_ROWS)),
+                "trans_mat_prefill": table(rotation_matrix(), ttnn.TILE_LAYOUT)}
 
     # ---- the program ---------------------------------------------------------------------------------------------
 
@@ -196,34 +341,44 @@ class TtnnDraftHead:
         return ttnn.rms_norm(x, epsilon=self.args.norm_eps, weight=self.weights[name],
                              memory_config=ttnn.DRAM_MEMORY_CONFIG, compute_kernel_config=self.configs.norm)
 
-    def _linear(self, x, name: str):
+    def _linear(self, x, name: str, memory_config=None):
+        """x @ the named weight, bfloat16, in DRAM. Over the decode tile with TT's DRAM-sharded decode matmul
+        (DecodeMatmul: x resharded in, the output back to DRAM); a prompt fill's rows with the matmul's own program
+        over the same weights, as TT's prefill matmuls read its decode-sharded weights."""
         import ttnn
 
-        return ttnn.linear(x, self.weights[name], dtype=ttnn.bfloat16, memory_config=ttnn.DRAM_MEMORY_CONFIG,
-                           compute_kernel_config=self.configs.matmul)
+        out_config, chunks, parts = memory_config or ttnn.DRAM_MEMORY_CONFIG, self.matmuls[name], []
+        decode = x.shape[-2] == TILE_ROWS
+        if decode and chunks[0].input_config is not None:  # one reshard for every chunk (their K and grid are one)
+            x = ttnn.to_memory_config(x, chunks[0].input_config)
+        for chunk, w in zip(chunks, self.weights[name]):
+            if not decode:
+                parts.append(ttnn.linear(x, w, program_config=chunk.fill, dtype=ttnn.bfloat16,
+                                         memory_config=out_config, compute_kernel_config=self.configs.matmul))
+                continue
+            out = ttnn.linear(x, w, program_config=chunk.program, memory_config=ttnn.L1_WIDTH_SHARDED_MEMORY_CONFIG,
+                              dtype=ttnn.bfloat16, compute_kernel_config=self.configs.matmul)
+            parts.append(ttnn.sharded_to_interleaved(out, out_config))
+        return parts[0] if len(parts) == 1 else ttnn.concat(parts, dim=3, memory_config=out_config)
 
     def _cols(self, x, start: int, end: int):
         import ttnn
 
-        return ttnn.slice(x, [0, 0, 0, start], [1, 1, TILE_ROWS, end], memory_config=ttnn.DRAM_MEMORY_CONFIG)
+        return ttnn.slice(x, [0, 0, 0, start], [1, 1, x.shape[-2], end], memory_config=ttnn.DRAM_MEMORY_CONFIG)
 
-    def _heads(self, x, n_heads: int, sharded: bool):
-        """[1, 1, 32, n * D] -> [1, 32, n, D] (the decode layout of TT's attention: batch rows, then heads; a tiled
-        reshape, reshape.cpp). For the cache update, height sharded one row per core, shard [32, D] on 32 cores, as
-        TT-Transformers' CREATE_QKV_DECODE_SHARD on Blackhole (tt/model_config.py): paged_update_cache wants "input_tensor
-        to be sharded", not width sharded, one core per user (paged_update_cache_device_operation.cpp)."""
+    @staticmethod
+    def _per_user(width: int):
+        """Height-sharded in L1, one user's [32, width] per core on the first 32 cores row by row: where
+        nlp_create_qkv_heads_decode puts q, k and v (num_cores_to_corerangeset(32 users, row_wise)), so TT's rotary
+        inputs, paged_update_cache's update and nlp_concat_heads_decode's input sit there too (tt/rope.py batch_grid,
+        CREATE_QKV_DECODE_SHARD and SCORES_BATCHED_MM_OUTPUT_MEMCFG in tt/model_config.py)."""
         import ttnn
 
-        x = ttnn.reshape(x, [1, TILE_ROWS, n_heads, self.args.head_dim])
-        if not sharded:
-            return x
-        width = math.ceil(self.args.head_dim / 32) * 32  # "shard width equal to" the tile-padded head_dim
-        config = ttnn.create_sharded_memory_config((TILE_ROWS, width), ttnn.CoreGrid(y=4, x=8),
-                                                   ttnn.ShardStrategy.HEIGHT, use_height_and_width_as_shard_shape=True)
-        return ttnn.to_memory_config(x, config)
+        return ttnn.create_sharded_memory_config((TILE_ROWS, width), ttnn.CoreGrid(y=4, x=8), ttnn.ShardStrategy.HEIGHT,
+                                                 use_height_and_width_as_shard_shape=True)
 
     def _project(self, taps):
-        """The taps [1, 1, 32, len(taps) * dim] -> the first state (fc, after the config's norms)."""
+        """The taps [1, 1, rows, len(taps) * dim] -> the first state (fc, after the config's norms)."""
         import ttnn
 
         c = self.config
@@ -235,28 +390,42 @@ class TtnnDraftHead:
                                 for i in range(len(c.taps))], dim=3, memory_config=ttnn.DRAM_MEMORY_CONFIG)
         return self._linear(taps, "fc.weight")
 
+    def _attention_input(self, embeds, state):
+        """(the layer's attention input: the normed embedding and state side by side (2 dim), the residual)."""
+        import ttnn
+
+        normed = self._norm(state, "layer.hidden_norm.weight")
+        x = ttnn.concat([self._norm(embeds, "layer.input_layernorm.weight"), normed], dim=3,
+                        memory_config=ttnn.DRAM_MEMORY_CONFIG)
+        return x, normed if self.config.norm_before_residual else state
+
+    def _rot_mats(self, rope_rows):
+        """Each row's cos and sin, [1, 32, 1, head_dim] height-sharded one user per core: TT's
+        RotarySetup.get_rot_mats (tt/rope.py: embedding, unsqueeze_to_4D, transpose(1, 2), interleaved_to_sharded)."""
+        import ttnn
+
+        return [ttnn.interleaved_to_sharded(ttnn.transpose(ttnn.unsqueeze_to_4D(ttnn.embedding(
+            rope_rows, self.tables[name], layout=ttnn.TILE_LAYOUT)), 1, 2), self._per_user(self.args.head_dim))
+            for name in ("rope_cos", "rope_sin")]
+
     def _layer(self, embeds, state, positions, rope_rows, passes: list):
-        """The head's decoder layer over the tile (Eagle3Layer.forward, torch_backend/draft_head.py): returns the
-        state fed forward and the draft-vocabulary logits [1, 1, 32, V']."""
+        """The head's decoder layer over the tile (Eagle3Layer.forward, torch_backend/draft_head.py) with TT's decode
+        attention ops (tt/attention.py forward_decode): returns the state fed forward and the draft-vocabulary logits
+        [1, 1, 32, V']."""
         import ttnn
 
         a, c, dram = self.args, self.config, ttnn.DRAM_MEMORY_CONFIG
         H, Hk, D = a.n_heads, a.n_kv_heads, a.head_dim
-        normed = self._norm(state, "layer.hidden_norm.weight")
-        residual = normed if c.norm_before_residual else state
-        x = ttnn.concat([self._norm(embeds, "layer.input_layernorm.weight"), normed], dim=3, memory_config=dram)
-        qkv = self._linear(x, "layer.attention.wqkv.weight")  # q, k, v, then rotate_half(q), rotate_half(k)
-        width = (H + Hk) * D
-        cos, sin = (ttnn.repeat(ttnn.reshape(ttnn.embedding(rope_rows, self.weights[name], layout=ttnn.TILE_LAYOUT,
-                                                            memory_config=dram), [1, 1, TILE_ROWS, D]),
-                                [1, 1, 1, H + Hk], memory_config=dram)  # each row's cos/sin across the q and k heads
-                    for name in ("rope_cos", "rope_sin"))
-        qk = ttnn.add(ttnn.mul(self._cols(qkv, 0, width), cos, memory_config=dram),
-                      ttnn.mul(self._cols(qkv, width + Hk * D, 2 * width + Hk * D), sin, memory_config=dram),
-                      memory_config=dram)
-        q = self._heads(self._cols(qk, 0, H * D), H, sharded=False)
-        k = self._heads(self._cols(qk, H * D, width), Hk, sharded=True)
-        v = self._heads(self._cols(qkv, width, width + Hk * D), Hk, sharded=True)
+        x, residual = self._attention_input(embeds, state)
+        # bfloat16 qkv ("bfloat16 is required by nlp_create_qkv_heads_decode"); q, k, v [1, 32, heads, D] per user core
+        # qkv in L1 as TT's (tt/attention.py): on Wormhole the op reads its rows at 16-byte L1 alignment, which DRAM
+        # does not give (its fix for DRAM inputs, tt-metal #43270, is on for Blackhole only)
+        q, k, v = ttnn.experimental.nlp_create_qkv_heads_decode(
+            self._linear(x, "layer.attention.wqkv.weight", ttnn.L1_MEMORY_CONFIG), num_heads=H, num_kv_heads=Hk,
+            memory_config=self._per_user(D))
+        cos, sin = self._rot_mats(rope_rows)
+        q, k = (ttnn.experimental.rotary_embedding_llama(t, cos, sin, self.tables["trans_mat"], is_decode_mode=True)
+                for t in (q, k))
         keys, values = self.kv_cache
         page_table = self.inputs.page_table
         for pass_positions in passes:  # ordered: no two rows of one op share a cache block (attention.py)
@@ -265,9 +434,9 @@ class TtnnDraftHead:
         attn = ttnn.transformer.paged_scaled_dot_product_attention_decode(
             q, keys, values, page_table_tensor=page_table, cur_pos_tensor=positions, scale=D ** -0.5,
             sliding_window_size=a.sliding_window, program_config=self.configs.sdpa_program,
-            compute_kernel_config=self.configs.sdpa, memory_config=dram)
-        attn = ttnn.reshape(ttnn.slice(attn, [0, 0, 0, 0], [1, TILE_ROWS, H, D], memory_config=dram),
-                            [1, 1, TILE_ROWS, H * D])
+            compute_kernel_config=self.configs.sdpa, memory_config=dram)  # DRAM: GQA takes no sharded output
+        # the heads side by side, one head per core: wo's DRAM-sharded input as it is (TT's ATTN_OUTPUT_PROGCFG)
+        attn = ttnn.experimental.nlp_concat_heads_decode(ttnn.to_memory_config(attn, self._per_user(D)), num_heads=H)
         h = ttnn.add(residual, self._linear(attn, "layer.attention.wo.weight"), memory_config=dram)
         gate_up = self._linear(self._norm(h, "layer.ffn_norm.weight"), "layer.feed_forward.w_gate_up.weight")
         hidden = a.hidden_dim
@@ -277,43 +446,83 @@ class TtnnDraftHead:
         normed_out = self._norm(h, "norm.weight")
         return (normed_out if c.norm_output else h), self._linear(normed_out, "lm_head.weight")
 
-    def _choose(self, logits):
-        """Each row's argmax over the draft vocabulary ([1, 1, 32, 1] uint32, from the untilized logits as the
-        target's) and its softmax probability."""
+    def _choose(self, logits, tokens) -> list:
+        """Each row's argmax over the draft vocabulary written into `tokens`, as TT's decode writes its sampled token
+        into the next step's token input (the untilized logits' argmax, multi-core over a ROW_MAJOR last dim, with
+        output_tensor [1, 1, 1, 32] uint32: no reshape of the ids); and the top CONFIDENCE_TOP logits of each row per
+        vocabulary slice (ttnn.topk multi-core on power-of-two slices, as the target's top k), from which the host
+        computes the draft's confidence: a softmax over one row of the draft vocabulary would run on one core."""
         import ttnn
 
         dram = ttnn.DRAM_MEMORY_CONFIG
-        ids = ttnn.argmax(ttnn.untilize(logits, use_multicore=True, memory_config=dram), dim=-1, keepdim=True,
-                          memory_config=dram)
-        probs = ttnn.max(ttnn.softmax(logits, dim=-1, memory_config=dram, compute_kernel_config=self.configs.norm),
-                         dim=-1, keepdim=True, memory_config=dram)
-        return ids, probs
+        ttnn.argmax(ttnn.untilize(logits, use_multicore=True, memory_config=dram), dim=-1, keepdim=False,
+                    output_tensor=tokens)
+        return slice_top_k(logits, CONFIDENCE_TOP, len(self.vocab))
 
     def _forward(self, key: HeadKey):
         """The traced program for (passes, k): the feed over the tile, then k - 1 chain steps."""
         import ttnn
 
         passes, k = key
-        i = self.inputs
+        i, dram = self.inputs, ttnn.DRAM_MEMORY_CONFIG
         state, logits = self._layer(i.embeds, self._project(self.target.tap_tile(self.taps)), i.positions,
                                     i.rope_rows, i.pass_positions[:passes])
-        ids, probs = self._choose(logits)
-        out = HeadTrace(None, [ids], [probs], [logits])
-        for j in range(k - 1):
-            tokens = ttnn.reshape(ids, [1, 1, 1, TILE_ROWS])  # as TT's decode tokens (tt/model.py)
-            embeds = ttnn.reshape(ttnn.embedding(tokens, self.weights["draft_embedding"], layout=ttnn.TILE_LAYOUT,
-                                                 memory_config=ttnn.DRAM_MEMORY_CONFIG), [1, 1, TILE_ROWS, self.args.dim])
-            state, logits = self._layer(embeds, state, i.chain_positions[j], i.chain_rope_rows[j],
-                                        [i.chain_positions[j]])
-            ids, probs = self._choose(logits)
-            out.ids.append(ids)
-            out.probs.append(probs)
+        out = HeadTrace(None, [self._choose(logits, i.tokens[0])], [logits])
+        for j in range(1, k):
+            embeds = ttnn.unsqueeze_to_4D(ttnn.embedding(i.tokens[j - 1], self.tables["draft_embedding"],
+                                                         layout=ttnn.TILE_LAYOUT, memory_config=dram))
+            state, logits = self._layer(embeds, state, i.chain_positions[j - 1], i.chain_rope_rows[j - 1],
+                                        [i.chain_positions[j - 1]])
+            out.top.append(self._choose(logits, i.tokens[j]))
             out.logits.append(logits)
         # the chain's outputs side by side, so a replay ends in two reads, not 2 x k (issue 31, finding 3)
-        dram = ttnn.DRAM_MEMORY_CONFIG
-        out.chain_ids = ttnn.concat(out.ids, dim=3, memory_config=dram) if k > 1 else ids
-        out.chain_probs = ttnn.concat(out.probs, dim=3, memory_config=dram) if k > 1 else probs
+        out.chain_ids = ttnn.concat(i.tokens[:k], dim=2, memory_config=dram) if k > 1 else i.tokens[0]
+        values = [v for step in out.top for v, _ in step]
+        out.chain_top = ttnn.concat(values, dim=3, memory_config=dram) if len(values) > 1 else values[0]
         return out
+
+    def fill_prompt(self, user: int, states: torch.Tensor, next_tokens: Sequence[int]) -> None:
+        """A prompt's rows 0.. (states [n, len(taps) * dim], each row's next token) into the user's head cache with
+        prefill-shaped ops, FILL_ROWS at a time, once per request: a one-layer head's cache holds each row's k and v,
+        which depend on the row's own input only, so the rows' attention, MLP and LM head are not run (the last rows,
+        whose state the chain starts from, go through the drafting replay). Eager (a prompt's length varies), as TT's
+        prefill; its tensors freed before the next replay."""
+        for start in range(0, len(next_tokens), FILL_ROWS):
+            self._fill_chunk(user, start, states[start : start + FILL_ROWS], next_tokens[start : start + FILL_ROWS])
+
+    def _fill_chunk(self, user: int, start: int, states: torch.Tensor, next_tokens: Sequence[int]) -> None:
+        """Up to FILL_ROWS rows from position `start` (a multiple of FILL_ROWS): TT's attention forward_prefill up to
+        the cache fill (nlp_create_qkv_heads, rotary_embedding_llama on the chunk's cos/sin rows, typecast to the
+        cache's dtype, paged_fill_cache into the chunk's page-table slice, as TT's chunked prefill). Padded rows
+        write positions past the prompt, rewritten by their own feed before any query reads them."""
+        import ttnn
+
+        a, dram = self.args, ttnn.DRAM_MEMORY_CONFIG
+        replicated = ttnn.ReplicateTensorToMesh(self.mesh)
+        taps, embeds = torch.zeros(FILL_ROWS, states.shape[1]), torch.zeros(FILL_ROWS, a.dim)
+        taps[: len(next_tokens)] = states.float()
+        embeds[: len(next_tokens)] = self.embedding[torch.tensor(list(next_tokens))].float()
+        taps, embeds = (ttnn.from_torch(t.view(1, 1, FILL_ROWS, -1), dtype=ttnn.bfloat16, layout=ttnn.TILE_LAYOUT,
+                                        device=self.mesh, memory_config=dram, mesh_mapper=replicated)
+                        for t in (taps, embeds))
+        x, _ = self._attention_input(embeds, self._project(taps))
+        q, k, v = ttnn.experimental.nlp_create_qkv_heads(
+            self._linear(x, "layer.attention.wqkv.weight"), num_heads=a.n_heads, num_kv_heads=a.n_kv_heads,
+            transpose_k_heads=False, memory_config=dram)
+        # the chunk's cos/sin written from the host (a device slice at each chunk's offset would be a new program,
+        # compiled while traces are live: ttnn.slice keys its program by the offsets)
+        cos, sin = (ttnn.from_torch(t[:, :, start : start + FILL_ROWS], dtype=ttnn.bfloat16, layout=ttnn.TILE_LAYOUT,
+                                    device=self.mesh, memory_config=dram, mesh_mapper=replicated) for t in self.rope)
+        k = ttnn.experimental.rotary_embedding_llama(k, cos, sin, self.tables["trans_mat_prefill"],
+                                                     is_decode_mode=False)
+        blocks = self.page_table[user : user + 1, start // BLOCK_SIZE : (start + FILL_ROWS) // BLOCK_SIZE]
+        page_table = ttnn.from_torch(blocks, dtype=ttnn.int32, device=self.mesh, memory_config=dram,
+                                     mesh_mapper=replicated)
+        filled = [ttnn.typecast(t, cache.dtype) for t, cache in zip((k, v), self.kv_cache)]  # a raw tile copy
+        for cache, t in zip(self.kv_cache, filled):
+            ttnn.experimental.paged_fill_cache(cache, t, page_table, batch_idx=0)
+        for t in (taps, embeds, x, q, k, v, cos, sin, page_table, *filled):
+            ttnn.deallocate(t)
 
     # ---- traces (made with the mesh's other models: generator.prepare_mesh) --------------------------------------
 
@@ -333,18 +542,23 @@ class TtnnDraftHead:
         return head_trace_bytes(args.model_name, args.device_name, self.target.tt.full_layers, key)
 
     def compile(self, key: HeadKey) -> None:
-        """Run the program once outside a trace with every position -1 (nothing written), so its kernels are built."""
-        import ttnn
-
+        """Run the program once outside a trace with every position -1 (nothing written), so its kernels are built;
+        the first time, the prompt fill's too (built while no trace is live), into user 0's last chunk of positions
+        (rewritten by their own feed before any query reads them)."""
+        if not self.fill_built:
+            self._fill_chunk(0, self.blocks * BLOCK_SIZE - FILL_ROWS, torch.zeros(1, len(self.taps) * self.config.target_hidden), [0])
+            self.fill_built = True
         self._write_inputs(key, [], [])
         self._deallocate(self._forward(key))
 
     @staticmethod
     def _deallocate(out: HeadTrace) -> None:
+        """A program's outputs (not the persistent token tensors the argmax writes)."""
         import ttnn
 
-        for tensor in device_tensors([out.ids, out.probs, out.logits, out.chain_ids if len(out.ids) > 1 else None,
-                                      out.chain_probs if len(out.ids) > 1 else None]):
+        k = len(out.logits)
+        joined = [out.chain_ids if k > 1 else None, out.chain_top if k * len(out.top[0]) > 1 else None]
+        for tensor in device_tensors([out.top, out.logits, joined]):
             ttnn.deallocate(tensor)
 
     def capture(self, key: HeadKey) -> None:
@@ -391,15 +605,17 @@ class TtnnDraftHead:
         def ints(t):
             return ttnn.from_torch(t, dtype=ttnn.int32, mesh_mapper=replicated)
 
-        def rope_rows(t):  # rotary rows: positions clamped at 0, as TT's rot_mat_idxs
-            return ttnn.from_torch(t.clamp(min=0).view(1, 1, 1, -1), dtype=ttnn.uint32, mesh_mapper=replicated)
+        def rope_rows(t):  # rotary rows: positions clamped at 0, [1, 32] as TT's rot_mat_idxs (rope.py get_rot_idxs)
+            return ttnn.from_torch(t.clamp(min=0).view(1, -1), dtype=ttnn.uint32, mesh_mapper=replicated)
 
         embeds = ttnn.from_torch(self.embedding[tokens].view(1, 1, TILE_ROWS, -1), dtype=ttnn.bfloat16,
                                  layout=ttnn.TILE_LAYOUT, mesh_mapper=replicated)
         n_passes, k = key
         if self.inputs is None:
+            tokens = [ttnn.from_torch(torch.zeros(1, 1, 1, TILE_ROWS, dtype=torch.int64), dtype=ttnn.uint32,
+                                      mesh_mapper=replicated) for _ in range(self.chain_len)]
             host = [embeds, ints(positions), rope_rows(positions), ints(page_table), [ints(p) for p in passes],
-                    [ints(c) for c in chain], [rope_rows(c) for c in chain]]
+                    [ints(c) for c in chain], [rope_rows(c) for c in chain], tokens]
             self.inputs = HeadInputs(*(
                 [ttnn.to_device(t, self.mesh, memory_config=ttnn.DRAM_MEMORY_CONFIG) for t in part]
                 if isinstance(part, list) else ttnn.to_device(part, self.mesh, memory_config=ttnn.DRAM_MEMORY_CONFIG)
@@ -417,8 +633,8 @@ class TtnnDraftHead:
 
     def draft(self, feeds: Sequence[HeadFeed], chain_users: Sequence[int], k: int) -> dict[int, tuple[list, list]]:
         """Feed every row in `feeds` (a verified step's rows in the tap tile, or a prompt's states), then draft k
-        tokens (1 or chain_len) for each user in chain_users from its last fed row. Returns {user: (target ids,
-        the head's probability of each)}."""
+        tokens (1 or chain_len) for each user in chain_users from its last fed row, in one replay. Returns {user:
+        (target ids, the head's confidence in each)}."""
         import ttnn
 
         if k not in (1, self.chain_len):
@@ -428,67 +644,68 @@ class TtnnDraftHead:
         if tile and prompt:
             raise ValueError("a prompt's rows and a verified step's come in separate proposals (every user starts "
                              "with the same first step)")
-        replays = [([(f.user, list(f.tile_rows), f.start_pos, list(f.next_tokens)) for f in tile], None)] if tile \
-            else self._prompt_replays(prompt)
-        missing = set(chain_users) - {row[0] for row in replays[-1][0]}
+        replay, states, fills = ([(f.user, list(f.tile_rows), f.start_pos, list(f.next_tokens)) for f in tile],
+                                 None, []) if tile else self._prompt_replay(prompt)
+        missing = set(chain_users) - {row[0] for row in replay}
         if missing:
             raise ValueError(f"users {sorted(missing)} have no rows to feed: the head drafts from a user's last fed row")
-        for n, (replay, states) in enumerate(replays):
-            final = n == len(replays) - 1
-            chains = [(user, rows[-1]) for user, rows, *_ in replay if final and user in chain_users]
-            key = (passes_for(max(len(rows) for _, rows, *_ in replay), self.ladder), k if final else 1)
-            if key not in (self.traces if self.trace else self.compiled):
-                self.planned.add(key)
-                self.target.check_trace_region()
-                prepare_mesh(self.mesh)
-            if states is not None:  # a prompt's states: the tap tile is the feed's input
-                tile_tensor = self.target.tap_tile(self.taps)
-                ttnn.copy_host_to_device_tensor(ttnn.from_torch(
-                    states.view(1, 1, TILE_ROWS, -1), dtype=tile_tensor.dtype, layout=ttnn.TILE_LAYOUT,
-                    mesh_mapper=ttnn.ReplicateTensorToMesh(self.mesh)), tile_tensor)
-            self._write_inputs(key, replay, chains)
-            start = time.perf_counter()
-            if self.trace:
-                program = self.traces[key]
-                ttnn.execute_trace(self.mesh, program.trace_id, cq_id=0, blocking=False)
-            else:  # eager: the same program, op by op (its outputs kept until the next replay, for read_logits)
-                if self.last_eager is not None:
-                    self._deallocate(self.last_eager)
-                program = self.last_eager = self._forward(key)
-            out = self._read(program, [row for _, row in chains]) if chains else []
-            self.step_times.setdefault(key, []).append(time.perf_counter() - start)
+        chains = [(user, rows[-1]) for user, rows, *_ in replay if user in chain_users]
+        key = (passes_for(max(len(rows) for _, rows, *_ in replay), self.ladder), k)
+        if key not in (self.traces if self.trace else self.compiled):
+            self.planned.add(key)
+            self.target.check_trace_region()
+            prepare_mesh(self.mesh)
+        for fill in fills:  # a prompt's earlier rows (compiled above, before any of its traces)
+            self.fill_prompt(*fill)
+        if states is not None:  # a prompt's last rows: the tap tile is the feed's input
+            tile_tensor = self.target.tap_tile(self.taps)
+            ttnn.copy_host_to_device_tensor(ttnn.from_torch(
+                states.view(1, 1, TILE_ROWS, -1), dtype=tile_tensor.dtype, layout=ttnn.TILE_LAYOUT,
+                mesh_mapper=ttnn.ReplicateTensorToMesh(self.mesh)), tile_tensor)
+        self._write_inputs(key, replay, chains)
+        start = time.perf_counter()
+        if self.trace:
+            program = self.traces[key]
+            ttnn.execute_trace(self.mesh, program.trace_id, cq_id=0, blocking=False)
+        else:  # eager: the same program, op by op (its outputs kept until the next replay, for read_logits)
+            if self.last_eager is not None:
+                self._deallocate(self.last_eager)
+            program = self.last_eager = self._forward(key)
+        out = self._read(program, [row for _, row in chains]) if chains else []
+        self.step_times.setdefault(key, []).append(time.perf_counter() - start)
         self.last_draft_s, self.last_key, self.last_rows = self.step_times[key][-1], key, dict(chains)
         return {user: drafted for (user, _), drafted in zip(chains, out)}
 
-    def _prompt_replays(self, feeds: Sequence[HeadFeed]) -> list[tuple[list, torch.Tensor]]:
-        """The prompts' rows in replays of up to prompt_rows rows per user (each user its own run of tile rows), counted
-        back from each prompt's end so that every user's last rows share the final replay: (rows fed, the tap tile's
-        contents) per replay."""
+    def _prompt_replay(self, feeds: Sequence[HeadFeed]) -> tuple[list, torch.Tensor, list]:
+        """The prompts' last rows, up to prompt_rows per user (each user its own run of tile rows), for the drafting
+        replay: (rows fed, the tap tile's contents, the earlier rows' fill_prompt arguments)."""
         share = max(1, min(self.prompt_rows, TILE_ROWS // len(feeds)))
-        n_replays = max(math.ceil(len(f.next_tokens) / share) for f in feeds)
-        replays = []
-        for n in range(n_replays):
-            replay, states = [], torch.zeros(TILE_ROWS, feeds[0].states.shape[1])
-            for slot, f in enumerate(feeds):
-                end = len(f.next_tokens) - (n_replays - 1 - n) * share
-                begin = max(0, end - share)
-                if end <= 0:
-                    continue
-                rows = list(range(slot * share, slot * share + end - begin))
-                states[rows] = f.states[begin:end].float()
-                replay.append((f.user, rows, f.start_pos + begin, list(f.next_tokens[begin:end])))
-            replays.append((replay, states))
-        return replays
+        replay, states, fills = [], torch.zeros(TILE_ROWS, feeds[0].states.shape[1]), []
+        for slot, f in enumerate(feeds):
+            if f.start_pos != 0:
+                raise ValueError(f"user {f.user}: a prompt's rows start at position 0, not {f.start_pos}")
+            begin = max(0, len(f.next_tokens) - share)
+            if begin:
+                fills.append((f.user, f.states[:begin], list(f.next_tokens[:begin])))
+            rows = list(range(slot * share, slot * share + len(f.next_tokens) - begin))
+            states[rows] = f.states[begin:].float()
+            replay.append((f.user, rows, begin, list(f.next_tokens[begin:])))
+        return replay, states, fills
 
     def _read(self, trace: HeadTrace, rows: list[int]) -> list[tuple[list[int], list[float]]]:
-        """The drafted ids (mapped to the target's) and probabilities of the given rows: one read of each."""
+        """The drafted ids (mapped to the target's) and confidences of the given rows: one read of each. A draft's
+        confidence is its softmax probability among its row's top logits (the rest of the draft vocabulary's mass
+        left out: at least the full softmax's probability)."""
         import ttnn
 
         def read(t):
-            return ttnn.to_torch(ttnn.get_device_tensors(t)[0]).reshape(TILE_ROWS, -1)[:, : len(trace.ids)]
+            return ttnn.to_torch(ttnn.get_device_tensors(t)[0])
 
-        ids, probs = read(trace.chain_ids).long()[rows], read(trace.chain_probs).float()[rows]
-        return [(self.vocab[i].tolist(), p.tolist()) for i, p in zip(ids, probs)]
+        k = len(trace.logits)
+        ids = read(trace.chain_ids).reshape(-1, TILE_ROWS)[:k].long().t()[rows]  # [rows, k]
+        top = read(trace.chain_top).reshape(TILE_ROWS, k, -1).float()[rows]  # [rows, k, slices * CONFIDENCE_TOP]
+        confidence = 1.0 / torch.exp(top - top.amax(dim=-1, keepdim=True)).sum(dim=-1)
+        return [(self.vocab[i].tolist(), c.tolist()) for i, c in zip(ids, confidence)]
 
     def read_logits(self, step: int) -> torch.Tensor:
         """Chain step `step`'s draft-vocabulary logits [32, V'] of the last replay (rows: last_rows; for checks: the
@@ -499,9 +716,11 @@ class TtnnDraftHead:
         return ttnn.to_torch(ttnn.get_device_tensors(logits)[0]).reshape(TILE_ROWS, -1).float()
 
 
-def head_id(config: HeadConfig, weights: dict) -> str:
-    """A cache folder name for one head's converted weights: its shapes and a hash of its tensors' bytes."""
-    digest = hashlib.sha256()
+def head_id(config: HeadConfig, weights: dict, banks: int) -> str:
+    """A cache folder name for one head's converted weights: its shapes, a hash of its tensors' bytes and of how they
+    are converted (Meta's q/k rows, the column chunks over `banks` DRAM banks: ttnn.as_tensor loads a cached file
+    whatever its shape or memory config)."""
+    digest = hashlib.sha256(f"meta-qkv, {MAX_TILES_PER_BANK} tiles a bank over {banks} banks".encode())
     for name in sorted(weights):
         t = weights[name].contiguous()
         digest.update(f"{name}{tuple(t.shape)}{t.dtype}".encode())

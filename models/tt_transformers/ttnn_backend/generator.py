@@ -580,7 +580,7 @@ class TtnnCausalLM:
             tiles = ttnn.to_layout(rows, ttnn.TILE_LAYOUT, memory_config=dram) if top_k else None
             best = None
         ids = ttnn.argmax(rows, dim=-1, keepdim=True, memory_config=dram)
-        top = self._slice_top_k(tiles, top_k) if top_k else None
+        top = slice_top_k(tiles, top_k, self.share) if top_k else None
         if taps:
             self._write_taps(capture.outputs, taps, tile)
         first_rows = {r: ttnn.slice(rows, [0, 0, 0, 0], [1, 1, r, rows.shape[-1]], memory_config=dram)
@@ -620,19 +620,24 @@ class TtnnCausalLM:
         # data_movement/concat/concat.cpp): copied into the tile (ttnn.copy: input_b modified in place, equal shapes)
         ttnn.copy(ttnn.concat(parts, dim=3, memory_config=dram), tile)
 
-    def _slice_top_k(self, tiles, k: int) -> list:
-        import ttnn
 
-        width, slices = vocab_slices(self.share)
-        dram, top = ttnn.DRAM_MEMORY_CONFIG, []
-        for s in range(slices):
-            end = min((s + 1) * width, self.share)
-            piece = ttnn.slice(tiles, [0, 0, 0, s * width], [1, 1, TILE_ROWS, end], pad_value=float("-inf"),
-                               memory_config=dram)
-            if end - s * width < width:
-                piece = ttnn.pad(piece, [(0, 0), (0, 0), (0, 0), (0, width - (end - s * width))], float("-inf"))
-            top.append(ttnn.topk(piece, k=k, dim=-1, memory_config=dram))
-        return top
+
+def slice_top_k(tiles, k: int, columns: int) -> list:
+    """The top k of each row of a [1, 1, 32, >= columns] TILE tensor's first `columns` columns, per slice of the
+    width trace_plan.vocab_slices picks (the last padded with -inf): [(values, indices) [1, 1, 32, k]] per slice,
+    indices within the slice. On such widths ttnn.topk runs multi-core."""
+    import ttnn
+
+    width, slices = vocab_slices(columns)
+    dram, top = ttnn.DRAM_MEMORY_CONFIG, []
+    for s in range(slices):
+        end = min((s + 1) * width, columns)
+        piece = ttnn.slice(tiles, [0, 0, 0, s * width], [1, 1, TILE_ROWS, end], pad_value=float("-inf"),
+                           memory_config=dram)
+        if end - s * width < width:
+            piece = ttnn.pad(piece, [(0, 0), (0, 0), (0, 0), (0, width - (end - s * width))], float("-inf"))
+        top.append(ttnn.topk(piece, k=k, dim=-1, memory_config=dram))
+    return top
 
 
 def prompt_taps(copies: dict, taps: Sequence[int], n: int) -> torch.Tensor:

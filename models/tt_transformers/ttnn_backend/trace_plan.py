@@ -88,7 +88,11 @@ def trace_ops(n_layers: int, key: TraceKey, vocab_size: int) -> int:
 
 
 HeadKey = tuple[int, int]  # a device draft head's trace: (feed write passes, chain length k)
-HEAD_LAYER_OPS = 47  # one head-layer step (draft_head.py _layer and _choose): norms, matmuls, rotary, attention, MLP
+# one head-layer step (draft_head.py _layer and _choose: norms, DRAM-sharded matmuls in column chunks with their
+# reshards, TT's head and rotary ops, attention, MLP, argmax, a top k of one vocabulary slice: draft vocabularies up
+# to 32,768), fc included: about 51 at SmolLM2's shapes (tests/test_ttnn_draft_head.py checks it), 61 at Llama-3.1-8B's
+# (more column chunks: the review's count)
+HEAD_LAYER_OPS = 64
 
 
 def head_trace_keys(chain_len: int) -> list[HeadKey]:
