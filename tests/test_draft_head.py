@@ -11,12 +11,9 @@ import sys
 import pytest
 import torch
 
-from models.tt_transformers.demo.speculative_decoding.speculative_demo import (
-    DRAFT_HEADS,
-    DemoConfig,
-    DemoInputError,
-    run_demo,
-)
+from models.tt_transformers.demo.speculative_decoding.inputs import DRAFT_HEADS, DemoInputError
+from models.tt_transformers.demo.speculative_decoding.options import DemoConfig
+from models.tt_transformers.demo.speculative_decoding.speculative_demo import run_demo
 from models.tt_transformers.demo.speculative_decoding.speculative_generator import SpeculativeGenerator
 from models.tt_transformers.speculative.backend import UserRows
 from models.tt_transformers.speculative.draft_length import linear_cost
@@ -420,9 +417,9 @@ def test_bad_draft_head_is_a_clear_error_before_loading(tmp_path, embedded_check
 
 
 def test_head_mode_without_a_head_for_the_target(tmp_path, monkeypatch):
-    from models.tt_transformers.demo.speculative_decoding import speculative_demo
+    from models.tt_transformers.demo.speculative_decoding import inputs
 
-    monkeypatch.setattr(speculative_demo, "DRAFT_HEADS", tmp_path / "none")
+    monkeypatch.setattr(inputs, "DRAFT_HEADS", tmp_path / "none")
     config = DemoConfig(input_prompts=str(write_json(tmp_path / "p.json", [{"prompt": "Hi"}])), draft_mode="head")
     with pytest.raises(DemoInputError, match="no draft head ships for SmolLM2-135M-Instruct; pass --draft_head"):
         run_demo(config)

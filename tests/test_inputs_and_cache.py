@@ -11,17 +11,15 @@ from loguru import logger
 from models.tt_transformers.torch_backend import checkpoint
 from models.tt_transformers.torch_backend.checkpoint import CheckpointError, resolve_checkpoint
 from models.tt_transformers.torch_backend.model_config import ModelArgs, ModelConfigError
-from models.tt_transformers.demo.speculative_decoding.speculative_demo import (
-    DEFAULT_PROMPTS,
-    DemoConfig,
+from models.tt_transformers.demo.speculative_decoding.build import build
+from models.tt_transformers.demo.speculative_decoding.inputs import (
     DemoInputError,
-    build,
     check_flags,
     load_prompts,
-    main,
-    run_demo,
     split_batches,
 )
+from models.tt_transformers.demo.speculative_decoding.options import DEFAULT_PROMPTS, DemoConfig
+from models.tt_transformers.demo.speculative_decoding.speculative_demo import main, run_demo
 from models.tt_transformers.demo.speculative_decoding.speculative_generator import SpeculativeGenerator
 from models.tt_transformers.speculative.drafters import SuffixDrafter
 from models.tt_transformers.torch_backend.generator import TorchCausalLM
@@ -312,11 +310,11 @@ def test_draft_layers_checked_in_every_mode(tmp_path, embedded_checkpoint, mode,
 def test_max_seq_len_beyond_the_model_or_the_memory(tmp_path, embedded_checkpoint, monkeypatch):
     """--max_seq_len past the model's context, or whose KV cache would not fit the free memory, is one line naming
     what fits, before anything is allocated."""
-    from models.tt_transformers.demo.speculative_decoding import speculative_demo
+    from models.tt_transformers.demo.speculative_decoding import inputs
 
     with pytest.raises(DemoInputError, match="--max_seq_len 10,000,000 is longer than the model's context"):
         build(demo(tmp_path, max_seq_len=10_000_000))
-    monkeypatch.setattr(speculative_demo, "available_memory_bytes", lambda: 64 * 2**20)  # 64 MiB free
+    monkeypatch.setattr(inputs, "available_memory_bytes", lambda: 64 * 2**20)  # 64 MiB free
     with pytest.raises(DemoInputError, match="--max_seq_len 8,192: its KV cache .* does not fit .* use at most 2,912"):
         build(demo(tmp_path, max_seq_len=8192))
 

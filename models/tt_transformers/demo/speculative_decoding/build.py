@@ -1,0 +1,297 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The demo's models: target, draft source and tokenizer on the torch or ttnn backend, built once the inputs are
+checked, and compiled (on a TT device, traced) before anything is timed."""
+import os
+from pathlib import Path
+from typing import Optional
+
+from loguru import logger
+
+from models.tt_transformers.demo.speculative_decoding.inputs import (
+    MAX_CORPUS_TOKENS,
+    DemoInputError,
+    backend_of,
+    check_cache_fits,
+    check_flags,
+    draft_head_folder,
+    dtype_of,
+    encode,
+    head_taps,
+    load_prompts,
+    split_batches,
+)
+from models.tt_transformers.demo.speculative_decoding.options import DemoConfig
+
+
+def draft_memory(config: DemoConfig, tokenizer):
+    """--draft_memory and --draft_corpus as a DraftMemory (None when both are off)."""
+    from models.tt_transformers.speculative.draft_memory import DraftMemory
+
+    corpus = []
+    if config.draft_corpus is not None:
+        corpus = [tokenizer(Path(config.draft_corpus).read_text(errors="replace"), add_special_tokens=False).input_ids]
+        if len(corpus[0]) > MAX_CORPUS_TOKENS:
+            raise DemoInputError(f"--draft_corpus {config.draft_corpus} has {len(corpus[0]):,} tokens, more than "
+                                 f"{MAX_CORPUS_TOKENS:,}; pass the part that the requests will repeat")
+    if config.draft_memory == 0 and not corpus:
+        return None
+    return DraftMemory(config.draft_memory, corpus)
+
+
+def eos_token_ids(ckpt, tokenizer) -> list[int]:
+    """Every id that ends a response: config.json's and generation_config.json's, and the tokenizer's."""
+    return sorted(set(ckpt.eos_token_ids) | {tokenizer.eos_token_id} - {None})
+
+
+def check_same_tokenizer(target_tok, draft_tok, draft_name: str) -> None:
+    if target_tok.get_vocab() != draft_tok.get_vocab():
+        raise DemoInputError(f"draft model {draft_name!r} has a different tokenizer from the target "
+                             f"(vocabularies differ); speculative decoding needs one shared vocabulary")
+
+
+def torch_loader(config: DemoConfig, args):
+    """(checkpoint, layers) -> a TorchCausalLM, on the device --device picks for this model."""
+    import torch
+
+    from models.tt_transformers.torch_backend.checkpoint import cache_root, load_model
+    from models.tt_transformers.torch_backend.cpu_kernels import kernels_fit, load_cpu_kernels
+    from models.tt_transformers.torch_backend.device import choose_device
+    from models.tt_transformers.torch_backend.generator import TorchCausalLM
+
+    dtype = getattr(torch, dtype_of(config))
+    choice = choose_device(config.device, args, dtype,
+                           kernels_fit(args, dtype) and load_cpu_kernels(cache_root() / "kernels") is not None,
+                           torch.cuda.is_available())
+    logger.info(f"Device {choice.device}: {choice.reason}")
+
+    def load(ckpt, n_layers):
+        model = load_model(ckpt, dtype, config.max_seq_len, choice.device)
+        return TorchCausalLM(model, n_layers or model.args.n_layers, config.batch_size)
+    return load
+
+
+def ttnn_loader(config: DemoConfig, mesh_device):
+    """(checkpoint, layers) -> a TtnnCausalLM: TT-Transformers on the mesh device."""
+    import ttnn
+
+    from models.tt_transformers.ttnn_backend.generator import TtnnCausalLM
+    from models.tt_transformers.ttnn_backend.model import build_tt_model
+
+    def load(ckpt, n_layers):
+        tt = build_tt_model(mesh_device, ckpt.folder, ckpt.name, config.batch_size, config.max_seq_len,
+                            bool(config.instruct), n_layers, weights_dtype=getattr(ttnn, dtype_of(config)),
+                            optimizations=config.precision)
+        return TtnnCausalLM(tt, config.batch_size, config.max_seq_len, trace=bool(config.enable_trace))
+    return load
+
+
+def trace_region_size(config: DemoConfig, shape: tuple[int, int]) -> int:
+    """The trace region a ttnn run on a mesh of this shape needs: every decode trace of the target, of the draft model
+    and of a draft head (ttnn_backend/trace_plan.py), for the draft mode's most demanding choice (hybrid: recycling's
+    top k, a head's taps and traces and a draft model's traces all counted)."""
+    from models.tt_transformers.torch_backend.checkpoint import resolve_checkpoint
+    from models.tt_transformers.torch_backend.model_config import ModelArgs
+    from models.tt_transformers.ttnn_backend.model import TILE_ROWS
+    from models.tt_transformers.ttnn_backend.trace_plan import (
+        device_names_for,
+        head_region_bytes,
+        model_trace_bytes,
+        region_bytes,
+    )
+
+    ckpt = resolve_checkpoint(config.model, "--model" if config.model else "HF_MODEL")
+    args = ModelArgs.from_hf_config(ckpt.config)
+    device, n_devices = device_names_for(shape, os.environ.get("MESH_DEVICE")), shape[0] * shape[1]
+    drafting = config.n_draft_tokens > 0
+    top_k = config.recycle_top_k if drafting and config.draft_mode in ("suffix", "hybrid") else 0
+    head = draft_head_folder(config, ckpt.name)
+    taps = head_taps(head, args) if head is not None else ()
+    target_layers = config.target_layers or args.n_layers
+    traces = model_trace_bytes(ckpt.name, device, n_devices, args.n_layers, target_layers, args.vocab_size,
+                               config.n_draft_tokens + 1, top_k, taps)
+    if taps:
+        traces += head_region_bytes(ckpt.name, device, args.n_layers, config.n_draft_tokens)
+    if drafting and config.draft_mode in ("model", "hybrid"):  # a draft steps up to a whole tile per user
+        draft = resolve_checkpoint(config.draft_model, "--draft_model") if config.draft_model else ckpt
+        draft_args = ModelArgs.from_hf_config(draft.config)
+        layers = draft_args.n_layers if config.draft_model else min(config.draft_layers, target_layers)
+        traces += model_trace_bytes(draft.name, device, n_devices, draft_args.n_layers, layers, draft_args.vocab_size,
+                                    TILE_ROWS, 0, ())
+    return region_bytes(traces)
+
+
+class ModelPool:
+    """The models runs build, kept so that a later run with the same settings reuses them (the perf test runs
+    several draft modes on one 8B target: building it again would put a second copy in the device's DRAM) and
+    released together when the pool closes (a TT model's traces hold the trace region until released)."""
+
+    def __init__(self):
+        self.models: dict = {}
+
+    def get(self, key: tuple, make):
+        if key not in self.models:
+            self.models[key] = make()
+        return self.models[key]
+
+    def close(self) -> None:
+        import gc
+
+        for lm in self.models.values():
+            lm.release()
+        self.models.clear()
+        gc.collect()  # device tensors are freed when their last reference goes
+
+
+def build(config: DemoConfig, mesh_device=None, pool: Optional[ModelPool] = None):
+    """Validate every flag first, then load target, draft and tokenizer on the torch or ttnn backend (ttnn: on
+    `mesh_device`); models come from `pool` when an earlier run built them with the same settings. Returns the
+    checkpoint, tokenizer, target, drafter, draft model (None without one), prompts, their tokens and the EOS ids."""
+    from models.tt_transformers.speculative.drafters import HybridDrafter, ModelDrafter, SuffixDrafter
+    from models.tt_transformers.torch_backend.checkpoint import load_tokenizer, resolve_checkpoint
+    from models.tt_transformers.torch_backend.draft_head import DraftHeadError, read_draft_head
+    from models.tt_transformers.torch_backend.model_config import ModelArgs
+
+    backend = backend_of(config)
+    check_flags(config, backend)
+    prompts = load_prompts(config.input_prompts)
+    split_batches(len(prompts), config.batch_size)  # validates --batch_size before any loading
+
+    ckpt = resolve_checkpoint(config.model, "--model" if config.model else "HF_MODEL")
+    args = ModelArgs.from_hf_config(ckpt.config)
+    target_layers = config.target_layers or args.n_layers
+    if not 1 <= target_layers <= args.n_layers:
+        raise DemoInputError(f"--target_layers {target_layers} is out of range: {ckpt.name} has {args.n_layers} "
+                             f"layers; use 1 to {args.n_layers}, or leave it unset for all of them")
+    head_folder = draft_head_folder(config, ckpt.name)
+    try:
+        head_weights = read_draft_head(head_folder, args) if head_folder is not None else None  # (config, tensors)
+    except DraftHeadError as e:
+        raise DemoInputError(str(e)) from None
+    taps = head_weights[0].taps if head_weights is not None else ()
+    unusable = taps and (max(taps) > target_layers or backend == "ttnn" and max(taps) == target_layers)
+    if unusable and config.draft_head is None and config.draft_mode == "hybrid":
+        # the shipped head is for the whole model: a truncated target's hybrid drafts with the draft model instead
+        logger.info(f"The shipped draft head reads layers {list(taps)}, which this target does not run: hybrid "
+                    "drafts with the draft model")
+        head_weights, taps = None, ()
+    if taps and max(taps) > target_layers:
+        raise DemoInputError(f"--draft_head {head_folder}: it reads layers {list(taps)}, but --target_layers keeps "
+                             f"{target_layers}; leave --target_layers unset or use a head for that many layers")
+    if taps and backend == "ttnn" and max(taps) == target_layers:  # the backend captures layers' inputs only
+        raise DemoInputError(f"--draft_head {head_folder}: it reads the last layer's output (tap {target_layers}), "
+                             f"which the ttnn backend does not capture; use a head whose taps are layers 0 to "
+                             f"{target_layers - 1}, or --backend torch")
+    uses_draft_model = config.n_draft_tokens > 0 and (config.draft_mode == "model" or
+                                                      config.draft_mode == "hybrid" and head_weights is None)
+    check_cache_fits(config, args, target_layers, backend)
+    if not config.draft_model and not 1 <= config.draft_layers < target_layers:  # checked in every mode
+        fix = "raise it to at least 1" if config.draft_layers < 1 else f"lower it to at most {target_layers - 1}"
+        raise DemoInputError(f"--draft_layers {config.draft_layers} must be between 1 and {target_layers - 1} (the "
+                             f"draft is the first layers of the {target_layers}-layer target): {fix}, or use "
+                             "--draft_mode suffix for no draft model")
+    tokenizer = load_tokenizer(ckpt)
+    draft_ckpt = resolve_checkpoint(config.draft_model, "--draft_model") if uses_draft_model and config.draft_model else None
+    if draft_ckpt is not None:
+        check_same_tokenizer(tokenizer, load_tokenizer(draft_ckpt), config.draft_model)
+
+    copied = None
+    if config.n_draft_tokens > 0 and config.draft_mode in ("suffix", "hybrid"):  # head and model modes copy nothing
+        copied = SuffixDrafter(config.sa_threshold, draft_memory(config, tokenizer), config.recycle_top_k)
+
+    pool = pool if pool is not None else ModelPool()
+    loader = ttnn_loader(config, mesh_device) if backend == "ttnn" else torch_loader(config, args)
+    built_with = (backend, dtype_of(config), config.precision, config.device, config.batch_size,
+                  config.max_seq_len, config.instruct, config.draft_trees)
+
+    def load(ckpt, n_layers):
+        return pool.get(("model", str(ckpt.folder), n_layers, built_with), lambda: loader(ckpt, n_layers))
+
+    target = load(ckpt, target_layers)
+    if not config.draft_trees:
+        target.supports_trees = False
+    drafter = draft_lm = None
+    if head_weights is not None:
+        head = head_drafter(head_weights, target, ckpt, args, config,
+                          lambda make: pool.get(("head", str(head_folder), target_layers, config.n_draft_tokens,
+                                                 built_with), make))
+        drafter = head if config.draft_mode == "head" else HybridDrafter(copied, head)
+        logger.info(f"Draft head {head_folder.name} ({head_weights[0].layout}): taps {list(head.taps)}, "
+                    f"{len(head.vocab):,} draft tokens, a run ~{head.draft_cost:.2f} step")
+    elif config.n_draft_tokens > 0 and config.draft_mode == "suffix":
+        drafter = copied  # no draft model at all
+    elif config.n_draft_tokens > 0:
+        if draft_ckpt is not None:
+            draft_lm, draft_args = load(draft_ckpt, None), ModelArgs.from_hf_config(draft_ckpt.config)
+        else:  # the target's first layers, reading and writing the target's cache for them
+            draft_lm = pool.get(("view", str(ckpt.folder), target_layers, config.draft_layers, built_with),
+                                lambda: target.draft_view(config.draft_layers))
+            draft_args = args
+        if config.draft_mode == "model":
+            drafter = ModelDrafter(draft_lm)  # every draft has the full n_draft_tokens
+        else:  # hybrid: the model drafts only while its acceptance pays for its cost (weights read per token)
+            draft_cost = (draft_args.weight_bytes_per_token(draft_lm.n_layers, 2)
+                          / args.weight_bytes_per_token(target_layers, 2))
+            drafter = HybridDrafter(copied, ModelDrafter(draft_lm, draft_cost))
+    tokens = [encode(tokenizer, p, bool(config.instruct)) for p in prompts]
+    return ckpt, tokenizer, target, drafter, draft_lm, prompts, tokens, eos_token_ids(ckpt, tokenizer)
+
+
+def head_drafter(head: tuple, target, ckpt, args, config: DemoConfig, pooled=lambda make: make()):
+    """The draft head's drafter beside the target: on a TT device the head runs on the device (TtnnDraftHead: chains of
+    --n_draft_tokens, one traced replay each, fed the taps the target's steps leave there; the tokens it is fed are
+    looked up on the host in the checkpoint's embedding, or the head's own; built through `pooled`, so runs share it
+    and the pool releases its traces); on torch a HeadRunner beside the target, on its embedding."""
+    from models.tt_transformers.speculative.head_drafter import HeadDrafter, TracedHeadDrafter
+    from models.tt_transformers.torch_backend.checkpoint import read_embedding
+    from models.tt_transformers.torch_backend.draft_head import HeadRunner, build_draft_head
+
+    if backend_of(config) == "ttnn":
+        import ttnn
+
+        from models.tt_transformers.ttnn_backend.draft_head import TtnnDraftHead
+
+        config_, weights = head
+        embedding = weights.get("embed_tokens.weight")
+        embedding = read_embedding(ckpt) if embedding is None else embedding
+        return TracedHeadDrafter(pooled(lambda: TtnnDraftHead(target, config_, weights, embedding,
+                                                              config.n_draft_tokens, args,
+                                                              weights_dtype=getattr(ttnn, dtype_of(config)))))
+    return HeadDrafter(HeadRunner(build_draft_head(*head, target.model), config.batch_size, config.max_seq_len, args))
+
+
+def describe_drafter(config: DemoConfig, model_name: str) -> str:
+    if config.n_draft_tokens == 0:
+        return "plain decoding"
+    model = config.draft_model or f"first {config.draft_layers} layers"
+    sources = [f"the request's text (matches of {config.sa_threshold}+ tokens)"]
+    sources += [f"earlier responses (up to {config.draft_memory:,} tokens)"] * (config.draft_memory > 0)
+    sources += [f"corpus {config.draft_corpus}"] * (config.draft_corpus is not None)
+    sources += [f"the target's top-{config.recycle_top_k} recycled"] * (config.recycle_top_k > 0)
+    trees = config.draft_trees and backend_of(config) == "torch"  # the ttnn backend verifies chains
+    copied = f"copied drafts from {', '.join(sources)}{', as token trees' if trees else ''}"
+    head = draft_head_folder(config, model_name)
+    other = f"draft head {head}" if head else f"draft model {model}"
+    return {"model": f"draft model {model}", "suffix": copied, "head": other,
+            "hybrid": f"hybrid: {copied}, or the {other}, whichever is expected to bring more tokens per "
+                      "unit of work"}[config.draft_mode]
+
+
+def warm_up(target, drafter, draft_lm, config: DemoConfig) -> dict:
+    """Compile (and on a TT device trace) every program the run can use, on the target and the draft model, before
+    anything is timed; TT's compile_prefill / compile_decode keys, in seconds. No drafter learns anything here (the
+    memory of earlier responses would otherwise hold part of the first answer)."""
+    times = {"compile_prefill": 0.0, "compile_decode": 0.0}
+    top_k = drafter.top_k if drafter is not None else 0
+    taps = drafter.taps if drafter is not None else ()
+    work = [(target, config.n_draft_tokens + 1, top_k, taps)]
+    if draft_lm is not None:  # a draft model catches up on accepted text in steps of up to its whole row budget
+        work.append((draft_lm, draft_lm.max_step_rows, 0, ()))
+    for lm, rows, k, h in work:
+        for key, seconds in lm.warm_up(min(rows, lm.max_step_rows), k, h).items():
+            times[key] += seconds
+    head = getattr(getattr(drafter, "fallback", drafter), "head", None)
+    if hasattr(head, "warm_up"):  # a head on the device: its traces, made with the target's
+        times["compile_decode"] += head.warm_up()
+    if hasattr(target, "prepare_traces"):  # on a TT mesh: every model planned above, compiled and captured once
+        times["compile_decode"] += target.prepare_traces()
+    return times

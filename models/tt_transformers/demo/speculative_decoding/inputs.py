@@ -1,0 +1,230 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The demo's input checks: every flag, the prompts file and what the model allows, checked before anything loads, each
+failure one DemoInputError line naming the flag or file and the fix."""
+import importlib.util
+import json
+import os
+from pathlib import Path
+from typing import Optional
+
+from models.tt_transformers.demo.speculative_decoding.options import DEFAULT_PROMPTS, DemoConfig
+from models.tt_transformers.demo.speculative_decoding.speculative_generator import check_n_draft_tokens
+from models.tt_transformers.speculative.sampling import SamplingParams
+from models.tt_transformers.torch_backend.device import DEVICES
+
+PACKAGE_ROOT = Path(__file__).resolve().parents[4]  # the folder holding models/: the repository, or site-packages
+SUPPORTED_BATCH_SIZES = (1, 2, 4, 8, 16, 32)  # as TT-Transformers demos
+DRAFT_MODES = ("model", "suffix", "head", "hybrid")
+DRAFT_HEADS = Path(__file__).resolve().parents[2] / "draft_heads"  # shipped heads, one folder per target name
+BACKENDS = ("auto", "torch", "ttnn")
+MAX_RECYCLE_TOP_K = 32  # ttnn.topk's default k; more is never worth a tree row
+MAX_CORPUS_TOKENS = 1_000_000  # about 600 MB of suffix automaton
+# The weights' dtype per backend, the default first: on ttnn bfloat8_b, what tt-metal's text demo runs
+# (simple_text_demo.py -> create_tt_model(dtype=ttnn.bfloat8_b)): an 8B model's LM head alone is ~1 GB in bf16.
+DTYPES = {"torch": ("bfloat16", "float32"), "ttnn": ("bfloat8_b", "bfloat16")}
+# TT-Transformers' decoder precision presets (tt/model_config.py, DecodersPrecision.performance / .accuracy);
+# tt-metal's text demo runs performance unless told otherwise. (Its demo conftest's own --optimizations takes a
+# decoder-config string, so ours has another name.)
+PRECISIONS = ("performance", "accuracy")
+
+
+class DemoInputError(ValueError):
+    """Bad demo input; the message names the problem and the fix."""
+
+
+def find_prompts_file(path: str) -> Path:
+    """The documented `--input_prompts models/tt_transformers/demo/...` works from the working directory (the
+    repository or a tt-metal checkout) and, failing that, from the folder that holds our models/ package."""
+    p = Path(path).expanduser()
+    if not p.is_file() and not p.is_absolute() and (PACKAGE_ROOT / p).is_file():
+        return PACKAGE_ROOT / p
+    if p.is_dir():
+        raise DemoInputError(f"--input_prompts {path!r} is a directory; pass a JSON or JSON Lines prompts file in it")
+    if not p.is_file():
+        raise DemoInputError(f"--input_prompts {path!r} does not exist; pass a JSON or JSON Lines prompts file "
+                             f"(default: {DEFAULT_PROMPTS})")
+    return p
+
+
+def load_prompts(path: str) -> list[str]:
+    """TT format (a JSON list of {"prompt": ...}) or JSON Lines with a "prompt" field (one line is one object)."""
+    p = find_prompts_file(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise DemoInputError(f"--input_prompts {path}: not UTF-8 text (byte {e.start}); save it as UTF-8") from None
+    example = '[{"prompt": "..."}] or one {"prompt": "..."} per line'
+    try:
+        entries = json.loads(text)
+    except json.JSONDecodeError:
+        entries = []
+        for number, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                entries.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise DemoInputError(f"--input_prompts {path}: neither JSON nor JSON Lines (line {number}: {e.msg} at "
+                                     f"column {e.colno}); expected {example}") from None
+    if isinstance(entries, dict):
+        entries = [entries]  # JSON Lines with a single line
+    if not isinstance(entries, list) or not entries:
+        raise DemoInputError(f"--input_prompts {path}: holds no prompts; expected a non-empty {example}")
+    prompts = []
+    for i, e in enumerate(entries):
+        if not isinstance(e, dict) or not isinstance(e.get("prompt"), str):
+            raise DemoInputError(f"--input_prompts {path}: entry {i} has no string \"prompt\" field; expected "
+                                 f"{example}")
+        if not e["prompt"].strip():
+            raise DemoInputError(f"--input_prompts {path}: entry {i} has an empty prompt; give it some text or "
+                                 "remove it")
+        prompts.append(e["prompt"])
+    return prompts
+
+
+def split_batches(n_prompts: int, batch_size: int) -> list[list[int]]:
+    """Prompt indices per batch; the last batch is filled by repeating prompts, as TT demos do."""
+    if batch_size not in SUPPORTED_BATCH_SIZES:
+        raise DemoInputError(f"--batch_size {batch_size} is not supported; use one of {SUPPORTED_BATCH_SIZES}")
+    n_batches = -(-n_prompts // batch_size)
+    return [[(b * batch_size + i) % n_prompts for i in range(batch_size)] for b in range(n_batches)]
+
+
+def encode(tokenizer, prompt: str, instruct: bool) -> list[int]:
+    if instruct and tokenizer.chat_template:
+        return list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                  add_generation_prompt=True, return_dict=True)["input_ids"])
+    return tokenizer(prompt).input_ids
+
+
+def backend_of(config: DemoConfig) -> str:
+    """--backend, where auto means ttnn when MESH_DEVICE names a Tenstorrent mesh (as TT users set it)."""
+    if config.backend not in BACKENDS:
+        raise DemoInputError(f"--backend {config.backend!r} is not one of {', '.join(BACKENDS)}")
+    if config.backend == "auto":
+        return "ttnn" if os.environ.get("MESH_DEVICE") else "torch"
+    return config.backend
+
+
+def dtype_of(config: DemoConfig) -> str:
+    """--dtype, or the backend's default."""
+    return config.dtype or DTYPES[backend_of(config)][0]
+
+
+def check_writable(flag: str, path: str) -> None:
+    """A file the run will write, checked before anything runs (so a long run does not end in a traceback)."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        raise DemoInputError(f"--{flag} {path!r} is a directory; give a file path")
+    folder = p.parent
+    while not folder.exists():
+        folder = folder.parent
+    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+        raise DemoInputError(f"--{flag} {path!r} cannot be written ({folder} is not a folder you can write in); "
+                             "pass a path in one")
+
+
+def check_flags(config: DemoConfig, backend: str) -> None:
+    """Every flag that can be checked before anything loads."""
+    if backend == "ttnn" and importlib.util.find_spec("ttnn") is None:
+        raise DemoInputError("the ttnn backend (--backend ttnn, or MESH_DEVICE set) needs tt-metal v0.81.1's Python "
+                             "environment (ttnn 0.81.1) and a Tenstorrent device: see README.md, 'On a Tenstorrent "
+                             "machine'; on this machine use --backend torch (and unset MESH_DEVICE)")
+    if config.output_json is not None:
+        check_writable("output_json", config.output_json)
+    if config.precision not in PRECISIONS:
+        raise DemoInputError(f"--precision {config.precision!r} is not one of {', '.join(PRECISIONS)}")
+    if config.dtype is not None and config.dtype not in DTYPES[backend]:
+        raise DemoInputError(f"--dtype {config.dtype!r} is not supported on the {backend} backend; use "
+                             f"{' or '.join(DTYPES[backend])}")
+    check_n_draft_tokens(config.n_draft_tokens)
+    sampling_params(config)
+    if config.draft_mode not in DRAFT_MODES:
+        raise DemoInputError(f"--draft_mode {config.draft_mode!r} is not one of {', '.join(DRAFT_MODES)}")
+    if config.sa_threshold < 1:
+        raise DemoInputError(f"--sa_threshold must be >= 1 (tokens of matched suffix), got {config.sa_threshold}")
+    for flag, value in (("draft_memory", config.draft_memory), ("recycle_top_k", config.recycle_top_k)):
+        if value < 0:
+            raise DemoInputError(f"--{flag} must be >= 0 (0 turns it off), got {value}")
+    if config.recycle_top_k > MAX_RECYCLE_TOP_K:
+        raise DemoInputError(f"--recycle_top_k {config.recycle_top_k} is more than {MAX_RECYCLE_TOP_K}; lower it")
+    if config.draft_head is not None and config.draft_mode not in ("head", "hybrid"):
+        raise DemoInputError(f"--draft_head is read only by --draft_mode head or hybrid, not {config.draft_mode!r}; "
+                             "drop --draft_head or pick one of those modes")
+    if config.draft_corpus is not None and not Path(config.draft_corpus).is_file():
+        raise DemoInputError(f"--draft_corpus {config.draft_corpus!r} does not exist; pass a text file")
+    if config.max_generated_tokens < 1:
+        raise DemoInputError(f"--max_generated_tokens must be >= 1, got {config.max_generated_tokens}")
+    if config.target_layers is not None and config.target_layers < 1:
+        raise DemoInputError(f"--target_layers must be >= 1, got {config.target_layers}")
+    if config.max_seq_len < 2:
+        raise DemoInputError(f"--max_seq_len must be >= 2, got {config.max_seq_len}")
+    if config.device not in DEVICES:
+        raise DemoInputError(f"--device {config.device!r} is not one of {', '.join(DEVICES)}")
+    if config.enable_trace not in (0, 1):
+        raise DemoInputError(f"--enable_trace {config.enable_trace} is not 0 or 1 (1: traced steps, 0: eager)")
+
+
+def sampling_params(config: DemoConfig) -> SamplingParams:
+    try:
+        return SamplingParams(config.temperature, config.top_k, config.top_p, config.seed)
+    except ValueError as e:
+        raise DemoInputError(f"bad sampling flags: {e}") from None
+
+
+def available_memory_bytes() -> Optional[int]:
+    """MemAvailable from /proc/meminfo (None where there is none)."""
+    meminfo = Path("/proc/meminfo")
+    for line in meminfo.read_text().splitlines() if meminfo.is_file() else []:
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return None
+
+
+def check_cache_fits(config: DemoConfig, args, target_layers: int, backend: str) -> None:
+    """--max_seq_len within the model's context length, and (torch) its KV cache within this machine's free memory,
+    checked before anything is allocated."""
+    if config.max_seq_len > args.max_position_embeddings:
+        raise DemoInputError(f"--max_seq_len {config.max_seq_len:,} is longer than the model's context "
+                             f"({args.max_position_embeddings:,} positions); use at most that")
+    if backend != "torch":
+        return  # the device's cache is paged in its own DRAM
+    element_bytes = 4 if dtype_of(config) == "float32" else 2
+    per_position = 2 * target_layers * args.n_kv_heads * args.head_dim * config.batch_size * element_bytes  # K and V
+    free = available_memory_bytes()
+    if free is not None and per_position * config.max_seq_len > free:
+        raise DemoInputError(f"--max_seq_len {config.max_seq_len:,}: its KV cache ({per_position * config.max_seq_len / 2**30:.1f} "
+                             f"GiB for batch {config.batch_size}) does not fit this machine's "
+                             f"{free / 2**30:.1f} GiB of free memory; use at most {free // per_position:,}")
+
+
+def draft_head_folder(config: DemoConfig, model_name: str) -> Optional[Path]:
+    """The draft head the run uses: --draft_head (a folder or a hub id in the local cache), else the one shipped for
+    the target, else None (--draft_mode head then fails with the fix)."""
+    from models.tt_transformers.torch_backend.draft_head import DraftHeadError, resolve_head_folder
+
+    if config.n_draft_tokens == 0 or config.draft_mode not in ("head", "hybrid"):
+        return None
+    if config.draft_head is not None:
+        try:
+            return resolve_head_folder(config.draft_head)
+        except DraftHeadError as e:
+            raise DemoInputError(str(e)) from None
+    shipped = DRAFT_HEADS / model_name
+    if (shipped / "config.json").is_file() and config.draft_model is None:
+        return shipped
+    if config.draft_mode == "head":
+        raise DemoInputError(f"--draft_mode head: no draft head ships for {model_name}; pass --draft_head FOLDER "
+                             "(train one with `make train-draft-head ARGS='--model <checkpoint> --out FOLDER'`) or "
+                             "use --draft_mode suffix or hybrid")
+    return None
+
+
+def head_taps(folder: Path, args) -> tuple[int, ...]:
+    """The target layers a draft head reads (its config.json), or the flag's one-line error."""
+    from models.tt_transformers.torch_backend.draft_head import DraftHeadError, read_head_config
+
+    try:
+        return read_head_config(folder, args).taps
+    except DraftHeadError as e:
+        raise DemoInputError(str(e)) from None
