@@ -401,7 +401,7 @@ def bad_head(case, tmp_path, args):
     ("missing-tensor", r"layers.0.hidden_norm.weight is missing, expected \(576,\)"),
     ("truncated", r"model.safetensors cannot be read .* it is corrupt or incomplete: download or train the head again"),
     ("d2t-outside-vocab", r"d2t maps draft ids outside the target's vocabulary"),
-    ("fewer-target-layers", r"it reads layers \[2, 15, 27\], but --target_layers keeps 12; leave --target_layers"),
+    ("fewer-target-layers", r"reads layers \[2, 15, 27\], but --target_layers keeps 12; leave --target_layers"),
 ])
 def test_bad_draft_head_is_a_clear_error_before_loading(tmp_path, embedded_checkpoint, monkeypatch, case, message):
     """Checked against the target's config before any model loads; one line naming --draft_head and the fix."""

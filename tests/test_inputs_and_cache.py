@@ -15,6 +15,7 @@ from models.tt_transformers.demo.speculative_decoding.build import build
 from models.tt_transformers.demo.speculative_decoding.inputs import (
     DemoInputError,
     check_flags,
+    check_inputs,
     load_prompts,
     split_batches,
 )
@@ -200,8 +201,6 @@ def demo(tmp_path, **kw):
     ({"dtype": "int4"}, "--dtype 'int4' is not supported"),
     ({"draft_mode": "ngram"}, "--draft_mode 'ngram' is not one of model, suffix, head, hybrid"),
     ({"sa_threshold": 0}, "--sa_threshold must be >= 1"),
-    ({"draft_head": "/some/head", "draft_mode": "suffix"}, "--draft_head is read only by --draft_mode head or hybrid, "
-                                                            "not 'suffix'; drop --draft_head"),
     ({"temperature": -0.5}, "bad sampling flags: temperature must be >= 0"),
     ({"top_p": 0.0}, "bad sampling flags: top_p must be in"),
     ({"top_k": -3}, "bad sampling flags: top_k must be >= 0"),
@@ -305,6 +304,71 @@ def test_draft_layers_checked_in_every_mode(tmp_path, embedded_checkpoint, mode,
     mode ends up building the draft model (hybrid with the shipped head does not)."""
     with pytest.raises(DemoInputError, match=f"--draft_layers {draft_layers} must be between 1 and 29"):
         build(demo(tmp_path, draft_mode=mode, draft_layers=draft_layers))
+
+
+@pytest.mark.parametrize("mode", ["suffix", "hybrid", "head", "model"])
+def test_default_draft_layers_never_stop_a_run(tmp_path, embedded_checkpoint, mode):
+    """On a target of 8 layers (the default --draft_layers) plain decoding and every draft mode check out: a mode
+    that builds the draft model (hybrid too: the shipped head reads layers past 8) fits the default to half the
+    target and says so; an explicit value stays checked."""
+    for n_draft_tokens in (0, 4):
+        config = demo(tmp_path, target_layers=8, draft_mode=mode, n_draft_tokens=n_draft_tokens)
+        if mode == "head" and n_draft_tokens:  # the one mode with no draft model to fall back on
+            with pytest.raises(DemoInputError, match="--draft_mode head: the shipped head reads layers .* but "
+                                                     "--target_layers keeps 8"):
+                check_inputs(config)
+            continue
+        checked = check_inputs(config)
+        builds_draft_model = n_draft_tokens > 0 and mode in ("model", "hybrid")
+        assert checked.draft_layers == (4 if builds_draft_model else None) and not checked.unused
+        fitted = [note for note in checked.notes if note.startswith("--draft_layers")]
+        assert fitted == (["--draft_layers not given: the draft model is the first 4 of the target's 8 layers (the "
+                           "default 8 needs a deeper target)"] if builds_draft_model else [])
+    with pytest.raises(DemoInputError, match="--draft_layers 8 must be between 1 and 7 .*or leave it out"):
+        check_inputs(demo(tmp_path, target_layers=8, draft_mode=mode, draft_layers=8))
+    if mode == "model":
+        with pytest.raises(DemoInputError, match="--draft_mode model drafts with the target's first layers, and the "
+                                                 "1-layer target has none to spare; pass --draft_model"):
+            check_inputs(demo(tmp_path, target_layers=1, draft_mode=mode))
+
+
+@pytest.mark.parametrize("overrides,unused", [
+    ({"draft_mode": "suffix", "draft_model": "/no/such/draft", "draft_layers": 4, "draft_head": "/no/such/head"},
+     ["--draft_head (read by --draft_mode head or hybrid, not suffix)",
+      "--draft_model (--draft_mode suffix builds no draft model)",
+      "--draft_layers (--draft_mode suffix builds no draft model)"]),
+    ({"draft_layers": 8}, ["--draft_layers (hybrid drafts with the draft head)"]),  # the README's first example
+    ({"n_draft_tokens": 0, "draft_model": "/no/such/draft", "draft_corpus": str(DEFAULT_PROMPTS)},
+     ["--draft_model (plain decoding (--n_draft_tokens 0) drafts nothing)",
+      "--draft_corpus (plain decoding (--n_draft_tokens 0) drafts nothing)"]),
+    ({"draft_mode": "model", "draft_corpus": str(DEFAULT_PROMPTS)},
+     ["--draft_corpus (copied drafts are made by --draft_mode suffix or hybrid, not model)"]),
+    ({"draft_mode": "hybrid", "draft_model": "/no/such/draft", "draft_layers": 4}, None),  # not unused: resolved
+])
+def test_draft_flags_a_mode_does_not_read_are_named(tmp_path, embedded_checkpoint, overrides, unused):
+    """--draft_head, --draft_model, --draft_layers and --draft_corpus are treated alike: given to a run that does not
+    read them, each is named with why, and the run goes on; a used --draft_model is still checked."""
+    if unused is None:
+        with pytest.raises(ValueError, match="--draft_model '/no/such/draft' does not exist"):
+            check_inputs(demo(tmp_path, **overrides))
+    else:
+        assert check_inputs(demo(tmp_path, **overrides)).unused == unused
+
+
+def test_fitted_draft_layers_and_unused_flags_are_logged(tmp_path, embedded_checkpoint):
+    """The run itself logs the fitted default and the unused flag, once each, and drafts with 4 layers."""
+    lines = []
+    sink = logger.add(lambda m: lines.append(m.record["message"]), level="INFO")
+    try:
+        report = run_demo(demo(tmp_path, target_layers=8, draft_mode="model", draft_corpus=str(DEFAULT_PROMPTS),
+                               compare_baseline=1))
+    finally:
+        logger.remove(sink)
+    assert sum("--draft_layers not given: the draft model is the first 4" in line for line in lines) == 1
+    assert lines.count("Not used by this run: --draft_corpus (copied drafts are made by --draft_mode suffix or "
+                       "hybrid, not model)") == 1
+    assert any("Drafting: draft model first 4 layers" in line for line in lines)
+    assert report["summary"]["identical_to_baseline"]
 
 
 def test_max_seq_len_beyond_the_model_or_the_memory(tmp_path, embedded_checkpoint, monkeypatch):

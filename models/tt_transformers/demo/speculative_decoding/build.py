@@ -9,16 +9,15 @@ from loguru import logger
 
 from models.tt_transformers.demo.speculative_decoding.inputs import (
     MAX_CORPUS_TOKENS,
+    CheckedInputs,
     DemoInputError,
     backend_of,
-    check_cache_fits,
-    check_flags,
+    check_inputs,
     draft_head_folder,
+    draft_layers_for,
     dtype_of,
     encode,
     head_taps,
-    load_prompts,
-    split_batches,
 )
 from models.tt_transformers.demo.speculative_decoding.options import DemoConfig
 
@@ -114,7 +113,7 @@ def trace_region_size(config: DemoConfig, shape: tuple[int, int]) -> int:
     if drafting and config.draft_mode in ("model", "hybrid"):  # a draft steps up to a whole tile per user
         draft = resolve_checkpoint(config.draft_model, "--draft_model") if config.draft_model else ckpt
         draft_args = ModelArgs.from_hf_config(draft.config)
-        layers = draft_args.n_layers if config.draft_model else min(config.draft_layers, target_layers)
+        layers = draft_args.n_layers if config.draft_model else draft_layers_for(config, target_layers)
         traces += model_trace_bytes(draft.name, device, n_devices, draft_args.n_layers, layers, draft_args.vocab_size,
                                     TILE_ROWS, 0, ())
     return region_bytes(traces)
@@ -143,64 +142,36 @@ class ModelPool:
 
 
 def build(config: DemoConfig, mesh_device=None, pool: Optional[ModelPool] = None):
-    """Validate every flag first, then load target, draft and tokenizer on the torch or ttnn backend (ttnn: on
-    `mesh_device`); models come from `pool` when an earlier run built them with the same settings. Returns the
-    checkpoint, tokenizer, target, drafter, draft model (None without one), prompts, their tokens and the EOS ids."""
+    """Check every input first (check_inputs), then load target, draft and tokenizer on the torch or ttnn backend
+    (ttnn: on `mesh_device`); models come from `pool` when an earlier run built them with the same settings. Returns
+    the checks' findings, tokenizer, target, drafter, draft model (None without one), the prompts' tokens and the EOS
+    ids."""
     from models.tt_transformers.speculative.drafters import HybridDrafter, ModelDrafter, SuffixDrafter
-    from models.tt_transformers.torch_backend.checkpoint import load_tokenizer, resolve_checkpoint
+    from models.tt_transformers.torch_backend.checkpoint import load_tokenizer
     from models.tt_transformers.torch_backend.draft_head import DraftHeadError, read_draft_head
     from models.tt_transformers.torch_backend.model_config import ModelArgs
 
-    backend = backend_of(config)
-    check_flags(config, backend)
-    prompts = load_prompts(config.input_prompts)
-    split_batches(len(prompts), config.batch_size)  # validates --batch_size before any loading
-
-    ckpt = resolve_checkpoint(config.model, "--model" if config.model else "HF_MODEL")
-    args = ModelArgs.from_hf_config(ckpt.config)
-    target_layers = config.target_layers or args.n_layers
-    if not 1 <= target_layers <= args.n_layers:
-        raise DemoInputError(f"--target_layers {target_layers} is out of range: {ckpt.name} has {args.n_layers} "
-                             f"layers; use 1 to {args.n_layers}, or leave it unset for all of them")
-    head_folder = draft_head_folder(config, ckpt.name)
+    checked = check_inputs(config)
+    for note in checked.notes:
+        logger.info(note)
+    if checked.unused:
+        logger.warning(f"Not used by this run: {', '.join(checked.unused)}")
+    ckpt, args, target_layers, head_folder = checked.ckpt, checked.args, checked.target_layers, checked.head_folder
     try:
         head_weights = read_draft_head(head_folder, args) if head_folder is not None else None  # (config, tensors)
     except DraftHeadError as e:
         raise DemoInputError(str(e)) from None
-    taps = head_weights[0].taps if head_weights is not None else ()
-    unusable = taps and (max(taps) > target_layers or backend == "ttnn" and max(taps) == target_layers)
-    if unusable and config.draft_head is None and config.draft_mode == "hybrid":
-        # the shipped head is for the whole model: a truncated target's hybrid drafts with the draft model instead
-        logger.info(f"The shipped draft head reads layers {list(taps)}, which this target does not run: hybrid "
-                    "drafts with the draft model")
-        head_weights, taps = None, ()
-    if taps and max(taps) > target_layers:
-        raise DemoInputError(f"--draft_head {head_folder}: it reads layers {list(taps)}, but --target_layers keeps "
-                             f"{target_layers}; leave --target_layers unset or use a head for that many layers")
-    if taps and backend == "ttnn" and max(taps) == target_layers:  # the backend captures layers' inputs only
-        raise DemoInputError(f"--draft_head {head_folder}: it reads the last layer's output (tap {target_layers}), "
-                             f"which the ttnn backend does not capture; use a head whose taps are layers 0 to "
-                             f"{target_layers - 1}, or --backend torch")
-    uses_draft_model = config.n_draft_tokens > 0 and (config.draft_mode == "model" or
-                                                      config.draft_mode == "hybrid" and head_weights is None)
-    check_cache_fits(config, args, target_layers, backend)
-    if not config.draft_model and not 1 <= config.draft_layers < target_layers:  # checked in every mode
-        fix = "raise it to at least 1" if config.draft_layers < 1 else f"lower it to at most {target_layers - 1}"
-        raise DemoInputError(f"--draft_layers {config.draft_layers} must be between 1 and {target_layers - 1} (the "
-                             f"draft is the first layers of the {target_layers}-layer target): {fix}, or use "
-                             "--draft_mode suffix for no draft model")
     tokenizer = load_tokenizer(ckpt)
-    draft_ckpt = resolve_checkpoint(config.draft_model, "--draft_model") if uses_draft_model and config.draft_model else None
-    if draft_ckpt is not None:
-        check_same_tokenizer(tokenizer, load_tokenizer(draft_ckpt), config.draft_model)
+    if checked.draft_ckpt is not None:
+        check_same_tokenizer(tokenizer, load_tokenizer(checked.draft_ckpt), config.draft_model)
 
     copied = None
     if config.n_draft_tokens > 0 and config.draft_mode in ("suffix", "hybrid"):  # head and model modes copy nothing
         copied = SuffixDrafter(config.sa_threshold, draft_memory(config, tokenizer), config.recycle_top_k)
 
     pool = pool if pool is not None else ModelPool()
-    loader = ttnn_loader(config, mesh_device) if backend == "ttnn" else torch_loader(config, args)
-    built_with = (backend, dtype_of(config), config.precision, config.device, config.batch_size,
+    loader = ttnn_loader(config, mesh_device) if checked.backend == "ttnn" else torch_loader(config, args)
+    built_with = (checked.backend, dtype_of(config), config.precision, config.device, config.batch_size,
                   config.max_seq_len, config.instruct, config.draft_trees)
 
     def load(ckpt, n_layers):
@@ -212,19 +183,19 @@ def build(config: DemoConfig, mesh_device=None, pool: Optional[ModelPool] = None
     drafter = draft_lm = None
     if head_weights is not None:
         head = head_drafter(head_weights, target, ckpt, args, config,
-                          lambda make: pool.get(("head", str(head_folder), target_layers, config.n_draft_tokens,
-                                                 built_with), make))
+                            lambda make: pool.get(("head", str(head_folder), target_layers, config.n_draft_tokens,
+                                                   built_with), make))
         drafter = head if config.draft_mode == "head" else HybridDrafter(copied, head)
         logger.info(f"Draft head {head_folder.name} ({head_weights[0].layout}): taps {list(head.taps)}, "
                     f"{len(head.vocab):,} draft tokens, a run ~{head.draft_cost:.2f} step")
     elif config.n_draft_tokens > 0 and config.draft_mode == "suffix":
         drafter = copied  # no draft model at all
     elif config.n_draft_tokens > 0:
-        if draft_ckpt is not None:
-            draft_lm, draft_args = load(draft_ckpt, None), ModelArgs.from_hf_config(draft_ckpt.config)
+        if checked.draft_ckpt is not None:
+            draft_lm, draft_args = load(checked.draft_ckpt, None), ModelArgs.from_hf_config(checked.draft_ckpt.config)
         else:  # the target's first layers, reading and writing the target's cache for them
-            draft_lm = pool.get(("view", str(ckpt.folder), target_layers, config.draft_layers, built_with),
-                                lambda: target.draft_view(config.draft_layers))
+            draft_lm = pool.get(("view", str(ckpt.folder), target_layers, checked.draft_layers, built_with),
+                                lambda: target.draft_view(checked.draft_layers))
             draft_args = args
         if config.draft_mode == "model":
             drafter = ModelDrafter(draft_lm)  # every draft has the full n_draft_tokens
@@ -232,8 +203,8 @@ def build(config: DemoConfig, mesh_device=None, pool: Optional[ModelPool] = None
             draft_cost = (draft_args.weight_bytes_per_token(draft_lm.n_layers, 2)
                           / args.weight_bytes_per_token(target_layers, 2))
             drafter = HybridDrafter(copied, ModelDrafter(draft_lm, draft_cost))
-    tokens = [encode(tokenizer, p, bool(config.instruct)) for p in prompts]
-    return ckpt, tokenizer, target, drafter, draft_lm, prompts, tokens, eos_token_ids(ckpt, tokenizer)
+    tokens = [encode(tokenizer, p, bool(config.instruct)) for p in checked.prompts]
+    return checked, tokenizer, target, drafter, draft_lm, tokens, eos_token_ids(ckpt, tokenizer)
 
 
 def head_drafter(head: tuple, target, ckpt, args, config: DemoConfig, pooled=lambda make: make()):
@@ -259,19 +230,21 @@ def head_drafter(head: tuple, target, ckpt, args, config: DemoConfig, pooled=lam
     return HeadDrafter(HeadRunner(build_draft_head(*head, target.model), config.batch_size, config.max_seq_len, args))
 
 
-def describe_drafter(config: DemoConfig, model_name: str) -> str:
+def describe_drafter(config: DemoConfig, checked: CheckedInputs) -> str:
+    """The header's `Drafting:` line: what drafts in this run, as the checks settled it."""
     if config.n_draft_tokens == 0:
         return "plain decoding"
-    model = config.draft_model or f"first {config.draft_layers} layers"
     sources = [f"the request's text (matches of {config.sa_threshold}+ tokens)"]
     sources += [f"earlier responses (up to {config.draft_memory:,} tokens)"] * (config.draft_memory > 0)
     sources += [f"corpus {config.draft_corpus}"] * (config.draft_corpus is not None)
     sources += [f"the target's top-{config.recycle_top_k} recycled"] * (config.recycle_top_k > 0)
-    trees = config.draft_trees and backend_of(config) == "torch"  # the ttnn backend verifies chains
+    trees = config.draft_trees and checked.backend == "torch"  # the ttnn backend verifies chains
     copied = f"copied drafts from {', '.join(sources)}{', as token trees' if trees else ''}"
-    head = draft_head_folder(config, model_name)
-    other = f"draft head {head}" if head else f"draft model {model}"
-    return {"model": f"draft model {model}", "suffix": copied, "head": other,
+    if checked.head_folder is not None:
+        other = f"draft head {checked.head_folder}"
+    else:
+        other = f"draft model {config.draft_model or f'first {checked.draft_layers} layers'}"
+    return {"model": other, "suffix": copied, "head": other,
             "hybrid": f"hybrid: {copied}, or the {other}, whichever is expected to bring more tokens per "
                       "unit of work"}[config.draft_mode]
 

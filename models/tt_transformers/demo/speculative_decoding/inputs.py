@@ -4,13 +4,16 @@ failure one DemoInputError line naming the flag or file and the fix."""
 import importlib.util
 import json
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from models.tt_transformers.demo.speculative_decoding.options import DEFAULT_PROMPTS, DemoConfig
+from models.tt_transformers.demo.speculative_decoding.options import DEFAULT_DRAFT_LAYERS, DEFAULT_PROMPTS, DemoConfig
 from models.tt_transformers.demo.speculative_decoding.speculative_generator import check_n_draft_tokens
 from models.tt_transformers.speculative.sampling import SamplingParams
+from models.tt_transformers.torch_backend.checkpoint import Checkpoint, resolve_checkpoint
 from models.tt_transformers.torch_backend.device import DEVICES
+from models.tt_transformers.torch_backend.model_config import ModelArgs
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[4]  # the folder holding models/: the repository, or site-packages
 SUPPORTED_BATCH_SIZES = (1, 2, 4, 8, 16, 32)  # as TT-Transformers demos
@@ -148,9 +151,6 @@ def check_flags(config: DemoConfig, backend: str) -> None:
             raise DemoInputError(f"--{flag} must be >= 0 (0 turns it off), got {value}")
     if config.recycle_top_k > MAX_RECYCLE_TOP_K:
         raise DemoInputError(f"--recycle_top_k {config.recycle_top_k} is more than {MAX_RECYCLE_TOP_K}; lower it")
-    if config.draft_head is not None and config.draft_mode not in ("head", "hybrid"):
-        raise DemoInputError(f"--draft_head is read only by --draft_mode head or hybrid, not {config.draft_mode!r}; "
-                             "drop --draft_head or pick one of those modes")
     if config.draft_corpus is not None and not Path(config.draft_corpus).is_file():
         raise DemoInputError(f"--draft_corpus {config.draft_corpus!r} does not exist; pass a text file")
     if config.max_generated_tokens < 1:
@@ -228,3 +228,102 @@ def head_taps(folder: Path, args) -> tuple[int, ...]:
         return read_head_config(folder, args).taps
     except DraftHeadError as e:
         raise DemoInputError(str(e)) from None
+
+
+def draft_layers_for(config: DemoConfig, target_layers: int) -> int:
+    """--draft_layers, or the default fitted to the target: a default the user did not choose never stops a run."""
+    if config.draft_layers is not None:
+        return config.draft_layers
+    return DEFAULT_DRAFT_LAYERS if DEFAULT_DRAFT_LAYERS < target_layers else max(1, target_layers // 2)
+
+
+@dataclass
+class CheckedInputs:
+    """What the checks established, so that building repeats none of them."""
+    backend: str
+    prompts: list[str]
+    batches: list[list[int]]  # prompt indices per batch
+    ckpt: Checkpoint  # the target's
+    args: ModelArgs  # the target's
+    target_layers: int
+    head_folder: Optional[Path]  # the draft head the run drafts with, if any
+    draft_ckpt: Optional[Checkpoint]  # --draft_model's, where the run drafts with it
+    draft_layers: Optional[int]  # the target's first layers as the draft model, where the run drafts with them
+    notes: list[str] = field(default_factory=list)  # what the run chose for the user, one line each
+    unused: list[str] = field(default_factory=list)  # flags given that the run does not read, each with why
+
+
+def check_inputs(config: DemoConfig) -> CheckedInputs:
+    """Every check that needs no weights: the flags, the prompts file, the checkpoints' and the draft head's configs,
+    and what the model allows. Run before anything loads (on the pytest path, at collection: a usage error)."""
+    backend = backend_of(config)
+    check_flags(config, backend)
+    prompts = load_prompts(config.input_prompts)
+    batches = split_batches(len(prompts), config.batch_size)
+    ckpt = resolve_checkpoint(config.model, "--model" if config.model else "HF_MODEL")
+    args = ModelArgs.from_hf_config(ckpt.config)
+    target_layers = config.target_layers or args.n_layers
+    if not 1 <= target_layers <= args.n_layers:
+        raise DemoInputError(f"--target_layers {target_layers} is out of range: {ckpt.name} has {args.n_layers} "
+                             f"layers; use 1 to {args.n_layers}, or leave it unset for all of them")
+    if config.draft_layers is not None and not 1 <= config.draft_layers < target_layers:  # an explicit value, any mode
+        fix = "raise it to at least 1" if config.draft_layers < 1 else f"lower it to at most {target_layers - 1}"
+        raise DemoInputError(f"--draft_layers {config.draft_layers} must be between 1 and {target_layers - 1} (the "
+                             f"draft is the first layers of the {target_layers}-layer target): {fix}, or leave it "
+                             "out")
+    check_cache_fits(config, args, target_layers, backend)
+    checked = CheckedInputs(backend, prompts, batches, ckpt, args, target_layers, draft_head_folder(config, ckpt.name),
+                            None, None)
+    taps = head_taps(checked.head_folder, args) if checked.head_folder is not None else ()
+    unusable = taps and (max(taps) > target_layers or backend == "ttnn" and max(taps) == target_layers)
+    if unusable and config.draft_head is None and config.draft_mode == "hybrid":
+        # the shipped head is for the whole model: a truncated target's hybrid drafts with the draft model instead
+        checked.notes.append(f"The shipped draft head reads layers {list(taps)}, which this target does not run: "
+                             "hybrid drafts with the draft model")
+        checked.head_folder, taps = None, ()
+    if taps and max(taps) > target_layers:
+        head = f"--draft_head {checked.head_folder}" if config.draft_head else "--draft_mode head: the shipped head"
+        raise DemoInputError(f"{head} reads layers {list(taps)}, but --target_layers keeps {target_layers}; leave "
+                             "--target_layers unset or pass a --draft_head for that many layers")
+    if taps and backend == "ttnn" and max(taps) == target_layers:  # the backend captures layers' inputs only
+        raise DemoInputError(f"--draft_head {checked.head_folder}: it reads the last layer's output (tap "
+                             f"{target_layers}), which the ttnn backend does not capture; use a head whose taps are "
+                             f"layers 0 to {target_layers - 1}, or --backend torch")
+    uses_draft_model = config.n_draft_tokens > 0 and (config.draft_mode == "model" or
+                                                      config.draft_mode == "hybrid" and checked.head_folder is None)
+    if uses_draft_model and config.draft_model:
+        checked.draft_ckpt = resolve_checkpoint(config.draft_model, "--draft_model")
+    elif uses_draft_model:
+        checked.draft_layers = draft_layers_for(config, target_layers)
+        if checked.draft_layers >= target_layers:
+            raise DemoInputError(f"--draft_mode {config.draft_mode} drafts with the target's first layers, and the "
+                                 f"{target_layers}-layer target has none to spare; pass --draft_model CHECKPOINT or "
+                                 "use --draft_mode suffix")
+        if config.draft_layers is None and checked.draft_layers != DEFAULT_DRAFT_LAYERS:
+            checked.notes.append(f"--draft_layers not given: the draft model is the first {checked.draft_layers} of "
+                                 f"the target's {target_layers} layers (the default {DEFAULT_DRAFT_LAYERS} needs a "
+                                 "deeper target)")
+    checked.unused = unused_flags(config, checked)
+    return checked
+
+
+def unused_flags(config: DemoConfig, checked: CheckedInputs) -> list[str]:
+    """The draft flags given that this run does not read, each with why: a flag the draft mode ignores is no error
+    (the default mode ignores --draft_layers when a head ships), but it is never ignored silently."""
+    if config.n_draft_tokens == 0:
+        why_no_model = why_no_head = "plain decoding (--n_draft_tokens 0) drafts nothing"
+    else:
+        why_no_model = ("hybrid drafts with the draft head" if config.draft_mode == "hybrid" else
+                       f"--draft_mode {config.draft_mode} builds no draft model")
+        why_no_head = f"read by --draft_mode head or hybrid, not {config.draft_mode}"
+    unused = []
+    if config.draft_head is not None and checked.head_folder is None:
+        unused.append(f"--draft_head ({why_no_head})")
+    if config.draft_model is not None and checked.draft_ckpt is None:
+        unused.append(f"--draft_model ({why_no_model})")
+    if config.draft_layers is not None and checked.draft_layers is None:
+        unused.append(f"--draft_layers ({'the draft model is --draft_model' if checked.draft_ckpt else why_no_model})")
+    if config.draft_corpus is not None and (config.n_draft_tokens == 0 or config.draft_mode in ("head", "model")):
+        why_not_copied = f"copied drafts are made by --draft_mode suffix or hybrid, not {config.draft_mode}"
+        unused.append(f"--draft_corpus ({why_no_head if config.n_draft_tokens == 0 else why_not_copied})")
+    return unused

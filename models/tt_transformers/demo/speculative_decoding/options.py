@@ -8,6 +8,7 @@ from typing import Optional
 from models.tt_transformers.speculative.drafters import DEFAULT_SA_THRESHOLD
 
 DEFAULT_PROMPTS = Path(__file__).resolve().with_name("sample_prompts.json")  # beside the demo, as TT demos keep them
+DEFAULT_DRAFT_LAYERS = 8  # the draft model's depth when --draft_layers is not given, on targets deeper than that
 
 # (name, type, default, help): the pytest options (root conftest.py) and the CLI flags come from this one table.
 DEMO_OPTIONS = [
@@ -31,7 +32,9 @@ DEMO_OPTIONS = [
     ("draft_trees", int, 1, "1: verify token trees (several candidates at once) where the backend can"),
     ("draft_head", str, None, "EAGLE-3 draft head: a folder or hub id (the EAGLE authors' or speculators' layout); "
                               "default: the one shipped for the target in models/tt_transformers/draft_heads/<model>"),
-    ("draft_layers", int, 8, "layers of the target used as the draft model (weights shared)"),
+    ("draft_layers", int, None, "the draft model is the target's first N layers (weights and cache shared); read by "
+                                "--draft_mode model, and hybrid without a draft head (default: "
+                                f"{DEFAULT_DRAFT_LAYERS}, or half a target of {DEFAULT_DRAFT_LAYERS} layers or fewer)"),
     ("target_layers", int, None, "truncate the target to its first N layers (default: all)"),
     ("draft_model", str, None, "separate draft checkpoint (folder or .gguf) with the same tokenizer"),
     ("temperature", float, 0.0, "sampling temperature; 0 = greedy (output identical to plain greedy decoding)"),

@@ -17,6 +17,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Optional
 
+import pytest
+
 if __name__ == "__main__":  # `python path/to/speculative_demo.py` from anywhere
     sys.path.insert(0, str(Path(__file__).resolve().parents[4]))
 
@@ -33,7 +35,6 @@ from models.tt_transformers.demo.speculative_decoding.inputs import (
     backend_of,
     check_flags,
     sampling_params,
-    split_batches,
 )
 from models.tt_transformers.demo.speculative_decoding.options import DEMO_OPTIONS, DemoConfig, config_from_pytest
 from models.tt_transformers.demo.speculative_decoding.report import (
@@ -69,10 +70,10 @@ def run_demo(config: DemoConfig, mesh_device=None, pool: Optional[ModelPool] = N
 def run_on(config: DemoConfig, mesh_device, pool: ModelPool) -> dict:
     from models.tt_transformers.speculative.head_drafter import HeadDrafter
 
-    ckpt, tokenizer, target, drafter, draft_lm, prompts, tokens, eos = build(config, mesh_device, pool)
+    checked, tokenizer, target, drafter, draft_lm, tokens, eos = build(config, mesh_device, pool)
+    ckpt, prompts, batches = checked.ckpt, checked.prompts, checked.batches
     sampling = sampling_params(config)
     spec = SpeculativeGenerator(target, drafter, config.n_draft_tokens, eos, sampling)
-    batches = split_batches(len(prompts), config.batch_size)
     for batch in batches:  # every prompt fits before anything runs
         spec.check_prompts([tokens[i] for i in batch])
     compile_times = warm_up(target, drafter, draft_lm, config)
@@ -81,7 +82,7 @@ def run_on(config: DemoConfig, mesh_device, pool: ModelPool) -> dict:
 
     logger.info(f"Speculative decoding: {ckpt.name}, {target.n_layers} target layers, batch {config.batch_size}, "
                 f"n_draft_tokens={config.n_draft_tokens}, {'greedy' if sampling.greedy else f'sampling {sampling}'}")
-    logger.info(textwrap.fill(f"Drafting: {describe_drafter(config, ckpt.name)}", width=100, subsequent_indent="  "))
+    logger.info(textwrap.fill(f"Drafting: {describe_drafter(config, checked)}", width=100, subsequent_indent="  "))
     results = generate_all(spec, tokens, batches, config)
     summary = {**summarize(results), **compile_times}
     head = getattr(drafter, "fallback", drafter)
@@ -139,7 +140,10 @@ def test_speculative_demo(request):
     fixture opens a mesh for its text demo)."""
     config = config_from_pytest(request.config)
     mesh_device = request.getfixturevalue("mesh_device") if backend_of(config) == "ttnn" else None
-    report = run_demo(config, mesh_device)
+    try:
+        report = run_demo(config, mesh_device)
+    except ValueError as e:  # what only loading finds (a corrupt checkpoint): its one line, no source listing
+        pytest.fail(str(e), pytrace=False)
     assert all(p["output_tokens"] for p in report["prompts"])
     if "identical_to_baseline" in report["summary"]:
         assert report["summary"]["identical_to_baseline"], "speculative output differs from plain greedy decoding"
