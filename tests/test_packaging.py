@@ -45,8 +45,8 @@ def test_imports_beside_tt_metal(tmp_path, regular):
 
 
 def test_torch_path_never_imports_ttnn():
-    out = run(["-c", "import sys; from models.tt_transformers.demo.speculative_decoding import build, options; "
-                     "build.build(options.DemoConfig(backend='torch', max_generated_tokens=2)); "
-                     "print('ttnn' in sys.modules)"],
+    out = run(["-c", "import sys; from models.tt_transformers.demo.speculative_decoding import build, inputs, options; "
+                     "config = options.DemoConfig(backend='torch', max_generated_tokens=2); "
+                     "build.build(config, inputs.check_inputs(config)); print('ttnn' in sys.modules)"],
               [REPO_ROOT])
     assert out.returncode == 0 and out.stdout.strip().splitlines()[-1] == "False", out.stderr[-2000:]

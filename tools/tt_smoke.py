@@ -39,7 +39,12 @@ from models.tt_transformers.demo.speculative_decoding.build import (  # noqa: E4
     trace_region_size,
     warm_up,
 )
-from models.tt_transformers.demo.speculative_decoding.inputs import PRECISIONS, draft_head_folder, encode  # noqa: E402
+from models.tt_transformers.demo.speculative_decoding.inputs import (  # noqa: E402
+    PRECISIONS,
+    check_inputs,
+    draft_head_folder,
+    encode,
+)
 from models.tt_transformers.demo.speculative_decoding.options import DemoConfig  # noqa: E402
 from models.tt_transformers.demo.speculative_decoding.report import environment, write_json_atomic  # noqa: E402
 from models.tt_transformers.demo.speculative_decoding.speculative_demo import run_demo  # noqa: E402
@@ -148,7 +153,7 @@ def open_device(s: Smoke) -> None:
 
 
 def build_model(s: Smoke) -> None:
-    _, tokenizer, s.lm, s.drafter, *_ = build(s.config, s.mesh, s.pool)
+    tokenizer, s.lm, s.drafter, *_ = build(s.config, check_inputs(s.config), s.mesh, s.pool)
     s.tokens = encode(tokenizer, PROMPT, bool(s.config.instruct))
     args = s.lm.tt.args
     s.facts.update(model=args.model_name, device=args.device_name, weight_cache=str(args.model_cache_path))

@@ -2,7 +2,6 @@
 """The demo's models: target, draft source and tokenizer on the torch or ttnn backend, built once the inputs are
 checked, and compiled (on a TT device, traced) before anything is timed."""
 import os
-from pathlib import Path
 from typing import Optional
 
 from loguru import logger
@@ -12,29 +11,30 @@ from models.tt_transformers.demo.speculative_decoding.inputs import (
     CheckedInputs,
     DemoInputError,
     backend_of,
-    check_inputs,
     draft_head_folder,
     draft_layers_for,
     dtype_of,
     encode,
     head_taps,
+    kv_cache_bytes,
+    model_flag,
 )
 from models.tt_transformers.demo.speculative_decoding.options import DemoConfig
 
 
-def draft_memory(config: DemoConfig, tokenizer):
-    """--draft_memory and --draft_corpus as a DraftMemory (None when both are off)."""
+def draft_memory(config: DemoConfig, tokenizer, corpus: Optional[str]):
+    """--draft_memory and --draft_corpus's text as a DraftMemory (None when both are off)."""
     from models.tt_transformers.speculative.draft_memory import DraftMemory
 
-    corpus = []
-    if config.draft_corpus is not None:
-        corpus = [tokenizer(Path(config.draft_corpus).read_text(errors="replace"), add_special_tokens=False).input_ids]
-        if len(corpus[0]) > MAX_CORPUS_TOKENS:
-            raise DemoInputError(f"--draft_corpus {config.draft_corpus} has {len(corpus[0]):,} tokens, more than "
+    documents = []
+    if corpus is not None:
+        documents = [tokenizer(corpus, add_special_tokens=False).input_ids]
+        if len(documents[0]) > MAX_CORPUS_TOKENS:
+            raise DemoInputError(f"--draft_corpus {config.draft_corpus} has {len(documents[0]):,} tokens, more than "
                                  f"{MAX_CORPUS_TOKENS:,}; pass the part that the requests will repeat")
-    if config.draft_memory == 0 and not corpus:
+    if config.draft_memory == 0 and not documents:
         return None
-    return DraftMemory(config.draft_memory, corpus)
+    return DraftMemory(config.draft_memory, documents)
 
 
 def eos_token_ids(ckpt, tokenizer) -> list[int]:
@@ -65,7 +65,14 @@ def torch_loader(config: DemoConfig, args):
 
     def load(ckpt, n_layers):
         model = load_model(ckpt, dtype, config.max_seq_len, choice.device)
-        return TorchCausalLM(model, n_layers or model.args.n_layers, config.batch_size)
+        n_layers = n_layers or model.args.n_layers
+        try:
+            return TorchCausalLM(model, n_layers, config.batch_size)
+        except (RuntimeError, MemoryError):  # free memory allowed it, a limit did not (ulimit -v, a cgroup, CUDA)
+            raise DemoInputError(f"--max_seq_len {config.max_seq_len:,} x --batch_size {config.batch_size}: this "
+                                 "process could not allocate the KV cache "
+                                 f"({kv_cache_bytes(config, model.args, n_layers) / 2**30:.1f} GiB); lower "
+                                 "--max_seq_len or --batch_size, or raise the process's memory limit") from None
     return load
 
 
@@ -98,7 +105,7 @@ def trace_region_size(config: DemoConfig, shape: tuple[int, int]) -> int:
         region_bytes,
     )
 
-    ckpt = resolve_checkpoint(config.model, "--model" if config.model else "HF_MODEL")
+    ckpt = resolve_checkpoint(config.model, model_flag(config))
     args = ModelArgs.from_hf_config(ckpt.config)
     device, n_devices = device_names_for(shape, os.environ.get("MESH_DEVICE")), shape[0] * shape[1]
     drafting = config.n_draft_tokens > 0
@@ -141,17 +148,15 @@ class ModelPool:
         gc.collect()  # device tensors are freed when their last reference goes
 
 
-def build(config: DemoConfig, mesh_device=None, pool: Optional[ModelPool] = None):
-    """Check every input first (check_inputs), then load target, draft and tokenizer on the torch or ttnn backend
-    (ttnn: on `mesh_device`); models come from `pool` when an earlier run built them with the same settings. Returns
-    the checks' findings, tokenizer, target, drafter, draft model (None without one), the prompts' tokens and the EOS
-    ids."""
+def build(config: DemoConfig, checked: CheckedInputs, mesh_device=None, pool: Optional[ModelPool] = None):
+    """Target, draft and tokenizer on the torch or ttnn backend (ttnn: on `mesh_device`), as check_inputs settled
+    them; models come from `pool` when an earlier run built them with the same settings. Returns the tokenizer,
+    target, drafter, draft model (None without one), the prompts' tokens and the EOS ids."""
     from models.tt_transformers.speculative.drafters import HybridDrafter, ModelDrafter, SuffixDrafter
     from models.tt_transformers.torch_backend.checkpoint import load_tokenizer
     from models.tt_transformers.torch_backend.draft_head import DraftHeadError, read_draft_head
     from models.tt_transformers.torch_backend.model_config import ModelArgs
 
-    checked = check_inputs(config)
     for note in checked.notes:
         logger.info(note)
     if checked.unused:
@@ -161,13 +166,13 @@ def build(config: DemoConfig, mesh_device=None, pool: Optional[ModelPool] = None
         head_weights = read_draft_head(head_folder, args) if head_folder is not None else None  # (config, tensors)
     except DraftHeadError as e:
         raise DemoInputError(str(e)) from None
-    tokenizer = load_tokenizer(ckpt)
+    tokenizer = load_tokenizer(ckpt, model_flag(config))
     if checked.draft_ckpt is not None:
-        check_same_tokenizer(tokenizer, load_tokenizer(checked.draft_ckpt), config.draft_model)
+        check_same_tokenizer(tokenizer, load_tokenizer(checked.draft_ckpt, "--draft_model"), config.draft_model)
 
     copied = None
     if config.n_draft_tokens > 0 and config.draft_mode in ("suffix", "hybrid"):  # head and model modes copy nothing
-        copied = SuffixDrafter(config.sa_threshold, draft_memory(config, tokenizer), config.recycle_top_k)
+        copied = SuffixDrafter(config.sa_threshold, draft_memory(config, tokenizer, checked.corpus), config.recycle_top_k)
 
     pool = pool if pool is not None else ModelPool()
     loader = ttnn_loader(config, mesh_device) if checked.backend == "ttnn" else torch_loader(config, args)
@@ -204,7 +209,13 @@ def build(config: DemoConfig, mesh_device=None, pool: Optional[ModelPool] = None
                           / args.weight_bytes_per_token(target_layers, 2))
             drafter = HybridDrafter(copied, ModelDrafter(draft_lm, draft_cost))
     tokens = [encode(tokenizer, p, bool(config.instruct)) for p in checked.prompts]
-    return checked, tokenizer, target, drafter, draft_lm, tokens, eos_token_ids(ckpt, tokenizer)
+    longest = max(len(t) for t in tokens)
+    if longest + config.max_generated_tokens > config.max_seq_len:  # the loop stops a user at the end of its cache
+        logger.warning(f"--max_generated_tokens {config.max_generated_tokens}: the longest prompt ({longest} tokens) "
+                       f"leaves room for {config.max_seq_len - longest} within --max_seq_len {config.max_seq_len}; "
+                       f"answers that reach it stop there (--max_seq_len {longest + config.max_generated_tokens} "
+                       "holds them all)")
+    return tokenizer, target, drafter, draft_lm, tokens, eos_token_ids(ckpt, tokenizer)
 
 
 def head_drafter(head: tuple, target, ckpt, args, config: DemoConfig, pooled=lambda make: make()):

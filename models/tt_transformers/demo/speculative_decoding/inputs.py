@@ -8,7 +8,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from models.tt_transformers.demo.speculative_decoding.options import DEFAULT_DRAFT_LAYERS, DEFAULT_PROMPTS, DemoConfig
+from models.tt_transformers.demo.speculative_decoding.options import (
+    DEFAULT_DRAFT_LAYERS,
+    DEFAULT_PROMPTS,
+    DEMO_OPTIONS,
+    SWITCHES,
+    DemoConfig,
+)
 from models.tt_transformers.demo.speculative_decoding.speculative_generator import check_n_draft_tokens
 from models.tt_transformers.speculative.sampling import SamplingParams
 from models.tt_transformers.torch_backend.checkpoint import Checkpoint, resolve_checkpoint
@@ -85,6 +91,24 @@ def load_prompts(path: str) -> list[str]:
     return prompts
 
 
+def read_corpus(path: str) -> str:
+    """--draft_corpus's text: a text file, refused (as a binary prompts file is) when it is not UTF-8 or holds NUL
+    bytes, which no text the requests repeat contains."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        raise DemoInputError(f"--draft_corpus {path!r} is a directory; pass a text file (documents to draft from, "
+                             "concatenated)")
+    if not p.is_file():
+        raise DemoInputError(f"--draft_corpus {path!r} does not exist; pass a text file")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise DemoInputError(f"--draft_corpus {path}: not UTF-8 text (byte {e.start}); pass a text file") from None
+    if "\0" in text:
+        raise DemoInputError(f"--draft_corpus {path}: holds NUL bytes, so it is not text; pass a text file")
+    return text
+
+
 def split_batches(n_prompts: int, batch_size: int) -> list[list[int]]:
     """Prompt indices per batch; the last batch is filled by repeating prompts, as TT demos do."""
     if batch_size not in SUPPORTED_BATCH_SIZES:
@@ -98,6 +122,11 @@ def encode(tokenizer, prompt: str, instruct: bool) -> list[int]:
         return list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
                                                   add_generation_prompt=True, return_dict=True)["input_ids"])
     return tokenizer(prompt).input_ids
+
+
+def model_flag(config: DemoConfig) -> str:
+    """What chose the target checkpoint, as its errors name it."""
+    return "--model" if config.model else "HF_MODEL"
 
 
 def backend_of(config: DemoConfig) -> str:
@@ -114,27 +143,18 @@ def dtype_of(config: DemoConfig) -> str:
     return config.dtype or DTYPES[backend_of(config)][0]
 
 
-def check_writable(flag: str, path: str) -> None:
-    """A file the run will write, checked before anything runs (so a long run does not end in a traceback)."""
-    p = Path(path).expanduser()
-    if p.is_dir():
-        raise DemoInputError(f"--{flag} {path!r} is a directory; give a file path")
-    folder = p.parent
-    while not folder.exists():
-        folder = folder.parent
-    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
-        raise DemoInputError(f"--{flag} {path!r} cannot be written ({folder} is not a folder you can write in); "
-                             "pass a path in one")
-
-
 def check_flags(config: DemoConfig, backend: str) -> None:
     """Every flag that can be checked before anything loads."""
     if backend == "ttnn" and importlib.util.find_spec("ttnn") is None:
         raise DemoInputError("the ttnn backend (--backend ttnn, or MESH_DEVICE set) needs tt-metal v0.81.1's Python "
                              "environment (ttnn 0.81.1) and a Tenstorrent device: see README.md, 'On a Tenstorrent "
                              "machine'; on this machine use --backend torch (and unset MESH_DEVICE)")
-    if config.output_json is not None:
-        check_writable("output_json", config.output_json)
+    for name, type_, default, _ in DEMO_OPTIONS:  # '' would be read as the working directory, or as nothing
+        if type_ is str and getattr(config, name) is not None and not getattr(config, name).strip():
+            raise DemoInputError(f"--{name} is empty; give it a value or leave it out (default: {default})")
+    for name in SWITCHES:
+        if getattr(config, name) not in (0, 1):
+            raise DemoInputError(f"--{name} must be 0 or 1, got {getattr(config, name)}")
     if config.precision not in PRECISIONS:
         raise DemoInputError(f"--precision {config.precision!r} is not one of {', '.join(PRECISIONS)}")
     if config.dtype is not None and config.dtype not in DTYPES[backend]:
@@ -151,8 +171,6 @@ def check_flags(config: DemoConfig, backend: str) -> None:
             raise DemoInputError(f"--{flag} must be >= 0 (0 turns it off), got {value}")
     if config.recycle_top_k > MAX_RECYCLE_TOP_K:
         raise DemoInputError(f"--recycle_top_k {config.recycle_top_k} is more than {MAX_RECYCLE_TOP_K}; lower it")
-    if config.draft_corpus is not None and not Path(config.draft_corpus).is_file():
-        raise DemoInputError(f"--draft_corpus {config.draft_corpus!r} does not exist; pass a text file")
     if config.max_generated_tokens < 1:
         raise DemoInputError(f"--max_generated_tokens must be >= 1, got {config.max_generated_tokens}")
     if config.target_layers is not None and config.target_layers < 1:
@@ -161,8 +179,6 @@ def check_flags(config: DemoConfig, backend: str) -> None:
         raise DemoInputError(f"--max_seq_len must be >= 2, got {config.max_seq_len}")
     if config.device not in DEVICES:
         raise DemoInputError(f"--device {config.device!r} is not one of {', '.join(DEVICES)}")
-    if config.enable_trace not in (0, 1):
-        raise DemoInputError(f"--enable_trace {config.enable_trace} is not 0 or 1 (1: traced steps, 0: eager)")
 
 
 def sampling_params(config: DemoConfig) -> SamplingParams:
@@ -181,6 +197,12 @@ def available_memory_bytes() -> Optional[int]:
     return None
 
 
+def kv_cache_bytes(config: DemoConfig, args: ModelArgs, layers: int) -> int:
+    """The torch backend's KV cache: K and V for every layer, user and position, plus one scratch position."""
+    element_bytes = 4 if dtype_of(config) == "float32" else 2
+    return 2 * layers * config.batch_size * args.n_kv_heads * (config.max_seq_len + 1) * args.head_dim * element_bytes
+
+
 def check_cache_fits(config: DemoConfig, args, target_layers: int, backend: str) -> None:
     """--max_seq_len within the model's context length, and (torch) its KV cache within this machine's free memory,
     checked before anything is allocated."""
@@ -189,8 +211,7 @@ def check_cache_fits(config: DemoConfig, args, target_layers: int, backend: str)
                              f"({args.max_position_embeddings:,} positions); use at most that")
     if backend != "torch":
         return  # the device's cache is paged in its own DRAM
-    element_bytes = 4 if dtype_of(config) == "float32" else 2
-    per_position = 2 * target_layers * args.n_kv_heads * args.head_dim * config.batch_size * element_bytes  # K and V
+    per_position = kv_cache_bytes(config, args, target_layers) // (config.max_seq_len + 1)
     free = available_memory_bytes()
     if free is not None and per_position * config.max_seq_len > free:
         raise DemoInputError(f"--max_seq_len {config.max_seq_len:,}: its KV cache ({per_position * config.max_seq_len / 2**30:.1f} "
@@ -243,6 +264,7 @@ class CheckedInputs:
     backend: str
     prompts: list[str]
     batches: list[list[int]]  # prompt indices per batch
+    corpus: Optional[str]  # --draft_corpus's text
     ckpt: Checkpoint  # the target's
     args: ModelArgs  # the target's
     target_layers: int
@@ -260,7 +282,8 @@ def check_inputs(config: DemoConfig) -> CheckedInputs:
     check_flags(config, backend)
     prompts = load_prompts(config.input_prompts)
     batches = split_batches(len(prompts), config.batch_size)
-    ckpt = resolve_checkpoint(config.model, "--model" if config.model else "HF_MODEL")
+    corpus = read_corpus(config.draft_corpus) if config.draft_corpus is not None else None
+    ckpt = resolve_checkpoint(config.model, model_flag(config))
     args = ModelArgs.from_hf_config(ckpt.config)
     target_layers = config.target_layers or args.n_layers
     if not 1 <= target_layers <= args.n_layers:
@@ -272,8 +295,8 @@ def check_inputs(config: DemoConfig) -> CheckedInputs:
                              f"draft is the first layers of the {target_layers}-layer target): {fix}, or leave it "
                              "out")
     check_cache_fits(config, args, target_layers, backend)
-    checked = CheckedInputs(backend, prompts, batches, ckpt, args, target_layers, draft_head_folder(config, ckpt.name),
-                            None, None)
+    checked = CheckedInputs(backend, prompts, batches, corpus, ckpt, args, target_layers,
+                            draft_head_folder(config, ckpt.name), None, None)
     taps = head_taps(checked.head_folder, args) if checked.head_folder is not None else ()
     unusable = taps and (max(taps) > target_layers or backend == "ttnn" and max(taps) == target_layers)
     if unusable and config.draft_head is None and config.draft_mode == "hybrid":

@@ -56,6 +56,8 @@ DEMO_OPTIONS = [
                              "--trace (pytest's own --trace is its debugger)"),
 ]
 
+SWITCHES = ("instruct", "stop_at_eos", "draft_trees", "compare_baseline", "enable_trace")  # 0 or 1, as in TT's demos
+
 # The demo's settings, one field per option, with the same defaults.
 DemoConfig = make_dataclass("DemoConfig", [(name, Optional[type_], field(default=default))
                                            for name, type_, default, _ in DEMO_OPTIONS])

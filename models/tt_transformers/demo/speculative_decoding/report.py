@@ -8,7 +8,7 @@ from pathlib import Path
 
 from loguru import logger
 
-from models.tt_transformers.demo.speculative_decoding.inputs import PACKAGE_ROOT
+from models.tt_transformers.demo.speculative_decoding.inputs import PACKAGE_ROOT, DemoInputError
 from models.tt_transformers.demo.speculative_decoding.speculative_generator import UserResult
 
 
@@ -83,8 +83,44 @@ def log_prompt_table(entries: list[dict]) -> None:
     logger.info("Per prompt:\n" + "\n".join(lines))
 
 
-def write_json_atomic(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2))
-    os.replace(tmp, path)
+class ReportFile:
+    """A JSON report file reserved before the run: its temporary file is created in the report's folder at once, so a
+    path that cannot be written (a read-only folder, /proc) stops the run before it starts, whatever permission bits
+    say; the report is written into that same file and renamed over the path only when whole. A run that fails or is
+    interrupted calls discard(): nothing of it is left, not even the folders made for it."""
+
+    def __init__(self, path, flag: str = "--output_json"):
+        self.path = Path(path).expanduser()
+        if self.path.is_dir():
+            raise DemoInputError(f"{flag} {str(path)!r} is a directory; give a file path")
+        self.made: list[Path] = []  # folders created for the report, innermost last
+        missing = [folder for folder in self.path.parents if not folder.exists()]
+        self.tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
+        try:
+            for folder in reversed(missing):
+                folder.mkdir()
+                self.made.append(folder)
+            os.close(os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+        except OSError as e:
+            self.discard()
+            raise DemoInputError(f"{flag} {str(path)!r} cannot be written (creating a file in {self.path.parent} "
+                                 f"failed: {e.strerror}); pass a path in a folder you can write in") from None
+
+    def write(self, data) -> None:
+        try:
+            self.tmp.write_text(json.dumps(data, indent=2))
+            os.replace(self.tmp, self.path)
+        except BaseException:  # a full disk: no half-written report either
+            self.discard()
+            raise
+
+    def discard(self) -> None:
+        if self.tmp.exists():  # not when creating it failed
+            self.tmp.unlink()
+        for folder in reversed(self.made):
+            folder.rmdir()
+
+
+def write_json_atomic(path: Path, data, flag: str = "--output_json") -> None:
+    """JSON written whole or not at all (a reader never sees half a file)."""
+    ReportFile(path, flag).write(data)

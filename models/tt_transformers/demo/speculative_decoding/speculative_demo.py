@@ -17,36 +17,45 @@ from collections import Counter
 from pathlib import Path
 from typing import Optional
 
-import pytest
-
 if __name__ == "__main__":  # `python path/to/speculative_demo.py` from anywhere
     sys.path.insert(0, str(Path(__file__).resolve().parents[4]))
 
-from loguru import logger
+INTERRUPTED = "interrupted (Ctrl-C): stopped, no report written"
 
-from models.tt_transformers.demo.speculative_decoding.build import (
-    ModelPool,
-    build,
-    describe_drafter,
-    trace_region_size,
-    warm_up,
-)
-from models.tt_transformers.demo.speculative_decoding.inputs import (
-    backend_of,
-    check_flags,
-    sampling_params,
-)
-from models.tt_transformers.demo.speculative_decoding.options import DEMO_OPTIONS, DemoConfig, config_from_pytest
-from models.tt_transformers.demo.speculative_decoding.report import (
-    PROMPT_ECHO,
-    environment,
-    log_performance,
-    log_prompt_table,
-    shorten,
-    summarize,
-    write_json_atomic,
-)
-from models.tt_transformers.demo.speculative_decoding.speculative_generator import SpeculativeGenerator, UserResult
+try:  # torch and the models import here, for seconds: Ctrl-C meanwhile gets the same one line as later
+    import pytest
+    from loguru import logger
+
+    from models.tt_transformers.demo.speculative_decoding.build import (
+        ModelPool,
+        build,
+        describe_drafter,
+        trace_region_size,
+        warm_up,
+    )
+    from models.tt_transformers.demo.speculative_decoding.inputs import (
+        CheckedInputs,
+        backend_of,
+        check_flags,
+        check_inputs,
+        sampling_params,
+    )
+    from models.tt_transformers.demo.speculative_decoding.options import DEMO_OPTIONS, DemoConfig, config_from_pytest
+    from models.tt_transformers.demo.speculative_decoding.report import (
+        PROMPT_ECHO,
+        ReportFile,
+        environment,
+        log_performance,
+        log_prompt_table,
+        shorten,
+        summarize,
+    )
+    from models.tt_transformers.demo.speculative_decoding.speculative_generator import SpeculativeGenerator, UserResult
+except KeyboardInterrupt:
+    if __name__ != "__main__":
+        raise
+    sys.stderr.write(f"{INTERRUPTED}\n")
+    sys.exit(130)
 
 
 def generate_all(generator: SpeculativeGenerator, tokens: list[list[int]], batches: list[list[int]],
@@ -68,9 +77,26 @@ def run_demo(config: DemoConfig, mesh_device=None, pool: Optional[ModelPool] = N
 
 
 def run_on(config: DemoConfig, mesh_device, pool: ModelPool) -> dict:
+    """Checks, then the run; --output_json is reserved between the two and written only with the whole report."""
+    checked = check_inputs(config)
+    report_file = ReportFile(config.output_json) if config.output_json else None
+    try:
+        report = decode_and_report(config, checked, mesh_device, pool)
+    except BaseException:  # an error or Ctrl-C: no report file, not even an empty one
+        if report_file is not None:
+            report_file.discard()
+        raise
+    if report_file is not None:
+        report_file.write(report)
+        logger.info(f"Report written to {config.output_json}")
+    return report
+
+
+def decode_and_report(config: DemoConfig, checked: CheckedInputs, mesh_device, pool: ModelPool) -> dict:
+    """Build, warm up, decode speculatively and (--compare_baseline) plainly, and log the report it returns."""
     from models.tt_transformers.speculative.head_drafter import HeadDrafter
 
-    checked, tokenizer, target, drafter, draft_lm, tokens, eos = build(config, mesh_device, pool)
+    tokenizer, target, drafter, draft_lm, tokens, eos = build(config, checked, mesh_device, pool)
     ckpt, prompts, batches = checked.ckpt, checked.prompts, checked.batches
     sampling = sampling_params(config)
     spec = SpeculativeGenerator(target, drafter, config.n_draft_tokens, eos, sampling)
@@ -128,9 +154,6 @@ def run_on(config: DemoConfig, mesh_device, pool: ModelPool) -> dict:
                 entry["speedup"] = r.decode_tok_s / entry["baseline_decode_tok_s"]
             report["prompts"].append(entry)
     log_prompt_table(report["prompts"])
-    if config.output_json:
-        write_json_atomic(Path(config.output_json), report)
-        logger.info(f"Report written to {config.output_json}")
     return report
 
 
@@ -152,8 +175,16 @@ def test_speculative_demo(request):
 LOG_FORMAT = "<green>{time:HH:mm:ss}</green> | <level>{level: <7}</level> | {message}"  # fits a 120-column terminal
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse's errors (a flag misspelt, `--temperature abc`) as one line, as the demo's own, not after the usage of
+    thirty flags."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: {message}; --help lists the flags\n")
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     for name, type_, default, help_ in DEMO_OPTIONS:
         parser.add_argument(f"--{name}", *(["--trace"] if name == "enable_trace" else []), type=type_,
                             default=default, help=help_)
@@ -171,7 +202,7 @@ def main(argv=None) -> int:
         logger.error(str(e))
         return 2
     except KeyboardInterrupt:  # nothing half-written is left: reports are written whole or not at all
-        logger.error("interrupted (Ctrl-C): stopped, no report written")
+        logger.error(INTERRUPTED)
         return 130
     return 0 if report["summary"].get("identical_to_baseline", True) else 1
 
