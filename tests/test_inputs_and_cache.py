@@ -92,7 +92,8 @@ def test_a_failed_run_leaves_no_report_and_a_whole_one_is_renamed(tmp_path, embe
     file nor the folders; a run that succeeds leaves the report alone, no temporary file beside it."""
     no_tokenizer = tmp_path / "tiny"
     save_tiny_hf_checkpoint(no_tokenizer)
-    with pytest.raises(CheckpointError, match="has no tokenizer files"):
+    with pytest.raises(CheckpointError, match=f"--model '{no_tokenizer}' has no tokenizer files \\(tokenizer.json, "
+                                              "tokenizer.model, vocab.json\\); copy the tokenizer files"):
         run_demo(demo(tmp_path, model=str(no_tokenizer), max_seq_len=64,
                       output_json=str(tmp_path / "new" / "sub" / "r.json")))
     assert not (tmp_path / "new").exists()
@@ -234,6 +235,7 @@ def demo(tmp_path, **kw):
     ({"compare_baseline": 7}, "--compare_baseline must be 0 or 1, got 7"),
     ({"input_prompts": ""}, "--input_prompts is empty; give it a value or leave it out"),
     ({"output_json": " "}, "--output_json is empty; give it a value or leave it out"),
+    ({"log_iterations": -2}, "--log_iterations must be >= 0, or -1 for every iteration, got -2"),
 ])
 def test_demo_rejects_bad_flags(tmp_path, embedded_checkpoint, overrides, message):
     with pytest.raises(ValueError, match=message):
@@ -325,9 +327,15 @@ def test_report_carries_tt_perf_keys_and_environment(tmp_path, embedded_checkpoi
     assert summary["decode_t/s/u"] == pytest.approx(sum(produced) / decode_s) and summary["decode_t/s"] > 0
     ttft_s = [p["ttft_ms"] / 1e3 for p in prompts]
     assert summary["prefill_time_to_token"] == pytest.approx(sum(ttft_s) / len(ttft_s)) and summary["prefill_t/s"] > 0
-    env = json.loads((tmp_path / "r.json").read_text())["environment"]
+    written = json.loads((tmp_path / "r.json").read_text())
+    env = written["environment"]
     assert env["device"] == "cpu" and env["torch"] and env["cpu_count"] >= 1
     assert env["git_commit"] is None or len(env["git_commit"]) == 40
+    assert env["omp_num_threads"] == os.environ.get("OMP_NUM_THREADS") and env["torch_threads"] >= 1
+    load = written["summary"]["load"]  # what else ran while each run was timed, for judging its figures
+    assert set(load) == {"speculative", "plain"}
+    assert all(phase["other_processes_cores"] >= 0 and phase["wall_s"] > 0 for phase in load.values())
+    assert isinstance(written["summary"]["warnings"], list)
 
 
 class SlowStartDrafter(SuffixDrafter):
@@ -534,7 +542,7 @@ def test_max_generated_tokens_past_the_cache_is_said_once(tmp_path, embedded_che
     finally:
         logger.remove(sink)
     prompt_tokens = 16 - len(report["prompts"][0]["output_tokens"])
-    assert warnings == [f"--max_generated_tokens 40: the longest prompt ({prompt_tokens} tokens) leaves room for "
+    assert [w for w in warnings if w.startswith("--max_generated_tokens")] == [f"--max_generated_tokens 40: the longest prompt ({prompt_tokens} tokens) leaves room for "
                         f"{16 - prompt_tokens} within --max_seq_len 16; answers that reach it stop there "
                         f"(--max_seq_len {prompt_tokens + 40} holds them all)"]
 

@@ -5,6 +5,7 @@ import pytest
 
 from models.tt_transformers.demo.speculative_decoding.inputs import check_inputs
 from models.tt_transformers.demo.speculative_decoding.options import add_demo_options, config_from_pytest
+from models.tt_transformers.demo.speculative_decoding.speculative_demo import RESULT_LINES
 
 
 def pytest_addoption(parser):
@@ -19,3 +20,12 @@ def pytest_collection_modifyitems(config, items):
             check_inputs(config_from_pytest(config))
         except ValueError as e:  # DemoInputError, CheckpointError, ModelConfigError: the message names the fix
             raise pytest.UsageError(str(e)) from None
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """The demo's result (performance, speedup, warnings, the per-prompt table) in pytest's summary: captured
+    output is shown only for failures, and `1 passed` alone says nothing of what ran."""
+    if RESULT_LINES in config.stash:
+        terminalreporter.write_sep("=", "speculative decoding demo")
+        for line in config.stash[RESULT_LINES]:
+            terminalreporter.write_line(line)

@@ -171,6 +171,8 @@ def check_flags(config: DemoConfig, backend: str) -> None:
             raise DemoInputError(f"--{flag} must be >= 0 (0 turns it off), got {value}")
     if config.recycle_top_k > MAX_RECYCLE_TOP_K:
         raise DemoInputError(f"--recycle_top_k {config.recycle_top_k} is more than {MAX_RECYCLE_TOP_K}; lower it")
+    if config.log_iterations < -1:
+        raise DemoInputError(f"--log_iterations must be >= 0, or -1 for every iteration, got {config.log_iterations}")
     if config.max_generated_tokens < 1:
         raise DemoInputError(f"--max_generated_tokens must be >= 1, got {config.max_generated_tokens}")
     if config.target_layers is not None and config.target_layers < 1:

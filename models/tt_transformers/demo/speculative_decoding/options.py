@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The demo's options: one table gives the pytest options (conftest.py), the CLI flags and DemoConfig's fields, so
 the three cannot drift apart."""
+import argparse
 from dataclasses import field, make_dataclass
 from pathlib import Path
 from typing import Optional
@@ -42,7 +43,8 @@ DEMO_OPTIONS = [
     ("top_p", float, 1.0, "sample from the smallest set of tokens with this much probability; 1 = off"),
     ("seed", int, None, "random seed for sampling: a seeded run is reproducible"),
     ("compare_baseline", int, 1, "1: also run plain decoding, check identical tokens and report the speedup"),
-    ("output_json", str, None, "write a JSON report here"),
+    ("output_json", str, None, "write a JSON report here (config, environment, every iteration, summary)"),
+    ("log_iterations", int, 5, "Iteration lines logged per batch, the rest counted in one line; -1 logs every one"),
     ("model", str, None, "target checkpoint folder or .gguf file (default: HF_MODEL, else the embedded model)"),
     ("dtype", str, None, "weights: torch bfloat16 (default) or float32; ttnn bfloat8_b (default, as tt-metal's "
                          "text demo) or bfloat16"),
@@ -83,3 +85,20 @@ def config_from_pytest(config) -> DemoConfig:
         value = config.getoption(f"--{name}")
         values[name] = default if value is None else value
     return DemoConfig(**values)
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse's errors (a flag misspelt, `--temperature abc`) as one line, as the demo's own, not after the usage of
+    thirty flags."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: {message}; --help lists the flags\n")
+
+
+def argument_parser(description: str) -> argparse.ArgumentParser:
+    """The CLI's flags, from the same table; --help shows each default."""
+    parser = OneLineErrorParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for name, type_, default, help_ in DEMO_OPTIONS:
+        parser.add_argument(f"--{name}", *(["--trace"] if name == "enable_trace" else []), type=type_,
+                            default=default, help=help_ if default is None else f"{help_} (default: {default})")
+    return parser

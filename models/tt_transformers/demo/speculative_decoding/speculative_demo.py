@@ -1,19 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Speculative decoding demo, in the shape of TT-Transformers' simple_text_demo.
+r"""Speculative decoding demo, in the shape of TT-Transformers' simple_text_demo.
 
-    pytest models/tt_transformers/demo/speculative_decoding/speculative_demo.py::test_speculative_demo \
-        --n_draft_tokens 4 --draft_layers 8
-    python models/tt_transformers/demo/speculative_decoding/speculative_demo.py --n_draft_tokens 4 --draft_layers 8
+    .venv/bin/pytest models/tt_transformers/demo/speculative_decoding/speculative_demo.py::test_speculative_demo \
+        --n_draft_tokens 4
+    .venv/bin/python models/tt_transformers/demo/speculative_decoding/speculative_demo.py --n_draft_tokens 4
 
 With no flags it runs the embedded default model (SmolLM2-135M-Instruct) on the sample_prompts.json beside this
 file; HF_MODEL (or --model) points at a local Llama/Mistral checkpoint folder, a GGUF file, or a hub id already in
 the local Hugging Face cache. Options (options.py), input checks (inputs.py), models (build.py), the run (here) and
 its report (report.py).
 """
-import argparse
 import sys
 import textwrap
-from collections import Counter
 from pathlib import Path
 from typing import Optional
 
@@ -40,15 +38,20 @@ try:  # torch and the models import here, for seconds: Ctrl-C meanwhile gets the
         check_inputs,
         sampling_params,
     )
-    from models.tt_transformers.demo.speculative_decoding.options import DEMO_OPTIONS, DemoConfig, config_from_pytest
+    from models.tt_transformers.demo.speculative_decoding.options import DemoConfig, argument_parser, config_from_pytest
     from models.tt_transformers.demo.speculative_decoding.report import (
         PROMPT_ECHO,
+        LoadMeter,
         ReportFile,
         environment,
-        log_performance,
-        log_prompt_table,
+        performance_lines,
+        prompt_entries,
+        prompt_table_lines,
+        result_lines,
         shorten,
+        speedup_line,
         summarize,
+        timing_warnings,
     )
     from models.tt_transformers.demo.speculative_decoding.speculative_generator import SpeculativeGenerator, UserResult
 except KeyboardInterrupt:
@@ -97,76 +100,76 @@ def decode_and_report(config: DemoConfig, checked: CheckedInputs, mesh_device, p
     from models.tt_transformers.speculative.head_drafter import HeadDrafter
 
     tokenizer, target, drafter, draft_lm, tokens, eos = build(config, checked, mesh_device, pool)
-    ckpt, prompts, batches = checked.ckpt, checked.prompts, checked.batches
     sampling = sampling_params(config)
-    spec = SpeculativeGenerator(target, drafter, config.n_draft_tokens, eos, sampling)
-    for batch in batches:  # every prompt fits before anything runs
+    log_iterations = None if config.log_iterations == -1 else config.log_iterations
+    spec = SpeculativeGenerator(target, drafter, config.n_draft_tokens, eos, sampling, log_iterations)
+    for batch in checked.batches:  # every prompt fits before anything runs
         spec.check_prompts([tokens[i] for i in batch])
     compile_times = warm_up(target, drafter, draft_lm, config)
     logger.info(f"Compile and warm-up (not timed): prefill {compile_times['compile_prefill']:.1f}s, decode "
                 f"{compile_times['compile_decode']:.1f}s")
 
-    logger.info(f"Speculative decoding: {ckpt.name}, {target.n_layers} target layers, batch {config.batch_size}, "
-                f"n_draft_tokens={config.n_draft_tokens}, {'greedy' if sampling.greedy else f'sampling {sampling}'}")
+    logger.info(f"Speculative decoding: {checked.ckpt.name}, {target.n_layers} target layers, batch "
+                f"{config.batch_size}, n_draft_tokens={config.n_draft_tokens}, "
+                f"{'greedy' if sampling.greedy else f'sampling {sampling}'}")
     logger.info(textwrap.fill(f"Drafting: {describe_drafter(config, checked)}", width=100, subsequent_indent="  "))
-    results = generate_all(spec, tokens, batches, config)
+    load = {}
+    with LoadMeter() as meter:
+        results = generate_all(spec, tokens, checked.batches, config)
+    load["speculative"] = meter.load
     summary = {**summarize(results), **compile_times}
     head = getattr(drafter, "fallback", drafter)
     if isinstance(head, HeadDrafter):  # what a head run cost on this machine, as its length policy priced it
         summary["draft_head_run_cost"] = head.draft_cost
         logger.info(f"Draft head: a run measured at {head.draft_cost:.3f} of a target step")
-    log_performance("speculative", summary)
+    for line in performance_lines("speculative", summary):
+        logger.info(line)
 
     baseline = None
     if config.compare_baseline and config.n_draft_tokens > 0:
         logger.info("Plain decoding on the same backend (baseline)")
-        baseline = generate_all(SpeculativeGenerator(target, None, 0, eos, sampling), tokens, batches, config)
-        base_summary = summarize(baseline)
-        log_performance("plain decoding", base_summary)
-        summary["baseline_decode_tok_s"] = base_summary["decode_tok_s"]
-        summary["speedup"] = summary["decode_tok_s"] / base_summary["decode_tok_s"]
-        same = ""
+        with LoadMeter() as meter:
+            baseline = generate_all(SpeculativeGenerator(target, None, 0, eos, sampling, log_iterations), tokens,
+                                    checked.batches, config)
+        load["plain"] = meter.load
+        summary["baseline"] = summarize(baseline)
+        for line in performance_lines("plain decoding", summary["baseline"]):
+            logger.info(line)
+        summary["baseline_decode_tok_s"] = summary["baseline"]["decode_tok_s"]
+        summary["speedup"] = summary["decode_tok_s"] / summary["baseline_decode_tok_s"]
         if sampling.greedy:  # sampled outputs follow the same distribution, not the same random draws
             summary["identical_to_baseline"] = all(
                 r.output_tokens == b.output_tokens for rb, bb in zip(results, baseline) for r, b in zip(rb, bb))
-            same = f"; outputs identical: {summary['identical_to_baseline']}"
-        logger.info(f"Speedup over plain decoding: {summary['speedup']:.2f}x{same}")
+        logger.info(speedup_line(summary))
 
-    report = {"config": {**vars(config), "model_name": ckpt.name, "target_layers": target.n_layers},
-              "environment": environment(target.device_name), "prompts": [], "summary": summary}
-    seen = set()
-    for b, batch in enumerate(batches):
-        for u, i in enumerate(batch):
-            if i in seen:  # a repeat that only filled the last batch
-                continue
-            seen.add(i)
-            r = results[b][u]
-            text = tokenizer.decode(r.output_tokens, skip_special_tokens=True)
-            logger.info(f"User {i} prompt: {shorten(prompts[i], PROMPT_ECHO)!r}\nOutput: {text}")
-            entry = {"prompt": prompts[i], "output_text": text, "output_tokens": r.output_tokens,
-                     "iterations": [vars(it) for it in r.iterations], "ttft_ms": r.ttft_ms,
-                     "decode_tok_s": r.decode_tok_s,
-                     "tokens_per_step": (len(r.output_tokens) - 1) / len(r.iterations) if r.iterations else 0.0,
-                     "draft_sources": dict(Counter(it.draft_source for it in r.iterations if it.drafted))}
-            if baseline is not None:
-                entry["baseline_output_tokens"] = baseline[b][u].output_tokens
-                entry["baseline_decode_tok_s"] = baseline[b][u].decode_tok_s
-                entry["speedup"] = r.decode_tok_s / entry["baseline_decode_tok_s"]
-            report["prompts"].append(entry)
-    log_prompt_table(report["prompts"])
+    env = environment(target.device_name)
+    summary["load"] = load
+    summary["warnings"] = timing_warnings(summary, load, env)
+    for line in summary["warnings"]:
+        logger.warning(line)
+    report = {"config": {**vars(config), "model_name": checked.ckpt.name, "target_layers": target.n_layers},
+              "environment": env, "summary": summary,
+              "prompts": prompt_entries(checked.prompts, checked.batches, results, baseline, tokenizer)}
+    for i, entry in enumerate(report["prompts"]):
+        logger.info(f"User {i} prompt: {shorten(entry['prompt'], PROMPT_ECHO)!r}\nOutput: {entry['output_text']}")
+    logger.info("Per prompt:\n" + "\n".join(prompt_table_lines(report["prompts"])))
     return report
+
+
+RESULT_LINES = pytest.StashKey[list]()  # the pytest form's result, shown in pytest's summary (conftest.py)
 
 
 def test_speculative_demo(request):
     """The demo as a pytest test; on the ttnn backend (MESH_DEVICE set, or --backend ttnn) it runs on the
     `mesh_device` fixture (conftest.py: the fabric and a trace region sized for these options, as tt-metal's
-    fixture opens a mesh for its text demo)."""
+    fixture opens a mesh for its text demo). Its result shows in pytest's summary, without -s."""
     config = config_from_pytest(request.config)
     mesh_device = request.getfixturevalue("mesh_device") if backend_of(config) == "ttnn" else None
     try:
         report = run_demo(config, mesh_device)
     except ValueError as e:  # what only loading finds (a corrupt checkpoint): its one line, no source listing
         pytest.fail(str(e), pytrace=False)
+    request.config.stash[RESULT_LINES] = result_lines(report)
     assert all(p["output_tokens"] for p in report["prompts"])
     if "identical_to_baseline" in report["summary"]:
         assert report["summary"]["identical_to_baseline"], "speculative output differs from plain greedy decoding"
@@ -175,20 +178,8 @@ def test_speculative_demo(request):
 LOG_FORMAT = "<green>{time:HH:mm:ss}</green> | <level>{level: <7}</level> | {message}"  # fits a 120-column terminal
 
 
-class OneLineErrorParser(argparse.ArgumentParser):
-    """argparse's errors (a flag misspelt, `--temperature abc`) as one line, as the demo's own, not after the usage of
-    thirty flags."""
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: {message}; --help lists the flags\n")
-
-
 def main(argv=None) -> int:
-    parser = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for name, type_, default, help_ in DEMO_OPTIONS:
-        parser.add_argument(f"--{name}", *(["--trace"] if name == "enable_trace" else []), type=type_,
-                            default=default, help=help_)
-    config = DemoConfig(**vars(parser.parse_args(argv)))
+    config = DemoConfig(**vars(argument_parser(__doc__).parse_args(argv)))
     try:
         if backend_of(config) == "ttnn":
             from models.tt_transformers.ttnn_backend.device import mesh_shape, open_mesh
