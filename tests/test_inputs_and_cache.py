@@ -604,3 +604,16 @@ def test_pytest_form_bad_option_is_a_usage_error(tmp_path):
     assert out.returncode == pytest.ExitCode.USAGE_ERROR, out.stdout[-2000:] + out.stderr[-2000:]
     assert out.stderr.strip() == "ERROR: --batch_size 3 is not supported; use one of (1, 2, 4, 8, 16, 32)"
     assert "def test_speculative_demo" not in out.stdout and "passed" not in out.stdout
+
+
+def test_pytest_form_load_error_is_one_line(tmp_path):
+    """What only loading finds (here a folder without tokenizer files) fails the pytest form with its one line, no
+    source listing either."""
+    save_tiny_hf_checkpoint(tmp_path / "tiny")
+    out = subprocess.run([sys.executable, "-m", "pytest", f"{DEMO_SCRIPT}::test_speculative_demo", "-q", "-p",
+                          "no:cacheprovider", "--model", str(tmp_path / "tiny"), "--max_seq_len", "64"],
+                         capture_output=True, text=True, cwd=REPO_ROOT, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == pytest.ExitCode.TESTS_FAILED, out.stdout[-2000:] + out.stderr[-2000:]
+    assert f"--model '{tmp_path / 'tiny'}' has no tokenizer files" in out.stdout
+    assert "def test_speculative_demo" not in out.stdout and "Traceback" not in out.stdout
