@@ -9,7 +9,7 @@ import glob
 
 import pytest
 
-from models.tt_transformers.demo.speculative_decoding.speculative_demo import add_demo_options
+from models.tt_transformers.demo.speculative_decoding.options import add_demo_options
 
 
 def pytest_addoption(parser):
@@ -36,13 +36,14 @@ def mesh_device(request, device_params):
     fixture opens it (ttnn_backend/device.py: the fabric on meshes of several devices); its trace region is
     device_params' trace_region_size, else sized for the demo options this run was given. Skipped with the reason
     on machines without a device (the ttnn backend then cannot run)."""
-    from models.tt_transformers.demo.speculative_decoding.speculative_demo import config_from_pytest, trace_region_size
+    from models.tt_transformers.demo.speculative_decoding.build import trace_region_size
+    from models.tt_transformers.demo.speculative_decoding.options import config_from_pytest
     from models.tt_transformers.ttnn_backend.device import mesh_shape, open_mesh, tt_device_present
 
     if not tt_device_present():
         pytest.skip("needs a Tenstorrent device: no /dev/tenstorrent* here")
     params = dict(device_params)
-    region = params.pop("trace_region_size", None) or trace_region_size(config_from_pytest(request), mesh_shape())
+    region = params.pop("trace_region_size", None) or trace_region_size(config_from_pytest(request.config), mesh_shape())
     with open_mesh(trace_region_size=region, **params) as mesh:
         yield mesh
 

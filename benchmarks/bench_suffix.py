@@ -34,13 +34,9 @@ from common import REPO, hf_ms_per_token, load_hf, machine_info, print_table, qu
 
 import torch
 
-from models.tt_transformers.demo.speculative_decoding.speculative_demo import (
-    DRAFT_HEADS,
-    encode,
-    eos_token_ids,
-    load_prompts,
-    write_json_atomic,
-)
+from models.tt_transformers.demo.speculative_decoding.build import eos_token_ids
+from models.tt_transformers.demo.speculative_decoding.inputs import DRAFT_HEADS, encode, load_prompts
+from models.tt_transformers.demo.speculative_decoding.report import write_json_atomic
 from models.tt_transformers.demo.speculative_decoding.speculative_generator import SpeculativeGenerator
 from models.tt_transformers.speculative.draft_length import linear_cost
 from models.tt_transformers.speculative.draft_memory import DraftMemory

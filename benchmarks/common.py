@@ -10,7 +10,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 from loguru import logger  # noqa: E402
 
-from models.tt_transformers.demo.speculative_decoding.speculative_demo import environment, summarize  # noqa: E402
+from models.tt_transformers.demo.speculative_decoding.report import environment, summarize
 from models.tt_transformers.demo.speculative_decoding.speculative_generator import SpeculativeGenerator  # noqa: E402
 
 

@@ -44,7 +44,8 @@ CHAT_PROMPTS = 5  # the sample prompts' chat questions (the code edit, JSON rewr
 @pytest.fixture(scope="session")
 def sample_prompt_tokens(embedded_tokenizer):
     """The sample prompts' five chat questions, encoded."""
-    from models.tt_transformers.demo.speculative_decoding.speculative_demo import DEFAULT_PROMPTS, encode, load_prompts
+    from models.tt_transformers.demo.speculative_decoding.inputs import encode, load_prompts
+    from models.tt_transformers.demo.speculative_decoding.options import DEFAULT_PROMPTS
 
     return [encode(embedded_tokenizer, p, True) for p in load_prompts(str(DEFAULT_PROMPTS))[:CHAT_PROMPTS]]
 

@@ -45,7 +45,8 @@ def test_explicit_choices_and_errors():
 def test_demo_logs_its_device_choice(tmp_path, embedded_checkpoint):
     from loguru import logger
 
-    from models.tt_transformers.demo.speculative_decoding.speculative_demo import DemoConfig, run_demo
+    from models.tt_transformers.demo.speculative_decoding.options import DemoConfig
+    from models.tt_transformers.demo.speculative_decoding.speculative_demo import run_demo
 
     from .conftest import write_json
 

@@ -11,12 +11,9 @@ import sys
 import pytest
 import torch
 
-from models.tt_transformers.demo.speculative_decoding.speculative_demo import (
-    DRAFT_HEADS,
-    DemoConfig,
-    DemoInputError,
-    run_demo,
-)
+from models.tt_transformers.demo.speculative_decoding.inputs import DRAFT_HEADS, DemoInputError
+from models.tt_transformers.demo.speculative_decoding.options import DemoConfig
+from models.tt_transformers.demo.speculative_decoding.speculative_demo import run_demo
 from models.tt_transformers.demo.speculative_decoding.speculative_generator import SpeculativeGenerator
 from models.tt_transformers.speculative.backend import UserRows
 from models.tt_transformers.speculative.draft_length import linear_cost
@@ -404,7 +401,7 @@ def bad_head(case, tmp_path, args):
     ("missing-tensor", r"layers.0.hidden_norm.weight is missing, expected \(576,\)"),
     ("truncated", r"model.safetensors cannot be read .* it is corrupt or incomplete: download or train the head again"),
     ("d2t-outside-vocab", r"d2t maps draft ids outside the target's vocabulary"),
-    ("fewer-target-layers", r"it reads layers \[2, 15, 27\], but --target_layers keeps 12; leave --target_layers"),
+    ("fewer-target-layers", r"reads layers \[2, 15, 27\], but --target_layers keeps 12; leave --target_layers"),
 ])
 def test_bad_draft_head_is_a_clear_error_before_loading(tmp_path, embedded_checkpoint, monkeypatch, case, message):
     """Checked against the target's config before any model loads; one line naming --draft_head and the fix."""
@@ -420,9 +417,9 @@ def test_bad_draft_head_is_a_clear_error_before_loading(tmp_path, embedded_check
 
 
 def test_head_mode_without_a_head_for_the_target(tmp_path, monkeypatch):
-    from models.tt_transformers.demo.speculative_decoding import speculative_demo
+    from models.tt_transformers.demo.speculative_decoding import inputs
 
-    monkeypatch.setattr(speculative_demo, "DRAFT_HEADS", tmp_path / "none")
+    monkeypatch.setattr(inputs, "DRAFT_HEADS", tmp_path / "none")
     config = DemoConfig(input_prompts=str(write_json(tmp_path / "p.json", [{"prompt": "Hi"}])), draft_mode="head")
     with pytest.raises(DemoInputError, match="no draft head ships for SmolLM2-135M-Instruct; pass --draft_head"):
         run_demo(config)

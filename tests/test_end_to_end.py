@@ -3,7 +3,8 @@
 draft mode, and generation up to the end of the KV cache with the longest drafts."""
 import pytest
 
-from models.tt_transformers.demo.speculative_decoding.speculative_demo import DemoConfig, run_demo
+from models.tt_transformers.demo.speculative_decoding.options import DemoConfig
+from models.tt_transformers.demo.speculative_decoding.speculative_demo import run_demo
 
 pytestmark = pytest.mark.slow
 
@@ -18,7 +19,7 @@ def test_demo_defaults_identical_to_plain(draft_mode, batch_size):
 
 def test_generation_to_the_end_of_the_cache(embedded_bf16, embedded_tokenizer):
     """n_draft_tokens 64 on a copy task until max_seq_len (512) stops generation: identical to plain."""
-    from models.tt_transformers.demo.speculative_decoding.speculative_demo import encode
+    from models.tt_transformers.demo.speculative_decoding.inputs import encode
 
     from .test_lossless_greedy import run, run_results
 

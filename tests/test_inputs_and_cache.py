@@ -3,6 +3,10 @@
 import importlib.util
 import json
 import os
+import re
+import resource
+import subprocess
+import sys
 import time
 
 import pytest
@@ -11,17 +15,16 @@ from loguru import logger
 from models.tt_transformers.torch_backend import checkpoint
 from models.tt_transformers.torch_backend.checkpoint import CheckpointError, resolve_checkpoint
 from models.tt_transformers.torch_backend.model_config import ModelArgs, ModelConfigError
-from models.tt_transformers.demo.speculative_decoding.speculative_demo import (
-    DEFAULT_PROMPTS,
-    DemoConfig,
+from models.tt_transformers.demo.speculative_decoding.inputs import (
     DemoInputError,
-    build,
     check_flags,
+    check_inputs,
     load_prompts,
-    main,
-    run_demo,
     split_batches,
 )
+from models.tt_transformers.demo.speculative_decoding.options import DEFAULT_PROMPTS, DemoConfig
+from models.tt_transformers.demo.speculative_decoding.report import ReportFile
+from models.tt_transformers.demo.speculative_decoding.speculative_demo import main, run_demo
 from models.tt_transformers.demo.speculative_decoding.speculative_generator import SpeculativeGenerator
 from models.tt_transformers.speculative.drafters import SuffixDrafter
 from models.tt_transformers.torch_backend.generator import TorchCausalLM
@@ -29,6 +32,7 @@ from models.tt_transformers.torch_backend.generator import TorchCausalLM
 from .conftest import REPO_ROOT, random_model, save_tiny_hf_checkpoint, write_json
 
 DOCUMENTED_PROMPTS = "models/tt_transformers/demo/speculative_decoding/sample_prompts.json"
+DEMO_SCRIPT = REPO_ROOT / DOCUMENTED_PROMPTS.replace("sample_prompts.json", "speculative_demo.py")
 
 
 def test_prompts_tt_json_and_jsonl(tmp_path):
@@ -72,10 +76,29 @@ def test_prompts_file_errors_name_the_line_the_encoding_and_the_kind(tmp_path):
 
 
 def test_unwritable_output_json_stops_before_anything_runs(tmp_path):
+    """The report's file is created where it will be written before the run: a folder that refuses files whatever
+    its permission bits say (/proc) is found then, not after the run; nothing is left of a refused path."""
     (tmp_path / "file").write_text("")
-    for path, message in ((tmp_path / "file" / "r.json", "cannot be written"), (tmp_path, "is a directory")):
+    for path, message in ((tmp_path / "file" / "r.json", "cannot be written .*Not a directory"),
+                          (tmp_path, "is a directory"), ("/proc/out.json", "cannot be written")):
         with pytest.raises(DemoInputError, match=f"--output_json .*{message}"):
-            check_flags(DemoConfig(output_json=str(path)), "torch")
+            ReportFile(path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+    assert os.access("/proc", os.W_OK) or os.geteuid() != 0  # what let /proc pass a permission check
+
+
+def test_a_failed_run_leaves_no_report_and_a_whole_one_is_renamed(tmp_path, embedded_checkpoint):
+    """--output_json in folders that do not exist yet: a run that fails after the reservation leaves neither the
+    file nor the folders; a run that succeeds leaves the report alone, no temporary file beside it."""
+    no_tokenizer = tmp_path / "tiny"
+    save_tiny_hf_checkpoint(no_tokenizer)
+    with pytest.raises(CheckpointError, match=f"--model '{no_tokenizer}' has no tokenizer files \\(tokenizer.json, "
+                                              "tokenizer.model, vocab.json\\); copy the tokenizer files"):
+        run_demo(demo(tmp_path, model=str(no_tokenizer), max_seq_len=64,
+                      output_json=str(tmp_path / "new" / "sub" / "r.json")))
+    assert not (tmp_path / "new").exists()
+    run_demo(demo(tmp_path, draft_mode="suffix", max_generated_tokens=2, output_json=str(tmp_path / "out" / "r.json")))
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["r.json"]
 
 
 def test_ttnn_backend_without_ttnn_is_one_line(monkeypatch, capsys):
@@ -202,15 +225,53 @@ def demo(tmp_path, **kw):
     ({"dtype": "int4"}, "--dtype 'int4' is not supported"),
     ({"draft_mode": "ngram"}, "--draft_mode 'ngram' is not one of model, suffix, head, hybrid"),
     ({"sa_threshold": 0}, "--sa_threshold must be >= 1"),
-    ({"draft_head": "/some/head", "draft_mode": "suffix"}, "--draft_head is read only by --draft_mode head or hybrid, "
-                                                            "not 'suffix'; drop --draft_head"),
     ({"temperature": -0.5}, "bad sampling flags: temperature must be >= 0"),
     ({"top_p": 0.0}, "bad sampling flags: top_p must be in"),
     ({"top_k": -3}, "bad sampling flags: top_k must be >= 0"),
+    ({"temperature": float("nan")}, "bad sampling flags: temperature must be >= 0 and finite, got nan"),
+    ({"temperature": float("inf")}, "bad sampling flags: temperature must be >= 0 and finite, got inf"),
+    ({"instruct": 5}, "--instruct must be 0 or 1, got 5"),
+    ({"draft_trees": -1}, "--draft_trees must be 0 or 1, got -1"),
+    ({"compare_baseline": 7}, "--compare_baseline must be 0 or 1, got 7"),
+    ({"input_prompts": ""}, "--input_prompts is empty; give it a value or leave it out"),
+    ({"output_json": " "}, "--output_json is empty; give it a value or leave it out"),
+    ({"log_iterations": -2}, "--log_iterations must be >= 0, or -1 for every iteration, got -2"),
 ])
 def test_demo_rejects_bad_flags(tmp_path, embedded_checkpoint, overrides, message):
     with pytest.raises(ValueError, match=message):
         run_demo(demo(tmp_path, **overrides))
+
+
+def test_draft_corpus_must_be_a_text_file(tmp_path, embedded_checkpoint):
+    """As a binary prompts file is refused, so is a binary corpus; a folder is called a folder."""
+    corpus = tmp_path / "corpus"
+    cases = ((b"text, then \xff\xfe", "not UTF-8 text \\(byte 11\\)"),
+             (b"ELF\x00\x01", "holds NUL bytes, so it is not text"))
+    for content, message in cases:
+        corpus.write_bytes(content)
+        with pytest.raises(DemoInputError, match=f"--draft_corpus {corpus}: {message}; pass a text file"):
+            check_inputs(demo(tmp_path, draft_corpus=str(corpus)))
+    with pytest.raises(DemoInputError, match=f"--draft_corpus '{tmp_path}' is a directory; pass a text file"):
+        check_inputs(demo(tmp_path, draft_corpus=str(tmp_path)))
+
+
+@pytest.mark.parametrize("flag", ["model", "draft_model"])
+@pytest.mark.parametrize("content,message", [("garbage", "is not valid JSON \\(line 1 column 1: Expecting value\\)"),
+                                             ("[1, 2]", "holds a JSON list, not the model's settings")])
+def test_damaged_config_json_is_named_with_its_flag(tmp_path, embedded_checkpoint, flag, content, message):
+    """A garbage config.json is one line naming the flag and the file, for the target and for the draft model alike
+    (it was a bare JSON error for --model and a traceback for --draft_model)."""
+    folder = tmp_path / "damaged"
+    folder.mkdir()
+    (folder / "config.json").write_text(content)
+    messages, sink = logged_errors()
+    try:
+        assert main(["--input_prompts", str(write_json(tmp_path / "p.json", [{"prompt": "Hi"}])), "--draft_mode",
+                     "model", f"--{flag}", str(folder)]) == 2
+    finally:
+        logger.remove(sink)
+    assert len(messages) == 1 and re.fullmatch(f"--{flag} '{folder}': its config.json {message}; download the "
+                                               "checkpoint's config.json again", messages[0]), messages
 
 
 def test_mismatched_draft_tokenizer(tmp_path, embedded_checkpoint):
@@ -266,9 +327,15 @@ def test_report_carries_tt_perf_keys_and_environment(tmp_path, embedded_checkpoi
     assert summary["decode_t/s/u"] == pytest.approx(sum(produced) / decode_s) and summary["decode_t/s"] > 0
     ttft_s = [p["ttft_ms"] / 1e3 for p in prompts]
     assert summary["prefill_time_to_token"] == pytest.approx(sum(ttft_s) / len(ttft_s)) and summary["prefill_t/s"] > 0
-    env = json.loads((tmp_path / "r.json").read_text())["environment"]
+    written = json.loads((tmp_path / "r.json").read_text())
+    env = written["environment"]
     assert env["device"] == "cpu" and env["torch"] and env["cpu_count"] >= 1
     assert env["git_commit"] is None or len(env["git_commit"]) == 40
+    assert env["omp_num_threads"] == os.environ.get("OMP_NUM_THREADS") and env["torch_threads"] >= 1
+    load = written["summary"]["load"]  # what else ran while each run was timed, for judging its figures
+    assert set(load) == {"speculative", "plain"}
+    assert all(phase["other_processes_cores"] >= 0 and phase["wall_s"] > 0 for phase in load.values())
+    assert isinstance(written["summary"]["warnings"], list)
 
 
 class SlowStartDrafter(SuffixDrafter):
@@ -306,19 +373,84 @@ def test_draft_layers_checked_in_every_mode(tmp_path, embedded_checkpoint, mode,
     """An out-of-range --draft_layers (0, all 30 layers, 1000) is one line in every draft mode, whether or not that
     mode ends up building the draft model (hybrid with the shipped head does not)."""
     with pytest.raises(DemoInputError, match=f"--draft_layers {draft_layers} must be between 1 and 29"):
-        build(demo(tmp_path, draft_mode=mode, draft_layers=draft_layers))
+        check_inputs(demo(tmp_path, draft_mode=mode, draft_layers=draft_layers))
+
+
+@pytest.mark.parametrize("mode", ["suffix", "hybrid", "head", "model"])
+def test_default_draft_layers_never_stop_a_run(tmp_path, embedded_checkpoint, mode):
+    """On a target of 8 layers (the default --draft_layers) plain decoding and every draft mode check out: a mode
+    that builds the draft model (hybrid too: the shipped head reads layers past 8) fits the default to half the
+    target and says so; an explicit value stays checked."""
+    for n_draft_tokens in (0, 4):
+        config = demo(tmp_path, target_layers=8, draft_mode=mode, n_draft_tokens=n_draft_tokens)
+        if mode == "head" and n_draft_tokens:  # the one mode with no draft model to fall back on
+            with pytest.raises(DemoInputError, match="--draft_mode head: the shipped head reads layers .* but "
+                                                     "--target_layers keeps 8"):
+                check_inputs(config)
+            continue
+        checked = check_inputs(config)
+        builds_draft_model = n_draft_tokens > 0 and mode in ("model", "hybrid")
+        assert checked.draft_layers == (4 if builds_draft_model else None) and not checked.unused
+        fitted = [note for note in checked.notes if note.startswith("--draft_layers")]
+        assert fitted == (["--draft_layers not given: the draft model is the first 4 of the target's 8 layers (the "
+                           "default 8 needs a deeper target)"] if builds_draft_model else [])
+    with pytest.raises(DemoInputError, match="--draft_layers 8 must be between 1 and 7 .*or leave it out"):
+        check_inputs(demo(tmp_path, target_layers=8, draft_mode=mode, draft_layers=8))
+    if mode == "model":
+        with pytest.raises(DemoInputError, match="--draft_mode model drafts with the target's first layers, and the "
+                                                 "1-layer target has none to spare; pass --draft_model"):
+            check_inputs(demo(tmp_path, target_layers=1, draft_mode=mode))
+
+
+@pytest.mark.parametrize("overrides,unused", [
+    ({"draft_mode": "suffix", "draft_model": "/no/such/draft", "draft_layers": 4, "draft_head": "/no/such/head"},
+     ["--draft_head (read by --draft_mode head or hybrid, not suffix)",
+      "--draft_model (--draft_mode suffix builds no draft model)",
+      "--draft_layers (--draft_mode suffix builds no draft model)"]),
+    ({"draft_layers": 8}, ["--draft_layers (hybrid drafts with the draft head)"]),  # the README's first example
+    ({"n_draft_tokens": 0, "draft_model": "/no/such/draft", "draft_corpus": str(DEFAULT_PROMPTS)},
+     ["--draft_model (plain decoding (--n_draft_tokens 0) drafts nothing)",
+      "--draft_corpus (plain decoding (--n_draft_tokens 0) drafts nothing)"]),
+    ({"draft_mode": "model", "draft_corpus": str(DEFAULT_PROMPTS)},
+     ["--draft_corpus (copied drafts are made by --draft_mode suffix or hybrid, not model)"]),
+    ({"draft_mode": "hybrid", "draft_model": "/no/such/draft", "draft_layers": 4}, None),  # not unused: resolved
+])
+def test_draft_flags_a_mode_does_not_read_are_named(tmp_path, embedded_checkpoint, overrides, unused):
+    """--draft_head, --draft_model, --draft_layers and --draft_corpus are treated alike: given to a run that does not
+    read them, each is named with why, and the run goes on; a used --draft_model is still checked."""
+    if unused is None:
+        with pytest.raises(ValueError, match="--draft_model '/no/such/draft' does not exist"):
+            check_inputs(demo(tmp_path, **overrides))
+    else:
+        assert check_inputs(demo(tmp_path, **overrides)).unused == unused
+
+
+def test_fitted_draft_layers_and_unused_flags_are_logged(tmp_path, embedded_checkpoint):
+    """The run itself logs the fitted default and the unused flag, once each, and drafts with 4 layers."""
+    lines = []
+    sink = logger.add(lambda m: lines.append(m.record["message"]), level="INFO")
+    try:
+        report = run_demo(demo(tmp_path, target_layers=8, draft_mode="model", draft_corpus=str(DEFAULT_PROMPTS),
+                               compare_baseline=1))
+    finally:
+        logger.remove(sink)
+    assert sum("--draft_layers not given: the draft model is the first 4" in line for line in lines) == 1
+    assert lines.count("Not used by this run: --draft_corpus (copied drafts are made by --draft_mode suffix or "
+                       "hybrid, not model)") == 1
+    assert any("Drafting: draft model first 4 layers" in line for line in lines)
+    assert report["summary"]["identical_to_baseline"]
 
 
 def test_max_seq_len_beyond_the_model_or_the_memory(tmp_path, embedded_checkpoint, monkeypatch):
     """--max_seq_len past the model's context, or whose KV cache would not fit the free memory, is one line naming
     what fits, before anything is allocated."""
-    from models.tt_transformers.demo.speculative_decoding import speculative_demo
+    from models.tt_transformers.demo.speculative_decoding import inputs
 
     with pytest.raises(DemoInputError, match="--max_seq_len 10,000,000 is longer than the model's context"):
-        build(demo(tmp_path, max_seq_len=10_000_000))
-    monkeypatch.setattr(speculative_demo, "available_memory_bytes", lambda: 64 * 2**20)  # 64 MiB free
+        check_inputs(demo(tmp_path, max_seq_len=10_000_000))
+    monkeypatch.setattr(inputs, "available_memory_bytes", lambda: 64 * 2**20)  # 64 MiB free
     with pytest.raises(DemoInputError, match="--max_seq_len 8,192: its KV cache .* does not fit .* use at most 2,912"):
-        build(demo(tmp_path, max_seq_len=8192))
+        check_inputs(demo(tmp_path, max_seq_len=8192))
 
 
 def test_demo_batch_4_sampling(tmp_path, embedded_checkpoint):
@@ -397,3 +529,91 @@ def test_first_screen_reads_in_120_columns(tmp_path):
     table = next(i for i, line in enumerate(lines) if line.endswith("Per prompt:"))
     assert lines[table + 1].startswith("prompt") and len(lines) > table + 2
     assert lines[table + 2].startswith("Hi ") and lines[table + 3].startswith("Rename x to y")
+
+
+def test_max_generated_tokens_past_the_cache_is_said_once(tmp_path, embedded_checkpoint):
+    """Generation that the KV cache will cut short is said once, with the --max_seq_len that holds it; the answer
+    then stops at the end of the cache."""
+    warnings = []
+    sink = logger.add(lambda m: warnings.append(m.record["message"]), level="WARNING")
+    try:
+        report = run_demo(demo(tmp_path, instruct=0, max_seq_len=16, max_generated_tokens=40, stop_at_eos=0,
+                               draft_mode="suffix"))
+    finally:
+        logger.remove(sink)
+    prompt_tokens = 16 - len(report["prompts"][0]["output_tokens"])
+    assert [w for w in warnings if w.startswith("--max_generated_tokens")] == [f"--max_generated_tokens 40: the longest prompt ({prompt_tokens} tokens) leaves room for "
+                        f"{16 - prompt_tokens} within --max_seq_len 16; answers that reach it stop there "
+                        f"(--max_seq_len {prompt_tokens + 40} holds them all)"]
+
+
+def run_demo_script(args, **kwargs):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **kwargs.pop("env", {})}
+    return subprocess.run([sys.executable, str(DEMO_SCRIPT), *args], capture_output=True, text=True, env=env,
+                          timeout=300, **kwargs)
+
+
+def test_ctrl_c_while_torch_imports_is_one_line(tmp_path):
+    """Ctrl-C before the modules have loaded (a torch whose import is interrupted stands in for the keypress) stops
+    with the same one line and exit status 130 as later."""
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text("raise KeyboardInterrupt\n")
+    out = run_demo_script([], env={"PYTHONPATH": str(tmp_path)})
+    assert (out.returncode, out.stderr, out.stdout) == (130, "interrupted (Ctrl-C): stopped, no report written\n", "")
+
+
+CACHE_GIB = 2.8  # --max_seq_len 8192 x --batch_size 16 on the embedded model: the cache the limit below refuses
+ADDRESS_SPACE_LIMIT = 2_500_000_000  # bytes: the demo runs in ~1.3 GB of address space with a small cache
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="needs Linux's RLIMIT_AS")
+def test_cache_the_free_memory_allows_but_a_limit_refuses(tmp_path, embedded_checkpoint):
+    """A KV cache that the free-memory check lets through but the process cannot allocate (an address-space limit, as
+    `ulimit -v` sets) is one line naming --max_seq_len and --batch_size, exit status 2."""
+    from models.tt_transformers.demo.speculative_decoding.inputs import available_memory_bytes
+
+    if (available_memory_bytes() or 0) < 1.5 * CACHE_GIB * 2**30:
+        pytest.skip(f"needs {1.5 * CACHE_GIB:.1f} GiB free, so that the free-memory check passes the cache")
+    out = run_demo_script(["--input_prompts", str(write_json(tmp_path / "p.json", [{"prompt": "Hi"}])),
+                           "--draft_mode", "suffix", "--device", "cpu", "--max_seq_len", "8192", "--batch_size", "16"],
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (ADDRESS_SPACE_LIMIT,) * 2))
+    errors = [line for line in out.stderr.splitlines() if "ERROR" in line]
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert len(errors) == 1 and errors[0].endswith(
+        f"--max_seq_len 8,192 x --batch_size 16: this process could not allocate the KV cache ({CACHE_GIB} GiB); "
+        "lower --max_seq_len or --batch_size, or raise the process's memory limit"), errors
+
+
+def test_cli_flag_errors_are_one_line(capsys):
+    """argparse's own errors (a value of the wrong type, a misspelt flag) are one line too, not the usage of every
+    flag."""
+    for argv, message in ((["--temperature", "abc"], "argument --temperature: invalid float value: 'abc'"),
+                          (["--draft_layerz", "4"], "unrecognized arguments: --draft_layerz 4")):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        lines = capsys.readouterr().err.splitlines()
+        assert exit_.value.code == 2 and len(lines) == 1 and message in lines[0], lines
+
+
+def test_pytest_form_bad_option_is_a_usage_error(tmp_path):
+    """The pytest form with a bad option fails as pytest's own usage errors do: one line, exit status 4, no source
+    listing, nothing run."""
+    out = subprocess.run([sys.executable, "-m", "pytest", f"{DEMO_SCRIPT}::test_speculative_demo", "--batch_size", "3",
+                          "-q", "-p", "no:cacheprovider"], capture_output=True, text=True, cwd=REPO_ROOT, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == pytest.ExitCode.USAGE_ERROR, out.stdout[-2000:] + out.stderr[-2000:]
+    assert out.stderr.strip() == "ERROR: --batch_size 3 is not supported; use one of (1, 2, 4, 8, 16, 32)"
+    assert "def test_speculative_demo" not in out.stdout and "passed" not in out.stdout
+
+
+def test_pytest_form_load_error_is_one_line(tmp_path):
+    """What only loading finds (here a folder without tokenizer files) fails the pytest form with its one line, no
+    source listing either."""
+    save_tiny_hf_checkpoint(tmp_path / "tiny")
+    out = subprocess.run([sys.executable, "-m", "pytest", f"{DEMO_SCRIPT}::test_speculative_demo", "-q", "-p",
+                          "no:cacheprovider", "--model", str(tmp_path / "tiny"), "--max_seq_len", "64"],
+                         capture_output=True, text=True, cwd=REPO_ROOT, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == pytest.ExitCode.TESTS_FAILED, out.stdout[-2000:] + out.stderr[-2000:]
+    assert f"--model '{tmp_path / 'tiny'}' has no tokenizer files" in out.stdout
+    assert "def test_speculative_demo" not in out.stdout and "Traceback" not in out.stdout

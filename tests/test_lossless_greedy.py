@@ -15,7 +15,7 @@ from models.tt_transformers.torch_backend.draft_head import HeadRunner
 from models.tt_transformers.speculative.verification import verify_greedy
 from models.tt_transformers.speculative.backend import UserRows
 from models.tt_transformers.torch_backend.generator import TorchCausalLM
-from models.tt_transformers.demo.speculative_decoding.speculative_demo import encode
+from models.tt_transformers.demo.speculative_decoding.inputs import encode
 from models.tt_transformers.demo.speculative_decoding.speculative_generator import SpeculativeGenerator
 
 from .conftest import CPU_KERNELS, random_head, random_model

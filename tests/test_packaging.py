@@ -11,8 +11,8 @@ import pytest
 from .conftest import REPO_ROOT
 
 DEMO = REPO_ROOT / "models/tt_transformers/demo/speculative_decoding/speculative_demo.py"
-PROBE = ("import models.tt_transformers.tt.model as tt, models.tt_transformers.demo.speculative_decoding.speculative_demo"
-         " as ours; print(tt.MARKER, ours.DEFAULT_PROMPTS.name)")
+PROBE = ("import models.tt_transformers.tt.model as tt, models.tt_transformers.demo.speculative_decoding.speculative_demo, "
+         "models.tt_transformers.demo.speculative_decoding.options as ours; print(tt.MARKER, ours.DEFAULT_PROMPTS.name)")
 
 
 def fake_tt_metal(root, regular: bool):
@@ -45,7 +45,8 @@ def test_imports_beside_tt_metal(tmp_path, regular):
 
 
 def test_torch_path_never_imports_ttnn():
-    out = run(["-c", "import sys; import models.tt_transformers.demo.speculative_decoding.speculative_demo as d; "
-                     "d.build(d.DemoConfig(backend='torch', max_generated_tokens=2)); print('ttnn' in sys.modules)"],
+    out = run(["-c", "import sys; from models.tt_transformers.demo.speculative_decoding import build, inputs, options; "
+                     "config = options.DemoConfig(backend='torch', max_generated_tokens=2); "
+                     "build.build(config, inputs.check_inputs(config)); print('ttnn' in sys.modules)"],
               [REPO_ROOT])
     assert out.returncode == 0 and out.stdout.strip().splitlines()[-1] == "False", out.stderr[-2000:]

@@ -108,7 +108,7 @@ def sequence_identical_to_plain(model, prompts, drafter, n_tokens, eos=()):
 def test_related_requests_draft_from_memory_losslessly(embedded_bf16, embedded_tokenizer):
     """Tool calls with one schema, in sequence: later requests draft from earlier responses (memory), as token
     trees with recycled predictions, and every output equals plain decoding."""
-    from models.tt_transformers.demo.speculative_decoding.speculative_demo import encode, load_prompts
+    from models.tt_transformers.demo.speculative_decoding.inputs import encode, load_prompts
     from models.tt_transformers.speculative.draft_memory import DraftMemory
     from models.tt_transformers.speculative.drafters import SuffixDrafter
 
@@ -123,7 +123,9 @@ def test_related_requests_draft_from_memory_losslessly(embedded_bf16, embedded_t
 
 def test_corpus_drafts_in_the_demo(tmp_path, embedded_checkpoint):
     """--draft_corpus: text the requests repeat drafts from the start, output identical to plain decoding."""
-    from models.tt_transformers.demo.speculative_decoding.speculative_demo import DemoConfig, DemoInputError, run_demo
+    from models.tt_transformers.demo.speculative_decoding.inputs import DemoInputError
+    from models.tt_transformers.demo.speculative_decoding.options import DemoConfig
+    from models.tt_transformers.demo.speculative_decoding.speculative_demo import run_demo
 
     from .conftest import write_json
 

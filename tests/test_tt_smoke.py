@@ -4,7 +4,8 @@ every stage runs and reports, and a failing stage stops the run there with the f
 import json
 import sys
 
-from models.tt_transformers.demo.speculative_decoding import speculative_demo as demo
+from models.tt_transformers.demo.speculative_decoding.options import DemoConfig
+from models.tt_transformers.demo.speculative_decoding.report import write_json_atomic
 from models.tt_transformers.ttnn_backend import device as tt_device
 
 from .conftest import REPO_ROOT
@@ -17,8 +18,8 @@ import tt_smoke  # noqa: E402
 
 
 def smoke_config(tmp_path):
-    demo.write_json_atomic(tmp_path / "p.json", [{"prompt": "Repeat: a b c d e f g a b c d e f g"}])
-    return demo.DemoConfig(backend="ttnn", draft_mode="suffix", max_generated_tokens=8, max_seq_len=256,
+    write_json_atomic(tmp_path / "p.json", [{"prompt": "Repeat: a b c d e f g a b c d e f g"}])
+    return DemoConfig(backend="ttnn", draft_mode="suffix", max_generated_tokens=8, max_seq_len=256,
                            input_prompts=str(tmp_path / "p.json"))
 
 

@@ -285,7 +285,9 @@ def test_draft_view_shares_the_target_cache(tt, prompts):
 def test_demo_on_the_ttnn_backend(tt, tmp_path, monkeypatch):
     """The demo's ttnn path (MESH_DEVICE set selects it) on the stand-in mesh: TT-Transformers models built with the
     demo's flags, hybrid drafting with the first-layers view, the report identical to plain decoding."""
-    from models.tt_transformers.demo.speculative_decoding.speculative_demo import DemoConfig, backend_of, run_demo
+    from models.tt_transformers.demo.speculative_decoding.inputs import backend_of
+    from models.tt_transformers.demo.speculative_decoding.options import DemoConfig
+    from models.tt_transformers.demo.speculative_decoding.speculative_demo import run_demo
 
     from .conftest import write_json
 

@@ -17,12 +17,9 @@ import sys
 
 import pytest
 
-from models.tt_transformers.demo.speculative_decoding.speculative_demo import (
-    DemoConfig,
-    ModelPool,
-    run_demo,
-    trace_region_size,
-)
+from models.tt_transformers.demo.speculative_decoding.build import ModelPool, trace_region_size
+from models.tt_transformers.demo.speculative_decoding.options import DemoConfig
+from models.tt_transformers.demo.speculative_decoding.speculative_demo import run_demo
 from models.tt_transformers.demo.speculative_decoding.speculative_generator import SpeculativeGenerator
 from models.tt_transformers.speculative.drafters import HybridDrafter, ModelDrafter, SuffixDrafter
 from models.tt_transformers.torch_backend.checkpoint import resolve_checkpoint
@@ -84,7 +81,7 @@ def test_demo_on_device(mesh_device, checkpoint):
 @pytest.mark.parametrize("batch", [1, 4])
 def test_lossless_on_device(mesh_device, checkpoint, batch):
     """Every draft mode equals plain greedy decoding through the same traced 32-row step on the device."""
-    from models.tt_transformers.demo.speculative_decoding.speculative_demo import encode, load_prompts
+    from models.tt_transformers.demo.speculative_decoding.inputs import encode, load_prompts
     from models.tt_transformers.torch_backend.checkpoint import load_tokenizer
 
     tokenizer = load_tokenizer(checkpoint)
@@ -99,17 +96,18 @@ def test_lossless_on_device(mesh_device, checkpoint, batch):
 
 def device_head_drafter(target, checkpoint, n_draft_tokens: int):
     """DRAFT_HEAD, else the head shipped for the model, else a random EAGLE-3 head of its shape (lossless all the
-    same: its drafts fail), on the device beside `target` (demo.draft_head), traced with it."""
-    from models.tt_transformers.demo.speculative_decoding import speculative_demo as demo
+    same: its drafts fail), on the device beside `target` (build.head_drafter), traced with it."""
+    from models.tt_transformers.demo.speculative_decoding.build import head_drafter, warm_up
+    from models.tt_transformers.demo.speculative_decoding.inputs import draft_head_folder
     from models.tt_transformers.torch_backend.draft_head import random_head, read_draft_head
     from models.tt_transformers.torch_backend.model_config import ModelArgs
 
     config = DemoConfig(backend="ttnn", n_draft_tokens=n_draft_tokens, draft_head=os.environ.get("DRAFT_HEAD"))
     args = ModelArgs.from_hf_config(checkpoint.config)
-    folder = demo.draft_head_folder(DemoConfig(**{**vars(config), "draft_mode": "hybrid"}), checkpoint.name)
+    folder = draft_head_folder(DemoConfig(**{**vars(config), "draft_mode": "hybrid"}), checkpoint.name)
     head = read_draft_head(folder, args) if folder is not None else random_head(args)
-    drafter = demo.draft_head(head, target, checkpoint, args, config)
-    demo.warm_up(target, drafter, None, config)
+    drafter = head_drafter(head, target, checkpoint, args, config)
+    warm_up(target, drafter, None, config)
     return drafter
 
 
@@ -117,7 +115,7 @@ def device_head_drafter(target, checkpoint, n_draft_tokens: int):
 def test_device_head_lossless_on_device(mesh_device, checkpoint, batch):
     """The draft head on the device (DRAFT_HEAD, the shipped one, or a random one), in head and hybrid modes, equals
     plain greedy decoding through the same traced 32-row step."""
-    from models.tt_transformers.demo.speculative_decoding.speculative_demo import encode, load_prompts
+    from models.tt_transformers.demo.speculative_decoding.inputs import encode, load_prompts
     from models.tt_transformers.torch_backend.checkpoint import load_tokenizer
 
     tokenizer = load_tokenizer(checkpoint)
@@ -196,7 +194,7 @@ def test_device_head_perf(mesh_device, checkpoint):
 def tt_baseline(mesh_device, checkpoint, config: DemoConfig) -> dict:
     """TT-Transformers' own traced decode (tt_baseline.py) on the perf prompts' first batch, built and dropped before
     our models are built (two 8B models do not fit an N150 together): what a TT user runs without us."""
-    from models.tt_transformers.demo.speculative_decoding.speculative_demo import encode, load_prompts
+    from models.tt_transformers.demo.speculative_decoding.inputs import encode, load_prompts
     from models.tt_transformers.torch_backend.checkpoint import load_tokenizer
     from models.tt_transformers.ttnn_backend.tt_baseline import tt_decode_baseline
 

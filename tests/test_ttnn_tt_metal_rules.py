@@ -5,7 +5,10 @@ Each test names the review finding it covers (issue 21); each failed on the back
 import pytest
 import torch
 
-from models.tt_transformers.demo.speculative_decoding import speculative_demo as demo
+from models.tt_transformers.demo.speculative_decoding.build import ModelPool, trace_region_size
+from models.tt_transformers.demo.speculative_decoding.inputs import DemoInputError, check_flags, dtype_of
+from models.tt_transformers.demo.speculative_decoding.options import DemoConfig, add_demo_options
+from models.tt_transformers.demo.speculative_decoding.speculative_demo import run_demo
 from models.tt_transformers.demo.speculative_decoding.speculative_generator import SpeculativeGenerator
 from models.tt_transformers.speculative.backend import UserRows
 from models.tt_transformers.speculative.drafters import SuffixDrafter
@@ -231,18 +234,18 @@ def test_model_name_and_weight_cache_from_the_real_name(stand_in, tmp_path, embe
 
 def test_tt_text_demo_configuration_by_default(stand_in, embedded_checkpoint):
     """Finding 4: bfloat8_b weights and the performance precision preset unless told otherwise."""
-    config = demo.DemoConfig(backend="ttnn")
-    assert demo.dtype_of(config) == "bfloat8_b" and demo.dtype_of(demo.DemoConfig(backend="torch")) == "bfloat16"
+    config = DemoConfig(backend="ttnn")
+    assert dtype_of(config) == "bfloat8_b" and dtype_of(DemoConfig(backend="torch")) == "bfloat16"
     assert build(mesh_of((1, 1)), embedded_checkpoint).tt.args.optimizations.__name__ == "performance"
     accurate = build(mesh_of((1, 1)), embedded_checkpoint, optimizations="accuracy")
     assert accurate.tt.args.optimizations.__name__ == "accuracy"
-    with pytest.raises(demo.DemoInputError, match="--precision"):
-        demo.check_flags(demo.DemoConfig(precision="fast"), "ttnn")
+    with pytest.raises(DemoInputError, match="--precision"):
+        check_flags(DemoConfig(precision="fast"), "ttnn")
 
 
 def demo_config(tmp_path, **overrides):
     prompts = write_json(tmp_path / "p.json", [{"prompt": "Repeat: a b c d e f g a b c d e f g"}])
-    return demo.DemoConfig(**{**dict(input_prompts=str(prompts), max_generated_tokens=10, max_seq_len=256,
+    return DemoConfig(**{**dict(input_prompts=str(prompts), max_generated_tokens=10, max_seq_len=256,
                                      draft_layers=4, backend="ttnn", compare_baseline=1), **overrides})
 
 
@@ -253,11 +256,11 @@ def test_runs_in_sequence_fit_the_region_sized_for_the_most_demanding(stand_in, 
     three runs outgrew the region at the model run (N150 387 MB opened vs 504 needed)."""
     stand_in.setenv("MESH_DEVICE", "N150")
     config = demo_config(tmp_path, draft_mode="hybrid", max_generated_tokens=6)
-    pool = demo.ModelPool()
-    with tt_device.open_mesh(trace_region_size=demo.trace_region_size(config, (1, 1))) as mesh:
+    pool = ModelPool()
+    with tt_device.open_mesh(trace_region_size=trace_region_size(config, (1, 1))) as mesh:
         try:
             for mode in ("suffix", "hybrid", "model"):
-                summary = demo.run_demo(demo.DemoConfig(**{**vars(config), "draft_mode": mode}), mesh, pool)["summary"]
+                summary = run_demo(DemoConfig(**{**vars(config), "draft_mode": mode}), mesh, pool)["summary"]
                 assert summary["identical_to_baseline"], mode
         finally:
             pool.close()
@@ -270,13 +273,13 @@ def test_runs_share_one_model_and_release_their_traces(stand_in, tmp_path):
     transformer = stand_in_tt.Transformer
     stand_in.setattr(stand_in_tt, "Transformer", lambda *a, **k: built.append(1) or transformer(*a, **k))
     mesh = mesh_of((1, 1))
-    pool = demo.ModelPool()
+    pool = ModelPool()
     for mode in ("suffix", "hybrid", "model"):
-        assert demo.run_demo(demo_config(tmp_path, draft_mode=mode), mesh, pool)["summary"]["identical_to_baseline"]
+        assert run_demo(demo_config(tmp_path, draft_mode=mode), mesh, pool)["summary"]["identical_to_baseline"]
     assert len(built) == 1 and mesh.traces
     pool.close()
     assert mesh.traces == {}
-    demo.run_demo(demo_config(tmp_path), mesh)
+    run_demo(demo_config(tmp_path), mesh)
     assert mesh.traces == {}
 
 
@@ -287,19 +290,19 @@ def test_traces_are_planned_and_fit_the_region(stand_in, tmp_path):
     assert pass_ladder(5) == [1, 2, 4, 5] and pass_ladder(17) == [1, 2, 4, 8, 16, 17] and pass_ladder(1) == [1]
     stand_in.setenv("MESH_DEVICE", "N150")
     mesh = mesh_of((1, 1))
-    pool = demo.ModelPool()
-    demo.run_demo(demo_config(tmp_path, draft_mode="suffix", recycle_top_k=0, compare_baseline=0), mesh, pool)
+    pool = ModelPool()
+    run_demo(demo_config(tmp_path, draft_mode="suffix", recycle_top_k=0, compare_baseline=0), mesh, pool)
     target = next(iter(pool.models.values()))
     assert {passes for passes, _, _ in target.traces} == {1, 2, 4, 5}
     pool.close()
-    small, large = (demo.trace_region_size(demo_config(tmp_path, n_draft_tokens=n), (1, 1)) for n in (1, 16))
+    small, large = (trace_region_size(demo_config(tmp_path, n_draft_tokens=n), (1, 1)) for n in (1, 16))
     assert 0 < small < large
     truncated = demo_config(tmp_path, target_layers=10, draft_layers=4, draft_mode="hybrid", compare_baseline=0)
-    with tt_device.open_mesh(trace_region_size=demo.trace_region_size(truncated, (1, 1))) as sized:
-        demo.run_demo(truncated, sized)  # the plan and the model agree on a truncated target's traces
+    with tt_device.open_mesh(trace_region_size=trace_region_size(truncated, (1, 1))) as sized:
+        run_demo(truncated, sized)  # the plan and the model agree on a truncated target's traces
     with tt_device.open_mesh(trace_region_size=small) as narrow:
         with pytest.raises(ValueError, match="trace_region_size >= .*lower --n_draft_tokens"):
-            demo.run_demo(demo_config(tmp_path, n_draft_tokens=16), narrow)
+            run_demo(demo_config(tmp_path, n_draft_tokens=16), narrow)
 
 
 def test_buffers_allocated_under_a_live_trace_on_the_stand_in(stand_in, tiny):
@@ -354,7 +357,7 @@ def test_nothing_compiles_while_timed(stand_in, tmp_path, embedded_checkpoint):
     for overrides, models in (({"draft_mode": "model"}, 1), ({"draft_mode": "hybrid", "recycle_top_k": 4}, 1),
                               ({"draft_mode": "model", "draft_model": str(embedded_checkpoint.folder)}, 2)):
         events.clear()
-        summary = demo.run_demo(demo_config(tmp_path, **overrides), mesh)["summary"]
+        summary = run_demo(demo_config(tmp_path, **overrides), mesh)["summary"]
         first_timed = events.index("timed")
         # review finding 4: every model is planned first, then each trace captured once: none released to be made again
         assert "release" not in events[:first_timed], overrides
@@ -411,11 +414,11 @@ def test_options_beside_tt_metal_demo_conftest(stand_in, tmp_path):
     for name in ("input_prompts", "instruct", "max_seq_len", "batch_size", "max_generated_tokens", "stop_at_eos",
                  "optimizations"):  # models/tt_transformers/demo/conftest.py (tt-metal)
         parser.addoption(f"--{name}", action="store", default=None)
-    demo.add_demo_options(parser)
+    add_demo_options(parser)
     names = {name for option in parser._anonymous.options for name in option.names()}
     assert {"--n_draft_tokens", "--draft_mode", "--max_seq_len"} <= names
     stand_in.setenv("MESH_DEVICE", "N150")
-    report = demo.run_demo(demo_config(tmp_path, draft_mode="suffix"), mesh_of((1, 1)))
+    report = run_demo(demo_config(tmp_path, draft_mode="suffix"), mesh_of((1, 1)))
     assert report["environment"]["device"] == "N150 (1 x 1 mesh)"
 
 

@@ -67,12 +67,8 @@ def agreement(reference: list[list[int]], other: list[list[int]]) -> dict:
 
 
 def shipped_head_case(stride: int) -> tuple[dict, list]:
-    from models.tt_transformers.demo.speculative_decoding.speculative_demo import (
-        DEFAULT_PROMPTS,
-        DRAFT_HEADS,
-        encode,
-        load_prompts,
-    )
+    from models.tt_transformers.demo.speculative_decoding.inputs import DRAFT_HEADS, encode, load_prompts
+    from models.tt_transformers.demo.speculative_decoding.options import DEFAULT_PROMPTS
     from models.tt_transformers.demo.speculative_decoding.speculative_generator import SpeculativeGenerator
     from models.tt_transformers.torch_backend.checkpoint import load_model, load_tokenizer, resolve_checkpoint
     from models.tt_transformers.torch_backend.draft_head import read_draft_head

@@ -35,11 +35,8 @@ from loguru import logger
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # a tool over the library, run by its path (make train-draft-head)
 
-from models.tt_transformers.demo.speculative_decoding.speculative_demo import (  # noqa: E402
-    DEFAULT_PROMPTS,
-    encode,
-    load_prompts,
-)
+from models.tt_transformers.demo.speculative_decoding.inputs import encode, load_prompts
+from models.tt_transformers.demo.speculative_decoding.options import DEFAULT_PROMPTS
 from models.tt_transformers.demo.speculative_decoding.speculative_generator import SpeculativeGenerator  # noqa: E402
 from models.tt_transformers.torch_backend.checkpoint import (  # noqa: E402
     cache_root,

@@ -32,7 +32,22 @@ sys.path.insert(0, str(REPO))
 
 from loguru import logger  # noqa: E402
 
-from models.tt_transformers.demo.speculative_decoding import speculative_demo as demo  # noqa: E402
+from models.tt_transformers.demo.speculative_decoding.build import (  # noqa: E402
+    ModelPool,
+    build,
+    head_drafter,
+    trace_region_size,
+    warm_up,
+)
+from models.tt_transformers.demo.speculative_decoding.inputs import (  # noqa: E402
+    PRECISIONS,
+    check_inputs,
+    draft_head_folder,
+    encode,
+)
+from models.tt_transformers.demo.speculative_decoding.options import DemoConfig  # noqa: E402
+from models.tt_transformers.demo.speculative_decoding.report import environment, write_json_atomic  # noqa: E402
+from models.tt_transformers.demo.speculative_decoding.speculative_demo import run_demo  # noqa: E402
 
 SMOKE_TOKENS = 32
 PROMPT = "Repeat this list exactly: apples, pears, plums, figs, dates, limes, apples, pears, plums, figs, dates, limes."
@@ -43,10 +58,10 @@ SEND_BACK = ("send back the report file, `pip show ttnn`, the tt-metal commit (g
 class Smoke:
     """What the stages build on one another: the mesh, the model, the prompt's tokens."""
 
-    def __init__(self, config: demo.DemoConfig, exits: ExitStack, draft_head=None):
+    def __init__(self, config: DemoConfig, exits: ExitStack, draft_head=None):
         self.config, self.exits, self.draft_head = config, exits, draft_head  # draft_head: --draft_head (else None)
         self.mesh = self.lm = self.drafter = self.tokens = None
-        self.pool = demo.ModelPool()  # the demo run of the last stage reuses the model built here
+        self.pool = ModelPool()  # the demo run of the last stage reuses the model built here
         self.facts: dict = {}
 
 
@@ -85,10 +100,10 @@ def smoke_taps(n_layers: int) -> tuple[int, ...]:
 RANDOM_DRAFT_VOCAB = 32000  # a random head's draft vocabulary, as published EAGLE-3 heads for Llama-3 have
 
 
-def smoke_head_folder(config: demo.DemoConfig, ckpt, draft_head=None):
+def smoke_head_folder(config: DemoConfig, ckpt, draft_head=None):
     """The head the draft-head stage runs: --draft_head (a folder or a hub id in the local cache, as the demo's), else
     the one shipped for the model, else None (a random EAGLE-3 head of the target's shape, seeded)."""
-    return demo.draft_head_folder(demo.DemoConfig(**{**vars(config), "draft_mode": "hybrid", "draft_head": draft_head}),
+    return draft_head_folder(DemoConfig(**{**vars(config), "draft_mode": "hybrid", "draft_head": draft_head}),
                                   ckpt.name)
 
 
@@ -100,7 +115,7 @@ MIN_FIRST_DRAFT_AGREEMENT = 0.8
 MIN_CHAIN_STEPS = 32  # chain steps compared, over as many prompt prefixes as that takes
 
 
-def stages_region(config: demo.DemoConfig, shape, draft_head=None) -> int:
+def stages_region(config: DemoConfig, shape, draft_head=None) -> int:
     """Trace region for the traces the stages add to the run's: the taps stage's (1 write pass, smoke_taps), and the
     head stage's (the target's steps with the head's taps and the head's own traces), with the margin."""
     from models.tt_transformers.torch_backend.checkpoint import resolve_checkpoint
@@ -131,15 +146,15 @@ def open_device(s: Smoke) -> None:
     from models.tt_transformers.ttnn_backend.device import fabric_config_for, mesh_shape, open_mesh
 
     shape = mesh_shape()
-    region = demo.trace_region_size(s.config, shape) + stages_region(s.config, shape, s.draft_head)
+    region = trace_region_size(s.config, shape) + stages_region(s.config, shape, s.draft_head)
     s.mesh = s.exits.enter_context(open_mesh(trace_region_size=region))
     s.exits.callback(s.pool.close)  # traces released before the mesh closes
     s.facts.update(mesh=list(shape), fabric=str(fabric_config_for(shape)), trace_region_size=region)
 
 
 def build_model(s: Smoke) -> None:
-    _, tokenizer, s.lm, s.drafter, *_ = demo.build(s.config, s.mesh, s.pool)
-    s.tokens = demo.encode(tokenizer, PROMPT, bool(s.config.instruct))
+    tokenizer, s.lm, s.drafter, *_ = build(s.config, check_inputs(s.config), s.mesh, s.pool)
+    s.tokens = encode(tokenizer, PROMPT, bool(s.config.instruct))
     args = s.lm.tt.args
     s.facts.update(model=args.model_name, device=args.device_name, weight_cache=str(args.model_cache_path))
 
@@ -161,7 +176,7 @@ def eager_steps(s: Smoke) -> None:
 
 
 def compile_and_capture(s: Smoke) -> None:
-    s.facts.update(demo.warm_up(s.lm, s.drafter, None, s.config))
+    s.facts.update(warm_up(s.lm, s.drafter, None, s.config))
 
 
 def prefill(s: Smoke) -> None:
@@ -233,10 +248,10 @@ def device_head(s: Smoke) -> None:
     head = read_draft_head(folder, args) if folder is not None else \
         random_head(args, draft_vocab=min(RANDOM_DRAFT_VOCAB, args.vocab_size))
     k = max(1, s.config.n_draft_tokens)
-    config = demo.DemoConfig(**{**vars(s.config), "n_draft_tokens": k})
-    drafter = demo.draft_head(head, s.lm, ckpt, args, config, lambda make: s.pool.get(("smoke head",), make))
+    config = DemoConfig(**{**vars(s.config), "n_draft_tokens": k})
+    drafter = head_drafter(head, s.lm, ckpt, args, config, lambda make: s.pool.get(("smoke head",), make))
     dev = drafter.head
-    demo.warm_up(s.lm, drafter, None, config)
+    warm_up(s.lm, drafter, None, config)
     out = s.lm.prefill(0, s.tokens, taps=head[0].taps)
     context = s.tokens + out.ids[0]
     ids, probs = dev.draft([HeadFeed(0, 0, context[1:], states=out.hidden[0])], [0], k)[0]
@@ -303,7 +318,7 @@ def lossless(s: Smoke) -> None:
 
 
 def perf_keys(s: Smoke) -> None:
-    report = demo.run_demo(s.config, s.mesh, s.pool)
+    report = run_demo(s.config, s.mesh, s.pool)
     keys = ("compile_prefill", "compile_decode", "prefill_time_to_token", "prefill_t/s", "decode_t/s/u", "decode_t/s",
             "mean_tokens_per_step", "speedup", "identical_to_baseline")
     s.facts["perf"] = {k: report["summary"].get(k) for k in keys}
@@ -340,11 +355,11 @@ def write_report(report: dict, smoke: Smoke, report_path: Path) -> None:
     report["facts"] = smoke.facts
     report["environment"] = {"MESH_DEVICE": os.environ.get("MESH_DEVICE"), "HF_MODEL": os.environ.get("HF_MODEL"),
                              "TT_CACHE_PATH": os.environ.get("TT_CACHE_PATH"),
-                             **demo.environment(smoke.facts.get("device", "not opened"))}
-    demo.write_json_atomic(report_path, report)
+                             **environment(smoke.facts.get("device", "not opened"))}
+    write_json_atomic(report_path, report)
 
 
-def run(config: demo.DemoConfig, report_path: Path, stages=None, draft_head=None) -> dict:
+def run(config: DemoConfig, report_path: Path, stages=None, draft_head=None) -> dict:
     """Every stage in order until one fails; the report, also written to report_path: before the teardown (the models
     released, the mesh closed), so that a teardown that crashes or hangs after a failed capture cannot lose it, and
     again after it, with the teardown's own failure if it had one."""
@@ -371,12 +386,12 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--report", default="tt_smoke_report.json", help="where the JSON report goes")
     parser.add_argument("--max_seq_len", type=int, default=1024)
-    parser.add_argument("--precision", default="performance", choices=demo.PRECISIONS)
+    parser.add_argument("--precision", default="performance", choices=PRECISIONS)
     parser.add_argument("--draft_head", help="the EAGLE-3 head the draft-head stage runs (a folder or a hub id in the "
                                              "local cache, as the demo's); default: the one shipped for the model, "
                                              "else a random one")
     args = parser.parse_args(argv)
-    config = demo.DemoConfig(backend="ttnn", max_seq_len=args.max_seq_len, precision=args.precision,
+    config = DemoConfig(backend="ttnn", max_seq_len=args.max_seq_len, precision=args.precision,
                              draft_mode="suffix", max_generated_tokens=SMOKE_TOKENS)
     return 0 if run(config, Path(args.report), draft_head=args.draft_head)["ok"] else 1
 

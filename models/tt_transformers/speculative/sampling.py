@@ -7,6 +7,7 @@ norm(max(0, p - q)) and ends the iteration; when every draft passes, a bonus tok
 next distribution. A suffix-automaton draft is a point mass (q(x) = 1): accept with probability p(x), else sample
 from p with x removed. Either way every appended token is distributed exactly as sampling the target alone.
 """
+import math
 import secrets
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
@@ -27,8 +28,8 @@ class SamplingParams:
     seed: Optional[int] = None
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):  # nan and inf pass a bare `< 0`
+            raise ValueError(f"temperature must be >= 0 and finite, got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if not 0 < self.top_p <= 1:

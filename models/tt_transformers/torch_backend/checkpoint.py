@@ -72,10 +72,24 @@ def resolve_checkpoint(model: Optional[str] = None, flag: str = "HF_MODEL/--mode
     if not (path / "config.json").is_file():
         raise CheckpointError(f"{flag} {str(path)!r} has no config.json; point {flag} at a Hugging Face checkpoint "
                               "folder (config.json + *.safetensors) or a .gguf file")
+    _check_config_json(path, flag)
     if not _safetensors_files(path):
         raise CheckpointError(f"{flag} {str(path)!r} holds no *.safetensors weights; download or convert the "
                               "checkpoint's safetensors into that folder (pytorch_model.bin is not read)")
     return Checkpoint(path, model.rstrip("/").split("/")[-1] if HUB_ID.match(model) else path.name)
+
+
+def _check_config_json(folder: Path, flag: str) -> None:
+    """config.json is read by everything after this: a damaged one is named here, once, with the flag that chose it."""
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        where = f"line {e.lineno} column {e.colno}: {e.msg}" if isinstance(e, json.JSONDecodeError) else "not UTF-8"
+        raise CheckpointError(f"{flag} {str(folder)!r}: its config.json is not valid JSON ({where}); download the "
+                              "checkpoint's config.json again") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{flag} {str(folder)!r}: its config.json holds a JSON {type(config).__name__}, not "
+                              "the model's settings; download the checkpoint's config.json again")
 
 
 def hub_cache_dir() -> Path:
@@ -356,7 +370,15 @@ def load_model(ckpt: Checkpoint, dtype: torch.dtype, max_seq_len: int, device: s
     return model.eval()
 
 
-def load_tokenizer(ckpt: Checkpoint):
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # fast, sentencepiece, byte-level BPE
+
+
+def load_tokenizer(ckpt: Checkpoint, flag: str = "HF_MODEL/--model"):
+    """The checkpoint's own tokenizer; a folder without one is named (transformers would ask to install
+    sentencepiece or tiktoken instead)."""
     from transformers import AutoTokenizer
 
+    if not any((ckpt.folder / name).is_file() for name in TOKENIZER_FILES):
+        raise CheckpointError(f"{flag} {str(ckpt.folder)!r} has no tokenizer files ({', '.join(TOKENIZER_FILES)}); "
+                              "copy the tokenizer files from the model's repository into that folder")
     return AutoTokenizer.from_pretrained(ckpt.folder)

@@ -66,8 +66,12 @@ def describe_sources(drafts: Sequence[Draft]) -> str:
 
 
 class SpeculativeGenerator:
+    """`log_iterations`: the `Iteration` lines logged per generate() call, the rest counted in one line (None: every
+    one, as TT's demo logs them); each iteration is in the results either way."""
+
     def __init__(self, target: CausalLM, drafter: Optional[Drafter], n_draft_tokens: int,
-                 eos_token_ids: Sequence[int] = (), sampling_params: Optional[SamplingParams] = None):
+                 eos_token_ids: Sequence[int] = (), sampling_params: Optional[SamplingParams] = None,
+                 log_iterations: Optional[int] = None):
         check_n_draft_tokens(n_draft_tokens)
         if n_draft_tokens > 0 and drafter is None:
             raise ValueError("n_draft_tokens > 0 needs a drafter")
@@ -75,6 +79,7 @@ class SpeculativeGenerator:
         self.drafter = drafter if n_draft_tokens > 0 else None
         self.eos_token_ids = set(eos_token_ids)
         self.sampling = sampling_params or SamplingParams()
+        self.log_iterations = log_iterations
         self.streams = None
 
     def check_prompts(self, prompts: Sequence[Sequence[int]]) -> None:
@@ -124,7 +129,7 @@ class SpeculativeGenerator:
                 r.decode_s += draft_prefill_s
         active = [u for u in users if not self._finished(results[u], contexts[u], max_generated_tokens, stop_at_eos)]
 
-        iteration = 0
+        iteration = unlogged_accepted = unlogged_drafted = 0
         while active:
             start = time.perf_counter()
             if self.drafter is not None:
@@ -157,11 +162,18 @@ class SpeculativeGenerator:
                 accepted += v.n_accepted
             drafted = sum(len(d.tokens) for d in drafts)
             tok_s = produced / (ms / 1e3)
-            logger.info(f"Iteration {iteration}: {ms:.0f}ms @ {tok_s / len(active):.1f} tok/s/user "
-                        f"({tok_s:.1f} tok/s throughput), accepted {accepted}/{drafted}"
-                        f"{describe_sources(drafts)}")
+            if self.log_iterations is None or iteration < self.log_iterations:
+                logger.info(f"Iteration {iteration}: {ms:.0f}ms @ {tok_s / len(active):.1f} tok/s/user "
+                            f"({tok_s:.1f} tok/s throughput), accepted {accepted}/{drafted}"
+                            f"{describe_sources(drafts)}")
+            else:
+                unlogged_accepted, unlogged_drafted = unlogged_accepted + accepted, unlogged_drafted + drafted
             iteration += 1
             active = [u for u in active if not self._finished(results[u], contexts[u], max_generated_tokens, stop_at_eos)]
+        unlogged = 0 if self.log_iterations is None else iteration - self.log_iterations
+        if unlogged > 0:
+            logger.info(f"... {unlogged} more iteration{'s' * (unlogged > 1)}, accepted "
+                        f"{unlogged_accepted}/{unlogged_drafted} (--log_iterations -1 logs each)")
         return results
 
     def _accept(self, users: list[int], drafts: list[Draft], out: StepOutput) -> list[list[int]]:

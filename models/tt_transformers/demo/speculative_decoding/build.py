@@ -1,0 +1,281 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The demo's models: target, draft source and tokenizer on the torch or ttnn backend, built once the inputs are
+checked, and compiled (on a TT device, traced) before anything is timed."""
+import os
+from typing import Optional
+
+from loguru import logger
+
+from models.tt_transformers.demo.speculative_decoding.inputs import (
+    MAX_CORPUS_TOKENS,
+    CheckedInputs,
+    DemoInputError,
+    backend_of,
+    draft_head_folder,
+    draft_layers_for,
+    dtype_of,
+    encode,
+    head_taps,
+    kv_cache_bytes,
+    model_flag,
+)
+from models.tt_transformers.demo.speculative_decoding.options import DemoConfig
+
+
+def draft_memory(config: DemoConfig, tokenizer, corpus: Optional[str]):
+    """--draft_memory and --draft_corpus's text as a DraftMemory (None when both are off)."""
+    from models.tt_transformers.speculative.draft_memory import DraftMemory
+
+    documents = []
+    if corpus is not None:
+        documents = [tokenizer(corpus, add_special_tokens=False).input_ids]
+        if len(documents[0]) > MAX_CORPUS_TOKENS:
+            raise DemoInputError(f"--draft_corpus {config.draft_corpus} has {len(documents[0]):,} tokens, more than "
+                                 f"{MAX_CORPUS_TOKENS:,}; pass the part that the requests will repeat")
+    if config.draft_memory == 0 and not documents:
+        return None
+    return DraftMemory(config.draft_memory, documents)
+
+
+def eos_token_ids(ckpt, tokenizer) -> list[int]:
+    """Every id that ends a response: config.json's and generation_config.json's, and the tokenizer's."""
+    return sorted(set(ckpt.eos_token_ids) | {tokenizer.eos_token_id} - {None})
+
+
+def check_same_tokenizer(target_tok, draft_tok, draft_name: str) -> None:
+    if target_tok.get_vocab() != draft_tok.get_vocab():
+        raise DemoInputError(f"draft model {draft_name!r} has a different tokenizer from the target "
+                             f"(vocabularies differ); speculative decoding needs one shared vocabulary")
+
+
+def torch_loader(config: DemoConfig, args):
+    """(checkpoint, layers) -> a TorchCausalLM, on the device --device picks for this model."""
+    import torch
+
+    from models.tt_transformers.torch_backend.checkpoint import cache_root, load_model
+    from models.tt_transformers.torch_backend.cpu_kernels import kernels_fit, load_cpu_kernels
+    from models.tt_transformers.torch_backend.device import choose_device
+    from models.tt_transformers.torch_backend.generator import TorchCausalLM
+
+    dtype = getattr(torch, dtype_of(config))
+    choice = choose_device(config.device, args, dtype,
+                           kernels_fit(args, dtype) and load_cpu_kernels(cache_root() / "kernels") is not None,
+                           torch.cuda.is_available())
+    logger.info(f"Device {choice.device}: {choice.reason}")
+
+    def load(ckpt, n_layers):
+        model = load_model(ckpt, dtype, config.max_seq_len, choice.device)
+        n_layers = n_layers or model.args.n_layers
+        try:
+            return TorchCausalLM(model, n_layers, config.batch_size)
+        except (RuntimeError, MemoryError):  # free memory allowed it, a limit did not (ulimit -v, a cgroup, CUDA)
+            raise DemoInputError(f"--max_seq_len {config.max_seq_len:,} x --batch_size {config.batch_size}: this "
+                                 "process could not allocate the KV cache "
+                                 f"({kv_cache_bytes(config, model.args, n_layers) / 2**30:.1f} GiB); lower "
+                                 "--max_seq_len or --batch_size, or raise the process's memory limit") from None
+    return load
+
+
+def ttnn_loader(config: DemoConfig, mesh_device):
+    """(checkpoint, layers) -> a TtnnCausalLM: TT-Transformers on the mesh device."""
+    import ttnn
+
+    from models.tt_transformers.ttnn_backend.generator import TtnnCausalLM
+    from models.tt_transformers.ttnn_backend.model import build_tt_model
+
+    def load(ckpt, n_layers):
+        tt = build_tt_model(mesh_device, ckpt.folder, ckpt.name, config.batch_size, config.max_seq_len,
+                            bool(config.instruct), n_layers, weights_dtype=getattr(ttnn, dtype_of(config)),
+                            optimizations=config.precision)
+        return TtnnCausalLM(tt, config.batch_size, config.max_seq_len, trace=bool(config.enable_trace))
+    return load
+
+
+def trace_region_size(config: DemoConfig, shape: tuple[int, int]) -> int:
+    """The trace region a ttnn run on a mesh of this shape needs: every decode trace of the target, of the draft model
+    and of a draft head (ttnn_backend/trace_plan.py), for the draft mode's most demanding choice (hybrid: recycling's
+    top k, a head's taps and traces and a draft model's traces all counted)."""
+    from models.tt_transformers.torch_backend.checkpoint import resolve_checkpoint
+    from models.tt_transformers.torch_backend.model_config import ModelArgs
+    from models.tt_transformers.ttnn_backend.model import TILE_ROWS
+    from models.tt_transformers.ttnn_backend.trace_plan import (
+        device_names_for,
+        head_region_bytes,
+        model_trace_bytes,
+        region_bytes,
+    )
+
+    ckpt = resolve_checkpoint(config.model, model_flag(config))
+    args = ModelArgs.from_hf_config(ckpt.config)
+    device, n_devices = device_names_for(shape, os.environ.get("MESH_DEVICE")), shape[0] * shape[1]
+    drafting = config.n_draft_tokens > 0
+    top_k = config.recycle_top_k if drafting and config.draft_mode in ("suffix", "hybrid") else 0
+    head = draft_head_folder(config, ckpt.name)
+    taps = head_taps(head, args) if head is not None else ()
+    target_layers = config.target_layers or args.n_layers
+    traces = model_trace_bytes(ckpt.name, device, n_devices, args.n_layers, target_layers, args.vocab_size,
+                               config.n_draft_tokens + 1, top_k, taps)
+    if taps:
+        traces += head_region_bytes(ckpt.name, device, args.n_layers, config.n_draft_tokens)
+    if drafting and config.draft_mode in ("model", "hybrid"):  # a draft steps up to a whole tile per user
+        draft = resolve_checkpoint(config.draft_model, "--draft_model") if config.draft_model else ckpt
+        draft_args = ModelArgs.from_hf_config(draft.config)
+        layers = draft_args.n_layers if config.draft_model else draft_layers_for(config, target_layers)
+        traces += model_trace_bytes(draft.name, device, n_devices, draft_args.n_layers, layers, draft_args.vocab_size,
+                                    TILE_ROWS, 0, ())
+    return region_bytes(traces)
+
+
+class ModelPool:
+    """The models runs build, kept so that a later run with the same settings reuses them (the perf test runs
+    several draft modes on one 8B target: building it again would put a second copy in the device's DRAM) and
+    released together when the pool closes (a TT model's traces hold the trace region until released)."""
+
+    def __init__(self):
+        self.models: dict = {}
+
+    def get(self, key: tuple, make):
+        if key not in self.models:
+            self.models[key] = make()
+        return self.models[key]
+
+    def close(self) -> None:
+        import gc
+
+        for lm in self.models.values():
+            lm.release()
+        self.models.clear()
+        gc.collect()  # device tensors are freed when their last reference goes
+
+
+def build(config: DemoConfig, checked: CheckedInputs, mesh_device=None, pool: Optional[ModelPool] = None):
+    """Target, draft and tokenizer on the torch or ttnn backend (ttnn: on `mesh_device`), as check_inputs settled
+    them; models come from `pool` when an earlier run built them with the same settings. Returns the tokenizer,
+    target, drafter, draft model (None without one), the prompts' tokens and the EOS ids."""
+    from models.tt_transformers.speculative.drafters import HybridDrafter, ModelDrafter, SuffixDrafter
+    from models.tt_transformers.torch_backend.checkpoint import load_tokenizer
+    from models.tt_transformers.torch_backend.draft_head import DraftHeadError, read_draft_head
+    from models.tt_transformers.torch_backend.model_config import ModelArgs
+
+    for note in checked.notes:
+        logger.info(note)
+    if checked.unused:
+        logger.warning(f"Not used by this run: {', '.join(checked.unused)}")
+    ckpt, args, target_layers, head_folder = checked.ckpt, checked.args, checked.target_layers, checked.head_folder
+    try:
+        head_weights = read_draft_head(head_folder, args) if head_folder is not None else None  # (config, tensors)
+    except DraftHeadError as e:
+        raise DemoInputError(str(e)) from None
+    tokenizer = load_tokenizer(ckpt, model_flag(config))
+    if checked.draft_ckpt is not None:
+        check_same_tokenizer(tokenizer, load_tokenizer(checked.draft_ckpt, "--draft_model"), config.draft_model)
+
+    copied = None
+    if config.n_draft_tokens > 0 and config.draft_mode in ("suffix", "hybrid"):  # head and model modes copy nothing
+        copied = SuffixDrafter(config.sa_threshold, draft_memory(config, tokenizer, checked.corpus), config.recycle_top_k)
+
+    pool = pool if pool is not None else ModelPool()
+    loader = ttnn_loader(config, mesh_device) if checked.backend == "ttnn" else torch_loader(config, args)
+    built_with = (checked.backend, dtype_of(config), config.precision, config.device, config.batch_size,
+                  config.max_seq_len, config.instruct, config.draft_trees)
+
+    def load(ckpt, n_layers):
+        return pool.get(("model", str(ckpt.folder), n_layers, built_with), lambda: loader(ckpt, n_layers))
+
+    target = load(ckpt, target_layers)
+    if not config.draft_trees:
+        target.supports_trees = False
+    drafter = draft_lm = None
+    if head_weights is not None:
+        head = head_drafter(head_weights, target, ckpt, args, config,
+                            lambda make: pool.get(("head", str(head_folder), target_layers, config.n_draft_tokens,
+                                                   built_with), make))
+        drafter = head if config.draft_mode == "head" else HybridDrafter(copied, head)
+        logger.info(f"Draft head {head_folder.name} ({head_weights[0].layout}): taps {list(head.taps)}, "
+                    f"{len(head.vocab):,} draft tokens, a run ~{head.draft_cost:.2f} step")
+    elif config.n_draft_tokens > 0 and config.draft_mode == "suffix":
+        drafter = copied  # no draft model at all
+    elif config.n_draft_tokens > 0:
+        if checked.draft_ckpt is not None:
+            draft_lm, draft_args = load(checked.draft_ckpt, None), ModelArgs.from_hf_config(checked.draft_ckpt.config)
+        else:  # the target's first layers, reading and writing the target's cache for them
+            draft_lm = pool.get(("view", str(ckpt.folder), target_layers, checked.draft_layers, built_with),
+                                lambda: target.draft_view(checked.draft_layers))
+            draft_args = args
+        if config.draft_mode == "model":
+            drafter = ModelDrafter(draft_lm)  # every draft has the full n_draft_tokens
+        else:  # hybrid: the model drafts only while its acceptance pays for its cost (weights read per token)
+            draft_cost = (draft_args.weight_bytes_per_token(draft_lm.n_layers, 2)
+                          / args.weight_bytes_per_token(target_layers, 2))
+            drafter = HybridDrafter(copied, ModelDrafter(draft_lm, draft_cost))
+    tokens = [encode(tokenizer, p, bool(config.instruct)) for p in checked.prompts]
+    longest = max(len(t) for t in tokens)
+    if longest + config.max_generated_tokens > config.max_seq_len:  # the loop stops a user at the end of its cache
+        logger.warning(f"--max_generated_tokens {config.max_generated_tokens}: the longest prompt ({longest} tokens) "
+                       f"leaves room for {config.max_seq_len - longest} within --max_seq_len {config.max_seq_len}; "
+                       f"answers that reach it stop there (--max_seq_len {longest + config.max_generated_tokens} "
+                       "holds them all)")
+    return tokenizer, target, drafter, draft_lm, tokens, eos_token_ids(ckpt, tokenizer)
+
+
+def head_drafter(head: tuple, target, ckpt, args, config: DemoConfig, pooled=lambda make: make()):
+    """The draft head's drafter beside the target: on a TT device the head runs on the device (TtnnDraftHead: chains of
+    --n_draft_tokens, one traced replay each, fed the taps the target's steps leave there; the tokens it is fed are
+    looked up on the host in the checkpoint's embedding, or the head's own; built through `pooled`, so runs share it
+    and the pool releases its traces); on torch a HeadRunner beside the target, on its embedding."""
+    from models.tt_transformers.speculative.head_drafter import HeadDrafter, TracedHeadDrafter
+    from models.tt_transformers.torch_backend.checkpoint import read_embedding
+    from models.tt_transformers.torch_backend.draft_head import HeadRunner, build_draft_head
+
+    if backend_of(config) == "ttnn":
+        import ttnn
+
+        from models.tt_transformers.ttnn_backend.draft_head import TtnnDraftHead
+
+        config_, weights = head
+        embedding = weights.get("embed_tokens.weight")
+        embedding = read_embedding(ckpt) if embedding is None else embedding
+        return TracedHeadDrafter(pooled(lambda: TtnnDraftHead(target, config_, weights, embedding,
+                                                              config.n_draft_tokens, args,
+                                                              weights_dtype=getattr(ttnn, dtype_of(config)))))
+    return HeadDrafter(HeadRunner(build_draft_head(*head, target.model), config.batch_size, config.max_seq_len, args))
+
+
+def describe_drafter(config: DemoConfig, checked: CheckedInputs) -> str:
+    """The header's `Drafting:` line: what drafts in this run, as the checks settled it."""
+    if config.n_draft_tokens == 0:
+        return "plain decoding"
+    sources = [f"the request's text (matches of {config.sa_threshold}+ tokens)"]
+    sources += [f"earlier responses (up to {config.draft_memory:,} tokens)"] * (config.draft_memory > 0)
+    sources += [f"corpus {config.draft_corpus}"] * (config.draft_corpus is not None)
+    sources += [f"the target's top-{config.recycle_top_k} recycled"] * (config.recycle_top_k > 0)
+    trees = config.draft_trees and checked.backend == "torch"  # the ttnn backend verifies chains
+    copied = f"copied drafts from {', '.join(sources)}{', as token trees' if trees else ''}"
+    if checked.head_folder is not None:
+        other = f"draft head {checked.head_folder}"
+    else:
+        other = f"draft model {config.draft_model or f'first {checked.draft_layers} layers'}"
+    return {"model": other, "suffix": copied, "head": other,
+            "hybrid": f"hybrid: {copied}, or the {other}, whichever is expected to bring more tokens per "
+                      "unit of work"}[config.draft_mode]
+
+
+def warm_up(target, drafter, draft_lm, config: DemoConfig) -> dict:
+    """Compile (and on a TT device trace) every program the run can use, on the target and the draft model, before
+    anything is timed; TT's compile_prefill / compile_decode keys, in seconds. No drafter learns anything here (the
+    memory of earlier responses would otherwise hold part of the first answer)."""
+    times = {"compile_prefill": 0.0, "compile_decode": 0.0}
+    top_k = drafter.top_k if drafter is not None else 0
+    taps = drafter.taps if drafter is not None else ()
+    work = [(target, config.n_draft_tokens + 1, top_k, taps)]
+    if draft_lm is not None:  # a draft model catches up on accepted text in steps of up to its whole row budget
+        work.append((draft_lm, draft_lm.max_step_rows, 0, ()))
+    for lm, rows, k, h in work:
+        for key, seconds in lm.warm_up(min(rows, lm.max_step_rows), k, h).items():
+            times[key] += seconds
+    head = getattr(getattr(drafter, "fallback", drafter), "head", None)
+    if hasattr(head, "warm_up"):  # a head on the device: its traces, made with the target's
+        times["compile_decode"] += head.warm_up()
+    if hasattr(target, "prepare_traces"):  # on a TT mesh: every model planned above, compiled and captured once
+        times["compile_decode"] += target.prepare_traces()
+    return times
