@@ -42,7 +42,7 @@ from models.tt_transformers.speculative.draft_length import linear_cost
 from models.tt_transformers.speculative.draft_memory import DraftMemory
 from models.tt_transformers.speculative.drafters import DEFAULT_SA_THRESHOLD, Draft, HybridDrafter, SuffixDrafter, Verified
 from models.tt_transformers.speculative.head_drafter import HeadDrafter
-from models.tt_transformers.speculative.sampling import SamplingParams
+from models.tt_transformers.speculative.sampling import KeyedSampler, SamplingParams
 from models.tt_transformers.torch_backend.checkpoint import load_model, load_tokenizer, resolve_checkpoint
 from models.tt_transformers.torch_backend.draft_head import HeadRunner, load_draft_head
 from models.tt_transformers.torch_backend.generator import TorchCausalLM
@@ -137,7 +137,7 @@ def host_cost_us(context: list[int], n_draft: int, n_iterations: int = 400) -> d
     out = {"context_tokens": len(context)}
     for name, trees, recycle in (("ours_chain", False, 0), ("ours_tree_recycle", True, RECYCLE_TOP_K)):
         drafter = SuffixDrafter(DEFAULT_SA_THRESHOLD, recycle=recycle)
-        drafter.start([0], [context[:prefix_len]], SamplingParams())
+        drafter.start([0], [context[:prefix_len]], KeyedSampler(SamplingParams()))
         times, pos = [], prefix_len
         for k in steps:
             ctx = context[: pos + k]

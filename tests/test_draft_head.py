@@ -19,7 +19,7 @@ from models.tt_transformers.speculative.backend import UserRows
 from models.tt_transformers.speculative.draft_length import linear_cost
 from models.tt_transformers.speculative.drafters import Draft, HybridDrafter, SuffixDrafter, Verified
 from models.tt_transformers.speculative.head_drafter import HeadDrafter, RunCost
-from models.tt_transformers.speculative.sampling import SamplingParams
+from models.tt_transformers.speculative.sampling import KeyedSampler, SamplingParams
 from models.tt_transformers.torch_backend import checkpoint
 from models.tt_transformers.torch_backend.draft_head import HeadRunner, load_draft_head, read_draft_head
 from models.tt_transformers.torch_backend.generator import TorchCausalLM
@@ -200,7 +200,7 @@ def test_head_drafts_do_not_depend_on_step_shapes(embedded_bf16, shipped_head, s
         drafter = HeadDrafter(runner)
         drafter.cost = RunCost(0.0, measure=False)
         out = target.prefill(0, prompt, taps=drafter.taps)
-        drafter.start([0], [prompt], SamplingParams(), out.hidden)
+        drafter.start([0], [prompt], KeyedSampler(SamplingParams()), out.hidden)
         context, fed = list(prompt) + text[:1], 1
         for n in step_sizes:  # the target verifies text[fed - 1 : fed + n - 1], accepting all but the last row's
             rows = text[fed - 1 : fed - 1 + n]
@@ -245,7 +245,7 @@ def test_hybrid_takes_the_draft_expected_to_bring_more():
     for head_expected, source in ((0.5, "suffix"), (6.0, "head")):
         suffix, head = SuffixDrafter(1), Fixed(head_expected)
         hybrid = HybridDrafter(suffix, head)
-        hybrid.start([0, 1], [context, [9]], SamplingParams())
+        hybrid.start([0, 1], [context, [9]], KeyedSampler(SamplingParams()))
         drafts = hybrid.propose([0, 1], [context, [9, 8]], [4, 4], linear_cost(0.0))
         assert drafts[0].source == source and drafts[1].source == "head"  # user 1 has nothing to copy
         assert (head.calls[0][0] > 0) == (source == "head")  # told of every user, 0 tokens where the copy wins
@@ -299,11 +299,10 @@ def test_random_heads_identical_to_plain(kernels):
 @pytest.mark.parametrize("kind", ["head", "head-trees", "head-negative-control"])
 def test_sampling_with_head_drafts_matches_the_target(kind, monkeypatch):
     """Chi-square over the first 5 sampled tokens of a 4-token model with a random head over 3 of the 4 tokens (q is
-    zero on the fourth, mapped to the target's ids through d2t): rejection sampling keeps the target's distribution,
-    with chains (q from the head) and trees (the head's top tokens, verified as point-mass drafts); accepting every
-    draft does not."""
+    zero on the fourth, mapped to the target's ids through d2t): verification against the target's keyed draws keeps
+    the target's distribution, with chains (drawn from the head's q with the target's keys) and trees (the head's top
+    tokens); accepting every draft does not."""
     from models.tt_transformers.demo.speculative_decoding import speculative_generator
-    from models.tt_transformers.speculative import sampling as sampling_module
 
     from .test_lossless_sampling import make_tiny_model
 
@@ -312,8 +311,8 @@ def test_sampling_with_head_drafts_matches_the_target(kind, monkeypatch):
     head = random_head(tiny, seed=5, std=0.15 if kind == "head-trees" else 0.6, vocab_share=0.75)
     assert len(head.vocab) == 3 and head.config.draft_vocab_size < tiny.args.vocab_size
     if kind == "head-negative-control":
-        monkeypatch.setattr(speculative_generator, "verify_rejection", lambda draft, q, p, rng: list(draft) + [
-            sampling_module.sample(p[len(draft)], rng)])
+        monkeypatch.setattr(speculative_generator, "verify_chain", lambda draft, target: list(draft) + [
+            target[len(draft)]])
     branching = []
 
     class Branches(RecordingDrafter):

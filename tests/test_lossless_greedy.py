@@ -11,8 +11,9 @@ from models.tt_transformers.speculative.draft_length import LENGTH_BUCKETS, Matc
 from models.tt_transformers.speculative.draft_memory import DraftMemory
 from models.tt_transformers.speculative.drafters import HybridDrafter, ModelDrafter, SuffixDrafter
 from models.tt_transformers.speculative.head_drafter import HeadDrafter, RunCost
+from models.tt_transformers.speculative.sampling import probabilities
 from models.tt_transformers.torch_backend.draft_head import HeadRunner
-from models.tt_transformers.speculative.verification import verify_greedy
+from models.tt_transformers.speculative.verification import verify_chain
 from models.tt_transformers.speculative.backend import UserRows
 from models.tt_transformers.torch_backend.generator import TorchCausalLM
 from models.tt_transformers.demo.speculative_decoding.inputs import encode
@@ -119,7 +120,7 @@ def check_case(model, prompts, n_draft, draft_layers, max_tokens, eos, tally, **
     """One generated case: speculative output equals the written-out reference loop's for every user; the tally
     counts what the case exercised (accepted drafts per source, an EOS inside accepted drafts, users stopped by the
     end of the cache)."""
-    plain = [reference_greedy(TorchCausalLM(model, model.args.n_layers, 1), [p], max_tokens, eos)[0] for p in prompts]
+    plain = [reference_decode(TorchCausalLM(model, model.args.n_layers, 1), [p], max_tokens, eos)[0] for p in prompts]
     results = run_results(model, prompts, n_draft, draft_layers, max_tokens, eos, **drafting)
     assert [r.output_tokens for r in results] == plain
     for prompt, r in zip(prompts, results):
@@ -160,7 +161,7 @@ def test_generated_cases_identical_to_plain():
     target = TorchCausalLM(model, model.args.n_layers, 1)
     drafter = make_drafter(target, "suffix", 1, sa_threshold=2, memory=True)
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
-    plain = reference_greedy(TorchCausalLM(model, model.args.n_layers, 1), [prompt], 40)
+    plain = reference_decode(TorchCausalLM(model, model.args.n_layers, 1), [prompt], 40)
     for _ in range(2):
         (result,) = SpeculativeGenerator(target, drafter, 4).generate([prompt], 40)
         assert result.output_tokens == plain[0]
@@ -168,20 +169,20 @@ def test_generated_cases_identical_to_plain():
             tally[it.draft_source] += it.accepted
     # Pinned: an EOS that a 2-of-3-layer draft model drafts and the target accepts (the 4th token of plain decoding)
     model = random_model(torch.float32, seed=0)
-    eos = reference_greedy(TorchCausalLM(model, model.args.n_layers, 1), [prompt], 40)[0][3]
+    eos = reference_decode(TorchCausalLM(model, model.args.n_layers, 1), [prompt], 40)[0][3]
     check_case(model, [prompt], 4, 2, 40, (eos,), tally, mode="model")
     for feature in ("model", "suffix", "tree", "memory", "recycle", "head", "EOS inside accepted drafts",
                     "end of cache"):
         assert tally[feature] > 0, (feature, tally)
 
 
-def test_verify_greedy():
-    assert verify_greedy([5, 6, 7], [5, 6, 7, 8]) == [5, 6, 7, 8]  # all accepted + bonus token
-    assert verify_greedy([5, 6, 7], [5, 9, 7, 8]) == [5, 9]  # first mismatch: the target's correction
-    assert verify_greedy([5], [4, 1]) == [4]
-    assert verify_greedy([], [3]) == [3]  # no draft: plain decoding
+def test_verify_chain():
+    assert verify_chain([5, 6, 7], [5, 6, 7, 8]) == [5, 6, 7, 8]  # all accepted + bonus token
+    assert verify_chain([5, 6, 7], [5, 9, 7, 8]) == [5, 9]  # first mismatch: the target's correction
+    assert verify_chain([5], [4, 1]) == [4]
+    assert verify_chain([], [3]) == [3]  # no draft: plain decoding
     with pytest.raises(AssertionError):
-        verify_greedy([1, 2], [1, 2])
+        verify_chain([1, 2], [1, 2])
 
 
 class RecordingDrafter:
@@ -272,21 +273,28 @@ def test_cuda_greedy_identical_to_plain(mode):
         assert run(model, prompts, 4, 2, 40, mode=mode, sa_threshold=2) == plain
 
 
-def reference_greedy(lm, prompts, max_tokens, eos=()):
-    """Plain greedy decoding written out over the backend's own prefill and step, one token per user per step, with
-    none of the generator's code: the independent anchor for every lossless comparison. A user stops at an EOS (kept),
-    at max_tokens, or when its context fills the cache."""
-    outs = [[lm.prefill(u, p).ids[0][0]] for u, p in enumerate(prompts)]
+def reference_decode(lm, prompts, max_tokens, eos=(), sampler=None):
+    """Plain decoding written out over the backend's own prefill and step, one token per user per step, with none of
+    the generator's code: the independent anchor for every lossless comparison. Each token is the target's argmax,
+    or with a KeyedSampler its keyed draw at its position. A user stops at an EOS (kept), at max_tokens, or when its
+    context fills the cache."""
+    def token(u, out, i, position):
+        if sampler is None:
+            return out.ids[i][0]
+        return sampler.sample(probabilities(out.logits[i][0], sampler.params), u, position)
+    logits = sampler is not None
+    outs = [[token(u, lm.prefill(u, p, logits=logits), 0, len(p))] for u, p in enumerate(prompts)]
     contexts = [list(p) + out for p, out in zip(prompts, outs)]
 
     def done(u):
         return len(outs[u]) >= max_tokens or outs[u][-1] in eos or len(contexts[u]) >= lm.max_seq_len
     active = [u for u in range(len(prompts)) if not done(u)]
     while active:
-        step = lm.step([UserRows(u, [contexts[u][-1]], len(contexts[u]) - 1) for u in active])
-        for u, ids in zip(active, step.ids):
-            outs[u].append(ids[0])
-            contexts[u].append(ids[0])
+        step = lm.step([UserRows(u, [contexts[u][-1]], len(contexts[u]) - 1) for u in active], logits=logits)
+        for i, u in enumerate(active):
+            t = token(u, step, i, len(contexts[u]))
+            outs[u].append(t)
+            contexts[u].append(t)
         active = [u for u in active if not done(u)]
     return outs
 
@@ -324,7 +332,7 @@ def test_tree_with_a_deep_second_branch_accepted(embedded_bf16, batch):
     the accepted path is moved to its true positions (commit_path), so what follows equals plain decoding."""
     prompts = [[1, 504, 3575, 282], [1, 9690, 198, 2683]][:batch]
     lm = TorchCausalLM(embedded_bf16, embedded_bf16.args.n_layers, batch)
-    plain = reference_greedy(lm, prompts, 24)
+    plain = reference_decode(lm, prompts, 24)
     chain = plain[0][1:4]
     wrong = next(t for t in range(10, 20) if t != chain[0])
     results = SpeculativeGenerator(lm, ScriptedTree(wrong, chain), 4).generate(prompts, 24)
@@ -338,10 +346,10 @@ def test_independent_reference_and_exact_end_of_cache(embedded_bf16, embedded_ch
     ends mid-answer, plain and speculative decoding both stop exactly at its last position."""
     prompts = sample_prompt_tokens[:3]
     lm = TorchCausalLM(embedded_bf16, embedded_bf16.args.n_layers, 3)
-    reference = reference_greedy(lm, prompts, N_TOKENS)
+    reference = reference_decode(lm, prompts, N_TOKENS)
     assert [r.output_tokens for r in SpeculativeGenerator(lm, None, 0).generate(prompts, N_TOKENS)] == reference
     eos = [reference[0][5]]  # a token the first answer emits mid-way, as EOS: that answer stops there, EOS kept
-    reference = reference_greedy(lm, prompts, N_TOKENS, eos)
+    reference = reference_decode(lm, prompts, N_TOKENS, eos)
     assert reference[0][-1] == eos[0] and len(reference[0]) == 6
     for drafter in (None, ModelDrafter(lm.draft_view(29)), SuffixDrafter(1)):
         results = SpeculativeGenerator(lm, drafter, 8 if drafter else 0, eos).generate(prompts, N_TOKENS)
@@ -350,7 +358,7 @@ def test_independent_reference_and_exact_end_of_cache(embedded_bf16, embedded_ch
 
     short = load_model(embedded_checkpoint, torch.bfloat16, len(prompts[0]) + 20)  # a cache that ends mid-answer
     lm = TorchCausalLM(short, short.args.n_layers, 1)
-    reference = reference_greedy(lm, prompts[:1], 1000)
+    reference = reference_decode(lm, prompts[:1], 1000)
     assert len(prompts[0]) + len(reference[0]) == short.max_seq_len
     for drafter in (SuffixDrafter(1), ModelDrafter(lm.draft_view(20))):
         results = SpeculativeGenerator(lm, drafter, 8).generate(prompts[:1], 1000)

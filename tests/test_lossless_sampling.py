@@ -1,9 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Speculative sampling follows the target's distribution exactly (rejection sampling), for model and suffix drafts.
+"""Speculative sampling follows the target's distribution exactly (every token the target's keyed draw at its
+position, sampling.py), for model, suffix, tree and hybrid drafts.
 
 Each statistical test is a chi-square goodness-of-fit test at significance ALPHA against probabilities computed
 exactly from the target, with enough samples that a plainly wrong verifier (one that accepts every draft token)
-fails the same test: the negative controls below prove the tests can fail.
+fails the same test: the negative controls below prove the tests can fail. tests/test_seeded_sampling.py checks that
+the same seed gives the very tokens of plain sampling.
 """
 from collections import Counter
 
@@ -11,10 +13,10 @@ import pytest
 import torch
 
 from models.tt_transformers.demo.speculative_decoding.speculative_generator import SpeculativeGenerator
-from models.tt_transformers.speculative import sampling as sampling_module
 from models.tt_transformers.speculative.draft_length import LENGTH_BUCKETS, MatchAcceptance
 from models.tt_transformers.speculative.drafters import HybridDrafter, ModelDrafter, SuffixDrafter
-from models.tt_transformers.speculative.sampling import RandomStreams, SamplingParams, probabilities, verify_rejection
+from models.tt_transformers.speculative.sampling import KeyedSampler, SamplingParams, TargetSamples, probabilities
+from models.tt_transformers.speculative.verification import verify_chain
 from models.tt_transformers.torch_backend.generator import TorchCausalLM
 
 from .conftest import random_model
@@ -38,53 +40,58 @@ def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat / 2))
 
 
-# ---- the acceptance / residual maths on hand-made distributions ----
+# ---- keyed draws and verification on hand-made distributions ----
 
 P = torch.tensor([0.5, 0.2, 0.2, 0.1, 0.0])
 Q = torch.tensor([0.1, 0.6, 0.1, 0.1, 0.1])  # very unlike P, and puts mass where P has none
 
 
-def first_tokens(draft_fn, n=20000, seed=0):
-    rng = torch.Generator().manual_seed(seed)
-    counts = torch.zeros(len(P))
-    target = torch.stack([P, P])  # after the last token and after the draft
-    for _ in range(n):
-        draft, q = draft_fn(rng)
-        counts[verify_rejection(draft, q, target, rng)[0]] += 1
-    return counts
+def first_tokens(draft_of, verify=verify_chain, n=20000):
+    """Counts of the first token appended after a one-token draft, over n positions (each its own key), and how many
+    drafts were accepted. draft_of(sampler, position) -> the draft token."""
+    sampler = KeyedSampler(SamplingParams(1.0, seed=0))
+    logits = P.log().expand(2, -1)  # after the last token and after the draft: probabilities() gives P back
+    counts, accepted = torch.zeros(len(P)), 0
+    for t in range(n):
+        draft = [draft_of(sampler, t)]
+        out = verify(draft, TargetSamples(sampler, 0, logits, [t, t + 1]))
+        counts[out[0]] += 1
+        accepted += len(out) > 1
+    return counts, accepted / n
 
 
-def model_draft(rng):
-    return [int(torch.multinomial(Q, 1, generator=rng))], [Q]
+def coupled(sampler, position):
+    """A draft drawn from Q with the target's key, as a draft model or a head draws."""
+    return sampler.sample(Q, 0, position)
 
 
-def test_rejection_sampling_with_model_drafts_preserves_p():
-    assert chi_square_p_value(first_tokens(model_draft), P) > ALPHA
+def exact_coupling(p, q) -> float:
+    """P(argmax p_i / E_i == argmax q_i / E_i) for shared exponentials E: sum over i of 1 / sum_j max(p_j/p_i, q_j/q_i)."""
+    both = (p > 0) & (q > 0)
+    return sum(1 / float(torch.maximum(p / p[i], q / q[i]).sum()) for i in both.nonzero().flatten())
+
+
+def test_keyed_draws_with_coupled_drafts_preserve_p():
+    """Drafts drawn from Q with the target's key: the appended token follows P, and the drafts are accepted as often as
+    shared noise makes the two draws agree (0.447 here: independent draws would agree 0.2 of the time, rejection
+    sampling accepts 1 - TV = 0.5)."""
+    counts, accepted = first_tokens(coupled)
+    assert chi_square_p_value(counts, P) > ALPHA
+    assert abs(accepted - exact_coupling(P, Q)) < 0.02, accepted
 
 
 @pytest.mark.parametrize("token", [0, 1, 3, 4])
-def test_rejection_sampling_with_point_mass_drafts_preserves_p(token):
-    """A suffix draft always proposes the same token, likely or not (4 has target probability 0)."""
-    assert chi_square_p_value(first_tokens(lambda rng: ([token], None)), P) > ALPHA
+def test_point_mass_drafts_preserve_p(token):
+    """A copied draft always proposes the same token, likely or not (4 has target probability 0)."""
+    counts, accepted = first_tokens(lambda sampler, t: token)
+    assert chi_square_p_value(counts, P) > ALPHA
+    assert abs(accepted - float(P[token])) < 0.02
 
 
-def test_negative_control_accepting_every_draft_is_detected(monkeypatch):
-    """With the acceptance test removed (keep every draft), the same check must fail."""
-    def accept_all(draft, draft_probs, target_probs, rng):
-        return list(draft) + [int(torch.multinomial(target_probs[len(draft)], 1, generator=rng))]
-    counts = torch.zeros(len(P))
-    rng = torch.Generator().manual_seed(0)
-    for _ in range(20000):
-        draft, q = model_draft(rng)
-        counts[accept_all(draft, q, torch.stack([P, P]), rng)[0]] += 1
+def test_negative_control_accepting_every_draft_is_detected():
+    """With the comparison removed (keep every draft), the same check must fail."""
+    counts, _ = first_tokens(coupled, verify=lambda draft, target: list(draft) + [target[len(draft)]])
     assert chi_square_p_value(counts, P) < ALPHA
-
-
-def test_all_accepted_gives_bonus_token_and_rejection_stops():
-    rng = torch.Generator().manual_seed(0)
-    certain = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0], [1.0, 0.0, 0.0]])
-    assert verify_rejection([1, 2], None, certain, rng) == [1, 2, 0]  # both accepted + bonus from the last row
-    assert verify_rejection([2, 2], None, certain, rng) == [1]  # rejected at once: residual of row 0 is token 1
 
 
 def test_probabilities_temperature_top_k_top_p():
@@ -222,17 +229,17 @@ def test_negative_control_end_to_end(tiny_model, kind, monkeypatch):
     """The same end-to-end test with a verifier that accepts every draft token must fail: the test has power."""
     from models.tt_transformers.demo.speculative_decoding import speculative_generator
 
-    def accept_all(draft, draft_probs, target_probs, rng):
-        return list(draft) + [sampling_module.sample(target_probs[len(draft)], rng)]
+    def accept_all(draft, target):
+        return list(draft) + [target[len(draft)]]
 
-    def accept_first_children(tokens, parents, target_probs, rng):  # down the first child of every node
+    def accept_first_children(tokens, parents, target):  # down the first child of every node
         path = []
         while (child := next((i for i, p in enumerate(parents) if p == (path[-1] if path else -1)), None)) is not None:
             path.append(child)
         node = path[-1] if path else -1
-        return [tokens[i] for i in path] + [sampling_module.sample(target_probs[node + 1], rng)], path
-    monkeypatch.setattr(speculative_generator, "verify_rejection", accept_all)
-    monkeypatch.setattr(speculative_generator, "verify_rejection_tree", accept_first_children)
+        return [tokens[i] for i in path] + [target[node + 1]], path
+    monkeypatch.setattr(speculative_generator, "verify_chain", accept_all)
+    monkeypatch.setattr(speculative_generator, "verify_tree", accept_first_children)
     counts, *_ = sampled_counts(tiny_model, kind, N_DRAFT, SETTINGS, n_batches=100)
     assert chi_square_p_value(counts, exact_joint(tiny_model, SETTINGS)) < ALPHA
 
@@ -248,33 +255,42 @@ def test_seeded_run_is_reproducible(tiny_model):
     assert run(7) != run(8)
 
 
-# ---- random streams ----
+def test_a_draft_model_as_deep_as_the_target_has_every_sampled_draft_accepted(tiny_model):
+    """Its q is the target's p and it draws with the target's key for the drafted position, so its draws are the
+    target's: a key off by a position, or noise of its own, would reject most of them."""
+    target = TorchCausalLM(tiny_model, tiny_model.args.n_layers, 4)
+    drafter = ModelDrafter(TorchCausalLM(tiny_model, tiny_model.args.n_layers, 4))
+    gen = SpeculativeGenerator(target, drafter, 3, (), SamplingParams(1.0, seed=0))
+    results = gen.generate([PROMPT, [3, 0], [0], PROMPT[:3]], 16, stop_at_eos=False)
+    drafted = sum(it.drafted for r in results for it in r.iterations)
+    assert drafted > 30 and sum(it.accepted for r in results for it in r.iterations) == drafted
 
-def test_unseeded_sampling_gives_each_user_its_own_stream(tiny_model):
-    """No seed: streams come from fresh entropy (torch.seed()-sized values once overflowed), one per user."""
+
+# ---- keys ----
+
+def test_unseeded_sampling_gives_each_request_its_own_draws(tiny_model):
+    """No seed: the draws come from fresh entropy, keyed per request."""
     target = TorchCausalLM(tiny_model, tiny_model.args.n_layers, 4)
     gen = SpeculativeGenerator(target, SuffixDrafter(threshold=1), 3, (), SamplingParams(1.0))
     outs = [r.output_tokens for r in gen.generate([PROMPT] * 4, 24, stop_at_eos=False)]
-    assert len({tuple(o) for o in outs}) > 1  # four identical prompts, four streams
+    assert len({tuple(o) for o in outs}) > 1  # four identical prompts, four requests
 
 
-def test_stream_seeds_fit_torch_for_any_base():
+def test_keys_fit_torch_for_any_seed_and_follow_the_request():
     for base in (0, 1, 2**63 - 1, 2**64 - 1, torch.seed()):
-        streams = RandomStreams(base)
-        seeds = {streams.seed_of(s) for s in range(64)}
-        assert len(seeds) == 64 and all(0 <= x < 2**63 for x in seeds)
-        assert streams(3).initial_seed() == streams.seed_of(3)
-    streams = RandomStreams(5)
-    assert streams(1) is streams(1) and RandomStreams(5).seed_of(1) == streams.seed_of(1)  # a stream per user, reproducible
+        sampler = KeyedSampler(SamplingParams(1.0, seed=base), requests=[5, 9])
+        keys = {sampler.key(u, t) for u in (0, 1) for t in range(32)}
+        assert len(keys) == 64 and all(0 <= k < 2**63 for k in keys)
+    # request 7's key at a position is the same in whatever row it runs
+    assert KeyedSampler(SamplingParams(seed=3), [7]).key(0, 10) == KeyedSampler(SamplingParams(seed=3), [1, 7]).key(1, 10)
 
 
 @pytest.mark.cuda
 def test_sampling_on_cuda_follows_the_probabilities_device():
-    """On CUDA the logits stay on the GPU: each stream's generator must be created there."""
+    """On CUDA the logits stay on the GPU; the keyed noise is drawn on the CPU."""
     model = make_tiny_model().cuda()
     target = TorchCausalLM(model, model.args.n_layers, 4)
     drafter = ModelDrafter(TorchCausalLM(model, 1, 4))
     for seed in (None, 0):
         gen = SpeculativeGenerator(target, drafter, 3, (), SamplingParams(0.9, seed=seed))
         assert all(len(r.output_tokens) == 12 for r in gen.generate([PROMPT] * 4, 12, stop_at_eos=False))
-    assert RandomStreams(0)(0, "cuda").device.type == "cuda"

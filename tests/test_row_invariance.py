@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The torch-ops properties lossless bf16 verification rests on where the bf16 CPU kernels do not run (see
-TorchCausalLM._packed_step and PackedLinear; tests/test_cpu_kernels.py checks the same of the kernels).
+TorchCausalLM._packed_step and PackedLinear; tests/test_cpu_kernels.py checks the same of the kernels), and on the
+embedded model with either, the property seeded sampling rests on: a row's logits do not depend on its step.
 
 If a torch upgrade breaks them, this fails before any speculative output silently drifts from plain decoding.
 """
@@ -10,6 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.tt_transformers.torch_backend.model import PackedLinear, can_prepack
+
+from .conftest import needs_cpu_kernels
 
 SHAPES = [(960, 576), (3072, 576), (576, 1536), (49152, 576)]  # SmolLM2-135M's shapes
 
@@ -63,3 +66,39 @@ def test_exact_attention_takes_non_contiguous_queries_and_outputs(monkeypatch):
     monkeypatch.setattr(attention.F, "scaled_dot_product_attention", lambda *a, **k: transposed(sdpa(*a, **k)))
     for got, want in zip(run(), reference):
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kernels", [pytest.param(True, marks=needs_cpu_kernels), False], ids=["cpu-kernels", "torch-ops"])
+def test_verification_logits_equal_one_token_steps_on_the_embedded_model(embedded_checkpoint, embedded_bf16,
+                                                                          sample_prompt_tokens, kernels):
+    """Seeded sampling equals plain sampling only if a row's float32 logits, not just its argmax, do not depend on what
+    shares its step: three users' chains of 5 in one step, and a token tree beside two chains, give each row the logits
+    of the same position decoded alone, one token per step, bit for bit."""
+    from models.tt_transformers.speculative.backend import UserRows
+    from models.tt_transformers.torch_backend.checkpoint import load_model
+    from models.tt_transformers.torch_backend.generator import TorchCausalLM
+
+    model = embedded_bf16 if kernels else load_model(embedded_checkpoint, torch.bfloat16, 256, cpu_kernels=False)
+    prompts, n = sample_prompt_tokens[:3], 5
+    tokens, alone = [], []
+    for p in prompts:
+        lm = TorchCausalLM(model, model.args.n_layers, 1)
+        out = [lm.prefill(0, p).ids[0][0]]
+        logits = []
+        for i in range(n):
+            step = lm.step([UserRows(0, [out[-1]], len(p) + i)], logits=True)
+            logits.append(step.logits[0][0])
+            out.append(step.ids[0][0])
+        tokens.append(out[:n])
+        alone.append(torch.stack(logits))
+    lm = TorchCausalLM(model, model.args.n_layers, len(prompts))
+    for u, p in enumerate(prompts):
+        lm.prefill(u, p)
+    chains = lm.step([UserRows(u, tokens[u], len(p)) for u, p in enumerate(prompts)], logits=True).logits
+    assert all(torch.equal(got, want) for got, want in zip(chains, alone))
+    # user 0 as a tree: a wrong sibling (row 1) beside the true path t0 -> t1 -> t2 (rows 0, 2, 3)
+    t = tokens[0]
+    tree = UserRows(0, [t[0], (t[1] + 1) % model.args.vocab_size, t[1], t[2]], len(prompts[0]), [-1, 0, 0, 2])
+    steps = lm.step([tree] + [UserRows(u, tokens[u], len(p)) for u, p in enumerate(prompts) if u], logits=True).logits
+    assert torch.equal(steps[0][[0, 2, 3]], alone[0][:3])
+    assert all(torch.equal(got, want) for got, want in zip(steps[1:], alone[1:]))

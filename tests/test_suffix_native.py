@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from models.tt_transformers.speculative import draft_memory, drafters, native
 from models.tt_transformers.speculative.draft_length import LENGTH_BUCKETS, linear_cost
-from models.tt_transformers.speculative.sampling import SamplingParams
+from models.tt_transformers.speculative.sampling import KeyedSampler, SamplingParams
 from models.tt_transformers.speculative.suffix_automaton import ReferenceSuffixAutomaton
 from models.tt_transformers.speculative.token_tree import ReferenceRecycledTokens, reference_build_tree
 
@@ -143,7 +143,7 @@ def test_suffix_drafter_drafts_the_same_either_way(monkeypatch):
         for request in range(6):
             text = [t for _ in range(40) for t in stream.choice(phrases)]
             prompt, pos = text[:80], 80
-            drafter.start([0], [prompt], SamplingParams())
+            drafter.start([0], [prompt], KeyedSampler(SamplingParams()))
             while pos < len(text) - 1:
                 context = text[:pos]
                 draft = drafter.propose([0], [context], [8], linear_cost(0.08), trees=request % 2 == 0)[0]

@@ -54,13 +54,13 @@ def test_token_tree_nodes_equal_their_chains(kernels, sliding_window):
         lm.forward_logits([tokens], [len(prompt)], [0], parents=[[-1, 2, 0, 1, 1, 3, 2]])  # a parent after its child
 
 
-def test_verify_greedy_tree():
-    from models.tt_transformers.speculative.verification import verify_greedy_tree
+def test_verify_tree():
+    from models.tt_transformers.speculative.verification import verify_tree
 
     tokens, parents = [5, 6, 7, 8], [-1, -1, 0, 1]  # 5 -> 7 and 6 -> 8
-    assert verify_greedy_tree(tokens, parents, [6, 0, 8, 0, 9]) == ([6, 8, 9], [1, 3])  # second branch, bonus token
-    assert verify_greedy_tree(tokens, parents, [5, 4, 0, 0, 0]) == ([5, 4], [0])  # correction after the first node
-    assert verify_greedy_tree(tokens, parents, [3, 0, 0, 0, 0]) == ([3], [])  # no child matches
+    assert verify_tree(tokens, parents, [6, 0, 8, 0, 9]) == ([6, 8, 9], [1, 3])  # second branch, bonus token
+    assert verify_tree(tokens, parents, [5, 4, 0, 0, 0]) == ([5, 4], [0])  # correction after the first node
+    assert verify_tree(tokens, parents, [3, 0, 0, 0, 0]) == ([3], [])  # no child matches
 
 
 def test_memory_store_is_bounded_and_never_matches_across_documents():
@@ -80,10 +80,10 @@ def test_memory_store_is_bounded_and_never_matches_across_documents():
 
 def test_recycled_table_keeps_the_actual_texts_rows():
     from models.tt_transformers.speculative.drafters import SuffixDrafter, Verified
-    from models.tt_transformers.speculative.sampling import SamplingParams
+    from models.tt_transformers.speculative.sampling import KeyedSampler, SamplingParams
 
     drafter = SuffixDrafter(recycle=2)
-    drafter.start([0], [[1, 2]], SamplingParams())
+    drafter.start([0], [[1, 2]], KeyedSampler(SamplingParams()))
     # rows: last token 2, drafts 3 (accepted) and 4 (rejected): the rejected row's context never happened
     drafter.accept(0, Verified([3, 9], [0], [2, 3, 4], [[3, 5], [9, 6], [1, 1]]))
     table = drafter.recycled
@@ -145,10 +145,10 @@ def test_corpus_store_drafts_what_the_request_lacks():
     from models.tt_transformers.speculative.draft_length import linear_cost
     from models.tt_transformers.speculative.draft_memory import DraftMemory
     from models.tt_transformers.speculative.drafters import SuffixDrafter
-    from models.tt_transformers.speculative.sampling import SamplingParams
+    from models.tt_transformers.speculative.sampling import KeyedSampler, SamplingParams
 
     drafter = SuffixDrafter(1, DraftMemory(0, corpus=[[40, 41, 42, 43, 44, 45, 46, 47]]))
-    drafter.start([0], [[1, 2, 40, 41, 42]], SamplingParams())
+    drafter.start([0], [[1, 2, 40, 41, 42]], KeyedSampler(SamplingParams()))
     for _ in range(5):  # the corpus store's rate rises as its drafts pass
         draft = drafter.propose([0], [[1, 2, 40, 41, 42]], [4], linear_cost(0.0))[0]
     assert draft.source == "corpus" and draft.tokens[:2] == [43, 44]
@@ -161,11 +161,11 @@ def test_copy_mode_re_anchors_after_an_edit(threshold):
     a few edits in a row the copy is given up."""
     from models.tt_transformers.speculative.draft_length import linear_cost
     from models.tt_transformers.speculative.drafters import SuffixDrafter
-    from models.tt_transformers.speculative.sampling import SamplingParams
+    from models.tt_transformers.speculative.sampling import KeyedSampler, SamplingParams
 
     passage = list(range(1, 21))
     drafter = SuffixDrafter(threshold)
-    drafter.start([0], [passage + [500]], SamplingParams())
+    drafter.start([0], [passage + [500]], KeyedSampler(SamplingParams()))
     propose = lambda ctx: drafter.propose([0], [ctx], [6], linear_cost(0.01))[0]  # noqa: E731
     base = passage + [500]
     assert propose(base + [1, 2, 3, 4]).tokens[:3] == [5, 6, 7]  # a long match: copied as before
@@ -185,11 +185,11 @@ def test_tree_never_exceeds_the_draft_cap(cap):
     left in the KV cache and the row budget), parents first (which nodes: test_capped_tree_keeps_the_most_probable_nodes)."""
     from models.tt_transformers.speculative.draft_length import linear_cost
     from models.tt_transformers.speculative.drafters import SuffixDrafter
-    from models.tt_transformers.speculative.sampling import SamplingParams
+    from models.tt_transformers.speculative.sampling import KeyedSampler, SamplingParams
 
     text = [50, 1, 2, *range(60, 65), 70, 1, 2, *range(80, 85), 71, 1, 2, *range(80, 85), 72, 1, 2, *range(80, 85)]
     drafter = SuffixDrafter(1, recycle=2)
-    drafter.start([0], [text], SamplingParams())
+    drafter.start([0], [text], KeyedSampler(SamplingParams()))
     drafter.recycled.observe([2, 60, 80], [[60, 80], [61, 7], [81, 9]])
     draft = drafter.propose([0], [text + [50, 1, 2]], [cap], linear_cost(0.0), trees=True)[0]
     assert 0 < len(draft.tokens) <= cap

@@ -304,7 +304,7 @@ def test_demo_on_the_ttnn_backend(tt, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("kind", ["suffix", "model", "accept-all"])
 def test_sampling_through_the_verify_step_follows_the_target(monkeypatch, tmp_path, kind):
-    """Rejection sampling through the ttnn backend (logits read back from the traced verify step, padded vocabulary
+    """Keyed sampling through the ttnn backend (logits read back from the traced verify step, padded vocabulary
     columns sliced off): the first 5 tokens of 8-user batches follow the target's exact distribution (chi-square,
     as tests/test_lossless_sampling.py), with suffix and first-layer drafts verified whole chains at a time; a
     verifier that accepts every draft fails the same test."""
@@ -323,8 +323,7 @@ def test_sampling_through_the_verify_step_follows_the_target(monkeypatch, tmp_pa
     lm.step_cost = lambda n_rows, context_len: 1.0  # draft whole chains: this tests verification, not the policy
     drafter = draft_source(lm, "model" if kind == "model" else "suffix")
     if kind == "accept-all":
-        monkeypatch.setattr(speculative_generator, "verify_rejection",
-                            lambda draft, draft_probs, target_probs, rng: draft + [int(target_probs[-1].argmax())])
+        monkeypatch.setattr(speculative_generator, "verify_chain", lambda draft, target: draft + [target[len(draft)]])
     counts, full_chains = torch.zeros(VOCAB ** N_TOKENS), 0
     for b in range(300):
         gen = SpeculativeGenerator(lm, drafter, N_DRAFT, (), SamplingParams(SETTINGS.temperature, SETTINGS.top_k,

@@ -9,12 +9,11 @@ import torch
 from .backend import CausalLM, UserRows
 from .draft_length import LENGTH_BUCKETS, DraftLengthPolicy, ExtraCost, MatchAcceptance, best_length
 from .draft_memory import DraftMemory
-from .sampling import SamplingParams, probabilities, sample
+from .sampling import KeyedSampler, SamplingParams, probabilities
 from .suffix_automaton import SuffixAutomaton
 from .token_tree import RecycledTokens, build_tree
 
 DEFAULT_SA_THRESHOLD = 1  # shortest match a copied draft may start from; its score decides whether it drafts
-DRAFT_RNG_STREAM = 1 << 20  # the draft model samples from streams of its own, apart from the target's
 
 
 @dataclass
@@ -26,7 +25,6 @@ class Draft:
     tokens: list[int]
     source: str  # "model", "suffix", "memory", "corpus", "recycle", "tree" or "none"
     match_len: int = 0  # length of the match behind a copied draft
-    probs: Optional[list[torch.Tensor]] = None  # when sampling: the draft model's q for each token; None = point mass
     parents: Optional[list[int]] = None
     expected: float = 0.0  # accepted tokens the drafter expects from it (its own estimate; the hybrid compares them)
 
@@ -58,11 +56,11 @@ class Drafter(Protocol):
     top_k: int  # how many of the target's top next tokens per row accept() wants (0: none)
     taps: tuple[int, ...]  # the target layers whose input start() and accept() want per row (empty: none)
 
-    def start(self, users: Sequence[int], prompts: Sequence[Sequence[int]], sampling: SamplingParams,
+    def start(self, users: Sequence[int], prompts: Sequence[Sequence[int]], sampler: KeyedSampler,
               hidden: Optional[Sequence[torch.Tensor]] = None) -> None:
         """A new request per user; the prompts are what the target was prefilled with (hidden: its tapped hidden
-        states over each prompt, when the drafter names taps). A model drafter samples its drafts with the same settings (and
-        returns q with them) unless they are greedy."""
+        states over each prompt, when the drafter names taps). A drafter that samples draws with the sampler's key
+        for the drafted position, the target's own noise there, unless the settings are greedy."""
 
     def propose(self, users: Sequence[int], contexts: Sequence[Sequence[int]], max_tokens: Sequence[int],
                 extra_cost: ExtraCost, trees: bool = False) -> list[Draft]:
@@ -98,9 +96,9 @@ class ModelDrafter:
         self.cache_len: dict[int, int] = {}
         self.fed: dict[int, tuple[int, int]] = {}  # user -> (context length at proposal, drafts fed)
         self.policies: dict[int, DraftLengthPolicy] = {}
-        self.sampling, self.streams = SamplingParams(), None
+        self.sampler = KeyedSampler(SamplingParams())
 
-    def start(self, users, prompts, sampling, hidden=None):
+    def start(self, users, prompts, sampler, hidden=None):
         if not self.shares_cache:
             for u, p in zip(users, prompts):
                 self.lm.prefill(u, p)
@@ -109,24 +107,21 @@ class ModelDrafter:
         if self.draft_cost is not None:
             learned = DraftLengthPolicy.learned_from(self.policies.values(), self.draft_cost)
             self.policies = {u: copy.copy(learned) for u in users}
-        self.sampling = sampling
-        self.streams = None if sampling.greedy else sampling.streams()
+        self.sampler = sampler
 
     def draft_value(self, user: int, n: int, extra_cost: ExtraCost) -> float:
         """Expected tokens per unit of work of a draft of up to n tokens (DraftLengthPolicy.value; 0 when its
         acceptance is not tracked)."""
         return self.policies[user].value(n, extra_cost, self.draft_cost) if user in self.policies else 0.0
 
-    def _next_tokens(self, rows: list[UserRows]) -> list[tuple[int, Optional[torch.Tensor]]]:
-        """One draft token per user after its fed rows: greedy, or sampled from the draft's q (returned too)."""
-        out = self.lm.step(rows, logits=not self.sampling.greedy)
-        if self.sampling.greedy:
-            return [(ids[-1], None) for ids in out.ids]
-        tokens = []
-        for r, logits in zip(rows, out.logits):
-            q = probabilities(logits[-1], self.sampling)
-            tokens.append((sample(q, self.streams(DRAFT_RNG_STREAM + r.user, q.device)), q))
-        return tokens
+    def _next_tokens(self, rows: list[UserRows]) -> list[int]:
+        """One draft token per user after its fed rows: greedy, or drawn from the draft's q with the target's key."""
+        params = self.sampler.params
+        out = self.lm.step(rows, logits=not params.greedy)
+        if params.greedy:
+            return [ids[-1] for ids in out.ids]
+        return [self.sampler.sample(probabilities(logits[-1], params), r.user, r.start_pos + len(r.tokens))
+                for r, logits in zip(rows, out.logits)]
 
     def _first_rows(self, live: list[tuple[int, Sequence[int]]]) -> list[UserRows]:
         """The first drafting step: every token the draft cache has not seen, up to the user's last one. Users far
@@ -146,23 +141,20 @@ class ModelDrafter:
             max_tokens = [self.policies[u].next_length(n, extra_cost) if n > 0 else 0
                           for u, n in zip(users, max_tokens)]
         drafts = {u: [] for u in users}
-        probs = {u: [] for u in users}
         live = [(u, ctx) for u, ctx, n in zip(users, contexts, max_tokens) if n > 0]
         if self.shares_cache:  # the target wrote every position before the last token
             self.cache_len.update({u: len(ctx) - 1 for u, ctx in live})
         rows = self._first_rows(live)
         wanted = dict(zip(users, max_tokens))
         while rows:
-            for r, (tok, q) in zip(rows, self._next_tokens(rows)):
+            for r, tok in zip(rows, self._next_tokens(rows)):
                 drafts[r.user].append(tok)
-                probs[r.user].append(q)
             rows = [UserRows(r.user, [drafts[r.user][-1]], r.start_pos + len(r.tokens)) for r in rows
                     if len(drafts[r.user]) < wanted[r.user]]
         for u, ctx in zip(users, contexts):
             if drafts[u]:
                 self.fed[u] = (len(ctx), len(drafts[u]) - 1)
-        return [Draft(drafts[u], "model" if drafts[u] else "none",
-                      probs=None if self.sampling.greedy else probs[u]) for u in users]
+        return [Draft(drafts[u], "model" if drafts[u] else "none") for u in users]
 
     def accept(self, user, verified):
         if user in self.fed:
@@ -250,7 +242,7 @@ class SuffixDrafter:
         self.cursors: dict[int, CopyCursor] = {}
         self.pending: dict = {}  # user -> (Candidate, length) for a chain, or the tree's nodes
 
-    def start(self, users, prompts, sampling, hidden=None):
+    def start(self, users, prompts, sampler, hidden=None):
         if self.memory is not None:
             self.memory.start_request([sam.tokens[self.prompt_lens[u]:] for u, sam in self.automata.items()])
         self.automata = {u: SuffixAutomaton(p) for u, p in zip(users, prompts)}
@@ -407,9 +399,9 @@ class HybridDrafter:
         self.suffix, self.fallback = suffix, fallback
         self.top_k, self.taps = suffix.top_k, fallback.taps
 
-    def start(self, users, prompts, sampling, hidden=None):
-        self.suffix.start(users, prompts, sampling)
-        self.fallback.start(users, prompts, sampling, hidden)
+    def start(self, users, prompts, sampler, hidden=None):
+        self.suffix.start(users, prompts, sampler)
+        self.fallback.start(users, prompts, sampler, hidden)
 
     def propose(self, users, contexts, max_tokens, extra_cost, trees=False):
         drafts = self.suffix.propose(users, contexts, max_tokens, extra_cost, trees)

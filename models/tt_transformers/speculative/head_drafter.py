@@ -18,8 +18,8 @@ import torch
 from loguru import logger
 
 from .draft_length import LENGTH_BUCKETS, DraftLengthPolicy, ExtraCost, MatchAcceptance
-from .drafters import DRAFT_RNG_STREAM, Draft, Verified
-from .sampling import SamplingParams, probabilities, sample
+from .drafters import Draft, Verified
+from .sampling import KeyedSampler, SamplingParams, probabilities
 
 
 class DraftHeadModel(Protocol):
@@ -72,22 +72,21 @@ class HeadDrafter:
         self.fed_len: dict[int, int] = {}
         self.policies: dict[int, DraftLengthPolicy] = {}
         self.pending: dict[int, HeadDraft] = {}
-        self.sampling, self.streams = SamplingParams(), None
+        self.sampler = KeyedSampler(SamplingParams())
 
-    def start(self, users, prompts, sampling, hidden=None):
-        self._reset(users, sampling, hidden)
+    def start(self, users, prompts, sampler, hidden=None):
+        self._reset(users, sampler, hidden)
         self.known = {u: [h] for u, h in zip(users, hidden)}
         self.fed_len = {u: 0 for u in users}
 
-    def _reset(self, users, sampling, hidden) -> None:
+    def _reset(self, users, sampler, hidden) -> None:
         """A new request per user: its length policy (learned from the last request's), nothing pending."""
         if hidden is None:
             raise ValueError("a draft head drafts from the target's tapped hidden states: the generator must ask the "
                              "backend for them (Drafter.taps)")
         self.pending = {}
         self.policies = {u: DraftLengthPolicy.learned_from(self.policies.values(), self.draft_cost) for u in users}
-        self.sampling = sampling
-        self.streams = None if sampling.greedy else sampling.streams()
+        self.sampler = sampler
         # the head's prefill (the prompt's rows) waits for its first proposal: a request it never drafts for costs
         # nothing (on a CPU that is most of them: a long prompt's rows cost a sizeable share of the request)
 
@@ -125,18 +124,18 @@ class HeadDrafter:
             ends = [min(len(ctx) - 1, self.fed_len[u] + self.head.max_rows) for u, ctx in behind]
             self._feed([u for u, _ in behind], [self._rows(u, ctx, end) for (u, ctx), end in zip(behind, ends)])
 
-    def _choose(self, logits: torch.Tensor, user: int) -> tuple[int, float, Optional[torch.Tensor]]:
-        """The draft token after these logits over the draft vocabulary: (token, the head's probability of it, q
-        over the whole vocabulary when sampling)."""
-        if self.sampling.greedy:
+    def _choose(self, logits: torch.Tensor, user: int, position: int) -> tuple[int, float]:
+        """The draft token at `position` after these logits over the draft vocabulary, and the head's probability of
+        it: its argmax, or when sampling its draw from q (over the target's ids, through d2t) with the target's key."""
+        if self.sampler.params.greedy:
             p = torch.softmax(logits.float(), dim=-1)
             i = int(p.argmax())
-            return int(self.vocab[i]), float(p[i]), None
-        q_draft = probabilities(logits, self.sampling)
-        i = sample(q_draft, self.streams(DRAFT_RNG_STREAM + user, q_draft.device))
+            return int(self.vocab[i]), float(p[i])
+        q_draft = probabilities(logits, self.sampler.params)
         q = torch.zeros(self.head.vocab_size, dtype=q_draft.dtype, device=q_draft.device)
         q[self.vocab.to(q.device)] = q_draft
-        return int(self.vocab[i]), float(q_draft[i]), q
+        token = self.sampler.sample(q, user, position)
+        return token, float(q[token])
 
     def propose(self, users, contexts, max_tokens, extra_cost: ExtraCost, trees=False):
         """Chains, or EAGLE-2 trees when the target verifies trees."""
@@ -170,7 +169,8 @@ class HeadDrafter:
         chains = {u: HeadChain() for u in going}
         while going:
             for u in going:
-                chains[u].extend(*self._choose(state[u][2], u), self.acceptance, self.draft_cost, extra_cost)
+                chains[u].extend(*self._choose(state[u][2], u, state[u][0] + 1), self.acceptance, self.draft_cost,
+                                 extra_cost)
             going = [u for u in going if chains[u].paying == len(chains[u].tokens) < wanted[u]]
             if going:
                 outs = self.head.run(going, [state[u][0] for u in going], [state[u][1] for u in going],
@@ -184,8 +184,7 @@ class HeadDrafter:
             k = chain.paying or int(u in probes or chain.path_probs[0] > extra_cost(1))
             if k:
                 self.pending[u] = HeadDraft(chain.confidences[:k], k)
-                drafts[u] = Draft(chain.tokens[:k], "head", probs=None if self.sampling.greedy else chain.probs[:k],
-                                  expected=sum(chain.path_probs[:k]))
+                drafts[u] = Draft(chain.tokens[:k], "head", expected=sum(chain.path_probs[:k]))
         return drafts, runs
 
     def _trees(self, roots: dict, wanted: dict, extra_cost: ExtraCost, probes: set) -> tuple[dict, int]:
@@ -193,7 +192,7 @@ class HeadDrafter:
         estimated path acceptance) are run, all users' together, and give TREE_TOP_K children each; then the tree is
         cut to the nodes, likeliest first, whose acceptance pays for their rows (extra_cost: a CPU affords few, a TT
         tile up to its rows), within the budget (--n_draft_tokens counts nodes). Nodes are the head's own choices (its top k),
-        not samples, so sampling verifies them as point-mass drafts (SpecInfer's tree rejection sampling)."""
+        not samples, under sampling too: the child equal to the target's draw at its position is accepted."""
         K = self.TREE_TOP_K
         trees = {u: HeadTree() for u in roots}
         frontier = {u: [(-1, roots[u][2])] for u in roots}  # (expanded node, its logits) per user
@@ -294,16 +293,16 @@ class TracedHeadDrafter(HeadDrafter):
     leaves them on the device, so every verified step's true rows are fed at the next proposal, whoever drafted them
     (the next step rewrites the tap tile), and one traced replay drafts a chain of chain_len tokens for every user
     that drafts. The chain is then cut where one more token no longer pays for its verification (the replay is
-    spent), with acceptance learned and gated as HeadDrafter's. Under sampling the chain is the head's argmax,
-    verified as a point-mass draft (lossless; q over the draft vocabulary stays on the device)."""
+    spent), with acceptance learned and gated as HeadDrafter's. Under sampling the chain is the head's argmax (q over
+    the draft vocabulary stays on the device), accepted where it equals the target's draws."""
 
     def __init__(self, head: ChainDraftHead):
         super().__init__(head)
         self.feeds: dict[int, HeadFeed] = {}
         self.prompt_states: dict[int, torch.Tensor] = {}
 
-    def start(self, users, prompts, sampling, hidden=None):
-        self._reset(users, sampling, hidden)
+    def start(self, users, prompts, sampler, hidden=None):
+        self._reset(users, sampler, hidden)
         self.feeds = {}
         self.prompt_states = dict(zip(users, hidden))  # fed at the first proposal, when the token after it is known
 
@@ -335,7 +334,7 @@ class TracedHeadDrafter(HeadDrafter):
         for u, n in wanted.items():
             chain = HeadChain()
             for token, p in zip(*(values[:n] for values in chains[u])):
-                chain.extend(token, p, None, self.acceptance, 0.0, extra_cost)
+                chain.extend(token, p, self.acceptance, 0.0, extra_cost)
             k = chain.paying or int(u in probes)
             if k:
                 self.pending[u] = HeadDraft(chain.confidences[:k], k)
@@ -412,19 +411,17 @@ class HeadChain:
 
     tokens: list[int] = field(default_factory=list)
     confidences: list[float] = field(default_factory=list)
-    probs: list[Optional[torch.Tensor]] = field(default_factory=list)
     path_probs: list[float] = field(default_factory=list)
     paying: int = 0
     value: float = 1.0
 
-    def extend(self, token: int, confidence: float, q: Optional[torch.Tensor], acceptance: MatchAcceptance,
-               draft_cost: float, extra_cost: ExtraCost) -> None:
+    def extend(self, token: int, confidence: float, acceptance: MatchAcceptance, draft_cost: float,
+               extra_cost: ExtraCost) -> None:
         k = len(self.tokens) + 1
         path = (self.path_probs[-1] if self.path_probs else 1.0) * acceptance.prob(k, confidence)
         value = (1 + sum(self.path_probs) + path) / (1 + (k + 1) * draft_cost + extra_cost(k))
         self.tokens.append(token)
         self.confidences.append(confidence)
-        self.probs.append(q)
         self.path_probs.append(path)
         if value > self.value and self.paying == k - 1:
             self.paying, self.value = k, value

@@ -1,16 +1,22 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Sampling settings, the target distribution they define, and lossless verification by rejection sampling.
+"""Sampling settings, the target distribution they define, and keyed draws: the token at a position of a request is
+drawn from noise keyed on (seed, request, position) alone.
 
-Verification follows Leviathan et al. 2023 / Chen et al. 2023: draft token x (drawn from the draft's distribution
-q) is accepted with probability min(1, p(x) / q(x)); the first rejection is replaced by a sample from
-norm(max(0, p - q)) and ends the iteration; when every draft passes, a bonus token is sampled from the target's
-next distribution. A suffix-automaton draft is a point mass (q(x) = 1): accept with probability p(x), else sample
-from p with x removed. Either way every appended token is distributed exactly as sampling the target alone.
+A draw is an exponential race (Gumbel-max): with E_i ~ Exp(1) from a generator seeded by the key, token i wins
+argmax_i p_i / E_i with probability p_i / sum(p). Verification compares each draft token with the target's own keyed
+draw at its position: accepted iff equal, else that draw is appended and ends the iteration. Every appended token is
+then the target's draw at its position whatever drafted (drafter-invariant speculative decoding, Daliri et al. 2024,
+arXiv 2408.07978): lossless, and token-identical to plain sampling with the same seed wherever the target's
+probabilities for a position do not depend on how many rows its step carried. Drafters that sample (a draft model,
+a head's chains) draw from q with the same key, so a draft equals the target's draw whenever the same noise picks
+the same token from q as from p: always when q = p, and within a few percent of rejection sampling's acceptance,
+1 - TV(p, q), where measured (docs/draft_sources.md). Copied, recycled and tree drafts are accepted with
+probability p(x), as under rejection sampling.
 """
 import math
 import secrets
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Optional, Sequence
 
 import torch
 
@@ -39,10 +45,6 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    def streams(self) -> "RandomStreams":
-        """Random streams for one run: from the seed, or from fresh OS entropy when there is none."""
-        return RandomStreams(self.seed if self.seed is not None else secrets.randbits(63))
-
 
 def _mix64(x: int) -> int:
     """SplitMix64's finaliser: nearby inputs give unrelated 64-bit outputs."""
@@ -52,27 +54,25 @@ def _mix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
-class RandomStreams:
-    """One torch.Generator per stream (a user, or a drafter's user), created on the device of the probabilities
-    it first samples: a user's draws depend only on the base seed and its stream, never on who else is in the
-    batch, and a generator always lives where the probabilities are (CPU or CUDA)."""
+class KeyedSampler:
+    """The settings of one run and its keyed draws. requests[user]: the request id of each user (cache row), so a
+    prompt's draws do not depend on which row or batch it runs in (default: the user's own index); the seed, or fresh
+    OS entropy when there is none."""
 
-    def __init__(self, base_seed: int):
-        self.base_seed = base_seed
-        self.generators: dict[tuple[int, str], torch.Generator] = {}
+    def __init__(self, params: SamplingParams, requests: Optional[Sequence[int]] = None):
+        self.params, self.requests = params, requests
+        self.seed = params.seed if params.seed is not None else secrets.randbits(63)
 
-    def seed_of(self, stream: int) -> int:
-        """A seed in [0, 2^63) for torch's manual_seed, whatever the base (torch.seed() values reach 2^64)."""
-        return _mix64(_mix64(self.base_seed) + GOLDEN64 * (stream + 1)) >> 1
+    def key(self, user: int, position: int) -> int:
+        """A seed in [0, 2^63) for torch's manual_seed, from (seed, request, position) alone."""
+        request = self.requests[user] if self.requests is not None else user
+        return _mix64(_mix64(_mix64(self.seed) + GOLDEN64 * (request + 1)) + GOLDEN64 * (position + 1)) >> 1
 
-    def __call__(self, stream: int, device: Union[str, torch.device] = "cpu") -> torch.Generator:
-        device = torch.device(device)
-        key = (stream, str(device))
-        if key not in self.generators:
-            g = torch.Generator(device=device)
-            g.manual_seed(self.seed_of(stream))
-            self.generators[key] = g
-        return self.generators[key]
+    def sample(self, probs: torch.Tensor, user: int, position: int) -> int:
+        """The token at `position` of the user's request under probabilities `probs` [V]. The noise is drawn on the
+        CPU (so the token does not depend on the device); -log(0) = inf only takes a token out of the race."""
+        noise = torch.rand(probs.numel(), generator=torch.Generator().manual_seed(self.key(user, position)))
+        return int((probs.cpu() / noise.log_().neg_()).argmax())
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -91,64 +91,20 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs
 
 
-def sample(probs: torch.Tensor, rng: torch.Generator) -> int:
-    return int(torch.multinomial(probs, 1, generator=rng))
+class TargetSamples:
+    """The target's keyed draw after each row of a step (rows: [last token, drafts...], or a tree's nodes), each
+    computed when first read: verification reads rows only up to the first rejection. positions[r]: the position of
+    the token row r predicts."""
 
+    def __init__(self, sampler: KeyedSampler, user: int, logits: torch.Tensor, positions: Sequence[int]):
+        self.sampler, self.user, self.logits, self.positions = sampler, user, logits, positions
+        self.drawn: dict[int, int] = {}
 
-def verify_rejection(draft: Sequence[int], draft_probs: Optional[Sequence[torch.Tensor]], target_probs: torch.Tensor,
-                     rng: torch.Generator) -> list[int]:
-    """Tokens to append: the accepted draft prefix plus one token from the target (residual or bonus).
+    def __len__(self) -> int:
+        return len(self.positions)
 
-    target_probs [len(draft) + 1, V]: the target's distribution after the last accepted token and after each draft.
-    draft_probs: the draft model's distribution q for each draft token, or None for a point-mass (suffix) draft.
-    """
-    assert target_probs.shape[0] == len(draft) + 1, "the target must score the last accepted token and every draft"
-    out = []
-    for i, x in enumerate(draft):
-        p = target_probs[i]
-        q = draft_probs[i] if draft_probs is not None else None
-        q_x = float(q[x]) if q is not None else 1.0
-        if float(torch.rand((), generator=rng, device=rng.device)) * q_x < float(p[x]):  # u < p(x) / q(x), without dividing
-            out.append(x)
-            continue
-        if q is None:
-            residual = p.clone()
-            residual[x] = 0.0
-        else:
-            residual = torch.clamp(p - q, min=0.0)
-        total = float(residual.sum())
-        out.append(sample(residual / total if total > 0 else p, rng))
-        return out
-    out.append(sample(target_probs[len(draft)], rng))
-    return out
-
-
-def verify_rejection_tree(tokens: Sequence[int], parents: Sequence[int], target_probs: torch.Tensor,
-                          rng: torch.Generator) -> tuple[list[int], list[int]]:
-    """Rejection sampling down a tree of point-mass drafts (SpecInfer's multi-candidate verification): at each
-    node its children are tried in turn, child x accepted with probability r(x) where r is the target's distribution
-    with the children tried before removed and renormalised; an accepted child continues the walk, and when all are
-    rejected the next token is sampled from r. Each step's token is distributed exactly as sampling the target:
-    P(x) = p(x) for a child tried first, and (1 - p(tried)) * p(x) / (1 - p(tried)) = p(x) for the rest.
-
-    target_probs [len(tokens) + 1, V]: after the context's last token, then after each node. Returns the tokens to
-    append and the accepted path (draft indices)."""
-    from .verification import children_of
-
-    children = children_of(parents)
-    out, path, node = [], [], -1
-    while True:
-        residual = target_probs[node + 1].clone()
-        for child in children.get(node, ()):
-            x = tokens[child]
-            total = float(residual.sum())
-            if total > 0 and float(torch.rand((), generator=rng, device=rng.device)) * total < float(residual[x]):
-                out.append(x)
-                path.append(child)
-                node = child
-                break
-            residual[x] = 0.0
-        else:
-            total = float(residual.sum())
-            out.append(sample(residual / total if total > 0 else target_probs[node + 1], rng))
-            return out, path
+    def __getitem__(self, r: int) -> int:
+        if r not in self.drawn:
+            probs = probabilities(self.logits[r], self.sampler.params)
+            self.drawn[r] = self.sampler.sample(probs, self.user, self.positions[r])
+        return self.drawn[r]

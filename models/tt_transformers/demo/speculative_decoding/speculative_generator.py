@@ -3,11 +3,12 @@
 
 It speaks only to the `CausalLM` backend interface and the `Drafter` interface: the same loop runs the torch
 backend and the ttnn backend on a Tenstorrent device. With no drafter (or n_draft_tokens 0) it is plain
-autoregressive decoding on the same backend, which is what speed is compared against. Greedy settings verify by
-exact match on the target's token ids (all a device sends back); sampling settings verify by rejection sampling on
-the target's logits for the verified rows, so both paths are lossless. Each step's drafts are sized across users
-to the backend's row budget (`CausalLM.max_step_rows`: one 32-row tile on a TT device), and priced by its
-`step_cost`.
+autoregressive decoding on the same backend, which is what speed is compared against. A draft token is accepted iff
+it equals the target's own token at its position: the argmax when greedy (all a device sends back), else the keyed
+draw from the target's logits for that row, seeded by (seed, request, position) alone (sampling.py). Either way
+every token appended is the one plain decoding appends there, so both paths are lossless. Each step's drafts are
+sized across users to the backend's row budget (`CausalLM.max_step_rows`: one 32-row tile on a TT device), and
+priced by its `step_cost`.
 """
 import time
 from collections import Counter
@@ -18,13 +19,8 @@ from loguru import logger
 
 from models.tt_transformers.speculative.backend import MAX_DRAFT_TOKENS, CausalLM, StepOutput, UserRows, extra_cost_curve
 from models.tt_transformers.speculative.drafters import Draft, Drafter, Verified
-from models.tt_transformers.speculative.sampling import (
-    SamplingParams,
-    probabilities,
-    verify_rejection,
-    verify_rejection_tree,
-)
-from models.tt_transformers.speculative.verification import verify_greedy, verify_greedy_tree
+from models.tt_transformers.speculative.sampling import KeyedSampler, SamplingParams, TargetSamples
+from models.tt_transformers.speculative.verification import verify_chain, verify_tree
 
 
 @dataclass
@@ -80,7 +76,6 @@ class SpeculativeGenerator:
         self.eos_token_ids = set(eos_token_ids)
         self.sampling = sampling_params or SamplingParams()
         self.log_iterations = log_iterations
-        self.streams = None
 
     def check_prompts(self, prompts: Sequence[Sequence[int]]) -> None:
         if not prompts:
@@ -98,16 +93,20 @@ class SpeculativeGenerator:
                 raise ValueError(f"prompt {i} has {len(p)} tokens, which leaves no room to generate within "
                                  f"max_seq_len={self.target.max_seq_len}; raise --max_seq_len or shorten the prompt")
 
-    def generate(self, prompts: Sequence[Sequence[int]], max_generated_tokens: int,
-                 stop_at_eos: bool = True) -> list[UserResult]:
+    def generate(self, prompts: Sequence[Sequence[int]], max_generated_tokens: int, stop_at_eos: bool = True,
+                 requests: Optional[Sequence[int]] = None) -> list[UserResult]:
+        """requests: an id per prompt that keys its random draws (default: its index), so a prompt samples the same
+        tokens whatever batch it runs in."""
         self.check_prompts(prompts)
         if max_generated_tokens < 1:
             raise ValueError(f"max_generated_tokens must be >= 1, got {max_generated_tokens}")
+        if requests is not None and len(requests) != len(prompts):
+            raise ValueError(f"{len(requests)} request ids for {len(prompts)} prompts")
         users = list(range(len(prompts)))
         results = [UserResult(list(p)) for p in prompts]
         contexts = [list(p) for p in prompts]
 
-        self.streams = None if self.sampling.greedy else self.sampling.streams()
+        sampler = KeyedSampler(self.sampling, requests)
         taps = self.drafter.taps if self.drafter is not None else ()  # a draft head drafts from them
         prompt_hidden = []
         # Prefill one user at a time, as TT-Transformers does; the first token comes from the prefill.
@@ -115,7 +114,7 @@ class SpeculativeGenerator:
             start = time.perf_counter()
             out = self.target.prefill(u, contexts[u], logits=not self.sampling.greedy, taps=taps)
             prompt_hidden.append(out.hidden[0] if taps else None)
-            first = self._accept([u], [Draft([], "none")], out)[0][0]
+            first = self._target_tokens(sampler, UserRows(u, contexts[u][-1:], len(contexts[u]) - 1), out, 0)[0]
             results[u].ttft_ms = (time.perf_counter() - start) * 1e3
             contexts[u].append(first)
             results[u].output_tokens.append(first)
@@ -123,7 +122,7 @@ class SpeculativeGenerator:
             # The draft model's prefill (or the automaton's build) happens after the first token and before the
             # second, so it is decode time: every user waits for it, as for an iteration.
             start = time.perf_counter()
-            self.drafter.start(users, prompts, self.sampling, prompt_hidden if taps else None)
+            self.drafter.start(users, prompts, sampler, prompt_hidden if taps else None)
             draft_prefill_s = time.perf_counter() - start
             for r in results:
                 r.decode_s += draft_prefill_s
@@ -146,7 +145,7 @@ class SpeculativeGenerator:
                     for u, d in zip(active, drafts)]
             top_k = self.drafter.top_k if self.drafter is not None else 0
             out = self.target.step(rows, logits=not self.sampling.greedy, top_k=top_k, taps=taps)
-            verified = self._verify(active, drafts, rows, out)
+            verified = self._verify(sampler, drafts, rows, out)
             ms = (time.perf_counter() - start) * 1e3
             produced = accepted = 0
             for u, draft, v in zip(active, drafts, verified):
@@ -176,31 +175,28 @@ class SpeculativeGenerator:
                         f"{unlogged_accepted}/{unlogged_drafted} (--log_iterations -1 logs each)")
         return results
 
-    def _accept(self, users: list[int], drafts: list[Draft], out: StepOutput) -> list[list[int]]:
-        """The tokens each user appends after a target forward over [last token, drafts...] (or a prefill, whose
-        output is the last token's): accepted drafts plus one token from the target."""
+    def _target_tokens(self, sampler: KeyedSampler, rows: UserRows, out: StepOutput, i: int):
+        """The target's own token after each of the user's rows (the i-th user of `out`): its argmax, or its keyed
+        draw for the position the row predicts (a tree node sits at its depth)."""
         if self.sampling.greedy:
-            return [verify_greedy(d.tokens, ids) for d, ids in zip(drafts, out.ids)]
-        return [verify_rejection(d.tokens, d.probs, probabilities(lg, self.sampling), self.streams(u, lg.device))
-                for u, d, lg in zip(users, drafts, out.logits)]
+            return out.ids[i]
+        depth = [0] * len(rows.tokens)
+        for r, parent in enumerate(rows.parents or range(-1, len(rows.tokens) - 1)):
+            depth[r] = depth[parent] + 1 if parent >= 0 else 0
+        return TargetSamples(sampler, rows.user, out.logits[i], [rows.start_pos + d + 1 for d in depth])
 
-    def _verify(self, users: list[int], drafts: list[Draft], rows: list[UserRows], out: StepOutput) -> list[Verified]:
+    def _verify(self, sampler: KeyedSampler, drafts: list[Draft], rows: list[UserRows], out: StepOutput
+                ) -> list[Verified]:
         """Verification of each user's chain or tree; a tree's accepted path then moves to its true positions."""
-        chains = [i for i, d in enumerate(drafts) if d.parents is None]
-        appended = dict(zip(chains, self._accept([users[i] for i in chains], [drafts[i] for i in chains],
-                                                 StepOutput([out.ids[i] for i in chains],
-                                                            out.logits and [out.logits[i] for i in chains]))))
         verified = []
-        for i, (u, d, r) in enumerate(zip(users, drafts, rows)):
+        for i, (d, r) in enumerate(zip(drafts, rows)):
+            target = self._target_tokens(sampler, r, out, i)
             if d.parents is None:
-                new, path = appended[i], list(range(len(appended[i]) - 1))
+                new = verify_chain(d.tokens, target)
+                path = list(range(len(new) - 1))
             else:
-                if self.sampling.greedy:
-                    new, path = verify_greedy_tree(d.tokens, d.parents, out.ids[i])
-                else:
-                    new, path = verify_rejection_tree(d.tokens, d.parents, probabilities(out.logits[i], self.sampling),
-                                                      self.streams(u, out.logits[i].device))
-                self.target.commit_path(u, r.start_pos, [0] + [j + 1 for j in path])
+                new, path = verify_tree(d.tokens, d.parents, target)
+                self.target.commit_path(r.user, r.start_pos, [0] + [j + 1 for j in path])
             verified.append(Verified(new, path, r.tokens, out.top_ids[i] if out.top_ids else None,
                                      out.hidden[i] if out.hidden else None))
         return verified
