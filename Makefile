@@ -10,7 +10,7 @@ DEMO := models/tt_transformers/demo/speculative_decoding/speculative_demo.py
 
 ARCTIC := $(VENV)/.arctic-installed
 
-.PHONY: demo test test-slow check-ttnn-api tt-mock check-eagle3 tt-smoke train-draft-head bench bench-suffix bench-batch bench-verify-cost install
+.PHONY: demo test test-slow check-ttnn-api tt-mock check-eagle3 tt-smoke train-draft-head bench bench-suffix bench-batch bench-verify-cost bench-contention install
 install: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
@@ -53,6 +53,10 @@ bench-batch: $(STAMP)
 
 bench-verify-cost: $(STAMP)
 	$(PY) benchmarks/bench_verify_cost.py $(ARGS)
+
+# Quiet and beside a CPU-bound process, the package's thread count and OMP_NUM_THREADS=1 (one run, fresh processes).
+bench-contention: $(STAMP)
+	$(PY) benchmarks/bench_contention.py $(ARGS)
 
 # The real ttnn 0.81.1 wheel in its own venv (cp310/cp312 only; PYTHON_TT=python3.10 works too): Python 3.12 or
 # 3.10, ttnn, numpy<2 and PyPI's torch (~5.5 GB: a CUDA build, run on the CPU), Debian's RISC-V binutils and our

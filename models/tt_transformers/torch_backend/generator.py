@@ -8,6 +8,7 @@ import torch
 
 from ..speculative.backend import MAX_DRAFT_TOKENS, StepOutput, UserRows
 from .attention import ExactToken
+from .cpu_threads import fit_threads
 from .model import KVCache, Transformer
 
 
@@ -108,6 +109,8 @@ class TorchCausalLM:
 
     def _run(self, tokens, start_pos, users, last_only, parents, taps):
         """(logits per user, tapped states per user [len(tokens[u]), len(taps) * dim] when `taps`, else None)."""
+        if self.model.device.type == "cpu":
+            fit_threads()  # the threads other processes leave free (cpu_threads.py)
         lengths = [len(t) for t in tokens]
         if not len(tokens) == len(start_pos) == len(users) or min(lengths) < 1:
             raise ValueError("a step needs one start position, one cache row and at least one token per user")

@@ -11,6 +11,7 @@ from typing import Optional
 
 from models.tt_transformers.demo.speculative_decoding.inputs import PACKAGE_ROOT, DemoInputError
 from models.tt_transformers.demo.speculative_decoding.speculative_generator import UserResult
+from models.tt_transformers.torch_backend.cpu_threads import cpu_seconds
 
 
 SPEEDUP_SLACK = 1.15  # a speculative step costs at least a plain one: beyond tokens per forward by this, time lied
@@ -62,18 +63,6 @@ def environment(device: str) -> dict:
             "cpu_count": os.cpu_count(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
             "torch_threads": torch.get_num_threads(), "python": platform.python_version(), "torch": torch.__version__,
             "device": device, "git_commit": commit}
-
-
-def cpu_seconds() -> Optional[tuple[float, float]]:
-    """(CPU seconds every process has run, this process's), now: /proc/stat's busy time and os.times (None where
-    there is no /proc/stat)."""
-    stat = Path("/proc/stat")
-    if not stat.is_file():
-        return None
-    fields = [int(v) for v in stat.read_text().split("\n", 1)[0].split()[1:]]
-    busy = sum(fields) - fields[3] - fields[4]  # all but idle and iowait; steal counts: another guest ran
-    times = os.times()
-    return busy / os.sysconf("SC_CLK_TCK"), times.user + times.system
 
 
 class LoadMeter:
