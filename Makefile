@@ -27,7 +27,7 @@ demo: $(STAMP)
 
 # Tests needing a Tenstorrent device, CUDA or --run_slow are collected and reported as skipped, with the reason.
 test: $(STAMP)
-	$(PY) -m pytest tests $(DEMO) --max_generated_tokens 32 -q -rs $(ARGS)
+	$(PY) -m pytest tests $(DEMO) --max_generated_tokens 32 -q -rs -n auto $(ARGS)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest tests $(DEMO) -m slow --run_slow -q -rs $(ARGS)

@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from models.tt_transformers.demo.speculative_decoding.speculative_demo import DRAFT_HEADS, encode
+from models.tt_transformers.demo.speculative_decoding.inputs import DRAFT_HEADS, encode
 from models.tt_transformers.demo.speculative_decoding.speculative_generator import SpeculativeGenerator
 from models.tt_transformers.speculative.draft_memory import DraftMemory
 from models.tt_transformers.speculative.drafters import HybridDrafter, ModelDrafter, SuffixDrafter

@@ -27,6 +27,7 @@ error texts are the ones in the ttnn 0.81.1 wheel's libraries).
 """
 import builtins
 import math
+import os
 import types
 import warnings
 import weakref
@@ -775,8 +776,10 @@ def as_tensor(tensor, dtype=None, *, layout=ROW_MAJOR_LAYOUT, device=None, memor
     host = from_torch(preprocess(tensor) if preprocess else tensor, dtype, layout=layout, memory_config=memory_config,
                       mesh_mapper=None if isinstance(mesh_mapper, ReplicateTensorToMesh) else mesh_mapper)
     path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # whole or absent: tests run in parallel processes
     torch.save({"data": host.data, "dtype": host.dtype, "layout": host.layout, "shards": host.shards,
-                "mem": (host.mem.memory_layout, host.mem.buffer_type, host.mem.shard_spec)}, path)
+                "mem": (host.mem.memory_layout, host.mem.buffer_type, host.mem.shard_spec)}, partial)
+    partial.replace(path)
     return to_device(host, device, memory_config) if device is not None else host
 
 
