@@ -255,10 +255,10 @@ class TtnnDraftHead:
         self.page_table = torch.arange(target.max_batch_size * self.blocks, dtype=torch.int32).view(
             target.max_batch_size, self.blocks)
         self.embedding = embedding.to(torch.bfloat16)  # the feed's next tokens are looked up on the host
-        self.cache_dir = cache_dir or cache_root() / "tt_draft_heads" / head_id(config, weights, self.mesh.dram_grid_size().x)
+        banks = self.mesh.dram_grid_size().x
+        self.cache_dir = cache_dir or cache_root() / "tt_draft_heads" / head_id(config, weights, banks)
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         host = head_weights(config, weights)
-        banks = self.mesh.dram_grid_size().x
         self.matmuls = {name: [DecodeMatmul.build(self.mesh, w.shape[0], columns,
                                                   a.n_heads if name.endswith("wo.weight") else None)
                                for columns in column_chunks(w.shape[1], banks)]
