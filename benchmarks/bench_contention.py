@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """The CPU path on a busy machine (`make bench-contention`): ms per token of plain and speculative decoding (the demo's
 default mode, the embedded model), quiet and beside one CPU-bound competitor (a Python busy loop), with the thread
-count the package picks (torch_backend/cpu_threads.py: the cores other processes leave free) and with
-OMP_NUM_THREADS=1, all in one run. Each cell is the demo in a fresh process (its thread settings apply from the
+count the package picks (torch_backend/cpu_threads.py: the cores other processes leave free), with every core
+whatever the load (OMP_NUM_THREADS = the core count: torch's default, what ran before) and with OMP_NUM_THREADS=1, all
+in one run. Each cell is the demo in a fresh process (its thread settings apply from the
 start), its figures from the demo's JSON report (the speculative run and its plain baseline, back to back). Writes a
 table, bench_results/bench_contention.json and a chart; docs/results.md carries the table.
 """
@@ -14,7 +15,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from common import REPO, machine_info
+
 DEMO = REPO / "models/tt_transformers/demo/speculative_decoding/speculative_demo.py"
 COMPETITOR = "while True: pass"
 
@@ -69,16 +71,12 @@ def main():
     out.parent.mkdir(parents=True, exist_ok=True)
     cells = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for threads in ("package", "1"):
+        for threads in ("package", str(os.cpu_count()), "1"):
             for loaded in (False, True):
-                name = f"{'package threads' if threads == 'package' else 'OMP_NUM_THREADS=1'}, " \
+                name = f"{'package threads' if threads == 'package' else f'OMP_NUM_THREADS={threads}'}, " \
                        f"{'loaded' if loaded else 'quiet'}"
                 cells[name] = demo_cell(threads, loaded, args.max_generated_tokens, Path(tmp))
                 print(f"{name}: {cells[name]}", flush=True)
-    env = json.loads(subprocess.run([sys.executable, "-c", "import json, sys; sys.path.insert(0, sys.argv[1]); "
-                                     "from models.tt_transformers.demo.speculative_decoding.report import environment; "
-                                     "print(json.dumps(environment('cpu')))", str(REPO)],
-                                    capture_output=True, text=True, check=True).stdout)
     print(f"\n| threads, load | plain ms/token | speculative ms/token | speedup | loaded / quiet (plain, spec.) |")
     print("|---|---|---|---|---|")
     for name, c in cells.items():
@@ -87,7 +85,7 @@ def main():
                 f"{c['speculative_ms_per_token'] / quiet['speculative_ms_per_token']:.2f}x"
         print(f"| {name} | {c['plain_ms_per_token']:.1f} | {c['speculative_ms_per_token']:.1f} | {c['speedup']:.2f}x | "
               f"{ratio if 'loaded' in name else ''} |")
-    out.write_text(json.dumps({"environment": env, "max_generated_tokens": args.max_generated_tokens,
+    out.write_text(json.dumps({"environment": machine_info(), "max_generated_tokens": args.max_generated_tokens,
                                "competitor": COMPETITOR, "cells": cells}, indent=1))
     plot(cells, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")

@@ -9,8 +9,8 @@ then the target's draw at its position whatever drafted (drafter-invariant specu
 arXiv 2408.07978): lossless, and token-identical to plain sampling with the same seed wherever the target's
 probabilities for a position do not depend on how many rows its step carried. Drafters that sample (a draft model,
 a head's chains) draw from q with the same key, so a draft equals the target's draw whenever the same noise picks
-the same token from q as from p: always when q = p, and within a few percent of rejection sampling's acceptance,
-1 - TV(p, q), where measured (docs/draft_sources.md). Copied, recycled and tree drafts are accepted with
+the same token from q as from p: always when q = p, otherwise a little less often than rejection sampling's
+1 - TV(p, q) (docs/draft_sources.md). Copied, recycled and tree drafts are accepted with
 probability p(x), as under rejection sampling.
 """
 import math

@@ -3,9 +3,9 @@
 
 torch and the bf16 CPU kernels share one OpenMP runtime (torch loads its libgomp.so.1 first and the kernels'
 dependency on libgomp.so.1 resolves to it), so one thread count, torch.set_num_threads, governs both. Its default is
-every core, and OpenMP threads spin at each barrier: beside one CPU-bound process on this project's 2-core VM a
-decode step of the embedded model went from 11.6 ms (2 threads, quiet) to 41 ms, while 1 thread gave 17.4 ms
-(benchmarks/bench_contention.py has the table). So the count follows the load: the cores this process may use
+every core, and OpenMP threads spin at each barrier: beside one CPU-bound process on this project's 2-core VM plain
+decoding of the embedded model went from 9.3 to 29.4 ms a token with 2 threads, 14.5 ms with 1
+(`make bench-contention`, docs/results.md). So the count follows the load: the cores this process may use
 (affinity, a cgroup quota), less those other processes kept busy over the last interval (/proc/stat against this
 process's own CPU time). An OMP_NUM_THREADS the user set is left alone.
 """
