@@ -25,8 +25,11 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(PY) $(DEMO) $(ARGS)
 
-# Tests needing a Tenstorrent device, CUDA or --run_slow are collected and reported as skipped, with the reason.
+# Tests needing a Tenstorrent device, CUDA or --run_slow are collected and reported as skipped, with the reason. The
+# aarch64 kernels' tests cross-compile and run under qemu-user: tests/cross/setup.sh installs Debian's
+# gcc-aarch64-linux-gnu and qemu-user where this machine allows it (else those tests are skipped with the reason).
 test: $(STAMP)
+	@bash tests/cross/setup.sh
 	$(PY) -m pytest tests $(DEMO) --max_generated_tokens 32 -q -rs -n auto $(ARGS)
 
 test-slow: $(STAMP)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from models.tt_transformers.torch_backend.checkpoint import cache_root, load_model, load_tokenizer, resolve_checkpoint
+from models.tt_transformers.torch_backend.cpu_isa import this_process_paths
 from models.tt_transformers.torch_backend.cpu_kernels import load_cpu_kernels
 from models.tt_transformers.torch_backend.model import Transformer
 from models.tt_transformers.torch_backend.model_config import ModelArgs
@@ -15,11 +16,25 @@ from .stand_in_backend import plain_outputs, prompts, tt  # noqa: F401  (fixture
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
-# The bf16 CPU kernels the embedded model runs on here (None on CPUs without AVX512-BF16: tests that need them
-# are then skipped with that reason, and the torch-ops fallback is what every other test exercises).
+# The bf16 CPU kernels the embedded model runs on here: the path this CPU (or TT_CPU_ISA) picks; None without a C
+# compiler, or with TT_CPU_KERNELS=0: tests that need them are then skipped with that reason.
 CPU_KERNELS = load_cpu_kernels(cache_root() / "kernels")
-needs_cpu_kernels = pytest.mark.skipif(CPU_KERNELS is None, reason="bf16 CPU kernels need x86-64 with AVX512-BF16 "
-                                                                 "and a C compiler")
+needs_cpu_kernels = pytest.mark.skipif(CPU_KERNELS is None, reason="the bf16 CPU kernels need a C compiler (CC) and "
+                                                                 "TT_CPU_KERNELS unset")
+# Every path this CPU can run (cpu_isa.PATHS; from TT_CPU_ISA's down where it is set): the kernel, row-invariance and
+# lossless tests run on each, so a machine with AVX-512 proves the AVX2 and portable paths too.
+CPU_PATHS = [p.name for p in this_process_paths()] if CPU_KERNELS is not None else []
+every_cpu_path = pytest.mark.parametrize("cpu_path", CPU_PATHS or [pytest.param(None, marks=needs_cpu_kernels)])
+
+
+def kernels_of(cpu_path):
+    """The kernels built for one path (every_cpu_path's parameter)."""
+    return load_cpu_kernels(cache_root() / "kernels", cpu_path)
+
+
+# Every CPU path this machine runs, then torch ops (None): for tests of a property both must keep.
+every_cpu_path_and_torch_ops = pytest.mark.parametrize(
+    "cpu_path", [*CPU_PATHS, pytest.param(None, id="torch-ops")])
 
 
 @pytest.fixture(scope="session")

@@ -1,8 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The bf16 CPU kernels (cpu_kernels.c): close to torch's results, and bit-exact however a step is packed (the
-property lossless verification rests on); a failed build falls back to torch ops and leaves nothing behind."""
+"""The bf16 CPU kernels (cpu_kernels.c) on every path this CPU runs: bit for bit the arithmetic of the Python reference
+(tests/cpu_kernels_reference.py), close to torch's results, and bit-exact however a step is packed (the property
+lossless verification rests on); a failed build falls back to torch ops and leaves nothing behind."""
 import copy
 
+import numpy as np
 import pytest
 import torch
 
@@ -13,29 +15,131 @@ from models.tt_transformers.torch_backend.cpu_kernels import StepTable
 from models.tt_transformers.torch_backend.generator import TorchCausalLM
 from models.tt_transformers.torch_backend.model import Transformer
 
-from .conftest import CPU_KERNELS, needs_cpu_kernels, random_model
+from . import cpu_kernels_reference as reference
+from .conftest import CPU_KERNELS, CPU_PATHS, every_cpu_path, kernels_of, needs_cpu_kernels, random_model
 
 pytestmark = needs_cpu_kernels
 
 
+def bits(t: torch.Tensor) -> np.ndarray:
+    """A bf16 tensor's bit patterns (what the reference reads)."""
+    return t.contiguous().view(torch.int16).numpy().view(np.uint16)
+
+
+def odd_first(cpu_path: str) -> bool:
+    """vdpbf16ps adds a pair's odd product first; the widened paths add the even one first."""
+    return cpu_path == "avx512bf16"
+
+
+@every_cpu_path
 @pytest.mark.parametrize("n_out,n_in", [(960, 576), (576, 1536), (50, 64), (49152, 576)])
-def test_linear_close_to_float_and_row_invariant(n_out, n_in):
+def test_linear_close_to_float_and_row_invariant(cpu_path, n_out, n_in):
+    kernels = kernels_of(cpu_path)
     torch.manual_seed(0)
     w = torch.randn(n_out, n_in, dtype=torch.bfloat16)
     x = torch.randn(70, n_in, dtype=torch.bfloat16)
-    packed = CPU_KERNELS.pack_weight(w)
-    full = CPU_KERNELS.linear(x, packed, n_out, torch.float32)
-    reference = x.float() @ w.float().T
-    assert (full - reference).abs().max() <= 1e-5 * reference.abs().max()  # only the summation order differs
-    for m in (1, 2, 3, 5, 17, 65):
-        assert torch.equal(CPU_KERNELS.linear(x[:m], packed, n_out, torch.float32), full[:m]), m
-    assert torch.equal(CPU_KERNELS.linear(x, packed, n_out, torch.bfloat16), full.bfloat16())
+    packed = kernels.pack_weight(w)
+    full = kernels.linear(x, packed, n_out, torch.float32)
+    reference_matmul = x.float() @ w.float().T
+    assert (full - reference_matmul).abs().max() <= 1e-5 * reference_matmul.abs().max()  # only the order differs
+    for m in (1, 2, 3, 4, 5, 6, 9, 17, 65):
+        assert torch.equal(kernels.linear(x[:m], packed, n_out, torch.float32), full[:m]), m
+    assert torch.equal(kernels.linear(x, packed, n_out, torch.bfloat16), full.bfloat16())
     threads = torch.get_num_threads()
     try:  # each output is summed by one thread in one order: the thread count cannot change it
         torch.set_num_threads(1)
-        assert torch.equal(CPU_KERNELS.linear(x, packed, n_out, torch.float32), full)
+        assert torch.equal(kernels.linear(x, packed, n_out, torch.float32), full)
     finally:
         torch.set_num_threads(threads)
+
+
+@every_cpu_path
+def test_linear_is_the_reference_arithmetic(cpu_path):
+    """Float32 outputs equal the reference's bit for bit, and the pair order matters: the other order would not."""
+    kernels = kernels_of(cpu_path)
+    torch.manual_seed(1)
+    w = torch.randn(96, 160, dtype=torch.bfloat16)
+    x = torch.randn(7, 160, dtype=torch.bfloat16)
+    got = kernels.linear(x, kernels.pack_weight(w), 96, torch.float32).numpy()
+    assert np.array_equal(got, reference.linear(bits(x), bits(w), odd_first(cpu_path)))
+    assert not np.array_equal(got, reference.linear(bits(x), bits(w), not odd_first(cpu_path)))
+
+
+def layer_case(head_dim, n_heads, n_kv_heads, tokens, seed=0):
+    """A one-layer bf16 model, a packed step's tokens, its residual stream and caches filled with earlier keys."""
+    model = random_model(torch.bfloat16, max_seq_len=96, std=0.3, seed=seed, dim=256, n_layers=1, head_dim=head_dim,
+                         n_heads=n_heads, n_kv_heads=n_kv_heads, hidden_dim=512, vocab_size=100)
+    torch.manual_seed(seed)
+    caches = [(torch.randn(2, n_kv_heads, 97, head_dim) * 0.5).bfloat16() for _ in range(2)]
+    return model, StepTable.of(tokens), torch.randn(1, len(tokens), 256).bfloat16(), caches
+
+
+# 32 chain tokens of two users, and a token tree rooted at slot 5 (as TorchCausalLM._exact_tokens makes it): two
+# children of the root, and a child of the second
+CHAINS = [ExactToken(i, i % 2, 40 + i // 2, 40 + i // 2, 0, 41 + i // 2) for i in range(32)]
+TREE = [ExactToken(0, 0, 5, 5, 0, 5, (5,)), ExactToken(1, 0, 6, 6, 0, 5, (5, 6)), ExactToken(2, 0, 7, 6, 0, 5, (5, 7)),
+        ExactToken(3, 0, 8, 7, 0, 5, (5, 7, 8))]
+WINDOWED = [ExactToken(i, 1, 60 + i, 60 + i, 60 + i - 7, 61 + i) for i in range(5)]  # a sliding window of 8
+
+
+@every_cpu_path
+@pytest.mark.parametrize("head_dim,n_heads,n_kv_heads,tokens", [
+    (64, 3, 1, CHAINS), (32, 4, 2, CHAINS), (96, 6, 1, TREE), (128, 2, 1, WINDOWED)],
+    ids=["chains-d64", "chains-d32", "tree-d96", "window-d128"])
+def test_decoder_layer_is_the_reference_arithmetic(cpu_path, head_dim, n_heads, n_kv_heads, tokens):
+    """A whole decoder layer of a packed step (norms, linears, rotary, cache writes, attention over chains, a tree and
+    a sliding window, SiLU) equals the reference bit for bit: the residual stream and both caches."""
+    kernels = kernels_of(cpu_path)
+    model, table, x, (k_cache, v_cache) = layer_case(head_dim, n_heads, n_kv_heads, tokens)
+    layer = model.layers[0]
+    weights = [bits(t.data) for t in (layer.attention_norm.weight, layer.attention.wqkv.weight, layer.attention.wo.weight,
+                                      layer.ffn_norm.weight, layer.feed_forward.w_gate_up.weight,
+                                      layer.feed_forward.w_down.weight)]
+    want_k, want_v = bits(k_cache).copy(), bits(v_cache).copy()
+    want = reference.decoder_layer(bits(x[0]), model.args, weights, table.tensor.numpy(), table.ancestors.numpy(),
+                                   bits(model.rope_cos), bits(model.rope_sin), want_k, want_v, odd_first(cpu_path))
+    model.use_cpu_kernels(kernels)
+    got = kernels.decoder_layer(x, model.args, model.layers[0].kernel_weights, table, model.rope_cos, model.rope_sin,
+                                k_cache, v_cache)
+    assert np.array_equal(bits(got[0]), want)
+    assert np.array_equal(bits(k_cache), want_k) and np.array_equal(bits(v_cache), want_v)
+
+
+def test_the_layer_reference_tells_the_pair_orders_apart():
+    """The negative control of the test above: on its first case the two pair orders give different residual streams,
+    so a path summing in the other order could not pass it."""
+    model, table, x, caches = layer_case(64, 3, 1, CHAINS)
+    layer = model.layers[0]
+    weights = [bits(t.data) for t in (layer.attention_norm.weight, layer.attention.wqkv.weight, layer.attention.wo.weight,
+                                      layer.ffn_norm.weight, layer.feed_forward.w_gate_up.weight,
+                                      layer.feed_forward.w_down.weight)]
+    outs = [reference.decoder_layer(bits(x[0]), model.args, weights, table.tensor.numpy(), table.ancestors.numpy(),
+                                    bits(model.rope_cos), bits(model.rope_sin), *[bits(c).copy() for c in caches], order)
+            for order in (False, True)]
+    assert not np.array_equal(*outs)
+
+
+@pytest.mark.skipif(len([p for p in CPU_PATHS if p != "avx512bf16"]) < 2, reason="fewer than two widened paths here")
+def test_widened_paths_agree_at_the_embedded_models_shapes():
+    """The widened paths do the same operations in the same order: the LM head's float32 logits and a decoder layer of
+    SmolLM2-135M's shape over 300 cached keys (9 query heads on 3 key/value heads, head_dim 64) come out identical."""
+    widened = [kernels_of(p) for p in CPU_PATHS if p != "avx512bf16"]
+    torch.manual_seed(2)
+    w, x = torch.randn(49152, 576, dtype=torch.bfloat16), torch.randn(5, 576, dtype=torch.bfloat16)
+    logits = [k.linear(x, k.pack_weight(w), 49152, torch.float32) for k in widened]
+    assert all(torch.equal(logits[0], other) for other in logits[1:])
+    tokens = [ExactToken(i, 0, 300 + i, 300 + i, 0, 301 + i) for i in range(5)]
+    outs = []
+    for kernels in widened:
+        model = random_model(torch.bfloat16, max_seq_len=320, std=0.05, dim=576, n_layers=1, head_dim=64, n_heads=9,
+                             n_kv_heads=3, hidden_dim=1536, vocab_size=64)
+        model.use_cpu_kernels(kernels)
+        torch.manual_seed(3)
+        k_cache, v_cache = [(torch.randn(1, 3, 321, 64) * 0.5).bfloat16() for _ in range(2)]
+        out = kernels.decoder_layer(torch.randn(1, 5, 576).bfloat16(), model.args, model.layers[0].kernel_weights,
+                                    StepTable.of(tokens), model.rope_cos, model.rope_sin, k_cache, v_cache)
+        outs.append((out, k_cache))
+    assert all(torch.equal(outs[0][0], o) and torch.equal(outs[0][1], k) for o, k in outs[1:])
 
 
 def tiny_bf16_model(head_dim, n_kv_heads, sliding_window, n_heads=4) -> Transformer:
@@ -44,15 +148,16 @@ def tiny_bf16_model(head_dim, n_kv_heads, sliding_window, n_heads=4) -> Transfor
                         sliding_window=sliding_window, model_type="mistral")
 
 
+@every_cpu_path
 @pytest.mark.parametrize("head_dim,n_kv_heads,sliding_window,n_heads", [
     (32, 2, None, 4), (32, 2, 5, 4), (64, 4, None, 4), (128, 1, None, 4), (64, 1, None, 3), (96, 1, None, 6)])
-def test_packed_steps_bit_exact_and_close_to_torch_ops(head_dim, n_kv_heads, sliding_window, n_heads):
+def test_packed_steps_bit_exact_and_close_to_torch_ops(cpu_path, head_dim, n_kv_heads, sliding_window, n_heads):
     """A ragged two-user verification step equals one-token steps bit for bit, and the torch-ops model closely
     (query heads per key/value head: 1, 2, 3 as in SmolLM2, 4, and 6, which the kernel attends in groups of 4 and 2;
     head_dim 96 weighs values in chunks of 64 and 32 lanes)."""
     torch_ops = tiny_bf16_model(head_dim, n_kv_heads, sliding_window, n_heads)
     kernel_model = copy.deepcopy(torch_ops)
-    kernel_model.use_cpu_kernels(CPU_KERNELS)
+    kernel_model.use_cpu_kernels(kernels_of(cpu_path))
     prompts = [[3, 14, 15, 92, 65, 35, 89, 79], [2, 71, 82]]
     drafts = [[32, 38, 46, 26, 43], [83]]
 
@@ -154,8 +259,9 @@ def test_tied_embedding_reads_the_packed_head():
     assert not any(tuple(t.shape) == vocab_by_dim for t in [*model.parameters(), *model.buffers()])  # no unpacked copy
 
 
+@every_cpu_path
 @pytest.mark.parametrize("k", [0, 1, 4, 16])
-def test_argmax_topk_as_torch(k):
+def test_argmax_topk_as_torch(cpu_path, k):
     """The greedy ids are torch.argmax's (the first index on ties, a NaN row as torch has it) and the top k are the
     k largest, descending, ties by lower index; vocabularies not a multiple of the 16-lane vectors included."""
     torch.manual_seed(0)
@@ -167,7 +273,7 @@ def test_argmax_topk_as_torch(k):
     logits[4] = 1.0  # every value tied
     short = torch.randn(2, 7)
     for x in (logits, short):
-        ids, top = CPU_KERNELS.argmax_topk(x, min(k, x.shape[1]))
+        ids, top = kernels_of(cpu_path).argmax_topk(x, min(k, x.shape[1]))
         assert ids == x.argmax(dim=-1).tolist()
         if k == 0:
             assert top is None

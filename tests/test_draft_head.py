@@ -25,7 +25,8 @@ from models.tt_transformers.torch_backend.draft_head import HeadRunner, load_dra
 from models.tt_transformers.torch_backend.generator import TorchCausalLM
 from models.tt_transformers.torch_backend.model_config import ModelArgs
 
-from .conftest import REPO_ROOT, needs_cpu_kernels, random_head, random_model, write_eagle3_head, write_json
+from .conftest import (REPO_ROOT, every_cpu_path_and_torch_ops, kernels_of, needs_cpu_kernels, random_head,
+                       random_model, write_eagle3_head, write_json)
 from .test_lossless_greedy import RecordingDrafter, head_drafter, run, run_results
 from .test_lossless_sampling import (
     ALPHA,
@@ -275,17 +276,15 @@ def test_shipped_head_identical_to_plain_and_accepted(embedded_bf16, embedded_to
     assert drafted > 0 and accepted / drafted > 0.3, (accepted, drafted)
 
 
-@pytest.mark.parametrize("kernels", [pytest.param(True, marks=needs_cpu_kernels), False], ids=["cpu-kernels", "torch-ops"])
-def test_random_heads_identical_to_plain(kernels):
+@every_cpu_path_and_torch_ops
+def test_random_heads_identical_to_plain(cpu_path):
     """Random heads over part of the vocabulary on random models: greedy output is plain decoding's, batched, at the
     end of the cache, with every draft length, in chains and in EAGLE-2 trees."""
     steps = []
     for seed in range(3):
         model = random_model(torch.bfloat16, seed=seed, dim=64, head_dim=32, hidden_dim=96, vocab_size=50)
-        if kernels:
-            from .conftest import CPU_KERNELS
-
-            model.use_cpu_kernels(CPU_KERNELS)
+        if cpu_path:
+            model.use_cpu_kernels(kernels_of(cpu_path))
         prompts = [[1, 2, 3, 4, 1, 2], [5], [7, 8, 9, 10, 11, 12, 13]]
         plain = [run(model, [p], 0, 0, 60)[0] for p in prompts]
         for n_draft in (1, 4, 9):

@@ -483,7 +483,7 @@ def test_truncated_checkpoints_are_named_and_leave_nothing(tmp_path, monkeypatch
     weights.write_bytes(b"\x40" + b"\x00" * 7 + b'{"a": ')  # a header cut inside its JSON
     with pytest.raises(CheckpointError, match="is corrupt or incomplete"):
         load_model(resolve_checkpoint(str(folder)), torch.float32, 64)
-    gguf = checkpoint._embedded_gguf()
+    gguf = checkpoint.embedded_gguf()
     cut = tmp_path / "models" / gguf.name
     cut.parent.mkdir()
     cut.write_bytes(gguf.read_bytes()[:200_000])

@@ -19,7 +19,7 @@ from models.tt_transformers.torch_backend.generator import TorchCausalLM
 from models.tt_transformers.demo.speculative_decoding.inputs import encode
 from models.tt_transformers.demo.speculative_decoding.speculative_generator import SpeculativeGenerator
 
-from .conftest import CPU_KERNELS, random_head, random_model
+from .conftest import CPU_PATHS, every_cpu_path, kernels_of, random_head, random_model
 
 N_TOKENS = 32
 
@@ -111,8 +111,8 @@ def tiny_models(draw):
                          n_layers=draw(st.integers(2, 4)), n_kv_heads=draw(st.sampled_from([1, 2, 4])),
                          head_dim=draw(st.sampled_from([8, 32])), vocab_size=draw(st.sampled_from([7, 64])),
                          tie_word_embeddings=draw(st.booleans()), sliding_window=draw(st.sampled_from([None, 3, 8])))
-    if CPU_KERNELS is not None and model.supports_cpu_kernels():
-        model.use_cpu_kernels(CPU_KERNELS)
+    if CPU_PATHS and model.supports_cpu_kernels():  # on one of the CPU paths this machine runs
+        model.use_cpu_kernels(kernels_of(draw(st.sampled_from(CPU_PATHS))))
     return model
 
 
@@ -244,9 +244,27 @@ def test_longest_drafts_are_lossless(embedded_bf16, embedded_tokenizer):
         assert max(it.drafted for it in result.iterations) >= longest
 
 
+@every_cpu_path
+def test_every_cpu_path_at_the_embedded_shapes(embedded_checkpoint, embedded_tokenizer, sample_prompt_tokens,
+                                               cpu_path):
+    """The real model on each CPU path this machine runs (what an AVX2, AVX-512 or older CPU runs): model, suffix and
+    hybrid drafts for three users at once give each user's batch-1 plain decode on that path, with drafts accepted."""
+    from models.tt_transformers.torch_backend.checkpoint import load_model
+
+    eos = [embedded_tokenizer.eos_token_id]
+    prompts = sample_prompt_tokens[1:4]
+    model = load_model(embedded_checkpoint, torch.bfloat16, 256, cpu_kernels=cpu_path)
+    assert model.kernels.path.name == cpu_path
+    plain = [run(model, [p], 0, 0, 24, eos=eos)[0] for p in prompts]
+    for mode in ("model", "suffix", "hybrid"):
+        results = run_results(model, prompts, 4, 20, 24, eos=eos, mode=mode, sa_threshold=1)
+        assert [r.output_tokens for r in results] == plain, mode
+        assert sum(it.accepted for r in results for it in r.iterations) > 0, mode
+
+
 def test_torch_ops_path_at_the_embedded_shapes(embedded_checkpoint, embedded_tokenizer, sample_prompt_tokens):
-    """The fallback for CPUs without AVX512-BF16 (and TT_CPU_KERNELS=0), bf16 and float32, on the real model: decode
-    and verification steps of three users at once equal each user's batch-1 plain decode."""
+    """The fallback without a C compiler (and TT_CPU_KERNELS=0), bf16 and float32, on the real model: decode and
+    verification steps of three users at once equal each user's batch-1 plain decode."""
     from models.tt_transformers.torch_backend.checkpoint import load_model
 
     eos = [embedded_tokenizer.eos_token_id]

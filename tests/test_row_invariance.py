@@ -12,7 +12,7 @@ from torch import nn
 
 from models.tt_transformers.torch_backend.model import PackedLinear, can_prepack
 
-from .conftest import needs_cpu_kernels
+from .conftest import every_cpu_path_and_torch_ops
 
 SHAPES = [(960, 576), (3072, 576), (576, 1536), (49152, 576)]  # SmolLM2-135M's shapes
 
@@ -68,9 +68,9 @@ def test_exact_attention_takes_non_contiguous_queries_and_outputs(monkeypatch):
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("kernels", [pytest.param(True, marks=needs_cpu_kernels), False], ids=["cpu-kernels", "torch-ops"])
-def test_verification_logits_equal_one_token_steps_on_the_embedded_model(embedded_checkpoint, embedded_bf16,
-                                                                          sample_prompt_tokens, kernels):
+@every_cpu_path_and_torch_ops
+def test_verification_logits_equal_one_token_steps_on_the_embedded_model(embedded_checkpoint, sample_prompt_tokens,
+                                                                          cpu_path):
     """Seeded sampling equals plain sampling only if a row's float32 logits, not just its argmax, do not depend on what
     shares its step: three users' chains of 5 in one step, and a token tree beside two chains, give each row the logits
     of the same position decoded alone, one token per step, bit for bit."""
@@ -78,7 +78,8 @@ def test_verification_logits_equal_one_token_steps_on_the_embedded_model(embedde
     from models.tt_transformers.torch_backend.checkpoint import load_model
     from models.tt_transformers.torch_backend.generator import TorchCausalLM
 
-    model = embedded_bf16 if kernels else load_model(embedded_checkpoint, torch.bfloat16, 256, cpu_kernels=False)
+    model = load_model(embedded_checkpoint, torch.bfloat16, 256, cpu_kernels=cpu_path or False)
+    assert (model.kernels.path.name if model.kernels else None) == cpu_path
     prompts, n = sample_prompt_tokens[:3], 5
     tokens, alone = [], []
     for p in prompts:

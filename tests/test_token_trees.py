@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Token trees: every node verified in one step equals the chain along its path (CPU kernels and torch ops), and
+"""Token trees: every node verified in one step equals the chain along its path (every CPU kernel path and torch ops), and
 greedy and cross-request drafting with trees, recycling and memory stays token-identical to plain decoding."""
 import pytest
 import torch
@@ -7,7 +7,7 @@ import torch
 from models.tt_transformers.speculative.token_tree import build_tree, reference_build_tree
 from models.tt_transformers.torch_backend.generator import TorchCausalLM
 
-from .conftest import CPU_KERNELS, random_model
+from .conftest import every_cpu_path_and_torch_ops, kernels_of, random_model
 
 
 TREE = ([79, 32, 38, 46, 26, 43, 11], [-1, 0, 0, 1, 1, 3, 2])  # a root, two branches, depth 3
@@ -21,17 +21,15 @@ def paths(parents):
     return out
 
 
-@pytest.mark.parametrize("kernels", [pytest.param(True, marks=pytest.mark.skipif(
-    CPU_KERNELS is None, reason="bf16 CPU kernels need x86-64 with AVX512-BF16 and a C compiler")), False],
-    ids=["cpu-kernels", "torch-ops"])
+@every_cpu_path_and_torch_ops
 @pytest.mark.parametrize("sliding_window", [None, 4])
-def test_token_tree_nodes_equal_their_chains(kernels, sliding_window):
+def test_token_tree_nodes_equal_their_chains(cpu_path, sliding_window):
     """Every node of a token tree verified in one step gets the logits of the chain along its path, bit for bit,
     and after commit_path the cache holds the accepted path where a chain would have put it."""
     model = random_model(torch.bfloat16, max_seq_len=96, std=0.3, dim=64, n_layers=2, head_dim=32, n_kv_heads=2,
                          hidden_dim=96, vocab_size=100, sliding_window=sliding_window)
-    if kernels:
-        model.use_cpu_kernels(CPU_KERNELS)
+    if cpu_path:
+        model.use_cpu_kernels(kernels_of(cpu_path))
     prompt = [3, 14, 15, 92, 65, 35, 89]
     tokens, parents = TREE
 

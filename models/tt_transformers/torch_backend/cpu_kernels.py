@@ -3,18 +3,19 @@
 packed decode/verification steps.
 
 They run where torch's own ops fall short on a small CPU: oneDNN streams bf16 weights at about half the
-memory bandwidth for a few rows, and attention in a verification step takes one SDPA call per token. The kernels
-stream the weights once per step at close to bandwidth, attend every token of a step in one call, and keep
-each output's accumulation order independent of how many tokens share a step, so verification stays bit-exact.
+memory bandwidth for a few rows (and needs AVX-512; without it torch's bf16 matmul of several rows converts to
+float32 first), and attention in a verification step takes one SDPA call per token. The kernels stream the weights
+once per step at close to bandwidth, attend every token of a step in one call, and keep each output's accumulation
+order independent of how many tokens share a step, so verification stays bit-exact.
 
-Built with the system C compiler (`CC`, default `cc`) for this CPU on first use and cached under TT_CACHE_PATH;
-they need x86-64 with AVX512-BF16 (Intel Cooper Lake / Sapphire Rapids, AMD Zen 4 and later). Elsewhere, or
-with TT_CPU_KERNELS=0, the model runs on torch ops.
+Built with the system C compiler (`CC`, default `cc`) on first use, for the path cpu_isa.py picks (AVX512-BF16,
+AVX-512, AVX2, NEON or portable C: every CPU has one), and cached under TT_CACHE_PATH. Without a compiler, or with
+TT_CPU_KERNELS=0, the model runs on torch ops.
 """
 import ctypes
 import os
-import platform
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Optional
 
@@ -22,6 +23,7 @@ import torch
 from loguru import logger
 
 from ..native_build import build_library
+from .cpu_isa import BY_NAME, CpuPath, this_process_path
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 BLOCK = 16  # output rows per packed weight block (cpu_kernels.c)
@@ -70,15 +72,17 @@ class CpuKernels:
     contiguity, cache bounds) and raises one clear error; tensor addresses are taken at the call, never stored, and
     the scratch memory is one buffer that grows to the largest step seen."""
 
-    def __init__(self, lib: ctypes.CDLL):
+    def __init__(self, lib: ctypes.CDLL, path: CpuPath):
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        lib.linear_bf16.argtypes = [ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
+        lib.linear_bf16.argtypes = [ptr, ptr, ptr, i64, i64, i64, ctypes.c_int, ptr]
+        lib.linear_workspace_floats.argtypes = [i64, i64]
+        lib.linear_workspace_floats.restype = i64
         lib.decoder_layer.argtypes = ([ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float] + [ptr] * 12 +
                                       [i64, ptr, i64, ctypes.c_int])
         lib.decoder_layer_workspace_bytes.argtypes = [i64] * 7 + [ctypes.c_int]
         lib.decoder_layer_workspace_bytes.restype = i64
         lib.argmax_topk_f32.argtypes = [ptr, i64, i64, ctypes.c_int, ptr, ptr]
-        self.lib = lib
+        self.lib, self.path = lib, path
         self.workspace = torch.empty(0, dtype=torch.uint8)
 
     def __deepcopy__(self, memo):
@@ -128,9 +132,17 @@ class CpuKernels:
         self._check("linear input", x)
         self._check("packed weight", packed, packed_shape(n_out, k))
         y = torch.empty(*x.shape[:-1], n_out, dtype=out_dtype)
-        self.lib.linear_bf16(x.data_ptr(), packed.data_ptr(), y.data_ptr(), x.numel() // k, k, n_out,
-                             int(out_dtype == torch.float32))
+        rows = x.numel() // k
+        workspace = self._workspace(4 * self.lib.linear_workspace_floats(rows, k))
+        self.lib.linear_bf16(x.data_ptr(), packed.data_ptr(), y.data_ptr(), rows, k, n_out,
+                             int(out_dtype == torch.float32), workspace.data_ptr())
         return y
+
+    def _workspace(self, size: int) -> torch.Tensor:
+        """The one scratch buffer, grown to `size` bytes when a step needs more."""
+        if self.workspace.numel() < size:
+            self.workspace = torch.empty(size, dtype=torch.uint8)
+        return self.workspace
 
     MAX_TOP_K = 16
 
@@ -186,32 +198,31 @@ class CpuKernels:
         threads = torch.get_num_threads()
         size = self.lib.decoder_layer_workspace_bytes(n, args.dim, args.hidden_dim, args.n_heads, args.n_kv_heads, D,
                                                       table.max_keys, threads)
-        if self.workspace.numel() < size:
-            self.workspace = torch.empty(size, dtype=torch.uint8)
+        workspace = self._workspace(size)
         x = x.contiguous().clone()
         self.lib.decoder_layer(x.data_ptr(), n, args.dim, args.hidden_dim, args.n_heads, args.n_kv_heads, D,
                                args.norm_eps, *(w.data_ptr() for w in weights), table.tensor.data_ptr(),
                                table.ancestors.data_ptr(), cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
-                               v_cache.data_ptr(), slots, self.workspace.data_ptr(), table.max_keys, threads)
+                               v_cache.data_ptr(), slots, workspace.data_ptr(), table.max_keys, threads)
         return x
 
 
-def _cpu_flags() -> str:
-    try:
-        return next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return ""
-
-
-def load_cpu_kernels(build_dir: Path) -> Optional[CpuKernels]:
-    """Build (first time on this CPU and compiler) and load the kernels; None where they cannot run."""
+def load_cpu_kernels(build_dir: Path, path: Optional[str] = None) -> Optional[CpuKernels]:
+    """The kernels for `path` (default: the one this CPU and TT_CPU_ISA choose), built the first time on this
+    compiler; None where they cannot be built (no compiler) or TT_CPU_KERNELS=0. Loaded once per process."""
     if os.environ.get("TT_CPU_KERNELS", "1") == "0":
         return None
-    flags = _cpu_flags()
-    if platform.machine() != "x86_64" or " avx512_bf16" not in flags:
-        logger.info("bf16 CPU kernels need x86-64 with AVX512-BF16 and a C compiler; using torch ops")
+    return _load(build_dir, path or this_process_path()[0].name)
+
+
+@lru_cache(maxsize=None)
+def _load(build_dir: Path, name: str) -> Optional[CpuKernels]:
+    path = BY_NAME[name]
+    lib = build_library(SOURCE, build_dir, ["-O3", "-ffp-contract=off", "-fopenmp", *path.cc_flags], ("-lm",),
+                        depends_on=name, fallback="using torch ops")
+    if lib is None:
         return None
-    path = build_library(SOURCE, build_dir, ["-O3", "-march=native", "-fopenmp"], ("-lm",), depends_on=flags,
-                         fallback="using torch ops")
+    chosen, why = this_process_path()
+    logger.info(f"CPU kernels: {name} ({path.describe}; {why if chosen is path else 'asked for by the caller'})")
     # Loaded after torch, the library's libgomp.so.1 is torch's own, so both share one OpenMP thread pool.
-    return CpuKernels(ctypes.CDLL(str(path))) if path else None
+    return CpuKernels(ctypes.CDLL(str(lib)), path)

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from .attention import Attention, ExactToken, StepInputs
+from .cpu_isa import onednn_bf16_prepacking
 from .cpu_kernels import CpuKernels, StepTable, kernels_fit
 from .mlp import MLP
 from .model_config import ModelArgs
@@ -32,8 +33,8 @@ class RMSNorm(nn.Module):
 
 
 def can_prepack(dtype: torch.dtype, device) -> bool:
-    return (dtype == torch.bfloat16 and torch.device(device).type == "cpu" and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    """bf16 on a CPU whose oneDNN runs bf16 (cpu_isa.onednn_bf16_prepacking: AVX-512 BW/VL/DQ, aarch64 BF16)."""
+    return dtype == torch.bfloat16 and torch.device(device).type == "cpu" and onednn_bf16_prepacking()
 
 
 class PackedLinear(nn.Module):

@@ -18,6 +18,7 @@ from models.tt_transformers.demo.speculative_decoding.options import (
 from models.tt_transformers.demo.speculative_decoding.speculative_generator import check_n_draft_tokens
 from models.tt_transformers.speculative.sampling import SamplingParams
 from models.tt_transformers.torch_backend.checkpoint import Checkpoint, resolve_checkpoint
+from models.tt_transformers.torch_backend.cpu_isa import check_cpu_isa
 from models.tt_transformers.torch_backend.device import DEVICES
 from models.tt_transformers.torch_backend.model_config import ModelArgs
 
@@ -282,6 +283,8 @@ def check_inputs(config: DemoConfig) -> CheckedInputs:
     and what the model allows. Run before anything loads (on the pytest path, at collection: a usage error)."""
     backend = backend_of(config)
     check_flags(config, backend)
+    if backend == "torch":
+        check_cpu_isa()  # TT_CPU_ISA names a path this CPU runs
     prompts = load_prompts(config.input_prompts)
     batches = split_batches(len(prompts), config.batch_size)
     corpus = read_corpus(config.draft_corpus) if config.draft_corpus is not None else None

@@ -1,0 +1,147 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The arithmetic of cpu_kernels.c written out in numpy float32, operation by operation, so every path's results can
+be checked against it bit for bit: the widened paths (AVX-512, AVX2, NEON, portable C) add a pair's even product
+then its odd one; AVX512-BF16's vdpbf16ps adds the odd one first (Intel's pseudocode for VDPBF16PS; `odd_first`).
+Products of two bf16 values are exact in float32, so "a * b + c" rounds once here as in a fused multiply-add.
+
+Arrays of bf16 are uint16 bit patterns; every float is np.float32 and every operation rounds to float32 as the C
+code's does (numpy computes float32 arithmetic in float32).
+"""
+import numpy as np
+
+F32 = np.float32
+
+
+def widen(bits: np.ndarray) -> np.ndarray:
+    """bf16 bit patterns -> float32."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def to_bf16(x: np.ndarray) -> np.ndarray:
+    """float32 -> bf16 bit patterns, round to nearest even, NaN kept NaN (f32_to_bf16)."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounded = ((u + np.uint32(0x7FFF) + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    nan = (u & 0x7FFFFFFF) > 0x7F800000
+    return np.where(nan, ((u >> 16) | 0x40).astype(np.uint16), rounded)
+
+
+def round_bf16(x: np.ndarray) -> np.ndarray:
+    return widen(to_bf16(x))
+
+
+def add_pairs(acc: np.ndarray, even: np.ndarray, odd: np.ndarray, odd_first: bool) -> np.ndarray:
+    return (acc + odd) + even if odd_first else (acc + even) + odd
+
+
+def linear(x_bits: np.ndarray, w_bits: np.ndarray, odd_first: bool) -> np.ndarray:
+    """x [M, K] x W [N, K]^T in float32: each output summed over k in order, a pair at a time."""
+    x, w = widen(x_bits), widen(w_bits)
+    acc = np.zeros((x.shape[0], w.shape[0]), dtype=F32)
+    for k in range(0, x.shape[1], 2):
+        acc = add_pairs(acc, x[:, k, None] * w[None, :, k], x[:, k + 1, None] * w[None, :, k + 1], odd_first)
+    return acc
+
+
+def tree_sum16(lanes: np.ndarray) -> np.ndarray:
+    """v_reduce_add over the last axis of 16 lanes: halves added (i and i + 8, i + 4, i + 2, the last two)."""
+    s = lanes
+    while s.shape[-1] > 1:
+        half = s.shape[-1] // 2
+        s = s[..., :half] + s[..., half:]
+    return s[..., 0]
+
+
+def exp_cephes(x: np.ndarray) -> np.ndarray:
+    """v_exp: Cephes expf in separate multiplies and adds, 2^k applied as 2^(k/2) 2^(k - k/2)."""
+    x = np.maximum(np.minimum(x, F32(88.0)), F32(-88.0))
+    k = np.rint(x * F32(1.44269504088896341))
+    r = x - k * F32(0.693359375)
+    r = r - k * F32(-2.12194440e-4)
+    y = np.full_like(x, F32(1.9875691500e-4))
+    for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
+        y = y * r + F32(c)
+    y = y * (r * r) + (r + F32(1.0))
+    ki = k.astype(np.int32)
+    k1 = ki >> 1
+
+    def pow2(n):
+        return ((n + 127).astype(np.uint32) << 23).view(np.float32)
+    return (y * pow2(k1)) * pow2(ki - k1)
+
+
+def rms_norm(x_bits: np.ndarray, w_bits: np.ndarray, eps: float) -> np.ndarray:
+    x = widen(x_bits)
+    total = np.zeros(x.shape[0], dtype=F32)
+    for i in range(x.shape[1]):
+        total = total + x[:, i] * x[:, i]
+    inv = F32(1.0) / np.sqrt(total / F32(x.shape[1]) + F32(eps))
+    return to_bf16(widen(w_bits) * round_bf16(x * inv[:, None]))
+
+
+def silu_mul(gate_up_bits: np.ndarray) -> np.ndarray:
+    hidden = gate_up_bits.shape[1] // 2
+    g, u = widen(gate_up_bits[:, :hidden]), widen(gate_up_bits[:, hidden:])
+    silu = g / (F32(1.0) + exp_cephes(F32(0.0) - g))
+    return to_bf16(round_bf16(silu) * u)
+
+
+def rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Rotary embedding of bf16 values (as float32) -> bf16 bits."""
+    half = x.shape[-1] // 2
+    other = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return to_bf16(x * cos + other * sin)
+
+
+def key_dots(q: np.ndarray, keys: np.ndarray, odd_first: bool) -> np.ndarray:
+    """q [D] . keys [n, D]: lane l sums elements 32c + 2l and 32c + 2l + 1 over chunks c, then the lanes' tree."""
+    lanes = np.zeros((keys.shape[0], 16), dtype=F32)
+    for c in range(0, q.shape[0], 32):
+        even, odd = slice(c, c + 32, 2), slice(c + 1, c + 32, 2)
+        lanes = add_pairs(lanes, keys[:, even] * q[even], keys[:, odd] * q[odd], odd_first)
+    return tree_sum16(lanes)
+
+
+def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, odd_first: bool) -> np.ndarray:
+    """One query head over its keys and values (bf16 as float32) -> bf16 bits [D] (attend_heads)."""
+    D = q.shape[0]
+    scores = key_dots(q, keys, odd_first) * (F32(1.0) / np.sqrt(F32(D)))
+    e = exp_cephes(scores - scores.max())
+    padded = np.zeros(-(-len(e) // 16) * 16, dtype=F32)
+    padded[: len(e)] = e
+    lanes = np.zeros(16, dtype=F32)
+    for c in range(0, len(padded), 16):
+        lanes = lanes + padded[c : c + 16]
+    inv = F32(1.0) / tree_sum16(lanes)
+    acc = np.zeros(D, dtype=F32)
+    for j in range(len(e)):
+        acc = acc + e[j] * values[j]
+    return to_bf16(acc * inv)
+
+
+def decoder_layer(x_bits, args, weights, table, ancestors, cos_bits, sin_bits, k_cache, v_cache, odd_first):
+    """One decoder layer of a packed step (cpu_kernels.c decoder_layer) on unpacked bf16 weights: returns the new
+    residual stream's bits and writes the step's keys and values into k_cache / v_cache (bf16 bits [users, Hk, slots,
+    D], in place). weights: attention norm, wqkv, wo, ffn norm, w_gate_up, w_down as [N, K] bits; table rows: (row,
+    slot, pos, first, run_end, ancestor start, ancestor count)."""
+    H, Hk, D, dim, hidden = args.n_heads, args.n_kv_heads, args.head_dim, args.dim, args.hidden_dim
+    attention_norm, wqkv, wo, ffn_norm, w_gate_up, w_down = weights
+    n = x_bits.shape[0]
+    qkv = widen(to_bf16(linear(rms_norm(x_bits, attention_norm, args.norm_eps), wqkv, odd_first)))
+    q_rot = np.zeros((n, H, D), dtype=np.uint16)
+    for t, (row, slot, pos, *_) in enumerate(table):
+        cos, sin = widen(cos_bits[pos]), widen(sin_bits[pos])
+        heads = qkv[t].reshape(H + 2 * Hk, D)
+        q_rot[t] = rotate(heads[:H], cos, sin)
+        k_cache[row, :, slot] = rotate(heads[H : H + Hk], cos, sin)
+        v_cache[row, :, slot] = to_bf16(heads[H + Hk :])
+    attn = np.zeros((n, H, D), dtype=np.uint16)
+    for t, (row, slot, pos, first, run_end, anc_start, anc_count) in enumerate(table):
+        slots = list(range(first, run_end)) + list(ancestors[anc_start : anc_start + anc_count])
+        for h in range(H):
+            kv = h // (H // Hk)
+            attn[t, h] = attend(widen(q_rot[t, h]), widen(k_cache[row, kv, slots]), widen(v_cache[row, kv, slots]),
+                                odd_first)
+    x = to_bf16(widen(x_bits) + widen(to_bf16(linear(attn.reshape(n, H * D), wo, odd_first))))
+    gate_up = to_bf16(linear(rms_norm(x, ffn_norm, args.norm_eps), w_gate_up, odd_first))
+    down = to_bf16(linear(silu_mul(gate_up), w_down, odd_first))
+    return to_bf16(widen(x) + widen(down))
