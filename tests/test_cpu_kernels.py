@@ -66,12 +66,19 @@ def test_linear_is_the_reference_arithmetic(cpu_path):
 
 
 def layer_case(head_dim, n_heads, n_kv_heads, tokens, seed=0):
-    """A one-layer bf16 model, a packed step's tokens, its residual stream and caches filled with earlier keys."""
-    model = random_model(torch.bfloat16, max_seq_len=96, std=0.3, seed=seed, dim=256, n_layers=1, head_dim=head_dim,
-                         n_heads=n_heads, n_kv_heads=n_kv_heads, hidden_dim=512, vocab_size=100)
-    torch.manual_seed(seed)
-    caches = [(torch.randn(2, n_kv_heads, 97, head_dim) * 0.5).bfloat16() for _ in range(2)]
-    return model, StepTable.of(tokens), torch.randn(1, len(tokens), 256).bfloat16(), caches
+    """A one-layer bf16 model, a packed step's tokens, its residual stream and caches filled with earlier keys. The
+    numbers come from numpy's PCG64, the same on every machine and torch version (torch's normal_ is not)."""
+    rng = np.random.default_rng(seed)
+
+    def normal(*shape, std):
+        return torch.from_numpy(rng.normal(0.0, std, shape).astype(np.float32)).bfloat16()
+    model = random_model(torch.bfloat16, max_seq_len=96, dim=256, n_layers=1, head_dim=head_dim, n_heads=n_heads,
+                         n_kv_heads=n_kv_heads, hidden_dim=512, vocab_size=100)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(normal(*p.shape, std=0.3))
+    caches = [normal(2, n_kv_heads, 97, head_dim, std=0.5) for _ in range(2)]
+    return model, StepTable.of(tokens), normal(1, len(tokens), 256, std=1.0), caches
 
 
 # 32 chain tokens of two users, and a token tree rooted at slot 5 (as TorchCausalLM._exact_tokens makes it): two
