@@ -99,8 +99,8 @@ def chosen_path(forced: Optional[str] = None) -> tuple[CpuPath, str]:
                               "TT_CPU_ISA for the fastest)")
         return path, f"TT_CPU_ISA={forced}"
     faster = [p for p in PATHS[: PATHS.index(runnable[0])] if p.machine in ("", machine)]
-    return runnable[0], ("the fastest this CPU runs" +
-                         "".join(f"; not {p.name}: {missing(p, flags, machine)}" for p in faster))
+    return runnable[0], "the fastest this CPU runs" + (f"; {faster[-1].name} needs " + ", ".join(
+        f for f in faster[-1].needs if f not in flags) if faster else "")
 
 
 def this_process_path() -> tuple[CpuPath, str]:

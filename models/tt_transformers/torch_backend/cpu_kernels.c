@@ -51,7 +51,10 @@ static inline bf16 f32_to_bf16(float f) {  // round to nearest even, as torch do
 // v_reduce_add adds halves: lanes i and i + 8, then i and i + 4, i and i + 2, and the last two.
 #if defined(TT_ISA_AVX512BF16) || defined(TT_ISA_AVX512)
 #include <immintrin.h>
-#define TILE_N 4  // linear: blocks of 16 outputs per register tile of several rows (see linear_bf16)
+#define TILE_M 4  // linear: rows per register tile (see linear_bf16)
+#define TILE_N 4  // blocks of 16 outputs per register tile of several rows
+#define ONE_ROW_N 4  // and of one row
+#define PREFETCH_PAIRS 0  // how far ahead in a block to prefetch the weights (0: the hardware's prefetchers alone)
 #define WEIGH_CHUNKS 4  // attention: 16-lane chunks of a head's output per register tile
 typedef __m512 v16;
 typedef uint32_t lanes16;
@@ -121,7 +124,10 @@ static inline v16 v_sum_lanes16(const v16 *v) {
 
 #elif defined(TT_ISA_AVX2)
 #include <immintrin.h>
+#define TILE_M 5  // 5 rows x 2 halves: 10 accumulators of 16 registers
 #define TILE_N 1
+#define ONE_ROW_N 1
+#define PREFETCH_PAIRS 32  // the rows' multiply-adds keep the core busy: ask for the weights ahead
 #define WEIGH_CHUNKS 1
 typedef struct { __m256 lo, hi; } v16;
 typedef uint32_t lanes16;
@@ -200,7 +206,10 @@ static inline lanes16 v_nan(v16 a) {
 
 #elif defined(TT_ISA_NEON)
 #include <arm_neon.h>
+#define TILE_M 4
 #define TILE_N 1
+#define ONE_ROW_N 4
+#define PREFETCH_PAIRS 0
 #define WEIGH_CHUNKS 1
 typedef struct { float32x4_t q[4]; } v16;
 typedef uint32_t lanes16;
@@ -309,7 +318,10 @@ static inline lanes16 v_nan(v16 a) {
 }
 
 #else  // portable: GNU C vector extensions (gcc, clang), which the compiler maps onto whatever vector unit it targets
+#define TILE_M 4
 #define TILE_N 1
+#define ONE_ROW_N 4
+#define PREFETCH_PAIRS 0
 #define WEIGH_CHUNKS 1
 typedef float v16 __attribute__((vector_size(64)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
@@ -419,13 +431,8 @@ static inline v16 v_exp(v16 x) {
 // W[16b + i][2p + j] at offset 2i + j, the operand layout of AVX512-BF16's dot-product instruction. Each output is
 // summed over k in order, a pair at a time: even k then odd k on the widened paths, as vdpbf16ps does on AVX512-BF16.
 #define BLOCK 16
-#ifndef TILE_M
-#define TILE_M 4  // rows per register tile; a single row takes GROUP blocks, several rows TILE_N (per path, above)
-#endif
 #define GROUP 4  // blocks every row of x passes over while they are in cache
-#ifndef ONE_ROW_N
-#define ONE_ROW_N GROUP
-#endif
+_Static_assert(TILE_M <= 6 && TILE_N <= GROUP && ONE_ROW_N <= GROUP, "linear_tile_dispatch covers up to 6 x GROUP");
 
 static inline __attribute__((always_inline)) void store_row(const float *acc, void *y, int64_t n0, int64_t N,
                                                             int out_f32) {
@@ -443,15 +450,16 @@ static inline __attribute__((always_inline)) void linear_tile(const int mt, cons
                                                               const float *xf, const bf16 *w, void *y, int64_t K,
                                                               int64_t N, int64_t m0, int64_t b0, int out_f32) {
     const int64_t pairs = K / 2, block_elems = (int64_t)BLOCK * K;
-    v16 acc[TILE_M][GROUP];
+    v16 acc[6][GROUP];
     for (int m = 0; m < mt; m++)
         for (int n = 0; n < nt; n++) acc[m][n] = v_zero();
 #ifdef TT_ISA_AVX512BF16
     (void)xf;
     for (int64_t p = 0; p < pairs; p++) {
         __m512bh wv[GROUP];
-        for (int n = 0; n < nt; n++)
+        for (int n = 0; n < nt; n++) {
             wv[n] = (__m512bh)_mm512_loadu_si512((const void *)(w + (b0 + n) * block_elems + p * 2 * BLOCK));
+        }
         for (int m = 0; m < mt; m++) {
             int32_t pair;
             memcpy(&pair, x + (m0 + m) * K + 2 * p, 4);
@@ -464,6 +472,7 @@ static inline __attribute__((always_inline)) void linear_tile(const int mt, cons
     for (int64_t p = 0; p < pairs; p++)
         for (int n = 0; n < nt; n++) {
             v16 even, odd;
+            if (PREFETCH_PAIRS) __builtin_prefetch(w + (b0 + n) * block_elems + (p + PREFETCH_PAIRS) * 2 * BLOCK);
             v_load_pairs(w + (b0 + n) * block_elems + p * 2 * BLOCK, &even, &odd);
             for (int m = 0; m < mt; m++) {
                 const float *xm = xf + (m0 + m) * K + 2 * p;
@@ -479,27 +488,20 @@ static inline __attribute__((always_inline)) void linear_tile(const int mt, cons
         }
 }
 
-#define TILE_CASE(MT, NT) \
-    case (MT - 1) * GROUP + NT - 1: linear_tile(MT, NT, x, xf, w, y, K, N, m0, b0, out_f32); break;
+// Every tile shape linear_bf16 can ask for: one row over up to ONE_ROW_N blocks, 2 to TILE_M rows over up to TILE_N.
+#define TILE_CASE(MT, NT)                                                                                   \
+    case (MT) * 8 + (NT):                                                                                   \
+        if ((MT) == 1 ? (NT) <= ONE_ROW_N : (MT) <= TILE_M && (NT) <= TILE_N) {                             \
+            linear_tile(MT, NT, x, xf, w, y, K, N, m0, b0, out_f32);                                        \
+            return;                                                                                         \
+        }                                                                                                   \
+        break;
+#define TILE_ROW(MT) TILE_CASE(MT, 1) TILE_CASE(MT, 2) TILE_CASE(MT, 3) TILE_CASE(MT, 4)
 
 static void linear_tile_dispatch(int mt, int nt, const bf16 *x, const float *xf, const bf16 *w, void *y, int64_t K,
                                  int64_t N, int64_t m0, int64_t b0, int out_f32) {
-    switch ((mt - 1) * GROUP + nt - 1) {
-        TILE_CASE(1, 1) TILE_CASE(1, 2) TILE_CASE(1, 3) TILE_CASE(1, 4)
-        TILE_CASE(2, 1) TILE_CASE(3, 1) TILE_CASE(4, 1)
-#if TILE_M >= 5
-        TILE_CASE(5, 1)
-#endif
-#if TILE_M >= 6
-        TILE_CASE(6, 1)
-#endif
-#if TILE_N >= 2
-        TILE_CASE(2, 2) TILE_CASE(3, 2) TILE_CASE(4, 2)
-#endif
-#if TILE_N == 4
-        TILE_CASE(2, 3) TILE_CASE(2, 4) TILE_CASE(3, 3) TILE_CASE(3, 4) TILE_CASE(4, 3) TILE_CASE(4, 4)
-#endif
-    }
+    switch (mt * 8 + nt) { TILE_ROW(1) TILE_ROW(2) TILE_ROW(3) TILE_ROW(4) TILE_ROW(5) TILE_ROW(6) }
+    __builtin_trap();  // a shape no case computes: stop rather than leave outputs unwritten
 }
 
 // The float scratch linear_bf16 needs: x widened, on the widened paths.
@@ -513,8 +515,8 @@ int64_t linear_workspace_floats(int64_t M, int64_t K) {
 }
 
 // Each thread streams one contiguous range of weight blocks, and every row of x passes over a group of blocks
-// while they are still in cache: a lone row as one tile of GROUP blocks, more rows TILE_M at a time over TILE_N
-// blocks, so that every path keeps enough independent accumulators in its registers to hide the adds' latency.
+// while they are still in cache: a lone row ONE_ROW_N blocks at a time, more rows TILE_M at a time over TILE_N
+// blocks: each path's register tiles (above), with enough independent sums to hide the adds' latency.
 // xf: linear_workspace_floats(M, K) floats.
 void linear_bf16(const bf16 *x, const bf16 *w, void *y, int64_t M, int64_t K, int64_t N, int out_f32, float *xf) {
     const int64_t blocks = (N + BLOCK - 1) / BLOCK, widened = linear_workspace_floats(M, K);
