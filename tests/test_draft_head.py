@@ -261,15 +261,16 @@ def test_hybrid_takes_the_draft_expected_to_bring_more():
 def test_shipped_head_identical_to_plain_and_accepted(embedded_bf16, embedded_tokenizer, sample_prompt_tokens, mode,
                                                       shipped_head):
     """The shipped head on the sample prompts, batched, with the length policy as the demo runs it: outputs equal
-    plain greedy decoding, and its drafts are accepted (it agrees with the target far more than chance)."""
+    plain greedy decoding, and its drafts are accepted (it agrees with the target far more than chance). 64 tokens a
+    prompt: over fewer, the share accepted moved by 5 points between CPU paths (their sums round differently)."""
     eos = [embedded_tokenizer.eos_token_id]
-    prompts = sample_prompt_tokens[:4]
-    plain = [run(embedded_bf16, [p], 0, 0, 40, eos=eos)[0] for p in prompts]
+    prompts = sample_prompt_tokens
+    plain = [run(embedded_bf16, [p], 0, 0, 64, eos=eos)[0] for p in prompts]
     target = TorchCausalLM(embedded_bf16, embedded_bf16.args.n_layers, len(prompts))
     head = head_drafter(target, shipped_head, eager=False)
     head.cost = RunCost(head.cost.estimate, measure=False)  # at this CPU's measured run cost the head rarely pays
     drafter = head if mode == "head" else HybridDrafter(SuffixDrafter(1, recycle=4), head)
-    results = SpeculativeGenerator(target, drafter, 6, eos).generate(prompts, 40)
+    results = SpeculativeGenerator(target, drafter, 6, eos).generate(prompts, 64)
     assert [r.output_tokens for r in results] == plain
     steps = [it for r in results for it in r.iterations if it.draft_source == "head"]
     drafted, accepted = sum(it.drafted for it in steps), sum(it.accepted for it in steps)
