@@ -10,7 +10,7 @@ DEMO := models/tt_transformers/demo/speculative_decoding/speculative_demo.py
 
 ARCTIC := $(VENV)/.arctic-installed
 
-.PHONY: demo test test-slow check-ttnn-api tt-mock check-eagle3 tt-smoke train-draft-head bench bench-suffix bench-batch bench-verify-cost bench-contention install
+.PHONY: demo test test-slow check-ttnn-api tt-mock check-eagle3 tt-smoke train-draft-head bench bench-suffix bench-batch bench-verify-cost bench-contention bench-cpu install
 install: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
@@ -60,6 +60,25 @@ bench-verify-cost: $(STAMP)
 # Quiet and beside a CPU-bound process, the package's thread count and OMP_NUM_THREADS=1 (one run, fresh processes).
 bench-contention: $(STAMP)
 	$(PY) benchmarks/bench_contention.py $(ARGS)
+
+# Every CPU path this machine runs against the memory floor, Hugging Face transformers and llama.cpp, on the embedded
+# model (benchmarks/bench_cpu.py). llama.cpp is built from source (llama-cpp-python) in venvs of its own: as this CPU
+# gets it (-march=native), and on x86-64 also for AVX2 alone, the peer of our avx2 path (each ~10 min on 2 cores).
+LLAMACPP := llama-cpp-python==0.3.36
+.venv-llamacpp/.installed:
+	$(PYTHON) -m venv .venv-llamacpp
+	.venv-llamacpp/bin/python -m pip install -q --no-cache-dir $(LLAMACPP)
+	touch $@
+
+.venv-llamacpp-avx2/.installed:
+	$(PYTHON) -m venv .venv-llamacpp-avx2
+	CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON" \
+		.venv-llamacpp-avx2/bin/python -m pip install -q --no-cache-dir $(LLAMACPP)
+	touch $@
+
+LLAMACPP_BUILDS := native=.venv-llamacpp $(if $(filter x86_64,$(shell uname -m)),avx2=.venv-llamacpp-avx2)
+bench-cpu: $(STAMP) $(foreach b,$(LLAMACPP_BUILDS),$(word 2,$(subst =, ,$(b)))/.installed)
+	$(PY) benchmarks/bench_cpu.py $(foreach b,$(LLAMACPP_BUILDS),--llama_cpp $(word 1,$(subst =, ,$(b)))=$(word 2,$(subst =, ,$(b)))/bin/python) $(ARGS)
 
 # The real ttnn 0.81.1 wheel in its own venv (cp310/cp312 only; PYTHON_TT=python3.10 works too): Python 3.12 or
 # 3.10, ttnn, numpy<2 and PyPI's torch (~5.5 GB: a CUDA build, run on the CPU), Debian's RISC-V binutils and our

@@ -15,32 +15,21 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import REPO, machine_info
+from common import REPO, demo_run, machine_info
 
-DEMO = REPO / "models/tt_transformers/demo/speculative_decoding/speculative_demo.py"
 COMPETITOR = "while True: pass"
 
 
 def demo_cell(threads: str, loaded: bool, n_tokens: int, folder: Path) -> dict:
     """One demo run (speculative, then plain) in its own process; with `loaded`, a busy loop runs beside it."""
-    env = dict(os.environ)
-    env.pop("OMP_NUM_THREADS", None)
-    if threads != "package":
-        env["OMP_NUM_THREADS"] = threads
-    report = folder / f"{threads}-{'loaded' if loaded else 'quiet'}.json"
+    env = {} if threads == "package" else {"OMP_NUM_THREADS": threads}
     competitor = subprocess.Popen([sys.executable, "-c", COMPETITOR]) if loaded else None
     try:
-        subprocess.run([sys.executable, str(DEMO), "--max_generated_tokens", str(n_tokens), "--output_json",
-                        str(report), "--log_iterations", "0"], env=env, check=True, capture_output=True, text=True)
+        return demo_run(env, n_tokens, folder / f"{threads}-{'loaded' if loaded else 'quiet'}.json")
     finally:
         if competitor is not None:
             competitor.kill()
             competitor.wait()
-    s = json.loads(report.read_text())["summary"]
-    return {"speculative_ms_per_token": 1e3 / s["decode_tok_s_u"],
-            "plain_ms_per_token": 1e3 / s["baseline"]["decode_tok_s_u"], "speedup": s["speedup"],
-            "other_processes_cores": {phase: (l or {}).get("other_processes_cores") for phase, l in s["load"].items()},
-            "identical_to_baseline": s.get("identical_to_baseline")}
 
 
 def plot(cells: dict, path: Path) -> None:

@@ -1,14 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
-"""What one more verified token costs on this backend: the measurement behind TOKEN_COST and KEY_COST.
+"""What one more verified token costs on this backend: the measurement behind STEP_COSTS (per CPU path).
 
     make bench-verify-cost   # or: python benchmarks/bench_verify_cost.py --context_lens 100 1000
 
-On the embedded model (bf16, the CPU kernels where this CPU has them): for each cached context length, times
-target steps of 1 user x 1-17 tokens and 8 users x 1-3 tokens (the shapes of decoding and verifying a draft),
+On the embedded model (bf16, on the CPU kernels' path this CPU or TT_CPU_ISA picks): for each cached context length,
+times target steps of 1 user x 1-17 tokens and 8 users x 1-3 tokens (the shapes of decoding and verifying a draft),
 then fits step ms = W + n_tokens (a + b context_len) by least squares, W being the part of a step that does not
 depend on how many tokens it computes (streaming the weights). a / W and b / W are the per-token and per-cached-key
-costs that torch_backend/generator.py uses; the table shows measured and fitted times side by side. Prints a
-table and writes JSON.
+costs that torch_backend/generator.py keeps per CPU path (STEP_COSTS); the table shows measured and fitted times side
+by side. Prints a table and writes JSON.
 """
 import argparse
 import time
@@ -19,7 +19,6 @@ from common import REPO, machine_info, print_table, quiet_logs
 import torch
 
 from models.tt_transformers.demo.speculative_decoding.report import write_json_atomic
-from models.tt_transformers.torch_backend import generator
 from models.tt_transformers.torch_backend.checkpoint import load_model, resolve_checkpoint
 from models.tt_transformers.torch_backend.generator import TorchCausalLM
 
@@ -49,6 +48,7 @@ def main():
     max_len = max(args.context_lens) + max(k for _, k in SHAPES)
     model = load_model(resolve_checkpoint(None), torch.bfloat16, max_len)
     lm = TorchCausalLM(model, model.args.n_layers, max_users)
+    path = model.kernels.path.name if model.kernels else "torch ops"
     measured = {}
     for context_len in args.context_lens:
         for u in range(max_users):  # a prefill per user fills the cache the timed steps attend to
@@ -69,15 +69,15 @@ def main():
                 [[c, u, k, f"{measured[c, u, k]:.1f}", f"{f:.1f}"] for (c, u, k), f in zip(keys, fitted)])
     token_cost, key_cost = token_ms / weights_ms, key_ms / weights_ms
     print(f"\nFit: step = {weights_ms:.2f} ms + tokens x ({token_ms:.3f} ms + {1e3 * key_ms:.3f} ms per 1,000 cached)"
-          f"\nTOKEN_COST = {token_cost:.3f}, KEY_COST = {key_cost:.1e} "
-          f"(torch_backend/generator.py uses {generator.TOKEN_COST}, {generator.KEY_COST:.0e})")
+          f"\ntoken cost {token_cost:.3f}, key cost {key_cost:.1e} on {path} "
+          f"(torch_backend/generator.py uses {lm.token_cost}, {lm.key_cost:.0e})")
     write_json_atomic(Path(args.output_json), {
-        "machine": machine_info(), "cpu_kernels": model.kernels is not None,
+        "machine": machine_info(), "cpu_path": path,
         "steps": [{"context_len": c, "users": u, "tokens_per_user": k, "ms": measured[c, u, k], "fitted_ms": f}
                   for (c, u, k), f in zip(keys, fitted)],
         "fit": {"weights_ms": weights_ms, "token_ms": token_ms, "key_ms": key_ms, "token_cost": token_cost,
                 "key_cost": key_cost},
-        "in_use": {"token_cost": generator.TOKEN_COST, "key_cost": generator.KEY_COST}})
+        "in_use": {"token_cost": lm.token_cost, "key_cost": lm.key_cost}})
     print(f"JSON written to {args.output_json}")
 
 

@@ -1,11 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
 """What the benchmarks share: the embedded model, our loop's figures, Hugging Face `generate` timing."""
+import json
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+DEMO = REPO / "models/tt_transformers/demo/speculative_decoding/speculative_demo.py"
 
 import torch  # noqa: E402
 from loguru import logger  # noqa: E402
@@ -22,6 +26,22 @@ def quiet_logs() -> None:
 def machine_info() -> dict:
     """The demo report's environment record (machine, CPU, threads, torch, git commit)."""
     return environment("cpu")
+
+
+def demo_run(env: dict, n_tokens: int, report: Path, *flags: str) -> dict:
+    """The demo (speculative, then plain decoding, on the embedded model) in its own process with `env` over this
+    one's (OMP_NUM_THREADS unset unless given: the package's thread count), its figures from the JSON report."""
+    env = {**{k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}, **env}
+    subprocess.run([sys.executable, str(DEMO), "--max_generated_tokens", str(n_tokens), "--output_json", str(report),
+                    "--log_iterations", "0", *flags], env=env, check=True, capture_output=True, text=True)
+    data = json.loads(report.read_text())
+    s = data["summary"]
+    return {"speculative_ms_per_token": 1e3 / s["decode_tok_s_u"],
+            "plain_ms_per_token": 1e3 / s["baseline"]["decode_tok_s_u"], "speedup": s["speedup"],
+            "tokens_per_step": s["mean_tokens_per_step"],
+            "other_processes_cores": {phase: (l or {}).get("other_processes_cores") for phase, l in s["load"].items()},
+            "identical_to_baseline": s.get("identical_to_baseline"),
+            "plain_outputs": [p.get("baseline_output_tokens") for p in data["prompts"]]}
 
 
 def run_ours(make_generator, prompts, n_tokens: int, stop_at_eos: bool = False) -> dict:

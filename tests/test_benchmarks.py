@@ -34,3 +34,23 @@ def test_bench_suffix_runs_stop_at_eos(embedded_checkpoint, embedded_tokenizer, 
     assert suffix_steps[0] == suffix_steps[1]  # interleaved with others or alone, the same drafts and steps
     first, second = factories["suffix"]().drafter, factories["suffix"]().drafter
     assert first.memory is not second.memory  # nothing carried between runs: not even the memory of responses
+
+
+def test_bench_cpu_report_divides_by_the_floor_and_the_fastest_transformers(tmp_path, capsys):
+    import json
+
+    import bench_cpu
+
+    ours = {"plain_ms_per_token": 12.0, "speculative_ms_per_token": 8.0, "speedup": 1.5, "tokens_per_step": 1.6,
+            "identical_to_baseline": True}
+    result = {"cpu_flags": ["avx2", "fma", "sse2"], "prompts": 8, "ours": {"avx2": ours},
+              "floor": {"weight_bytes": 269_000_000, "read_gb_s": 26.9, "floor_ms_per_token": 10.0},
+              "peers": {"transformers float32": {"ms_per_token": 72.0}, "transformers bfloat16": {"ms_per_token": 48.0},
+                        "llama.cpp (native)": {"ms_per_token": 9.0, "same_as_ours": 5, "same_as_its_plain": 8}}}
+    bench_cpu.report(result, tmp_path / "cpu.json")
+    table = capsys.readouterr().out
+    assert "| ours, avx2, plain | 12.0 | 1.20 | 4.00x faster |" in table  # 12 / floor 10; bf16's 48 / 12
+    assert "| ours, avx2, speculative | 8.0 | 0.80 | 6.00x faster | 1.50x (1.60 tokens/forward) | True |" in table
+    assert "8 of 8 as its plain decoding, 5 as ours" in table
+    assert json.loads((tmp_path / "cpu.json").read_text())["ours"]["avx2"] == ours
+    assert (tmp_path / "cpu.png").stat().st_size > 0

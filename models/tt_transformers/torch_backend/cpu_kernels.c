@@ -54,7 +54,7 @@ static inline bf16 f32_to_bf16(float f) {  // round to nearest even, as torch do
 #define TILE_M 4  // linear: rows per register tile (see linear_bf16)
 #define TILE_N 4  // blocks of 16 outputs per register tile of several rows
 #define ONE_ROW_N 4  // and of one row
-#define PREFETCH_PAIRS 0  // how far ahead in a block to prefetch the weights (0: the hardware's prefetchers alone)
+#define PREFETCH_PAIRS 256  // how far ahead to prefetch the weights into L2 (0: the hardware's prefetchers alone)
 #define WEIGH_CHUNKS 4  // attention: 16-lane chunks of a head's output per register tile
 typedef __m512 v16;
 typedef uint32_t lanes16;
@@ -127,7 +127,7 @@ static inline v16 v_sum_lanes16(const v16 *v) {
 #define TILE_M 5  // 5 rows x 2 halves: 10 accumulators of 16 registers
 #define TILE_N 1
 #define ONE_ROW_N 1
-#define PREFETCH_PAIRS 32  // the rows' multiply-adds keep the core busy: ask for the weights ahead
+#define PREFETCH_PAIRS 192  // the rows' multiply-adds keep the core busy: ask for the weights well ahead
 #define WEIGH_CHUNKS 1
 typedef struct { __m256 lo, hi; } v16;
 typedef uint32_t lanes16;
@@ -443,6 +443,13 @@ static inline __attribute__((always_inline)) void store_row(const float *acc, vo
     }
 }
 
+// Weights a few KB ahead of the stream, into L2 (prefetcht2 on x86-64): a step's multiply-adds otherwise stall on
+// the loads the hardware's prefetchers have not yet asked for (the model's linears on the 2-core Zen 4: 5-20 % faster,
+// most on avx2). Past a block's end it reaches into the next block, which follows in memory.
+static inline __attribute__((always_inline)) void prefetch_weights(const bf16 *p) {
+    if (PREFETCH_PAIRS) __builtin_prefetch(p, 0, 1);
+}
+
 // One tile: mt rows of x against nt weight blocks, over all of K. mt and nt are compile-time constants at every
 // call site (see linear_tile_dispatch), so the accumulators live in registers. The widened paths read x as floats
 // (xf, widened once per call), AVX512-BF16 reads its bf16 pairs.
@@ -458,6 +465,7 @@ static inline __attribute__((always_inline)) void linear_tile(const int mt, cons
     for (int64_t p = 0; p < pairs; p++) {
         __m512bh wv[GROUP];
         for (int n = 0; n < nt; n++) {
+            prefetch_weights(w + (b0 + n) * block_elems + (p + PREFETCH_PAIRS) * 2 * BLOCK);
             wv[n] = (__m512bh)_mm512_loadu_si512((const void *)(w + (b0 + n) * block_elems + p * 2 * BLOCK));
         }
         for (int m = 0; m < mt; m++) {
@@ -472,7 +480,7 @@ static inline __attribute__((always_inline)) void linear_tile(const int mt, cons
     for (int64_t p = 0; p < pairs; p++)
         for (int n = 0; n < nt; n++) {
             v16 even, odd;
-            if (PREFETCH_PAIRS) __builtin_prefetch(w + (b0 + n) * block_elems + (p + PREFETCH_PAIRS) * 2 * BLOCK);
+            prefetch_weights(w + (b0 + n) * block_elems + (p + PREFETCH_PAIRS) * 2 * BLOCK);
             v_load_pairs(w + (b0 + n) * block_elems + p * 2 * BLOCK, &even, &odd);
             for (int m = 0; m < mt; m++) {
                 const float *xm = xf + (m0 + m) * K + 2 * p;

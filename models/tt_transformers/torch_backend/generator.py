@@ -12,13 +12,14 @@ from .cpu_threads import fit_threads
 from .model import KVCache, Transformer
 
 
-# Compute cost of one token relative to streaming the weights once (step_cost): TOKEN_COST plus KEY_COST per
-# cached token it attends to. `make bench-verify-cost` fits both from steps of 1 user x 1-17 tokens and 8 users x
-# 1-3 tokens over 100-1,000 cached tokens; on the 2-core CPU for SmolLM2-135M on the bf16 CPU kernels three runs
-# gave 0.080-0.099 and 7.6e-5-1.1e-4 (7.2-8.8 ms per step to stream the weights, ~0.7 ms per token), and one run
-# with the grouped-head attention (README, "What a verified token costs") 0.072 and 7.7e-5.
-TOKEN_COST = 0.08
-KEY_COST = 7e-5
+# Compute cost of one token relative to streaming the weights once (step_cost), by CPU path (cpu_isa.PATHS; torch
+# ops and CUDA take avx512bf16's): (TOKEN_COST, KEY_COST per cached token it attends to). `make bench-verify-cost`
+# (TT_CPU_ISA=<path>) fits both from steps of 1 user x 1-17 tokens and 8 users x 1-3 tokens over 100-1,000 cached
+# tokens; on the 2-core AMD Zen 4 (docs/results.md) one quiet run per path gave 7.8-10.3 ms per step to stream the
+# weights on the vector paths and 0.8 (avx512bf16) to 1.8 (avx2) ms per token (4.1 and 8.8 ms portable, which is bound
+# by its arithmetic instead). neon takes avx2's (no aarch64 machine measured).
+STEP_COSTS = {"avx512bf16": (0.078, 1.1e-4), "avx512": (0.178, 1.5e-4), "avx2": (0.231, 2.0e-4),
+              "neon": (0.231, 2.0e-4), "portable": (2.17, 7.1e-4)}
 
 # Steps of up to this many tokens per user (decode, verification of the longest draft, draft catch-up) are packed
 # and attend token by token, so a token's result is bit-identical whatever else shares the step; longer ones
@@ -43,6 +44,7 @@ class TorchCausalLM:
         self.max_seq_len, self.vocab_size = model.max_seq_len, model.args.vocab_size
         self.max_step_rows = max_batch_size * (MAX_DRAFT_TOKENS + 1)  # no tile to fill: any step the loop makes
         self.supports_trees = True
+        self.token_cost, self.key_cost = STEP_COSTS[model.kernels.path.name if model.kernels else "avx512bf16"]
         self.device = model.device
         self.device_name = str(model.device)
 
@@ -66,7 +68,7 @@ class TorchCausalLM:
         return TorchCausalLM(self.model, n_layers, self.max_batch_size, self.cache.first_layers(n_layers))
 
     def step_cost(self, n_rows: int, context_len: float) -> float:
-        return 1 + n_rows * (TOKEN_COST + KEY_COST * context_len)
+        return 1 + n_rows * (self.token_cost + self.key_cost * context_len)
 
     def prefill(self, user: int, tokens: Sequence[int], logits: bool = False, taps: Sequence[int] = ()
                 ) -> StepOutput:
