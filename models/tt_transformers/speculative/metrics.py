@@ -43,12 +43,15 @@ class SpecDecodeCounters:
         return {NUM_DRAFTS: self.drafts, NUM_DRAFT_TOKENS: self.draft_tokens, NUM_ACCEPTED_TOKENS: self.accepted_tokens,
                 NUM_ACCEPTED_TOKENS_PER_POS: {str(pos): n for pos, n in enumerate(self.accepted_per_pos)}}
 
-    def summary_line(self, shown_positions: int = 8) -> str:
-        """vLLM's log figures in one short line: mean acceptance length and the acceptance rate of the first
-        `shown_positions` draft positions (a share of the drafts)."""
-        if not self.drafts:
-            return "Drafts: none verified"
-        rates = " ".join(f"{n / self.drafts:.2f}" for n in self.accepted_per_pos[:shown_positions])
-        more = " ..." if self.num_spec_tokens > shown_positions else ""
-        return (f"Drafts: {self.drafts} ({self.draft_tokens} tokens, {self.accepted_tokens} accepted), mean acceptance "
-                f"length {1 + self.accepted_tokens / self.drafts:.2f}, by position {rates}{more}")
+
+def summary_lines(counters: dict, shown_positions: int = 12) -> list[str]:
+    """The counters (as_dict) as vLLM logs them, in two short lines: drafts, tokens and mean acceptance length; the
+    acceptance rate of the first `shown_positions` draft positions (accepted there / drafts)."""
+    drafts, per_pos = counters[NUM_DRAFTS], list(counters[NUM_ACCEPTED_TOKENS_PER_POS].values())
+    if not drafts:
+        return ["Drafts: none verified"]
+    rates = " ".join(f"{n / drafts:.2f}" for n in per_pos[:shown_positions])
+    more = " ..." if len(per_pos) > shown_positions else ""
+    return [f"Drafts: {drafts}, {counters[NUM_DRAFT_TOKENS]} tokens, {counters[NUM_ACCEPTED_TOKENS]} accepted (mean "
+            f"acceptance length {1 + counters[NUM_ACCEPTED_TOKENS] / drafts:.2f})",
+            f"Accepted by draft position: {rates}{more}"]
