@@ -112,6 +112,15 @@ def test_plan_keeps_the_block_within_max_model_len():
     assert reject.supported_k == (1, 2, 3) and "max_model_len 4" in reject.reason
 
 
+def test_plan_constants_are_the_backends():
+    """The tile is the ttnn backend's decode tile and K at most what backends size a verify for."""
+    from models.tt_transformers.serving.plan import MAX_PLAN_K
+    from models.tt_transformers.speculative.backend import MAX_DRAFT_TOKENS
+    from models.tt_transformers.ttnn_backend.model import TILE_ROWS
+
+    assert (VERIFY_TILE_ROWS, MAX_PLAN_K) == (TILE_ROWS, MAX_DRAFT_TOKENS)
+
+
 def test_capabilities_declare_a_model_owned_drafter():
     assert SPEC_CAPABILITIES == {"supports_spec_decode": True, "spec_requirements": ["device_propose"],
                                  "spec_hidden_handoff": [], "output_tokens_per_step": 1}
@@ -296,22 +305,30 @@ def test_copied_drafts_per_row_with_num_valid_and_nothing_for_padding():
 
 
 def test_slot_remap_moves_the_drafters_requests_once():
-    """Row i takes slot remap[i]'s request; a block built for the old layout, or a remap applied twice, is refused by
-    name; note_state_slots_moved must match the remap."""
+    """Row i takes slot remap[i]'s request (and the backend gathers its own state) once a submission is checked; a
+    refused submission moves nothing; the same remap applied twice, a non-permutation and a moves note that is not
+    the remap's are refused by name."""
     target, core, step = core_with({0: [1, 2, 3], 1: [7, 8, 9, 10]})
-    assert core.apply_slot_remap(t([1, 0, 2, 3]), 4) == [1, 0, 2, 3]
-    tokens, pos, nv, counts = block({0: (11, 4, []), 1: (4, 3, [])})
-    core.verify(tokens, pos, nv, counts, "argmax_ids", step)  # the requests swapped rows
+    gathered = []
+    tokens, pos, nv, counts = block({0: (11, 4, []), 1: (4, 3, [])})  # the two requests swapped rows
+    refused = tokens.clone()
+    refused[2, 0] = 5
+    with pytest.raises(ValueError, match="row 2 is a padding row"):
+        core.verify(refused, pos, nv, counts, "argmax_ids", step, t([1, 0, 2, 3]), gathered.append)
+    assert gathered == [] and core.proposer.slots == {0: 0, 1: 1}
+    core.verify(tokens, pos, nv, counts, "argmax_ids", step, t([1, 0, 2, 3]), gathered.append)
+    assert gathered == [[1, 0, 2, 3]] and core.proposer.slots == {0: 1, 1: 0}
     core.slots_moved({1: 0, 0: 1})
     with pytest.raises(ValueError, match=r"moves \{1: 0\} are not the last slot_remap's \{\}"):
         core.slots_moved({1: 0})
-    core.apply_slot_remap([1, 0, 2, 3], 4)  # applied twice: the rows no longer hold what the block says
     tokens, pos, nv, counts = block({0: (11, 4, [])})
     with pytest.raises(ValueError, match="a slot_remap was missed or applied twice"):
-        core.verify(tokens, pos, nv, counts, "argmax_ids", step)
+        core.verify(tokens, pos, nv, counts, "argmax_ids", step, [1, 0, 2, 3])
     with pytest.raises(ValueError, match=r"slot_remap must be a permutation of the 4 decode rows, got \[0, 0, 2, 3\]"):
-        core.apply_slot_remap([0, 0, 2, 3], 4)
-    assert core.apply_slot_remap(None, 4) is None and core.apply_slot_remap(list(range(4)), 4) is None
+        core.verify(tokens, pos, nv, counts, "argmax_ids", step, [0, 0, 2, 3])
+    core.plain_decode(t([[4], [0], [0], [0]]), t([3, -1, -1, -1]), step, [0, 1, 2, 3])  # row 0 is back to [1..4]
+    with pytest.raises(ValueError, match=r"moves \{0: 1\} are not the last slot_remap's \{\}"):
+        core.slots_moved({0: 1})  # the last submission's remap was the identity: nothing moved
 
 
 def test_release_frees_the_slot_and_keeps_the_response_for_later_requests():

@@ -251,7 +251,7 @@ def check_verify_block(tokens, start_pos, num_valid_drafts, accepted_counts, voc
     return live
 
 
-def check_plain_decode(tokens, start_pos) -> list[tuple[int, int, int]]:
+def check_plain_decode(tokens, start_pos, vocab_size: int) -> list[tuple[int, int, int]]:
     """An ordinary decode call's [B, 1] tokens and [B] positions; (row, token, position) of each live row."""
     if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.shape[1] != 1:
         raise ValueError(f"decode tokens must be a [B, 1] tensor without spec_mode, got "
@@ -259,7 +259,11 @@ def check_plain_decode(tokens, start_pos) -> list[tuple[int, int, int]]:
     rows = tokens.shape[0]
     check_int32("decode", "tokens", tokens, (rows, 1))
     check_int32("decode", "start_pos", start_pos, (rows,))
-    return [(i, t, p) for i, (t, p) in enumerate(zip(tokens[:, 0].tolist(), start_pos.tolist())) if p >= 0]
+    live = [(i, t, p) for i, (t, p) in enumerate(zip(tokens[:, 0].tolist(), start_pos.tolist())) if p >= 0]
+    bad = [t for _, t, _ in live if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"decode tokens has ids {bad} outside the vocabulary [0, {vocab_size}) on live rows")
+    return live
 
 
 def check_committed_block(num_drafts: int, committed_tokens, committed_positions, accepted_counts) -> None:

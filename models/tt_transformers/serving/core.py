@@ -45,19 +45,22 @@ class SpecDecodeCore:
         for slot, prompt in zip(slots, prompts):
             self.proposer.start(slot, prompt)
 
-    def apply_slot_remap(self, slot_remap, rows: int) -> Optional[list[int]]:
-        """The submission's slot_remap (row i reads the state slot j held), applied to the drafter's slots once;
-        returned as a list for the backend to gather its own per-slot state (None when absent or the identity)."""
+    def apply_slot_remap(self, slot_remap, rows: int, gather: Optional[Callable[[list[int]], None]] = None) -> None:
+        """The submission's slot_remap (row i reads the state slot j held), applied once: to the drafter's slots, and
+        through `gather` to the backend's own per-slot state. Called once a submission's values are checked, so a
+        refused one moves nothing."""
+        self.unsettled_moves = None  # a moves note follows the last submission's remap
         if slot_remap is None:
-            return None
+            return
         remap = slot_remap.tolist() if isinstance(slot_remap, torch.Tensor) else list(slot_remap)
         if sorted(remap) != list(range(rows)):
             raise ValueError(f"slot_remap must be a permutation of the {rows} decode rows, got {remap}")
         if remap == list(range(rows)):
-            return None
+            return
         self.proposer.remap(remap)
+        if gather is not None:
+            gather(remap)
         self.unsettled_moves = {old: new for new, old in enumerate(remap) if old != new}
-        return remap
 
     def slots_moved(self, old_to_new: dict) -> None:
         """The runner's note_state_slots_moved after a decode it accepted: the moves the remap already applied (a model
@@ -69,8 +72,10 @@ class SpecDecodeCore:
                              f"{self.unsettled_moves or {}}")
         self.unsettled_moves = None
 
-    def verify(self, tokens, start_pos, num_valid_drafts, accepted_counts, spec_mode, step: Step) -> VerifyOutput:
-        """The verify call: the block checked, its live rows fed to one step, the greedy ids in upstream's layout."""
+    def verify(self, tokens, start_pos, num_valid_drafts, accepted_counts, spec_mode, step: Step, slot_remap=None,
+               gather: Optional[Callable[[list[int]], None]] = None) -> VerifyOutput:
+        """The verify call: the block checked, slot_remap applied, its live rows fed to one step, the greedy ids in
+        upstream's layout."""
         if spec_mode != ACCEPT_MODE_ARGMAX_IDS:
             raise ValueError(f"verify spec_mode {spec_mode!r}: this model returns only {ACCEPT_MODE_ARGMAX_IDS!r} "
                              "(its plan's accept_modes)")
@@ -78,6 +83,7 @@ class SpecDecodeCore:
         if tokens.shape[1] != 1 + self.num_drafts:
             raise ValueError(f"verify tokens is {tokens.shape[1]} columns wide, but the plan's K is {self.num_drafts} "
                              f"(a block of {1 + self.num_drafts})")
+        self.apply_slot_remap(slot_remap, tokens.shape[0], gather)
         for r in live:
             self.proposer.fed(r.row, r.tokens, r.start_pos)
         argmax_ids = torch.full(tuple(tokens.shape), PLACEHOLDER_TOKEN_ID, dtype=torch.int32)
@@ -92,10 +98,11 @@ class SpecDecodeCore:
                 self.counters.observe_draft(r.n_drafts, accepted)
         return VerifyOutput(ACCEPT_MODE_ARGMAX_IDS, argmax_ids=argmax_ids)
 
-    def plain_decode(self, tokens, start_pos, step: Step) -> torch.Tensor:
+    def plain_decode(self, tokens, start_pos, step: Step, slot_remap=None,
+                     gather: Optional[Callable[[list[int]], None]] = None) -> torch.Tensor:
         """The ordinary [B, 1] decode (supports_narrow_decode): each live row's greedy next token, [B, 1] int32
         (PLACEHOLDER_TOKEN_ID on padding rows), as a decode that samples greedily on the device returns it."""
-        live = self.plain_decode_rows(tokens, start_pos)
+        live = self.plain_decode_rows(tokens, start_pos, slot_remap, gather)
         ids = torch.full((tokens.shape[0], 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int32)
         if live:
             out = step([UserRows(row, [token], pos) for row, token, pos in live], self.proposer.top_k)
@@ -104,10 +111,12 @@ class SpecDecodeCore:
                 self.proposer.saw(row, out.top_ids[k] if out.top_ids else None)
         return ids
 
-    def plain_decode_rows(self, tokens, start_pos) -> list[tuple[int, int, int]]:
-        """An ordinary decode's live rows (row, token, position), checked and told to the drafter: a backend whose
-        ordinary decode is its own (TT-Transformers' decode_forward) calls this before running it."""
-        live = check_plain_decode(tokens, start_pos)
+    def plain_decode_rows(self, tokens, start_pos, slot_remap=None,
+                          gather: Optional[Callable[[list[int]], None]] = None) -> list[tuple[int, int, int]]:
+        """An ordinary decode's live rows (row, token, position), checked, slot_remap applied, told to the drafter: a
+        backend whose ordinary decode is its own (TT-Transformers' decode_forward) calls this before running it."""
+        live = check_plain_decode(tokens, start_pos, self.target.vocab_size)
+        self.apply_slot_remap(slot_remap, tokens.shape[0], gather)
         for row, token, pos in live:
             self.proposer.fed(row, [token], pos)
         return live

@@ -57,15 +57,18 @@ class TorchSpecDecodeModel:
         rows = tokens.shape[0] if isinstance(tokens, torch.Tensor) else len(tokens)
         if rows > self.target.max_batch_size:
             raise ValueError(f"decode tokens has {rows} rows, more than the {self.target.max_batch_size} decode slots")
-        remap = self.core.apply_slot_remap(slot_remap, rows)
-        if remap is not None:
-            index = torch.tensor(remap, device=self.target.device)
-            for cache in self.target.cache.k + self.target.cache.v:
-                cache[:rows] = cache[index]
         step = lambda user_rows, top_k: self.target.step(user_rows, top_k=top_k)  # noqa: E731
         if given:
-            return self.core.verify(tokens, start_pos, num_valid_drafts, accepted_counts, spec_mode, step)
-        return self.core.plain_decode(tokens, start_pos, step)
+            return self.core.verify(tokens, start_pos, num_valid_drafts, accepted_counts, spec_mode, step, slot_remap,
+                                    self.gather_cache_rows)
+        return self.core.plain_decode(tokens, start_pos, step, slot_remap, self.gather_cache_rows)
+
+    def gather_cache_rows(self, remap: list[int]) -> None:
+        """Cache row i takes row remap[i]'s keys and values: the torch cache is indexed by slot (on TT the page
+        table, which the scheduler sends every step, says where a request's blocks are)."""
+        index = torch.tensor(remap, device=self.target.device)
+        for cache in self.target.cache.k + self.target.cache.v:
+            cache[: len(remap)] = cache[index]
 
     def propose_draft_tokens(self, num_drafts, committed_tokens, committed_positions, accepted_counts,
                              hidden=None) -> DraftOutput:
