@@ -26,6 +26,10 @@ from models.tt_transformers.serving.contract import (
 )
 from models.tt_transformers.serving.core import SpecDecodeCore
 from models.tt_transformers.serving.plan import SPEC_CAPABILITIES, VERIFY_TILE_ROWS, plan_speculation
+from models.tt_transformers.serving.torch_model import TorchSpecDecodeModel
+from models.tt_transformers.torch_backend.generator import TorchCausalLM
+
+from .conftest import random_model
 
 I32 = torch.int32
 
@@ -275,6 +279,34 @@ def test_verify_refuses_the_wrong_mode_width_or_slot():
     with pytest.raises(ValueError, match="no request was prefilled into slot 1"):
         core.verify(tokens, pos, nv, counts, "argmax_ids", step)
     assert target.steps == []  # refused before anything ran
+
+
+def test_torch_model_call_shapes():
+    """The torch backend's model: the three speculative arguments together or not at all, rows within its slots,
+    prefill slots distinct and lengths within the padded tokens; the class declares the capabilities and the plan."""
+    model = random_model(max_seq_len=32)
+    served = TorchSpecDecodeModel(TorchCausalLM(model, model.args.n_layers, 2), 3)
+    assert TorchSpecDecodeModel.model_capabilities == SPEC_CAPABILITIES
+    assert TorchSpecDecodeModel.spec_plan(None, 2, 3) == plan_speculation(None, 2, 3)
+    first = served.prefill_forward(t([[1, 2, 3], [4, 5, 0]]), [3, 2], [1, 0])
+    assert first.dtype == I32 and first.shape == (2,)
+    tokens, pos = t([[int(first[1]), -1, -1, -1], [int(first[0]), -1, -1, -1]]), t([[2] + [-1] * 3, [3] + [-1] * 3])
+    with pytest.raises(ValueError, match=r"got \['num_valid_drafts', 'spec_mode'\] alone"):
+        served.decode_forward(tokens, pos, num_valid_drafts=t([0, 0]), spec_mode="argmax_ids")
+    with pytest.raises(ValueError, match="3 rows, more than the 2 decode slots"):
+        served.decode_forward(t([[1], [2], [3]]), t([0, 0, 0]))
+    with pytest.raises(ValueError, match=r"empty_slots \[0, 0\] must be distinct"):
+        served.prefill_forward(t([[1, 2], [3, 4]]), [2, 2], [0, 0])
+    with pytest.raises(ValueError, match=r"prompt_lens \[3\] within 1..2"):
+        served.prefill_forward(t([[1, 2]]), [3], [0])
+    plain = served.decode_forward(tokens[:, :1].contiguous(), pos[:, 0].contiguous())  # the ordinary decode
+    assert plain.shape == (2, 1) and plain.dtype == I32
+    committed = torch.cat([plain, torch.full((2, 3), -1, dtype=I32)], dim=1)
+    drafted = served.propose_draft_tokens(3, committed, t([[3, -1, -1, -1], [4, -1, -1, -1]]), t([1, 1]))
+    assert drafted.draft_token_ids.shape == (2, 3) and drafted.num_valid.shape == (2,)
+    out = served.decode_forward(committed, t([[3, -1, -1, -1], [4, -1, -1, -1]]), num_valid_drafts=t([0, 0]),
+                                accepted_counts=t([1, 1]), spec_mode="argmax_ids")
+    assert out.argmax_ids.shape == (2, 4) and out.argmax_ids[:, 1:].eq(-1).all()
 
 
 # --- the drafter's slots -----------------------------------------------------------------------------------------

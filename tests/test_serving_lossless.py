@@ -52,9 +52,10 @@ def serve(target: TorchCausalLM, plan: SpecPlan, concurrency: int, arrivals, pre
 def test_served_output_is_plain_greedy(embedded_bf16, embedded_tokenizer, prompts, plain, concurrency, rows, k,
                                        narrow):
     """Five requests at step 0, three more at step 4, r0's question again at step 12 (its first answer is then in
-    the draft memory, EOS included), r1 preempted at step 6 (or once it runs) and replayed; `rows` decode rows (4 for 3 requests: a
-    padding row always). narrow: draftless steps are ordinary [B, 1] decodes, else every step is a verify. At 8 the
-    last requests to finish leave holes below running ones: rows are compacted (at 3, waiting requests fill them)."""
+    the draft memory, EOS included), r1 preempted at step 6 (or once it runs) and replayed; `rows` decode rows (4 for
+    3 requests: a padding row always). narrow: draftless steps are ordinary [B, 1] decodes, else every step is a
+    verify. At 8 the last requests to finish leave holes below running ones: rows are compacted (at 3, waiting
+    requests fill them)."""
     plan = plan_speculation(None, concurrency, k)
     plan = dataclasses.replace(plan, supports_narrow_decode=narrow)
     arrivals = {0: [(f"r{i}", prompts[i], MAX_TOKENS) for i in range(5)],

@@ -38,7 +38,7 @@ class SpecDecodeCore:
         self.target, self.num_drafts = target, num_drafts
         self.proposer = proposer or CopiedDraftProposer(target)
         self.counters = SpecDecodeCounters(num_drafts)
-        self.unsettled_moves: Optional[dict[int, int]] = None  # the last slot_remap's moves, until the runner notes them
+        self.unsettled_moves: Optional[dict[int, int]] = None  # the last remap's moves, until the runner notes them
 
     def prefilled(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> None:
         """Requests prefilled into `slots` (new, or resumed with their whole history): drafting starts over."""

@@ -67,7 +67,8 @@ class ReferenceRunner:
             raise ValueError(f"max_num_seqs {max_num_seqs} must be in [1, batch_rows {batch_rows}]")
         self.model, self.plan, self.rows, self.max_num_seqs = model, plan, batch_rows, max_num_seqs
         self.k = plan.effective_k
-        self.eos_ids, self.max_model_len, self.vocab_size, self.compact = set(eos_ids), max_model_len, vocab_size, compact
+        self.eos_ids, self.max_model_len, self.vocab_size = set(eos_ids), max_model_len, vocab_size
+        self.compact = compact
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.done: dict[str, Request] = {}

@@ -35,8 +35,8 @@ class TorchSpecDecodeModel:
         int32 (as TT's prefill returns it when it samples on the device)."""
         tokens, lengths, slots = torch.as_tensor(tokens), list(map(int, prompt_lens)), list(map(int, empty_slots))
         if tokens.dim() != 2 or not len(lengths) == len(slots) == tokens.shape[0]:
-            raise ValueError(f"prefill tokens [n, max_len] needs one prompt_lens and one empty_slots entry per row, got "
-                             f"tokens {list(tokens.shape)}, {len(lengths)} prompt_lens, {len(slots)} empty_slots")
+            raise ValueError(f"prefill tokens [n, max_len] needs one prompt_lens and one empty_slots entry per row, "
+                             f"got tokens {list(tokens.shape)}, {len(lengths)} prompt_lens, {len(slots)} empty_slots")
         bad = [s for s in slots if not 0 <= s < self.target.max_batch_size]
         if bad or len(set(slots)) != len(slots) or not all(1 <= n <= tokens.shape[1] for n in lengths):
             raise ValueError(f"prefill empty_slots {slots} must be distinct slots in [0, {self.target.max_batch_size}) "
@@ -48,7 +48,8 @@ class TorchSpecDecodeModel:
     def decode_forward(self, tokens, start_pos, *, num_valid_drafts=None, accepted_counts=None, spec_mode=None,
                        slot_remap=None, page_table=None, kv_cache=None):
         """A verify when the three speculative arguments come (VerifyOutput), else the ordinary [B, 1] decode
-        (ids [B, 1]). slot_remap, applied once first: row i reads the state slot slot_remap[i] held."""
+        (ids [B, 1]). slot_remap, applied once the values are checked: row i reads the state slot slot_remap[i]
+        held."""
         given = [name for name, v in (("num_valid_drafts", num_valid_drafts), ("accepted_counts", accepted_counts),
                                       ("spec_mode", spec_mode)) if v is not None]
         if given and len(given) != 3:
