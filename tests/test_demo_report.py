@@ -18,8 +18,12 @@ from models.tt_transformers.demo.speculative_decoding.options import DEMO_OPTION
 from models.tt_transformers.demo.speculative_decoding.report import (
     MIN_TIMED_TOKENS,
     LoadMeter,
+    latency_summary,
+    performance_lines,
     prompt_entries,
     prompt_table_lines,
+    spec_decode_counters,
+    summarize,
     timing_warnings,
 )
 from models.tt_transformers.demo.speculative_decoding.speculative_demo import main, run_demo
@@ -151,3 +155,39 @@ def test_prompt_table_marks_figures_it_cannot_vouch_for():
     assert re.search(r"3\.00x! +suffix", lines[3])
     assert lines[4:] == [f"* fewer than {MIN_TIMED_TOKENS} tokens after the first: too few to time",
                          "! more than its tokens per forward can give: its plain run was slowed (another process?)"]
+
+
+def test_latency_figures_are_vllms_benchmark_figures():
+    """TTFT / E2EL: a request's first / last chunk from its batch's arrival; TPOT: the time after the first token
+    per later token; ITL: every gap between chunks (a step's tokens arrive together); P50/P95/P99 by linear
+    interpolation, as numpy.percentile and vLLM's benchmark compute them. Written out for three requests."""
+    five_in_three = UserResult([1], [5, 6, 7, 8, 9], token_times_s=[0.1, 0.2, 0.5])
+    two = UserResult([1], [5, 6], token_times_s=[0.3, 0.35])
+    one = UserResult([1], [5], token_times_s=[0.2])  # no TPOT, no ITL
+    s = latency_summary([five_in_three, two, one])
+    expected = {"ttft": (200, 200, 290, 298), "tpot": (75, 75, 97.5, 99.5), "itl": (150, 100, 280, 296),
+                "e2el": (350, 350, 485, 497)}
+    for metric, (mean, p50, p95, p99) in expected.items():
+        got = [s[f"{k}_{metric}_ms"] for k in ("mean", "p50", "p95", "p99")]
+        assert got == pytest.approx([mean, p50, p95, p99]), metric
+    alone = latency_summary([one])
+    assert alone["p99_tpot_ms"] is None and alone["mean_itl_ms"] is None and alone["p50_e2el_ms"] == pytest.approx(200)
+
+
+def test_spec_decode_counters_and_performance_block():
+    """Iterations that verified a draft count as vLLM's drafts (positions up to n_draft_tokens); the performance
+    block shows the latency figures and, when something was drafted, the acceptance by position."""
+    its = [IterationStats("suffix", 4, 4, 1.0), IterationStats("suffix", 4, 0, 1.0), IterationStats("none", 0, 0, 1.0),
+           IterationStats("tree", 3, 2, 1.0)]
+    r = UserResult([1], list(range(9)), its, ttft_ms=1.0, decode_s=0.01, token_times_s=[0.001 * i for i in range(5)])
+    assert spec_decode_counters([r], 4).as_dict() == {
+        "vllm:spec_decode_num_drafts_total": 3, "vllm:spec_decode_num_draft_tokens_total": 11,
+        "vllm:spec_decode_num_accepted_tokens_total": 6,
+        "vllm:spec_decode_num_accepted_tokens_per_pos_total": {"0": 2, "1": 2, "2": 1, "3": 1}}
+    lines = performance_lines("speculative", summarize([[r]], 4))
+    assert lines[-3] == "Mean/P50/P95/P99 ms: TPOT 0.5/0.5/0.5/0.5, ITL 1.0/1.0/1.0/1.0, E2EL 4.0/4.0/4.0/4.0"
+    assert lines[-2:] == ["Drafts: 3, 11 tokens, 6 accepted (mean acceptance length 3.00)",
+                          "Accepted by draft position: 0.67 0.67 0.33 0.33"]
+    plain = UserResult([1], [1, 2], [IterationStats("none", 0, 0, 1.0)], token_times_s=[0.1, 0.2])
+    assert performance_lines("plain decoding", summarize([[plain]], 0))[-1] == (
+        "Mean/P50/P95/P99 ms: TPOT 100/100/100/100, ITL 100/100/100/100, E2EL 200/200/200/200")

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 from loguru import logger
 
@@ -318,16 +319,42 @@ def test_cli_samples_without_a_seed(tmp_path, embedded_checkpoint):
     assert report["config"]["seed"] is None and len(report["prompts"][0]["output_tokens"]) >= 1
 
 
-def test_report_carries_tt_perf_keys_and_environment(tmp_path, embedded_checkpoint):
-    report = run_demo(demo(tmp_path, draft_mode="suffix", compare_baseline=1, output_json=str(tmp_path / "r.json")))
-    summary, prompts = report["summary"], report["prompts"]
+def test_report_carries_tt_perf_keys_vllm_figures_and_environment(tmp_path, embedded_checkpoint):
+    """--output_json: TT's perf keys; vLLM's serving figures (TTFT, TPOT, ITL, E2EL: mean and P50/P95/P99) and
+    spec-decode counters, both recomputed here from each prompt's token times and iterations; the environment."""
+    prompts = write_json(tmp_path / "p.json", [{"prompt": "Hello"}, {"prompt": "Count from one to twenty in words."}])
+    assert main(["--input_prompts", str(prompts), "--draft_mode", "suffix", "--max_generated_tokens", "24",
+                 "--output_json", str(tmp_path / "r.json")]) == 0
+    written = json.loads((tmp_path / "r.json").read_text())
+    summary, prompts = written["summary"], written["prompts"]
     # recomputed from each user's own figures (batch 1: one user per batch), not from summarize()'s variables
     produced = [len(p["output_tokens"]) - 1 for p in prompts]
     decode_s = sum(n / p["decode_tok_s"] for n, p in zip(produced, prompts))
     assert summary["decode_t/s/u"] == pytest.approx(sum(produced) / decode_s) and summary["decode_t/s"] > 0
     ttft_s = [p["ttft_ms"] / 1e3 for p in prompts]
     assert summary["prefill_time_to_token"] == pytest.approx(sum(ttft_s) / len(ttft_s)) and summary["prefill_t/s"] > 0
-    written = json.loads((tmp_path / "r.json").read_text())
+    latencies = {"ttft": [], "tpot": [], "itl": [], "e2el": []}
+    for p in prompts:  # a chunk per iteration, each gap at least that iteration's own time
+        times, iterations = p["token_times_ms"], p["iterations"]
+        assert len(times) == len(iterations) + 1
+        assert all(b - a >= it["ms"] for a, b, it in zip(times, times[1:], iterations))
+        latencies["ttft"].append(times[0])
+        latencies["e2el"].append(times[-1])
+        latencies["tpot"].append((times[-1] - times[0]) / (len(p["output_tokens"]) - 1))
+        latencies["itl"] += [b - a for a, b in zip(times, times[1:])]
+    for metric, values in latencies.items():
+        assert summary[f"mean_{metric}_ms"] == pytest.approx(np.mean(values))
+        for q in (50, 95, 99):
+            assert summary[f"p{q}_{metric}_ms"] == pytest.approx(np.percentile(values, q))
+    drafts = [(it["drafted"], it["accepted"]) for p in prompts for it in p["iterations"] if it["drafted"]]
+    assert summary["spec_decode"] == {
+        "vllm:spec_decode_num_drafts_total": len(drafts),
+        "vllm:spec_decode_num_draft_tokens_total": sum(d for d, _ in drafts),
+        "vllm:spec_decode_num_accepted_tokens_total": sum(a for _, a in drafts),
+        "vllm:spec_decode_num_accepted_tokens_per_pos_total": {str(j): sum(a > j for _, a in drafts) for j in range(4)}}
+    assert summary["spec_decode"]["vllm:spec_decode_num_accepted_tokens_total"] > 0
+    baseline = summary["baseline"]
+    assert baseline["spec_decode"]["vllm:spec_decode_num_drafts_total"] == 0 and baseline["p99_itl_ms"] > 0
     env = written["environment"]
     assert env["device"] == "cpu" and env["torch"] and env["cpu_count"] >= 1
     assert env["git_commit"] is None or len(env["git_commit"]) == 40

@@ -245,11 +245,26 @@ class SuffixDrafter:
     def start(self, users, prompts, sampler, hidden=None):
         if self.memory is not None:
             self.memory.start_request([sam.tokens[self.prompt_lens[u]:] for u, sam in self.automata.items()])
-        self.automata = {u: SuffixAutomaton(p) for u, p in zip(users, prompts)}
-        self.prompt_lens = {u: len(p) for u, p in zip(users, prompts)}
-        self.policies = {u: DraftLengthPolicy(0.0) for u in users}
-        self.cursors = {u: CopyCursor() for u in users}
-        self.pending = {}
+        self.automata, self.prompt_lens, self.policies, self.cursors, self.pending = {}, {}, {}, {}, {}
+        for u, p in zip(users, prompts):
+            self.start_request(u, p)
+
+    def start_request(self, user, prompt: Sequence[int]) -> None:
+        """One request's state on its own: a server admits and ends requests one at a time (start() begins a whole
+        batch). `user` is any hashable key."""
+        self.automata[user] = SuffixAutomaton(prompt)
+        self.prompt_lens[user] = len(prompt)
+        self.policies[user] = DraftLengthPolicy(0.0)
+        self.cursors[user] = CopyCursor()
+        self.pending.pop(user, None)
+
+    def stop_request(self, user) -> None:
+        """The request ended: its state goes and its response (what followed the prompt) joins the draft memory."""
+        response = self.automata[user].tokens[self.prompt_lens[user]:]
+        for state in (self.automata, self.prompt_lens, self.policies, self.cursors, self.pending):
+            state.pop(user, None)
+        if self.memory is not None:
+            self.memory.start_request([response])
 
     def _candidates(self, user: int, context: Sequence[int], n: int, floor: float) -> list[Candidate]:
         sam = self.automata[user]

@@ -9,8 +9,11 @@ from collections import Counter
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
+
 from models.tt_transformers.demo.speculative_decoding.inputs import PACKAGE_ROOT, DemoInputError
 from models.tt_transformers.demo.speculative_decoding.speculative_generator import UserResult
+from models.tt_transformers.speculative.metrics import NUM_DRAFTS, SpecDecodeCounters, summary_lines
 from models.tt_transformers.torch_backend.cpu_threads import cpu_seconds
 
 
@@ -19,10 +22,53 @@ MIN_TIMED_TOKENS = 16  # a prompt's tokens after the first below which its tok/s
 OTHER_LOAD_CORES = 0.5  # other processes' CPU use (cores) that disturbs a timing
 
 
-def summarize(batches: list[list[UserResult]]) -> dict:
+LATENCY_PERCENTILES = (50, 95, 99)
+
+
+def latencies_ms(users: list[UserResult]) -> dict[str, list[float]]:
+    """Per request, as vLLM's serving benchmark measures a streamed request (every request of a batch arrives when
+    its generate() starts): TTFT, the first token's time; E2EL, the last token's; TPOT, (E2EL - TTFT) over the
+    tokens after the first; and every ITL, the gap between two consecutive chunks (a step's tokens arrive together)."""
+    out = {"ttft": [], "tpot": [], "itl": [], "e2el": []}
+    for r in users:
+        times = [1e3 * t for t in r.token_times_s]
+        if not times:
+            continue
+        out["ttft"].append(times[0])
+        out["e2el"].append(times[-1])
+        if len(r.output_tokens) > 1:
+            out["tpot"].append((times[-1] - times[0]) / (len(r.output_tokens) - 1))
+        out["itl"] += [b - a for a, b in zip(times, times[1:])]
+    return out
+
+
+def latency_summary(users: list[UserResult]) -> dict:
+    """mean_<m>_ms and p50/p95/p99_<m>_ms for TTFT, TPOT, ITL and E2EL (vLLM's benchmark keys; None without a
+    value)."""
+    summary = {}
+    for metric, values in latencies_ms(users).items():
+        summary[f"mean_{metric}_ms"] = float(np.mean(values)) if values else None
+        for p in LATENCY_PERCENTILES:
+            summary[f"p{p}_{metric}_ms"] = float(np.percentile(values, p)) if values else None
+    return summary
+
+
+def spec_decode_counters(users: list[UserResult], num_spec_tokens: Optional[int] = None) -> SpecDecodeCounters:
+    """vLLM's acceptance counters over every iteration that verified a draft (a tree counts its nodes as draft tokens
+    and its accepted path by depth); positions up to num_spec_tokens (default: the longest draft)."""
+    drafted = [(it.drafted, it.accepted) for r in users for it in r.iterations if it.drafted]
+    counters = SpecDecodeCounters(num_spec_tokens if num_spec_tokens is not None else
+                                  max((d for d, _ in drafted), default=0))
+    for d, a in drafted:
+        counters.observe_draft(d, a)
+    return counters
+
+
+def summarize(batches: list[list[UserResult]], num_spec_tokens: Optional[int] = None) -> dict:
     """Figures over all users (users of one batch share each iteration's time), with TT-Transformers' perf keys:
     prefill_time_to_token (s, mean over users), prefill_t/s (prompt tokens per second of prefill), decode_t/s/u and
-    decode_t/s (tokens after the first per second of decoding, per user and over the batch)."""
+    decode_t/s (tokens after the first per second of decoding, per user and over the batch); vLLM's serving keys
+    (latency_summary) and its spec-decode counters (spec_decode, for drafts of up to num_spec_tokens)."""
     users = [r for batch in batches for r in batch]
     drafted = sum(it.drafted for r in users for it in r.iterations)
     accepted = sum(it.accepted for r in users for it in r.iterations)
@@ -44,6 +90,8 @@ def summarize(batches: list[list[UserResult]]) -> dict:
         "prefill_t/s": sum(len(r.prompt_tokens) for r in users) / prefill_s if prefill_s else 0.0,
         "decode_t/s/u": tok_s_u,
         "decode_t/s": tok_s,
+        **latency_summary(users),
+        "spec_decode": spec_decode_counters(users, num_spec_tokens).as_dict(),
     }
 
 
@@ -114,7 +162,16 @@ def performance_lines(label: str, s: dict) -> list[str]:
             f"Average speed: {ms:.1f}ms @ {s['decode_tok_s_u']:.1f} tok/s/user ({s['decode_tok_s']:.1f} tok/s "
             "throughput)",
             f"Acceptance rate: {100 * s['acceptance_rate']:.1f}%, mean tokens per target forward: "
-            f"{s['mean_tokens_per_step']:.2f}"]
+            f"{s['mean_tokens_per_step']:.2f}",
+            latency_line(s)] + (summary_lines(s["spec_decode"]) if s["spec_decode"][NUM_DRAFTS] else [])
+
+
+def latency_line(s: dict) -> str:
+    """TPOT, ITL and E2EL in ms: mean / P50 / P95 / P99 (vLLM's benchmark figures)."""
+    def figures(metric):
+        values = [s[f"{k}_{metric}_ms"] for k in ("mean", *(f"p{p}" for p in LATENCY_PERCENTILES))]
+        return "n/a" if None in values else "/".join(f"{v:.1f}" if v < 100 else f"{v:.0f}" for v in values)
+    return "Mean/P50/P95/P99 ms: " + ", ".join(f"{m.upper()} {figures(m)}" for m in ("tpot", "itl", "e2el"))
 
 
 def speedup_line(summary: dict) -> str:
@@ -143,7 +200,8 @@ def prompt_entries(prompts: list[str], batches: list[list[int]], results: list[l
             produced = len(r.output_tokens) - 1
             entry = {"prompt": prompts[i], "output_text": tokenizer.decode(r.output_tokens, skip_special_tokens=True),
                      "output_tokens": r.output_tokens, "iterations": [vars(it) for it in r.iterations],
-                     "ttft_ms": r.ttft_ms, "decode_tok_s": r.decode_tok_s,
+                     "ttft_ms": r.ttft_ms, "token_times_ms": [1e3 * t for t in r.token_times_s],
+                     "decode_tok_s": r.decode_tok_s,
                      "tokens_per_step": produced / len(r.iterations) if r.iterations else 0.0,
                      "draft_sources": dict(Counter(it.draft_source for it in r.iterations if it.drafted)),
                      "too_few_tokens_to_time": produced < MIN_TIMED_TOKENS}

@@ -117,7 +117,7 @@ def decode_and_report(config: DemoConfig, checked: CheckedInputs, mesh_device, p
     with LoadMeter() as meter:
         results = generate_all(spec, tokens, checked.batches, config)
     load["speculative"] = meter.load
-    summary = {**summarize(results), **compile_times}
+    summary = {**summarize(results, config.n_draft_tokens), **compile_times}
     head = getattr(drafter, "fallback", drafter)
     if isinstance(head, HeadDrafter):  # what a head run cost on this machine, as its length policy priced it
         summary["draft_head_run_cost"] = head.draft_cost
@@ -132,7 +132,7 @@ def decode_and_report(config: DemoConfig, checked: CheckedInputs, mesh_device, p
             baseline = generate_all(SpeculativeGenerator(target, None, 0, eos, sampling, log_iterations), tokens,
                                     checked.batches, config)
         load["plain"] = meter.load
-        summary["baseline"] = summarize(baseline)
+        summary["baseline"] = summarize(baseline, 0)
         for line in performance_lines("plain decoding", summary["baseline"]):
             logger.info(line)
         summary["baseline_decode_tok_s"] = summary["baseline"]["decode_tok_s"]

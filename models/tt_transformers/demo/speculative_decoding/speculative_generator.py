@@ -39,6 +39,8 @@ class UserResult:
     iterations: list[IterationStats] = field(default_factory=list)
     ttft_ms: float = 0.0
     decode_s: float = 0.0  # time after the first token
+    token_times_s: list[float] = field(default_factory=list)  # when each step's tokens were ready, from the start of
+    # generate() (the batch's arrival): its first token's, then one per iteration (a chunk, as a server streams it)
 
     @property
     def decode_tok_s(self) -> float:
@@ -102,6 +104,7 @@ class SpeculativeGenerator:
             raise ValueError(f"max_generated_tokens must be >= 1, got {max_generated_tokens}")
         if requests is not None and len(requests) != len(prompts):
             raise ValueError(f"{len(requests)} request ids for {len(prompts)} prompts")
+        arrival = time.perf_counter()
         users = list(range(len(prompts)))
         results = [UserResult(list(p)) for p in prompts]
         contexts = [list(p) for p in prompts]
@@ -115,7 +118,9 @@ class SpeculativeGenerator:
             out = self.target.prefill(u, contexts[u], logits=not self.sampling.greedy, taps=taps)
             prompt_hidden.append(out.hidden[0] if taps else None)
             first = self._target_tokens(sampler, UserRows(u, contexts[u][-1:], len(contexts[u]) - 1), out, 0)[0]
-            results[u].ttft_ms = (time.perf_counter() - start) * 1e3
+            done = time.perf_counter()
+            results[u].ttft_ms = (done - start) * 1e3
+            results[u].token_times_s.append(done - arrival)
             contexts[u].append(first)
             results[u].output_tokens.append(first)
         if self.drafter is not None:
@@ -146,7 +151,8 @@ class SpeculativeGenerator:
             top_k = self.drafter.top_k if self.drafter is not None else 0
             out = self.target.step(rows, logits=not self.sampling.greedy, top_k=top_k, taps=taps)
             verified = self._verify(sampler, drafts, rows, out)
-            ms = (time.perf_counter() - start) * 1e3
+            done = time.perf_counter()
+            ms = (done - start) * 1e3
             produced = accepted = 0
             for u, draft, v in zip(active, drafts, verified):
                 if self.drafter is not None:
@@ -155,6 +161,7 @@ class SpeculativeGenerator:
                 contexts[u].extend(new)
                 results[u].output_tokens.extend(new)
                 results[u].decode_s += ms / 1e3
+                results[u].token_times_s.append(done - arrival)
                 results[u].iterations.append(
                     IterationStats(draft.source, len(draft.tokens), v.n_accepted, ms, draft.match_len))
                 produced += len(new)

@@ -1,0 +1,58 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What this package's models declare to vllm-tt-plugin, and the K they serve at a concurrency.
+
+The verify gives every candidate token its own decode row, and on TT every row of every request shares the decode
+batch's one 32-row tile (ttnn_backend.model.TILE_ROWS): a plan fits max_num_seqs * (1 + K) <= 32, so speculation and
+32-way concurrency exclude each other. Past the tile the answer is a SpecReject naming the K that fit, not a
+silently smaller K: the operator sees what was asked for and what can be served.
+"""
+from .contract import (
+    ACCEPT_MODE_ARGMAX_IDS,
+    DRAFTER_STATE_INTERNAL,
+    SPEC_REQUIREMENT_DEVICE_PROPOSE,
+    SpecPlan,
+    SpecReject,
+)
+
+VERIFY_TILE_ROWS = 32  # the TT decode tile every verify row shares (ttnn_backend.model.TILE_ROWS)
+MAX_PLAN_K = 64  # speculative.backend.MAX_DRAFT_TOKENS: the most drafts a backend sizes a verify for
+
+# model_capabilities entries a speculating model adds. The drafter is the model's own (custom_class with the
+# vllm_tt_plugin.model_owned_drafter sentinel needs device_propose), reads the committed block only (no hidden feed,
+# so no handoff), and commits one token per ordinary step.
+SPEC_CAPABILITIES = {
+    "supports_spec_decode": True,
+    "spec_requirements": [SPEC_REQUIREMENT_DEVICE_PROPOSE],
+    "spec_hidden_handoff": [],
+    "output_tokens_per_step": 1,
+}
+
+
+def is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def plan_speculation(vllm_config, max_num_seqs, requested_k, tile_rows: int = VERIFY_TILE_ROWS):
+    """The contract's spec_plan: a SpecPlan for (max_num_seqs, requested_k), or a SpecReject with the K that fit.
+    Never raises. vllm_config is read only for max_model_len (it carries no TT platform state at this point)."""
+    if not is_count(max_num_seqs) or max_num_seqs < 1:
+        return SpecReject(f"max_num_seqs must be a positive integer, got {max_num_seqs!r}")
+    k_max = min(tile_rows // max_num_seqs - 1, MAX_PLAN_K)
+    max_model_len = getattr(getattr(vllm_config, "model_config", None), "max_model_len", None)
+    if is_count(max_model_len):
+        k_max = min(k_max, max_model_len - 1)  # a block of 1 + K positions must fit the context
+    supported = tuple(range(1, k_max + 1))
+    if not is_count(requested_k) or requested_k < 1:
+        return SpecReject(f"num_speculative_tokens must be a positive integer, got {requested_k!r}", supported)
+    if k_max < 1:
+        return SpecReject(f"num_speculative_tokens {requested_k} with max_num_seqs {max_num_seqs}: no K fits, every "
+                          f"verify row of every request shares one {tile_rows}-row decode tile (max_num_seqs * (1 + K) "
+                          f"<= {tile_rows}); lower --max-num-seqs to {tile_rows // 2} or less to speculate")
+    if requested_k > k_max:
+        return SpecReject(f"num_speculative_tokens {requested_k} with max_num_seqs {max_num_seqs} needs "
+                          f"{max_num_seqs} x (1 + {requested_k}) verify rows, past the {tile_rows}-row decode tile"
+                          + (f" or max_model_len {max_model_len}" if is_count(max_model_len) else "")
+                          + f": ask for num_speculative_tokens <= {k_max}", supported)
+    return SpecPlan(effective_k=requested_k, lanes_per_request=1 + requested_k, extra_bytes_per_seq=0,
+                    extra_bytes_per_token=0, accept_modes=(ACCEPT_MODE_ARGMAX_IDS,),
+                    drafter_state=DRAFTER_STATE_INTERNAL, supports_narrow_decode=True)

@@ -1,0 +1,238 @@
+# SPDX-License-Identifier: Apache-2.0
+"""vllm-tt-plugin's greedy verify-then-propose loop, written from the contract, to drive a model where the plugin
+cannot run (it needs vLLM and a TT device): the proof that a model meets the contract without one.
+
+Per decode step, as the runner does it: build the [B, 1+K] block (padding rows token 0 / position -1, padded draft
+columns PLACEHOLDER_TOKEN_ID / -1), or the ordinary [B, 1] decode when the plan allows narrow steps and no row has a
+draft or a multi-token commit to resolve; call decode_forward; walk greedy acceptance over the argmax ids; commit;
+call propose_draft_tokens with the committed block and keep each request's offered drafts (trimmed to the context)
+for its next step. Around it a scheduler as small as a server's can be: requests arrive at any step and are
+prefilled into free slots (empty_slots), finish at an EOS or max_tokens (committed tokens past the stop are dropped,
+as vLLM's stop check drops them) or at max_model_len, can be preempted (release_request; later they re-prefill
+their whole history, and drafting starts over), and the survivors of a departure are compacted to the lowest rows
+(slot_remap on the next decode, then note_state_slots_moved).
+
+It also counts what vLLM's scheduler counts (speculative.metrics), independently of the model's own counters.
+"""
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+from ..speculative.metrics import SpecDecodeCounters
+from .contract import ACCEPT_MODE_ARGMAX_IDS, PLACEHOLDER_TOKEN_ID, SpecPlan, accept_greedy_drafts, check_draft_output
+
+
+@dataclass
+class Request:
+    req_id: str
+    prompt: list[int]
+    max_tokens: int
+    output: list[int] = field(default_factory=list)
+    slot: Optional[int] = None
+    drafts: list[int] = field(default_factory=list)  # offered by the last proposal, to verify next
+    accepted_count: int = 1  # tokens its last step committed (1 after a prefill or a plain step)
+    finish_reason: Optional[str] = None  # "stop" (EOS), "length" (max_tokens or max_model_len)
+
+    @property
+    def history(self) -> list[int]:
+        return self.prompt + self.output
+
+
+@dataclass
+class RunStats:
+    """What the loop went through, so a test can tell that a run exercised what it claims."""
+
+    prefill_steps: int = 0
+    verify_steps: int = 0
+    plain_steps: int = 0
+    padding_rows: int = 0  # padding rows sent, over all decode steps
+    drafted_rows: int = 0  # rows that carried drafts
+    multi_token_commits: int = 0
+    eos_in_multi_token_commits: int = 0  # an EOS committed with other tokens in one step
+    dropped_after_stop: int = 0  # committed tokens past an EOS or max_tokens, dropped
+    preemptions: int = 0
+    resumed: int = 0
+    slot_moves: int = 0
+    max_running: int = 0
+
+
+class ReferenceRunner:
+    def __init__(self, model, plan: SpecPlan, batch_rows: int, max_num_seqs: int, eos_ids: Sequence[int],
+                 max_model_len: int, vocab_size: int, compact: bool = True):
+        """model: the contract's model side (prefill_forward, decode_forward, propose_draft_tokens, release_request,
+        note_state_slots_moved); batch_rows: the padded decode batch B; max_num_seqs: most requests running."""
+        if not 1 <= max_num_seqs <= batch_rows:
+            raise ValueError(f"max_num_seqs {max_num_seqs} must be in [1, batch_rows {batch_rows}]")
+        self.model, self.plan, self.rows, self.max_num_seqs = model, plan, batch_rows, max_num_seqs
+        self.k = plan.effective_k
+        self.eos_ids, self.max_model_len, self.vocab_size = set(eos_ids), max_model_len, vocab_size
+        self.compact = compact
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.done: dict[str, Request] = {}
+        self.to_release: list[int] = []  # slots of requests that left after the last step, released at the next
+        self.preempt_next: list[str] = []
+        self.counters = SpecDecodeCounters(self.k)
+        self.stats = RunStats()
+
+    def add_request(self, req_id: str, prompt: Sequence[int], max_tokens: int) -> None:
+        if not prompt or len(prompt) >= self.max_model_len or max_tokens < 1:
+            raise ValueError(f"request {req_id}: a prompt of 1 to {self.max_model_len - 1} tokens and max_tokens >= 1")
+        self.waiting.append(Request(req_id, list(prompt), max_tokens))
+
+    def preempt(self, req_id: str) -> None:
+        """Preempt a request at the next step it runs at (vLLM's recompute preemption: it re-prefills later)."""
+        self.preempt_next.append(req_id)
+
+    def run(self, arrivals: dict[int, list[tuple[str, list[int], int]]] = None,
+            preemptions: dict[int, list[str]] = None, max_steps: int = 100000) -> dict[str, list[int]]:
+        """Steps until every request is done; arrivals / preemptions: step -> requests arriving / preempted there.
+        Returns each request's output tokens."""
+        arrivals, preemptions = dict(arrivals or {}), dict(preemptions or {})
+        for step in range(max_steps):
+            for req_id, prompt, max_tokens in arrivals.pop(step, []):
+                self.add_request(req_id, prompt, max_tokens)
+            for req_id in preemptions.pop(step, []):
+                self.preempt(req_id)
+            if not (self.waiting or self.running or arrivals):
+                break
+            self.step()
+        else:
+            raise RuntimeError(f"requests still running after {max_steps} steps")
+        self.release_departed()
+        return {req_id: r.output for req_id, r in self.done.items()}
+
+    def step(self) -> None:
+        self.release_departed()
+        pending = []
+        for req_id in self.preempt_next:
+            req = next((r for r in self.running if r.req_id == req_id), None)
+            if req is not None:  # preempted: its slot is freed now, it re-prefills its history when readmitted
+                self.model.release_request(req.slot)
+                self.running.remove(req)
+                req.slot, req.drafts, req.accepted_count = None, [], 1
+                self.waiting.appendleft(req)
+                self.stats.preemptions += 1
+            elif req_id not in self.done:
+                pending.append(req_id)  # not running yet: preempted once it runs
+        self.preempt_next = pending
+        if self.waiting and len(self.running) < self.max_num_seqs:
+            self.prefill_step()
+        elif self.running:
+            self.decode_step()
+
+    def release_departed(self) -> None:
+        """Finished requests' slots are released at the step after they finished (vLLM's finished_req_ids)."""
+        for slot in self.to_release:
+            self.model.release_request(slot)
+        self.to_release = []
+
+    def prefill_step(self) -> None:
+        used = {r.slot for r in self.running}
+        free = [s for s in range(self.rows) if s not in used]
+        admitted = []
+        while self.waiting and len(self.running) + len(admitted) < self.max_num_seqs:
+            req = self.waiting.popleft()
+            req.slot = free.pop(0)
+            self.stats.resumed += bool(req.output)
+            admitted.append(req)
+        histories = [r.history for r in admitted]
+        width = max(len(h) for h in histories)
+        tokens = torch.tensor([h + [0] * (width - len(h)) for h in histories], dtype=torch.int32)
+        first = self.model.prefill_forward(tokens, [len(h) for h in histories], [r.slot for r in admitted])
+        self.stats.prefill_steps += 1
+        for req, token in zip(admitted, torch.as_tensor(first).reshape(-1).tolist()):
+            self.running.append(req)
+            self.commit(req, [token])
+        self.stats.max_running = max(self.stats.max_running, len(self.running))
+
+    def compaction(self) -> Optional[list[int]]:
+        """Move requests above a freed row into the lowest free rows: the permutation slot_remap[i] = j (row i takes
+        slot j's state), or None when nothing moves."""
+        if not self.compact:
+            return None
+        slots = sorted(r.slot for r in self.running)
+        if slots == list(range(len(slots))):
+            return None
+        remap = slots + [s for s in range(self.rows) if s not in slots]  # row i takes slot remap[i]'s state
+        for req in self.running:
+            req.slot = remap.index(req.slot)
+        return remap
+
+    def decode_step(self) -> None:
+        remap = self.compaction()
+        running = sorted(self.running, key=lambda r: r.slot)
+        self.stats.padding_rows += self.rows - len(running)
+        narrow = self.plan.supports_narrow_decode and not any(r.drafts or r.accepted_count > 1 for r in running)
+        width = 1 if narrow else 1 + self.k
+        tokens = torch.full((self.rows, width), 0, dtype=torch.int32)
+        start_pos = torch.full((self.rows, width), -1, dtype=torch.int32)
+        num_valid = torch.zeros(self.rows, dtype=torch.int32)
+        counts = torch.ones(self.rows, dtype=torch.int32)
+        for r in running:
+            p = len(r.history) - 1
+            n = len(r.drafts)
+            tokens[r.slot, : n + 1] = torch.tensor([r.history[-1]] + r.drafts, dtype=torch.int32)
+            tokens[r.slot, n + 1:] = PLACEHOLDER_TOKEN_ID
+            start_pos[r.slot, : n + 1] = torch.arange(p, p + n + 1, dtype=torch.int32)
+            num_valid[r.slot], counts[r.slot] = n, r.accepted_count
+        if narrow:
+            ids = self.model.decode_forward(tokens, start_pos[:, 0].contiguous(), slot_remap=remap)
+            if not isinstance(ids, torch.Tensor) or tuple(ids.shape) != (self.rows, 1):
+                raise ValueError(f"an ordinary decode must return [B, 1] ids, got {type(ids).__name__}")
+            committed, step_counts = ids.to(torch.int32), torch.ones(self.rows, dtype=torch.int32)
+            self.stats.plain_steps += 1
+        else:
+            out = self.model.decode_forward(tokens, start_pos, num_valid_drafts=num_valid, accepted_counts=counts,
+                                            spec_mode=ACCEPT_MODE_ARGMAX_IDS, slot_remap=remap)
+            argmax = getattr(out, "argmax_ids", None)
+            if getattr(out, "spec_mode", None) != ACCEPT_MODE_ARGMAX_IDS or not isinstance(argmax, torch.Tensor) \
+                    or argmax.dtype != torch.int32 or tuple(argmax.shape) != (self.rows, 1 + self.k):
+                raise ValueError(f"a verify must return VerifyOutput(spec_mode='argmax_ids', argmax_ids [B, 1+K] "
+                                 f"int32), got {out!r:.200}")
+            committed, step_counts = accept_greedy_drafts(argmax, tokens[:, 1:], num_valid)
+            self.stats.verify_steps += 1
+            for r in running:
+                if r.drafts:
+                    self.stats.drafted_rows += 1
+                    self.counters.observe_draft(len(r.drafts), int(step_counts[r.slot]) - 1)
+        if remap is not None:
+            moves = {old: new for new, old in enumerate(remap) if old != new and any(r.slot == new for r in running)}
+            self.model.note_state_slots_moved(moves)
+            self.stats.slot_moves += len(moves)
+        block = torch.full((self.rows, 1 + self.k), PLACEHOLDER_TOKEN_ID, dtype=torch.int32)
+        positions = torch.full((self.rows, 1 + self.k), -1, dtype=torch.int32)
+        for r in running:
+            count = int(step_counts[r.slot])
+            p = len(r.history)
+            block[r.slot, :count] = committed[r.slot, :count]
+            positions[r.slot, :count] = torch.arange(p, p + count, dtype=torch.int32)
+            r.accepted_count = count
+            self.stats.multi_token_commits += count > 1
+            self.commit(r, committed[r.slot, :count].tolist())
+        drafted = self.model.propose_draft_tokens(self.k, block, positions, step_counts.clone(), hidden=None)
+        offered = check_draft_output(drafted, self.rows, self.k, self.vocab_size)
+        for r in self.running:
+            room = max(0, self.max_model_len - len(r.history))  # the drafts' positions must be in the context
+            n = min(int(offered[r.slot]), room)
+            r.drafts = drafted.draft_token_ids[r.slot, :n].tolist()
+
+    def commit(self, req: Request, tokens: list[int]) -> None:
+        """Append committed tokens up to a stop; a finished request leaves the batch (its slot is released next
+        step)."""
+        for i, t in enumerate(tokens):
+            req.output.append(t)
+            if t in self.eos_ids:
+                req.finish_reason = "stop"
+            elif len(req.output) >= req.max_tokens or len(req.history) >= self.max_model_len:
+                req.finish_reason = "length"
+            if req.finish_reason:
+                self.stats.eos_in_multi_token_commits += req.finish_reason == "stop" and len(tokens) > 1
+                self.stats.dropped_after_stop += len(tokens) - 1 - i
+                self.running.remove(req)
+                self.done[req.req_id] = req
+                self.to_release.append(req.slot)
+                req.drafts = []
+                return

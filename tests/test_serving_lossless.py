@@ -1,0 +1,121 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The contract's loop as vllm-tt-plugin's runner drives it (serving/reference_runner.py), over the torch backend
+through the serving adapter: requests arrive and finish mid-batch, padding rows, a preempted request replayed, an
+EOS inside a multi-token commit, rows compacted by slot_remap. Every request's output equals plain greedy decoding of
+the same target, token for token, at 1, 3 and 8 concurrent requests; the adapter's vLLM counters equal the ones the
+runner counts the way vLLM's scheduler does."""
+import dataclasses
+import random
+
+import pytest
+import torch
+
+from models.tt_transformers.demo.speculative_decoding.inputs import encode
+from models.tt_transformers.demo.speculative_decoding.speculative_generator import SpeculativeGenerator
+from models.tt_transformers.serving.contract import SpecPlan
+from models.tt_transformers.serving.plan import plan_speculation
+from models.tt_transformers.serving.reference_runner import ReferenceRunner
+from models.tt_transformers.serving.torch_model import TorchSpecDecodeModel
+from models.tt_transformers.torch_backend.generator import TorchCausalLM
+
+from .conftest import random_model
+
+HELD_PROMPTS = ["List the days of the week, one per line.",
+                "Repeat this sentence exactly twice: The quick brown fox jumps over the lazy dog.",
+                "Write the numbers from 1 to 12 separated by commas."]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def prompts(embedded_tokenizer, sample_prompt_tokens):
+    """The sample prompts' five chat questions (r0 is the one-word capital of France) and three held ones."""
+    return sample_prompt_tokens + [encode(embedded_tokenizer, p, True) for p in HELD_PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def plain(embedded_bf16, embedded_tokenizer, prompts):
+    """Plain greedy decoding, one prompt at a time."""
+    lm = TorchCausalLM(embedded_bf16, embedded_bf16.args.n_layers, 1)
+    eos = [embedded_tokenizer.eos_token_id]
+    return [SpeculativeGenerator(lm, None, 0, eos).generate([p], MAX_TOKENS)[0].output_tokens for p in prompts]
+
+
+def serve(target: TorchCausalLM, plan: SpecPlan, concurrency: int, arrivals, preemptions, eos):
+    model = TorchSpecDecodeModel(target, plan.effective_k)
+    runner = ReferenceRunner(model, plan, target.max_batch_size, concurrency, eos, target.max_seq_len,
+                             target.vocab_size)
+    return runner.run(arrivals, preemptions), runner, model
+
+
+@pytest.mark.parametrize("concurrency,rows,k,narrow", [(1, 1, 8, True), (3, 4, 9, True), (3, 4, 7, False),
+                                                       (8, 8, 3, True)])
+def test_served_output_is_plain_greedy(embedded_bf16, embedded_tokenizer, prompts, plain, concurrency, rows, k,
+                                       narrow):
+    """Five requests at step 0, three more at step 4, r0's question again at step 12 (its first answer is then in
+    the draft memory, EOS included), r1 preempted at step 6 (or once it runs) and replayed; `rows` decode rows (4 for
+    3 requests: a padding row always). narrow: draftless steps are ordinary [B, 1] decodes, else every step is a
+    verify. At 8 the last requests to finish leave holes below running ones: rows are compacted (at 3, waiting
+    requests fill them)."""
+    plan = plan_speculation(None, concurrency, k)
+    plan = dataclasses.replace(plan, supports_narrow_decode=narrow)
+    arrivals = {0: [(f"r{i}", prompts[i], MAX_TOKENS) for i in range(5)],
+                4: [(f"r{i}", prompts[i], MAX_TOKENS) for i in range(5, 8)],
+                12: [("again", prompts[0], MAX_TOKENS)]}
+    target = TorchCausalLM(embedded_bf16, embedded_bf16.args.n_layers, rows)
+    outputs, runner, model = serve(target, plan, concurrency, arrivals, {6: ["r1"]}, [embedded_tokenizer.eos_token_id])
+    assert {req: out for req, out in outputs.items()} == {**{f"r{i}": plain[i] for i in range(8)}, "again": plain[0]}
+    s = runner.stats
+    assert s.preemptions == 1 and s.resumed == 1 and s.max_running == concurrency
+    assert s.eos_in_multi_token_commits >= 1 and s.dropped_after_stop >= 1 and s.multi_token_commits >= 1
+    assert s.verify_steps > 0 and (s.plain_steps > 0) == narrow
+    assert (s.padding_rows > 0) == (concurrency > 1) and (s.slot_moves > 0) == (concurrency == 8)
+    counters = model.spec_decode_metrics()
+    assert counters == runner.counters.as_dict() and counters["vllm:spec_decode_num_accepted_tokens_total"] > 0
+    assert counters["vllm:spec_decode_num_drafts_total"] == s.drafted_rows
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_schedules_on_a_small_model(seed):
+    """Random arrivals, preemptions, EOS token, K and concurrency on a small random model with a 40-token cache (so
+    requests also stop at its end): outputs equal plain greedy decoding. Repetitive prompts make copied drafts that
+    are accepted (counted)."""
+    rng = random.Random(seed)
+    model = random_model(torch.float32, max_seq_len=40, seed=seed)
+    concurrency = rng.choice([1, 2, 3, 5])
+    rows = concurrency + rng.choice([0, 1])
+    plan = plan_speculation(None, concurrency, rng.randint(1, min(6, 32 // concurrency - 1)))
+    plan = dataclasses.replace(plan, supports_narrow_decode=rng.random() < 0.5)
+    eos = [rng.randrange(64)]
+    prompts = []
+    for _ in range(7):
+        unit = [rng.randrange(64) for _ in range(rng.randint(1, 4))]
+        prompts.append((unit * 8)[: rng.randint(2, 20)])
+    max_tokens = [rng.randint(1, 30) for _ in prompts]
+    arrivals = {}
+    for i, (p, n) in enumerate(zip(prompts, max_tokens)):
+        arrivals.setdefault(rng.randint(0, 12), []).append((f"r{i}", p, n))
+    preemptions = {rng.randint(1, 15): [f"r{rng.randrange(7)}"] for _ in range(3)}
+    target = TorchCausalLM(model, model.args.n_layers, rows)
+    outputs, runner, served = serve(target, plan, concurrency, arrivals, preemptions, eos)
+    lm = TorchCausalLM(model, model.args.n_layers, 1)
+    for i, (p, n) in enumerate(zip(prompts, max_tokens)):
+        assert outputs[f"r{i}"] == SpeculativeGenerator(lm, None, 0, eos).generate([p], n)[0].output_tokens, i
+    assert served.spec_decode_metrics() == runner.counters.as_dict()
+    assert runner.counters.accepted_tokens > 0
+
+
+def test_rows_compacted_after_a_departure_keep_their_requests():
+    """Three requests; the one in slot 0 stops after 3 tokens while the others run on: they move down a row each
+    (slot_remap, then note_state_slots_moved), with their KV cache rows and drafter state, and still decode exactly
+    what plain decoding does."""
+    model = random_model(torch.float32, max_seq_len=40, seed=3)
+    prompts = [[5, 6, 7, 5, 6, 7, 5], [9, 1, 9, 1, 9], [3, 3, 4, 3, 3, 4]]
+    max_tokens = [3, 20, 25]
+    plan = plan_speculation(None, 3, 4)
+    target = TorchCausalLM(model, model.args.n_layers, 4)
+    arrivals = {0: [(f"r{i}", p, n) for i, (p, n) in enumerate(zip(prompts, max_tokens))]}
+    outputs, runner, served = serve(target, plan, 3, arrivals, {}, [])
+    lm = TorchCausalLM(model, model.args.n_layers, 1)
+    for i, (p, n) in enumerate(zip(prompts, max_tokens)):
+        assert outputs[f"r{i}"] == SpeculativeGenerator(lm, None, 0).generate([p], n)[0].output_tokens
+    assert runner.stats.slot_moves >= 2 and runner.stats.padding_rows > 0
