@@ -23,9 +23,9 @@ from models.tt_transformers.demo.speculative_decoding.report import (
     timing_warnings,
 )
 from models.tt_transformers.demo.speculative_decoding.speculative_demo import main, run_demo
-from models.tt_transformers.demo.speculative_decoding.speculative_generator import IterationStats, UserResult
+from models.tt_transformers.speculative.results import IterationStats, UserResult
 
-from .conftest import REPO_ROOT, write_json
+from ..conftest import REPO_ROOT, write_json
 from .test_inputs_and_cache import DEMO_SCRIPT, demo
 
 
