@@ -16,10 +16,11 @@ from common import REPO, machine_info, median_of_interleaved, print_table, quiet
 
 import torch
 
-from models.tt_transformers.demo.speculative_decoding.build import eos_token_ids
-from models.tt_transformers.demo.speculative_decoding.inputs import encode, load_prompts, split_batches
-from models.tt_transformers.demo.speculative_decoding.report import summarize, write_json_atomic
-from models.tt_transformers.demo.speculative_decoding.speculative_generator import SpeculativeGenerator
+from models.tt_transformers.prompts import eos_token_ids
+from models.tt_transformers.prompts import encode, load_prompts, split_batches
+from models.tt_transformers.records import write_json_atomic
+from models.tt_transformers.speculative.results import summarize
+from models.tt_transformers.speculative.generator import SpeculativeGenerator
 from models.tt_transformers.speculative.draft_memory import DraftMemory
 from models.tt_transformers.speculative.drafters import DEFAULT_SA_THRESHOLD, SuffixDrafter
 from models.tt_transformers.speculative.sampling import SamplingParams

@@ -15,7 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import REPO, demo_run, machine_info
+from common import REPO, cli_figures, machine_info
 
 COMPETITOR = "while True: pass"
 
@@ -25,7 +25,7 @@ def demo_cell(threads: str, loaded: bool, n_tokens: int, folder: Path) -> dict:
     env = {} if threads == "package" else {"OMP_NUM_THREADS": threads}
     competitor = subprocess.Popen([sys.executable, "-c", COMPETITOR]) if loaded else None
     try:
-        return demo_run(env, n_tokens, folder / f"{threads}-{'loaded' if loaded else 'quiet'}.json")
+        return cli_figures(env, n_tokens, folder / f"{threads}-{'loaded' if loaded else 'quiet'}.json")
     finally:
         if competitor is not None:
             competitor.kill()

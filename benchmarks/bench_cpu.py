@@ -25,11 +25,10 @@ from pathlib import Path
 
 import torch
 
-from common import REPO, demo_run, hf_ms_per_token, load_hf, machine_info, quiet_logs
+from common import REPO, cli_figures, hf_ms_per_token, load_hf, machine_info, quiet_logs
 
-from models.tt_transformers.demo.speculative_decoding.build import eos_token_ids
-from models.tt_transformers.demo.speculative_decoding.inputs import encode, load_prompts
-from models.tt_transformers.demo.speculative_decoding.options import DEFAULT_PROMPTS
+from models.tt_transformers.prompts import eos_token_ids
+from models.tt_transformers.prompts import encode, load_prompts
 from models.tt_transformers.torch_backend.checkpoint import embedded_gguf, load_tokenizer, resolve_checkpoint
 from models.tt_transformers.torch_backend.cpu_isa import cpu_flags, runnable_paths
 from models.tt_transformers.torch_backend.cpu_threads import fit_threads
@@ -95,7 +94,7 @@ def main():
     paths = args.paths.split(",") if args.paths else [p.name for p in runnable_paths()]
     ckpt = resolve_checkpoint(None)
     tokenizer = load_tokenizer(ckpt)
-    prompts = [encode(tokenizer, p, True) for p in load_prompts(str(DEFAULT_PROMPTS))]
+    prompts = [encode(tokenizer, p, True) for p in load_prompts(REPO / "sample_prompts.json")]
     n = args.max_generated_tokens
     result = {"environment": machine_info(), "cpu_flags": sorted(cpu_flags()), "max_generated_tokens": n,
               "prompts": len(prompts), "ours": {}, "peers": {}}
@@ -104,7 +103,7 @@ def main():
     print(f"memory floor: {result['floor']}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         for path in paths:
-            result["ours"][path] = demo_run({"TT_CPU_ISA": path}, n, Path(tmp) / f"{path}.json")
+            result["ours"][path] = cli_figures({"TT_CPU_ISA": path}, n, Path(tmp) / f"{path}.json")
             print(f"ours, {path}: {result['ours'][path]}", flush=True)
         if not args.skip_hf:
             for dtype in (torch.float32, torch.bfloat16):

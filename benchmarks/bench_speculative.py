@@ -17,9 +17,9 @@ from common import REPO, hf_ms_per_token, load_hf, machine_info, median_of_inter
 
 import torch
 
-from models.tt_transformers.demo.speculative_decoding.inputs import encode, load_prompts
-from models.tt_transformers.demo.speculative_decoding.report import write_json_atomic
-from models.tt_transformers.demo.speculative_decoding.speculative_generator import SpeculativeGenerator
+from models.tt_transformers.prompts import encode, load_prompts
+from models.tt_transformers.records import write_json_atomic
+from models.tt_transformers.speculative.generator import SpeculativeGenerator
 from models.tt_transformers.speculative.drafters import ModelDrafter
 from models.tt_transformers.torch_backend.checkpoint import load_model, load_tokenizer, resolve_checkpoint
 from models.tt_transformers.torch_backend.generator import TorchCausalLM

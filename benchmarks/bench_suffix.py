@@ -34,10 +34,11 @@ from common import REPO, hf_ms_per_token, load_hf, machine_info, print_table, qu
 
 import torch
 
-from models.tt_transformers.demo.speculative_decoding.build import eos_token_ids
-from models.tt_transformers.demo.speculative_decoding.inputs import DRAFT_HEADS, encode, load_prompts
-from models.tt_transformers.demo.speculative_decoding.report import write_json_atomic
-from models.tt_transformers.demo.speculative_decoding.speculative_generator import SpeculativeGenerator
+from models.tt_transformers.prompts import eos_token_ids
+from models.tt_transformers.prompts import encode, load_prompts
+from models.tt_transformers.torch_backend.draft_head import DRAFT_HEADS
+from models.tt_transformers.records import write_json_atomic
+from models.tt_transformers.speculative.generator import SpeculativeGenerator
 from models.tt_transformers.speculative.draft_length import linear_cost
 from models.tt_transformers.speculative.draft_memory import DraftMemory
 from models.tt_transformers.speculative.drafters import DEFAULT_SA_THRESHOLD, Draft, HybridDrafter, SuffixDrafter, Verified

@@ -18,7 +18,7 @@ from common import REPO, machine_info, print_table, quiet_logs
 
 import torch
 
-from models.tt_transformers.demo.speculative_decoding.report import write_json_atomic
+from models.tt_transformers.records import write_json_atomic
 from models.tt_transformers.torch_backend.checkpoint import load_model, resolve_checkpoint
 from models.tt_transformers.torch_backend.generator import TorchCausalLM
 

@@ -14,8 +14,9 @@ DEMO = REPO / "models/tt_transformers/demo/speculative_decoding/speculative_demo
 import torch  # noqa: E402
 from loguru import logger  # noqa: E402
 
-from models.tt_transformers.demo.speculative_decoding.report import environment, summarize
-from models.tt_transformers.demo.speculative_decoding.speculative_generator import SpeculativeGenerator  # noqa: E402
+from models.tt_transformers.records import environment  # noqa: E402
+from models.tt_transformers.speculative.results import summarize  # noqa: E402
+from models.tt_transformers.speculative.generator import SpeculativeGenerator  # noqa: E402
 
 
 def quiet_logs() -> None:
@@ -28,7 +29,7 @@ def machine_info() -> dict:
     return environment("cpu")
 
 
-def demo_run(env: dict, n_tokens: int, report: Path, *flags: str) -> dict:
+def cli_figures(env: dict, n_tokens: int, report: Path, *flags: str) -> dict:
     """The demo (speculative, then plain decoding, on the embedded model) in its own process with `env` over this
     one's (OMP_NUM_THREADS unset unless given: the package's thread count), its figures from the JSON report."""
     env = {**{k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}, **env}

@@ -59,10 +59,9 @@ CHAT_PROMPTS = 5  # the sample prompts' chat questions (the code edit, JSON rewr
 @pytest.fixture(scope="session")
 def sample_prompt_tokens(embedded_tokenizer):
     """The sample prompts' five chat questions, encoded."""
-    from models.tt_transformers.demo.speculative_decoding.inputs import encode, load_prompts
-    from models.tt_transformers.demo.speculative_decoding.options import DEFAULT_PROMPTS
+    from models.tt_transformers.prompts import encode, load_prompts
 
-    return [encode(embedded_tokenizer, p, True) for p in load_prompts(str(DEFAULT_PROMPTS))[:CHAT_PROMPTS]]
+    return [encode(embedded_tokenizer, p, True) for p in load_prompts(REPO_ROOT / "sample_prompts.json")[:CHAT_PROMPTS]]
 
 
 def random_model(dtype=torch.float32, max_seq_len: int = 64, seed: int = 0, std: float = 0.5, **overrides) -> Transformer:

@@ -4,8 +4,8 @@ prompts and plain outputs the ttnn tests compare against (fixtures registered by
 import pytest
 import torch
 
-from models.tt_transformers.demo.speculative_decoding.inputs import encode
-from models.tt_transformers.demo.speculative_decoding.speculative_generator import SpeculativeGenerator
+from models.tt_transformers.prompts import encode
+from models.tt_transformers.speculative.generator import SpeculativeGenerator
 from models.tt_transformers.ttnn_backend.generator import TtnnCausalLM
 from models.tt_transformers.ttnn_backend.model import build_tt_model
 

@@ -12,8 +12,8 @@ sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
 import bench_suffix  # noqa: E402
 from common import run_interleaved_by_prompt  # noqa: E402
 
-from models.tt_transformers.demo.speculative_decoding.build import eos_token_ids
-from models.tt_transformers.demo.speculative_decoding.inputs import encode
+from models.tt_transformers.prompts import eos_token_ids
+from models.tt_transformers.prompts import encode
 
 
 def test_bench_suffix_runs_stop_at_eos(embedded_checkpoint, embedded_tokenizer, embedded_bf16):

@@ -42,20 +42,3 @@ def test_explicit_choices_and_errors():
         choose_device("tpu", SMOLLM2_135M, torch.bfloat16, True, cuda_available=False)
 
 
-def test_demo_logs_its_device_choice(tmp_path, embedded_checkpoint):
-    from loguru import logger
-
-    from models.tt_transformers.demo.speculative_decoding.options import DemoConfig
-    from models.tt_transformers.demo.speculative_decoding.speculative_demo import run_demo
-
-    from .conftest import write_json
-
-    messages = []
-    sink = logger.add(lambda m: messages.append(m.record["message"]))
-    try:
-        report = run_demo(DemoConfig(input_prompts=str(write_json(tmp_path / "p.json", [{"prompt": "Hi"}])),
-                                     max_generated_tokens=4, compare_baseline=0, draft_mode="suffix"))
-    finally:
-        logger.remove(sink)
-    chosen = [m for m in messages if m.startswith("Device ")]
-    assert len(chosen) == 1 and report["environment"]["device"] == chosen[0].split(":")[0].split()[1]

@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """The EAGLE-3 draft head (issues 14, 24): the target's taps, heads in both published layouts (and a hub id), the
 training pass equal to drafting, the head's drafts whatever the step shapes, lossless greedy and sampled decoding
-with head chains and EAGLE-2 trees, the hybrid's choice, the shipped head and its card, bad --draft_head folders,
-and the training command end to end on a small recipe. Numerics against `speculators`: `make check-eagle3`."""
+with head chains and EAGLE-2 trees, the hybrid's choice, the shipped head and its card. Numerics against
+`speculators`: `make check-eagle3`; the demo's head modes, bad --draft_head folders and the training command end to
+end: tests/demo/test_draft_modes.py."""
 import hashlib
 import json
 import shutil
@@ -11,22 +12,19 @@ import sys
 import pytest
 import torch
 
-from models.tt_transformers.demo.speculative_decoding.inputs import DRAFT_HEADS, DemoInputError
-from models.tt_transformers.demo.speculative_decoding.options import DemoConfig
-from models.tt_transformers.demo.speculative_decoding.speculative_demo import run_demo
-from models.tt_transformers.demo.speculative_decoding.speculative_generator import SpeculativeGenerator
+from models.tt_transformers.speculative.generator import SpeculativeGenerator
 from models.tt_transformers.speculative.backend import UserRows
 from models.tt_transformers.speculative.draft_length import linear_cost
 from models.tt_transformers.speculative.drafters import Draft, HybridDrafter, SuffixDrafter, Verified
 from models.tt_transformers.speculative.head_drafter import HeadDrafter, RunCost
 from models.tt_transformers.speculative.sampling import KeyedSampler, SamplingParams
 from models.tt_transformers.torch_backend import checkpoint
-from models.tt_transformers.torch_backend.draft_head import HeadRunner, load_draft_head, read_draft_head
+from models.tt_transformers.torch_backend.draft_head import DRAFT_HEADS, HeadRunner, load_draft_head, read_draft_head
 from models.tt_transformers.torch_backend.generator import TorchCausalLM
 from models.tt_transformers.torch_backend.model_config import ModelArgs
 
 from .conftest import (REPO_ROOT, every_cpu_path_and_torch_ops, kernels_of, needs_cpu_kernels, random_head,
-                       random_model, write_eagle3_head, write_json)
+                       random_model, write_eagle3_head)
 from .test_lossless_greedy import RecordingDrafter, head_drafter, run, run_results
 from .test_lossless_sampling import (
     ALPHA,
@@ -302,7 +300,7 @@ def test_sampling_with_head_drafts_matches_the_target(kind, monkeypatch):
     zero on the fourth, mapped to the target's ids through d2t): verification against the target's keyed draws keeps
     the target's distribution, with chains (drawn from the head's q with the target's keys) and trees (the head's top
     tokens); accepting every draft does not."""
-    from models.tt_transformers.demo.speculative_decoding import speculative_generator
+    from models.tt_transformers.speculative import generator as speculative_generator
 
     from .test_lossless_sampling import make_tiny_model
 
@@ -353,111 +351,7 @@ def test_shipped_head_matches_its_card(embedded_checkpoint):
     assert set(card["measured_on_benchmark_sets"]) == {"chat", "qa", "translation", "summarization"}
 
 
-def bad_head(case, tmp_path, args):
-    """A --draft_head value that must be refused, for the embedded model (args)."""
-    if case == "missing":
-        return tmp_path / "nowhere"
-    if case == "hub-id-not-cached":
-        return "someone/not-downloaded"
-    if case == "a-file":
-        (tmp_path / "f.safetensors").write_bytes(b"x")
-        return tmp_path / "f.safetensors"
-    if case == "not-eagle3":
-        (tmp_path / "llama").mkdir()
-        write_json(tmp_path / "llama" / "config.json", {"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
-        return tmp_path / "llama"
-    small = ModelArgs(**{**args.__dict__, "dim": 64, "n_heads": 4, "n_kv_heads": 2, "head_dim": 16, "hidden_dim": 96})
-    target = {"other-width": small, "other-tokenizer": ModelArgs(**{**args.__dict__, "vocab_size": 32000})}.get(case, args)
-    folder = write_eagle3_head(tmp_path / "head", target, "speculators", std=0.01, draft_vocab=256,
-                               taps={"taps-out-of-range": (2, 15, 40)}.get(case, (2, 15, 27)))
-    if case in ("no-d2t", "missing-tensor", "truncated"):
-        from safetensors.torch import load_file, save_file
-
-        weights = load_file(folder / "model.safetensors")
-        weights.pop({"no-d2t": "d2t", "missing-tensor": "layers.0.hidden_norm.weight"}.get(case, "t2d"))
-        save_file(weights, folder / "model.safetensors")
-        if case == "truncated":
-            data = (folder / "model.safetensors").read_bytes()
-            (folder / "model.safetensors").write_bytes(data[: len(data) // 2])
-    if case == "d2t-outside-vocab":
-        from safetensors.torch import load_file, save_file
-
-        weights = load_file(folder / "model.safetensors")
-        weights["d2t"] = weights["d2t"] + 60000
-        save_file(weights, folder / "model.safetensors")
-    return folder
-
-
-@pytest.mark.parametrize("case,message", [
-    ("missing", r"--draft_head '.*nowhere' does not exist; give the head's folder or a hub id"),
-    ("hub-id-not-cached", r"--draft_head 'someone/not-downloaded' is a Hugging Face hub id, but it is not in the local"),
-    ("a-file", r"--draft_head '.*f.safetensors' is a file; point it at the head's folder"),
-    ("not-eagle3", r"config.json describes 'LlamaForCausalLM', not an EAGLE-3 head"),
-    ("other-width", r"the head reads hidden size 64 \(its own 64\), but this target's is 576: a head for another"),
-    ("other-tokenizer", r"the head's vocabulary has 32000 tokens, this target's 49152 \(another tokenizer\)"),
-    ("taps-out-of-range", r"eagle_aux_hidden_state_layer_ids \[2, 15, 40\] must be layers of this 30-layer target"),
-    ("no-d2t", r"d2t is missing, expected \(256,\): a head with a smaller draft vocabulary needs its d2t map"),
-    ("missing-tensor", r"layers.0.hidden_norm.weight is missing, expected \(576,\)"),
-    ("truncated", r"model.safetensors cannot be read .* it is corrupt or incomplete: download or train the head again"),
-    ("d2t-outside-vocab", r"d2t maps draft ids outside the target's vocabulary"),
-    ("fewer-target-layers", r"reads layers \[2, 15, 27\], but --target_layers keeps 12; leave --target_layers"),
-])
-def test_bad_draft_head_is_a_clear_error_before_loading(tmp_path, embedded_checkpoint, monkeypatch, case, message):
-    """Checked against the target's config before any model loads; one line naming --draft_head and the fix."""
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-hub"))
-    value = bad_head(case, tmp_path, ModelArgs.from_hf_config(embedded_checkpoint.config))
-    monkeypatch.setattr(checkpoint, "load_model", lambda *a, **k: pytest.fail("a model was loaded before the check"))
-    config = DemoConfig(input_prompts=str(write_json(tmp_path / "p.json", [{"prompt": "Hi"}])), draft_mode="head",
-                        draft_head=str(value), max_generated_tokens=4,
-                        target_layers=12 if case == "fewer-target-layers" else None)
-    with pytest.raises(DemoInputError, match=message) as error:
-        run_demo(config)
-    assert "\n" not in str(error.value)
-
-
-def test_head_mode_without_a_head_for_the_target(tmp_path, monkeypatch):
-    from models.tt_transformers.demo.speculative_decoding import inputs
-
-    monkeypatch.setattr(inputs, "DRAFT_HEADS", tmp_path / "none")
-    config = DemoConfig(input_prompts=str(write_json(tmp_path / "p.json", [{"prompt": "Hi"}])), draft_mode="head")
-    with pytest.raises(DemoInputError, match="no draft head ships for SmolLM2-135M-Instruct; pass --draft_head"):
-        run_demo(config)
-
-
-def test_demo_head_and_hybrid_use_the_shipped_head(tmp_path, monkeypatch):
-    """The demo's head and hybrid modes draft with the shipped head and report its run cost. The cost is pinned to
-    the head's weight-based estimate, so whether the head drafts does not depend on this machine's timing (the
-    measured cost is RunCost's own, tested with it)."""
-    monkeypatch.setattr(RunCost, "value", property(lambda self: self.estimate))
-    prompts = write_json(tmp_path / "p.json", [{"prompt": "What is the capital of France?"}])
-    for mode in ("head", "hybrid"):
-        report = run_demo(DemoConfig(input_prompts=str(prompts), draft_mode=mode, max_generated_tokens=24))
-        assert report["summary"]["identical_to_baseline"]
-        assert any(it["draft_source"] == "head" for it in report["prompts"][0]["iterations"])
-        assert 0 < report["summary"]["draft_head_run_cost"] < 1  # the estimate: a run costs a fraction of a step
-
-
 # ---- training ------------------------------------------------------------------------------------------------------
-
-def test_training_command_end_to_end(tmp_path):
-    """`make train-draft-head` on a tiny recipe: prompts, the target's responses and taps, training, evaluation (held
-    out and one benchmark set), a head in speculators' layout + card.json that the demo loads."""
-    sys.path.insert(0, str(REPO_ROOT / "tools"))
-    import train_draft_head
-
-    out = tmp_path / "head"
-    train_draft_head.main(["--out", str(out), "--topics", "6", "--tasks_per_topic", "1", "--word_problems", "2",
-                           "--max_tokens", "12", "--stage_one_tokens", "16", "--epochs", "1", "--vocab_size", "512",
-                           "--batch", "8", "--questions_per_topic", "1", "--batch_tokens", "512", "--eval_sets", "qa"])
-    card = json.loads((out / "card.json").read_text())
-    assert card["weights_sha256"] == hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest()
-    assert card["draft_vocabulary"]["size"] == 512 and card["training"]["updates"] > 0
-    assert card["measured_on_held_out_topics"]["positions"] > 0
-    assert card["measured_on_benchmark_sets"]["qa"]["positions"] > 0
-    assert json.loads((out / "config.json").read_text())["speculators_model_type"] == "eagle3"
-    report = run_demo(DemoConfig(input_prompts=str(write_json(tmp_path / "p.json", [{"prompt": "Hi"}])),
-                                 draft_mode="head", draft_head=str(out), max_generated_tokens=8))
-    assert report["summary"]["identical_to_baseline"]
 
 
 def test_a_head_slower_than_the_target_step_is_reported_once(monkeypatch):

@@ -1,25 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Long end-to-end runs (marked slow: `make test-slow`, or pytest --run_slow): the demo at its defaults in every
-draft mode, and generation up to the end of the KV cache with the longest drafts."""
+"""Long end-to-end runs (marked slow: `make test-slow`, or pytest --run_slow): generation up to the end of the KV
+cache with the longest drafts (the demo at its defaults in every draft mode: tests/demo/test_draft_modes.py)."""
 import pytest
-
-from models.tt_transformers.demo.speculative_decoding.options import DemoConfig
-from models.tt_transformers.demo.speculative_decoding.speculative_demo import run_demo
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("draft_mode,batch_size", [("hybrid", 1), ("suffix", 1), ("model", 1), ("hybrid", 8)])
-def test_demo_defaults_identical_to_plain(draft_mode, batch_size):
-    """The sample prompts x 128 tokens (the demo's defaults), every draft mode, batch 1 and 8."""
-    report = run_demo(DemoConfig(draft_mode=draft_mode, batch_size=batch_size))
-    assert report["summary"]["identical_to_baseline"]
-    assert len(report["prompts"]) == 5 and report["summary"]["mean_tokens_per_step"] >= 1.0
-
-
 def test_generation_to_the_end_of_the_cache(embedded_bf16, embedded_tokenizer):
     """n_draft_tokens 64 on a copy task until max_seq_len (512) stops generation: identical to plain."""
-    from models.tt_transformers.demo.speculative_decoding.inputs import encode
+    from models.tt_transformers.prompts import encode
 
     from .test_lossless_greedy import run, run_results
 

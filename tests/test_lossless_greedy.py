@@ -16,8 +16,8 @@ from models.tt_transformers.torch_backend.draft_head import HeadRunner
 from models.tt_transformers.speculative.verification import verify_chain
 from models.tt_transformers.speculative.backend import UserRows
 from models.tt_transformers.torch_backend.generator import TorchCausalLM
-from models.tt_transformers.demo.speculative_decoding.inputs import encode
-from models.tt_transformers.demo.speculative_decoding.speculative_generator import SpeculativeGenerator
+from models.tt_transformers.prompts import encode
+from models.tt_transformers.speculative.generator import SpeculativeGenerator
 
 from .conftest import CPU_PATHS, every_cpu_path, kernels_of, random_head, random_model
 

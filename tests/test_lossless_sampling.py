@@ -12,7 +12,7 @@ from collections import Counter
 import pytest
 import torch
 
-from models.tt_transformers.demo.speculative_decoding.speculative_generator import SpeculativeGenerator
+from models.tt_transformers.speculative.generator import SpeculativeGenerator
 from models.tt_transformers.speculative.draft_length import LENGTH_BUCKETS, MatchAcceptance
 from models.tt_transformers.speculative.drafters import HybridDrafter, ModelDrafter, SuffixDrafter
 from models.tt_transformers.speculative.sampling import KeyedSampler, SamplingParams, TargetSamples, probabilities
@@ -227,7 +227,7 @@ def test_top_p_and_hybrid_sampling_match_target_distribution(tiny_model, kind, p
 @pytest.mark.parametrize("kind", ["model", "suffix", "tree"])
 def test_negative_control_end_to_end(tiny_model, kind, monkeypatch):
     """The same end-to-end test with a verifier that accepts every draft token must fail: the test has power."""
-    from models.tt_transformers.demo.speculative_decoding import speculative_generator
+    from models.tt_transformers.speculative import generator as speculative_generator
 
     def accept_all(draft, target):
         return list(draft) + [target[len(draft)]]

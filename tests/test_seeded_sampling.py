@@ -6,8 +6,9 @@ from collections import Counter
 
 import pytest
 
-from models.tt_transformers.demo.speculative_decoding.inputs import DRAFT_HEADS, encode
-from models.tt_transformers.demo.speculative_decoding.speculative_generator import SpeculativeGenerator
+from models.tt_transformers.prompts import encode
+from models.tt_transformers.torch_backend.draft_head import DRAFT_HEADS
+from models.tt_transformers.speculative.generator import SpeculativeGenerator
 from models.tt_transformers.speculative.draft_memory import DraftMemory
 from models.tt_transformers.speculative.drafters import HybridDrafter, ModelDrafter, SuffixDrafter
 from models.tt_transformers.speculative.head_drafter import HeadDrafter

@@ -10,8 +10,8 @@ import random
 import pytest
 import torch
 
-from models.tt_transformers.demo.speculative_decoding.inputs import encode
-from models.tt_transformers.demo.speculative_decoding.speculative_generator import SpeculativeGenerator
+from models.tt_transformers.prompts import encode
+from models.tt_transformers.speculative.generator import SpeculativeGenerator
 from models.tt_transformers.serving.contract import SpecPlan
 from models.tt_transformers.serving.plan import plan_speculation
 from models.tt_transformers.serving.reference_runner import ReferenceRunner

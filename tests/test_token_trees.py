@@ -90,7 +90,7 @@ def test_recycled_table_keeps_the_actual_texts_rows():
 
 def sequence_identical_to_plain(model, prompts, drafter, n_tokens, eos=()):
     """Prompts one after another through one drafter (as a server sees them), each equal to its plain output."""
-    from models.tt_transformers.demo.speculative_decoding.speculative_generator import SpeculativeGenerator
+    from models.tt_transformers.speculative.generator import SpeculativeGenerator
 
     target = TorchCausalLM(model, model.args.n_layers, 1)
     plain = SpeculativeGenerator(target, None, 0, eos)
@@ -106,7 +106,7 @@ def sequence_identical_to_plain(model, prompts, drafter, n_tokens, eos=()):
 def test_related_requests_draft_from_memory_losslessly(embedded_bf16, embedded_tokenizer):
     """Tool calls with one schema, in sequence: later requests draft from earlier responses (memory), as token
     trees with recycled predictions, and every output equals plain decoding."""
-    from models.tt_transformers.demo.speculative_decoding.inputs import encode, load_prompts
+    from models.tt_transformers.prompts import encode, load_prompts
     from models.tt_transformers.speculative.draft_memory import DraftMemory
     from models.tt_transformers.speculative.drafters import SuffixDrafter
 
@@ -117,25 +117,6 @@ def test_related_requests_draft_from_memory_losslessly(embedded_bf16, embedded_t
     sources = sequence_identical_to_plain(embedded_bf16, prompts, SuffixDrafter(1, DraftMemory(4096), recycle=4), 48,
                                           [embedded_tokenizer.eos_token_id])
     assert "memory" in sources and "tree" in sources
-
-
-def test_corpus_drafts_in_the_demo(tmp_path, embedded_checkpoint):
-    """--draft_corpus: text the requests repeat drafts from the start, output identical to plain decoding."""
-    from models.tt_transformers.demo.speculative_decoding.inputs import DemoInputError
-    from models.tt_transformers.demo.speculative_decoding.options import DemoConfig
-    from models.tt_transformers.demo.speculative_decoding.speculative_demo import run_demo
-
-    from .conftest import write_json
-
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text("The quick brown fox jumps over the lazy dog near the riverbank every morning.\n")
-    prompts = write_json(tmp_path / "p.json", [{"prompt": "Repeat this sentence exactly: The quick brown fox jumps "
-                                                         "over the lazy dog near the riverbank every morning."}])
-    report = run_demo(DemoConfig(input_prompts=str(prompts), draft_mode="suffix", draft_corpus=str(corpus),
-                                 draft_memory=0, max_generated_tokens=24))
-    assert report["summary"]["identical_to_baseline"]
-    with pytest.raises(DemoInputError, match="--draft_corpus .* does not exist"):
-        run_demo(DemoConfig(input_prompts=str(prompts), draft_corpus=str(tmp_path / "missing.txt")))
 
 
 def test_corpus_store_drafts_what_the_request_lacks():

@@ -5,7 +5,7 @@ import json
 import sys
 
 from models.tt_transformers.demo.speculative_decoding.options import DemoConfig
-from models.tt_transformers.demo.speculative_decoding.report import write_json_atomic
+from models.tt_transformers.records import write_json_atomic
 from models.tt_transformers.ttnn_backend import device as tt_device
 
 from .conftest import REPO_ROOT

@@ -8,14 +8,14 @@ depend on the batch shape), so the reference here is plain decoding through the 
 import pytest
 import torch
 
-from models.tt_transformers.demo.speculative_decoding.speculative_generator import SpeculativeGenerator
+from models.tt_transformers.speculative.generator import SpeculativeGenerator
 from models.tt_transformers.speculative.backend import UserRows
 from models.tt_transformers.speculative.drafters import HybridDrafter, ModelDrafter, SuffixDrafter
 from models.tt_transformers.torch_backend.checkpoint import load_model, resolve_checkpoint
 from models.tt_transformers.torch_backend.generator import TorchCausalLM
 from models.tt_transformers.ttnn_backend import attention as ordered_attention
 
-from .stand_in_backend import MAX_SEQ_LEN, STAND_IN_TRACE_REGION, backend_builder, outputs
+from .stand_in_backend import MAX_SEQ_LEN, backend_builder, outputs
 from .tt_stand_in import ttnn as stand_in_ttnn
 
 def drafter_for(lm, mode):
@@ -283,26 +283,6 @@ def test_draft_view_shares_the_target_cache(tt, prompts):
     assert calls == [] and sum(it.drafted for it in results[0].iterations) > 0
 
 
-def test_demo_on_the_ttnn_backend(tt, tmp_path, monkeypatch):
-    """The demo's ttnn path (MESH_DEVICE set selects it) on the stand-in mesh: TT-Transformers models built with the
-    demo's flags, hybrid drafting with the first-layers view, the report identical to plain decoding."""
-    from models.tt_transformers.demo.speculative_decoding.inputs import backend_of
-    from models.tt_transformers.demo.speculative_decoding.options import DemoConfig
-    from models.tt_transformers.demo.speculative_decoding.speculative_demo import run_demo
-
-    from .conftest import write_json
-
-    monkeypatch.setenv("MESH_DEVICE", "N150")
-    config = DemoConfig(input_prompts=str(write_json(tmp_path / "p.json", [{"prompt": "Repeat: a b c d e f g"}])),
-                        max_generated_tokens=12, max_seq_len=256, draft_layers=4, batch_size=2)
-    assert backend_of(config) == "ttnn" and backend_of(DemoConfig(backend="torch")) == "torch"
-    report = run_demo(config, stand_in_ttnn.open_mesh_device(stand_in_ttnn.MeshShape(1, 1),
-                                                             trace_region_size=STAND_IN_TRACE_REGION))
-    assert report["summary"]["identical_to_baseline"] and report["summary"]["decode_t/s/u"] > 0
-    with pytest.raises(ValueError, match="--dtype 'float32' is not supported on the ttnn backend"):
-        run_demo(DemoConfig(**{**vars(config), "dtype": "float32"}), None)
-
-
 # first-layer drafts (50 s here) behind --run_slow: suffix drafts cover the ttnn verify path, and
 # tests/test_lossless_sampling.py and tests/test_seeded_sampling.py cover draft-model drafts under sampling
 @pytest.mark.parametrize("kind", ["suffix", pytest.param("model", marks=pytest.mark.slow), "accept-all"])
@@ -311,7 +291,7 @@ def test_sampling_through_the_verify_step_follows_the_target(monkeypatch, tmp_pa
     columns sliced off): the first 5 tokens of 8-user batches follow the target's exact distribution (chi-square,
     as tests/test_lossless_sampling.py), with suffix and first-layer drafts verified whole chains at a time; a
     verifier that accepts every draft fails the same test."""
-    from models.tt_transformers.demo.speculative_decoding import speculative_generator
+    from models.tt_transformers.speculative import generator as speculative_generator
     from models.tt_transformers.speculative.sampling import SamplingParams
 
     from .conftest import save_tiny_hf_checkpoint

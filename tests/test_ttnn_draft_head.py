@@ -6,7 +6,7 @@ identical to plain greedy decoding through the same 32-row verify step, as in te
 import pytest
 import torch
 
-from models.tt_transformers.demo.speculative_decoding.speculative_generator import SpeculativeGenerator
+from models.tt_transformers.speculative.generator import SpeculativeGenerator
 from models.tt_transformers.speculative.backend import DeviceRows, UserRows
 from models.tt_transformers.speculative.drafters import HybridDrafter, SuffixDrafter
 from models.tt_transformers.speculative.head_drafter import HeadFeed, RunCost, TracedHeadDrafter
@@ -78,7 +78,7 @@ def test_device_head_identical_to_plain_through_the_verify_step(tt, embedded_che
     """A random EAGLE-3 head (24k-token draft vocabulary) in head and hybrid modes at batches of 1 and 4, and the shipped
     head as the demo runs it (hybrid, 4 users): the same tokens as plain decoding through the same step (what the head
     drafts is the torch head's: test_device_head_logits_match_the_torch_head_in_float32)."""
-    from models.tt_transformers.demo.speculative_decoding.inputs import DRAFT_HEADS
+    from models.tt_transformers.torch_backend.draft_head import DRAFT_HEADS
 
     lm = tt(batch)
     args = ModelArgs.from_hf_config(embedded_checkpoint.config)

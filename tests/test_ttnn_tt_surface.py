@@ -6,7 +6,7 @@ The classes below are TEST DOUBLES of TT-Transformers' signatures (tt/model.py A
 (tests/tt_stand_in)."""
 import pytest
 
-from models.tt_transformers.demo.speculative_decoding.speculative_generator import SpeculativeGenerator
+from models.tt_transformers.speculative.generator import SpeculativeGenerator
 from models.tt_transformers.speculative.drafters import SuffixDrafter
 from models.tt_transformers.ttnn_backend import tt_surface
 

@@ -67,9 +67,9 @@ def agreement(reference: list[list[int]], other: list[list[int]]) -> dict:
 
 
 def shipped_head_case(stride: int) -> tuple[dict, list]:
-    from models.tt_transformers.demo.speculative_decoding.inputs import DRAFT_HEADS, encode, load_prompts
-    from models.tt_transformers.demo.speculative_decoding.options import DEFAULT_PROMPTS
-    from models.tt_transformers.demo.speculative_decoding.speculative_generator import SpeculativeGenerator
+    from models.tt_transformers.prompts import encode, load_prompts
+    from models.tt_transformers.torch_backend.draft_head import DRAFT_HEADS
+    from models.tt_transformers.speculative.generator import SpeculativeGenerator
     from models.tt_transformers.torch_backend.checkpoint import load_model, load_tokenizer, resolve_checkpoint
     from models.tt_transformers.torch_backend.draft_head import read_draft_head
     from models.tt_transformers.torch_backend.generator import TorchCausalLM
@@ -82,7 +82,7 @@ def shipped_head_case(stride: int) -> tuple[dict, list]:
     head = read_draft_head(DRAFT_HEADS / ckpt.name, args)
     tokenizer = load_tokenizer(ckpt)
     sequences = []
-    for prompt in load_prompts(str(DEFAULT_PROMPTS))[:4]:
+    for prompt in load_prompts(REPO / "sample_prompts.json")[:4]:
         tokens = encode(tokenizer, prompt, True)
         response = SpeculativeGenerator(lm, None, 0).generate([tokens], 64)[0].output_tokens
         whole = tokens + response

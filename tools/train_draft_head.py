@@ -35,9 +35,8 @@ from loguru import logger
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # a tool over the library, run by its path (make train-draft-head)
 
-from models.tt_transformers.demo.speculative_decoding.inputs import encode, load_prompts
-from models.tt_transformers.demo.speculative_decoding.options import DEFAULT_PROMPTS
-from models.tt_transformers.demo.speculative_decoding.speculative_generator import SpeculativeGenerator  # noqa: E402
+from models.tt_transformers.prompts import encode, load_prompts
+from models.tt_transformers.speculative.generator import SpeculativeGenerator  # noqa: E402
 from models.tt_transformers.torch_backend.checkpoint import (  # noqa: E402
     cache_root,
     load_model,
@@ -143,7 +142,7 @@ def build_prompts(target, tokenizer, rng: random.Random, args) -> list[dict]:
 
 
 def benchmark_ngrams(tokenizer) -> set:
-    files = sorted((REPO / "benchmarks" / "prompt_sets").glob("*.json")) + [DEFAULT_PROMPTS]
+    files = sorted((REPO / "benchmarks" / "prompt_sets").glob("*.json")) + [REPO / "sample_prompts.json"]
     grams = set()
     for f in files:
         for p in load_prompts(str(f)):

@@ -43,11 +43,11 @@ from models.tt_transformers.demo.speculative_decoding.inputs import (  # noqa: E
     PRECISIONS,
     check_inputs,
     draft_head_folder,
-    encode,
 )
 from models.tt_transformers.demo.speculative_decoding.options import DemoConfig  # noqa: E402
-from models.tt_transformers.demo.speculative_decoding.report import environment, write_json_atomic  # noqa: E402
 from models.tt_transformers.demo.speculative_decoding.speculative_demo import run_demo  # noqa: E402
+from models.tt_transformers.prompts import encode  # noqa: E402
+from models.tt_transformers.records import environment, write_json_atomic  # noqa: E402
 
 SMOKE_TOKENS = 32
 PROMPT = "Repeat this list exactly: apples, pears, plums, figs, dates, limes, apples, pears, plums, figs, dates, limes."
@@ -307,7 +307,7 @@ def chain_agreement(dev, runner, states, context: list[int], k: int) -> dict:
 
 
 def lossless(s: Smoke) -> None:
-    from models.tt_transformers.demo.speculative_decoding.speculative_generator import SpeculativeGenerator
+    from models.tt_transformers.speculative.generator import SpeculativeGenerator
 
     plain = SpeculativeGenerator(s.lm, None, 0).generate([s.tokens], SMOKE_TOKENS, False)[0]
     spec = SpeculativeGenerator(s.lm, s.drafter, s.config.n_draft_tokens).generate([s.tokens], SMOKE_TOKENS, False)[0]

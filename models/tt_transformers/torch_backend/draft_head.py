@@ -34,6 +34,7 @@ from .rope import rope_tables
 AUTHORS_ARCHITECTURE = "LlamaForCausalLMEagle3"
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 TREE_SLOTS = 64  # cache slots past max_seq_len for the nodes of a draft tree (each writes its own)
+DRAFT_HEADS = Path(__file__).resolve().parents[1] / "draft_heads"  # shipped heads, one folder per target name
 
 
 class DraftHeadError(ValueError):

@@ -14,12 +14,12 @@ from models.tt_transformers.demo.speculative_decoding.inputs import (
     draft_head_folder,
     draft_layers_for,
     dtype_of,
-    encode,
     head_taps,
     kv_cache_bytes,
     model_flag,
 )
 from models.tt_transformers.demo.speculative_decoding.options import DemoConfig
+from models.tt_transformers.prompts import encode, eos_token_ids
 
 
 def draft_memory(config: DemoConfig, tokenizer, corpus: Optional[str]):
@@ -35,11 +35,6 @@ def draft_memory(config: DemoConfig, tokenizer, corpus: Optional[str]):
     if config.draft_memory == 0 and not documents:
         return None
     return DraftMemory(config.draft_memory, documents)
-
-
-def eos_token_ids(ckpt, tokenizer) -> list[int]:
-    """Every id that ends a response: config.json's and generation_config.json's, and the tokenizer's."""
-    return sorted(set(ckpt.eos_token_ids) | {tokenizer.eos_token_id} - {None})
 
 
 def check_same_tokenizer(target_tok, draft_tok, draft_name: str) -> None:

@@ -2,7 +2,6 @@
 """The demo's input checks: every flag, the prompts file and what the model allows, checked before anything loads, each
 failure one DemoInputError line naming the flag or file and the fix."""
 import importlib.util
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,17 +14,20 @@ from models.tt_transformers.demo.speculative_decoding.options import (
     SWITCHES,
     DemoConfig,
 )
-from models.tt_transformers.demo.speculative_decoding.speculative_generator import check_n_draft_tokens
+from models.tt_transformers.errors import UserError
+from models.tt_transformers.prompts import load_prompts as read_prompts
+from models.tt_transformers.prompts import split_batches as fill_batches
+from models.tt_transformers.records import PACKAGE_ROOT
+from models.tt_transformers.speculative.generator import check_n_draft_tokens
 from models.tt_transformers.speculative.sampling import SamplingParams
 from models.tt_transformers.torch_backend.checkpoint import Checkpoint, resolve_checkpoint
 from models.tt_transformers.torch_backend.cpu_isa import check_cpu_isa
 from models.tt_transformers.torch_backend.device import DEVICES
+from models.tt_transformers.torch_backend.draft_head import DRAFT_HEADS
 from models.tt_transformers.torch_backend.model_config import ModelArgs
 
-PACKAGE_ROOT = Path(__file__).resolve().parents[4]  # the folder holding models/: the repository, or site-packages
 SUPPORTED_BATCH_SIZES = (1, 2, 4, 8, 16, 32)  # as TT-Transformers demos
 DRAFT_MODES = ("model", "suffix", "head", "hybrid")
-DRAFT_HEADS = Path(__file__).resolve().parents[2] / "draft_heads"  # shipped heads, one folder per target name
 BACKENDS = ("auto", "torch", "ttnn")
 MAX_RECYCLE_TOP_K = 32  # ttnn.topk's default k; more is never worth a tree row
 MAX_CORPUS_TOKENS = 1_000_000  # about 600 MB of suffix automaton
@@ -38,9 +40,7 @@ DTYPES = {"torch": ("bfloat16", "float32"), "ttnn": ("bfloat8_b", "bfloat16")}
 PRECISIONS = ("performance", "accuracy")
 
 
-class DemoInputError(ValueError):
-    """Bad demo input; the message names the problem and the fix."""
-
+DemoInputError = UserError  # bad demo input: the message names the flag or file and the fix
 
 def find_prompts_file(path: str) -> Path:
     """The documented `--input_prompts models/tt_transformers/demo/...` works from the working directory (the
@@ -48,48 +48,15 @@ def find_prompts_file(path: str) -> Path:
     p = Path(path).expanduser()
     if not p.is_file() and not p.is_absolute() and (PACKAGE_ROOT / p).is_file():
         return PACKAGE_ROOT / p
-    if p.is_dir():
-        raise DemoInputError(f"--input_prompts {path!r} is a directory; pass a JSON or JSON Lines prompts file in it")
-    if not p.is_file():
+    if not p.exists():
         raise DemoInputError(f"--input_prompts {path!r} does not exist; pass a JSON or JSON Lines prompts file "
                              f"(default: {DEFAULT_PROMPTS})")
     return p
 
 
 def load_prompts(path: str) -> list[str]:
-    """TT format (a JSON list of {"prompt": ...}) or JSON Lines with a "prompt" field (one line is one object)."""
-    p = find_prompts_file(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise DemoInputError(f"--input_prompts {path}: not UTF-8 text (byte {e.start}); save it as UTF-8") from None
-    example = '[{"prompt": "..."}] or one {"prompt": "..."} per line'
-    try:
-        entries = json.loads(text)
-    except json.JSONDecodeError:
-        entries = []
-        for number, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                entries.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise DemoInputError(f"--input_prompts {path}: neither JSON nor JSON Lines (line {number}: {e.msg} at "
-                                     f"column {e.colno}); expected {example}") from None
-    if isinstance(entries, dict):
-        entries = [entries]  # JSON Lines with a single line
-    if not isinstance(entries, list) or not entries:
-        raise DemoInputError(f"--input_prompts {path}: holds no prompts; expected a non-empty {example}")
-    prompts = []
-    for i, e in enumerate(entries):
-        if not isinstance(e, dict) or not isinstance(e.get("prompt"), str):
-            raise DemoInputError(f"--input_prompts {path}: entry {i} has no string \"prompt\" field; expected "
-                                 f"{example}")
-        if not e["prompt"].strip():
-            raise DemoInputError(f"--input_prompts {path}: entry {i} has an empty prompt; give it some text or "
-                                 "remove it")
-        prompts.append(e["prompt"])
-    return prompts
+    """--input_prompts's prompts (prompts.load_prompts: TT format or JSON Lines)."""
+    return read_prompts(find_prompts_file(path), "--input_prompts")
 
 
 def read_corpus(path: str) -> str:
@@ -111,18 +78,10 @@ def read_corpus(path: str) -> str:
 
 
 def split_batches(n_prompts: int, batch_size: int) -> list[list[int]]:
-    """Prompt indices per batch; the last batch is filled by repeating prompts, as TT demos do."""
+    """Prompt indices per batch (prompts.split_batches), for a batch size TT demos run."""
     if batch_size not in SUPPORTED_BATCH_SIZES:
         raise DemoInputError(f"--batch_size {batch_size} is not supported; use one of {SUPPORTED_BATCH_SIZES}")
-    n_batches = -(-n_prompts // batch_size)
-    return [[(b * batch_size + i) % n_prompts for i in range(batch_size)] for b in range(n_batches)]
-
-
-def encode(tokenizer, prompt: str, instruct: bool) -> list[int]:
-    if instruct and tokenizer.chat_template:
-        return list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                                  add_generation_prompt=True, return_dict=True)["input_ids"])
-    return tokenizer(prompt).input_ids
+    return fill_batches(n_prompts, batch_size)
 
 
 def model_flag(config: DemoConfig) -> str:

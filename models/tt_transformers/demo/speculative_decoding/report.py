@@ -1,116 +1,18 @@
 # SPDX-License-Identifier: Apache-2.0
 """The demo's report: TT-Transformers' performance block, the per-prompt table and the --output_json file."""
-import json
-import os
-import platform
-import subprocess
 import time
 from collections import Counter
-from pathlib import Path
 from typing import Optional
 
-import numpy as np
-
-from models.tt_transformers.demo.speculative_decoding.inputs import PACKAGE_ROOT, DemoInputError
-from models.tt_transformers.demo.speculative_decoding.speculative_generator import UserResult
-from models.tt_transformers.speculative.metrics import NUM_DRAFTS, SpecDecodeCounters, summary_lines
+from models.tt_transformers import records
+from models.tt_transformers.speculative.metrics import NUM_DRAFTS, summary_lines
+from models.tt_transformers.speculative.results import LATENCY_PERCENTILES, UserResult
 from models.tt_transformers.torch_backend.cpu_threads import cpu_seconds
 
 
 SPEEDUP_SLACK = 1.15  # a speculative step costs at least a plain one: beyond tokens per forward by this, time lied
 MIN_TIMED_TOKENS = 16  # a prompt's tokens after the first below which its tok/s is mostly start-up and noise
 OTHER_LOAD_CORES = 0.5  # other processes' CPU use (cores) that disturbs a timing
-
-
-LATENCY_PERCENTILES = (50, 95, 99)
-
-
-def latencies_ms(users: list[UserResult]) -> dict[str, list[float]]:
-    """Per request, as vLLM's serving benchmark measures a streamed request (every request of a batch arrives when
-    its generate() starts): TTFT, the first token's time; E2EL, the last token's; TPOT, (E2EL - TTFT) over the
-    tokens after the first; and every ITL, the gap between two consecutive chunks (a step's tokens arrive together)."""
-    out = {"ttft": [], "tpot": [], "itl": [], "e2el": []}
-    for r in users:
-        times = [1e3 * t for t in r.token_times_s]
-        if not times:
-            continue
-        out["ttft"].append(times[0])
-        out["e2el"].append(times[-1])
-        if len(r.output_tokens) > 1:
-            out["tpot"].append((times[-1] - times[0]) / (len(r.output_tokens) - 1))
-        out["itl"] += [b - a for a, b in zip(times, times[1:])]
-    return out
-
-
-def latency_summary(users: list[UserResult]) -> dict:
-    """mean_<m>_ms and p50/p95/p99_<m>_ms for TTFT, TPOT, ITL and E2EL (vLLM's benchmark keys; None without a
-    value)."""
-    summary = {}
-    for metric, values in latencies_ms(users).items():
-        summary[f"mean_{metric}_ms"] = float(np.mean(values)) if values else None
-        for p in LATENCY_PERCENTILES:
-            summary[f"p{p}_{metric}_ms"] = float(np.percentile(values, p)) if values else None
-    return summary
-
-
-def spec_decode_counters(users: list[UserResult], num_spec_tokens: Optional[int] = None) -> SpecDecodeCounters:
-    """vLLM's acceptance counters over every iteration that verified a draft (a tree counts its nodes as draft tokens
-    and its accepted path by depth); positions up to num_spec_tokens (default: the longest draft)."""
-    drafted = [(it.drafted, it.accepted) for r in users for it in r.iterations if it.drafted]
-    counters = SpecDecodeCounters(num_spec_tokens if num_spec_tokens is not None else
-                                  max((d for d, _ in drafted), default=0))
-    for d, a in drafted:
-        counters.observe_draft(d, a)
-    return counters
-
-
-def summarize(batches: list[list[UserResult]], num_spec_tokens: Optional[int] = None) -> dict:
-    """Figures over all users (users of one batch share each iteration's time), with TT-Transformers' perf keys:
-    prefill_time_to_token (s, mean over users), prefill_t/s (prompt tokens per second of prefill), decode_t/s/u and
-    decode_t/s (tokens after the first per second of decoding, per user and over the batch); vLLM's serving keys
-    (latency_summary) and its spec-decode counters (spec_decode, for drafts of up to num_spec_tokens)."""
-    users = [r for batch in batches for r in batch]
-    drafted = sum(it.drafted for r in users for it in r.iterations)
-    accepted = sum(it.accepted for r in users for it in r.iterations)
-    steps = sum(len(r.iterations) for r in users)
-    batch_steps = sum(max(len(r.iterations) for r in batch) for batch in batches)  # target forwards
-    produced = sum(len(r.output_tokens) - 1 for r in users)
-    decode_s = sum(max(r.decode_s for r in batch) for batch in batches)
-    prefill_s = sum(r.ttft_ms for r in users) / 1e3
-    tok_s = produced / decode_s if decode_s else 0.0
-    tok_s_u = tok_s * len(batches) / len(users)
-    return {
-        "acceptance_rate": accepted / drafted if drafted else 0.0,
-        "mean_tokens_per_step": produced / steps if steps else 0.0,
-        "ms_per_step": 1e3 * decode_s / batch_steps if batch_steps else 0.0,
-        "decode_tok_s": tok_s,
-        "decode_tok_s_u": tok_s_u,
-        "ttft_ms": sum(r.ttft_ms for r in users) / len(users),
-        "prefill_time_to_token": prefill_s / len(users),
-        "prefill_t/s": sum(len(r.prompt_tokens) for r in users) / prefill_s if prefill_s else 0.0,
-        "decode_t/s/u": tok_s_u,
-        "decode_t/s": tok_s,
-        **latency_summary(users),
-        "spec_decode": spec_decode_counters(users, num_spec_tokens).as_dict(),
-    }
-
-
-def environment(device: str) -> dict:
-    """Where a report was measured: machine, software and the code's git commit (None outside a git checkout)."""
-    import torch
-
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=PACKAGE_ROOT, capture_output=True, text=True,
-                                timeout=10).stdout.strip() or None
-    except OSError:
-        commit = None
-    cpuinfo = Path("/proc/cpuinfo")
-    names = [line.split(":", 1)[1].strip() for line in (cpuinfo.read_text().splitlines() if cpuinfo.is_file() else [])
-             if line.startswith("model name")]
-    return {"machine": platform.machine(), "processor": names[0] if names else platform.processor(),
-            "cpu_count": os.cpu_count(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-            "torch_threads": torch.get_num_threads(), "python": platform.python_version(), "torch": torch.__version__,
-            "device": device, "git_commit": commit}
 
 
 class LoadMeter:
@@ -241,44 +143,8 @@ def result_lines(report: dict) -> list[str]:
     return lines + summary["warnings"] + ["Per prompt:"] + prompt_table_lines(report["prompts"])
 
 
-class ReportFile:
-    """A JSON report file reserved before the run: its temporary file is created in the report's folder at once, so a
-    path that cannot be written (a read-only folder, /proc) stops the run before it starts, whatever permission bits
-    say; the report is written into that same file and renamed over the path only when whole. A run that fails or is
-    interrupted calls discard(): nothing of it is left, not even the folders made for it."""
+class ReportFile(records.ReportFile):
+    """--output_json's file (records.ReportFile: reserved before the run, written whole or not at all)."""
 
-    def __init__(self, path, flag: str = "--output_json"):
-        self.path = Path(path).expanduser()
-        if self.path.is_dir():
-            raise DemoInputError(f"{flag} {str(path)!r} is a directory; give a file path")
-        self.made: list[Path] = []  # folders created for the report, innermost last
-        missing = [folder for folder in self.path.parents if not folder.exists()]
-        self.tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
-        try:
-            for folder in reversed(missing):
-                folder.mkdir()
-                self.made.append(folder)
-            os.close(os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
-        except OSError as e:
-            self.discard()
-            raise DemoInputError(f"{flag} {str(path)!r} cannot be written (creating a file in {self.path.parent} "
-                                 f"failed: {e.strerror}); pass a path in a folder you can write in") from None
-
-    def write(self, data) -> None:
-        try:
-            self.tmp.write_text(json.dumps(data, indent=2))
-            os.replace(self.tmp, self.path)
-        except BaseException:  # a full disk: no half-written report either
-            self.discard()
-            raise
-
-    def discard(self) -> None:
-        if self.tmp.exists():  # not when creating it failed
-            self.tmp.unlink()
-        for folder in reversed(self.made):
-            folder.rmdir()
-
-
-def write_json_atomic(path: Path, data, flag: str = "--output_json") -> None:
-    """JSON written whole or not at all (a reader never sees half a file)."""
-    ReportFile(path, flag).write(data)
+    def __init__(self, path):
+        super().__init__(path, "--output_json")

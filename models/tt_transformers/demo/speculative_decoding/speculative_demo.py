@@ -43,17 +43,17 @@ try:  # torch and the models import here, for seconds: Ctrl-C meanwhile gets the
         PROMPT_ECHO,
         LoadMeter,
         ReportFile,
-        environment,
         performance_lines,
         prompt_entries,
         prompt_table_lines,
         result_lines,
         shorten,
         speedup_line,
-        summarize,
         timing_warnings,
     )
-    from models.tt_transformers.demo.speculative_decoding.speculative_generator import SpeculativeGenerator, UserResult
+    from models.tt_transformers.records import environment
+    from models.tt_transformers.speculative.generator import SpeculativeGenerator
+    from models.tt_transformers.speculative.results import UserResult, summarize
 except KeyboardInterrupt:
     if __name__ != "__main__":
         raise

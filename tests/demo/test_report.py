@@ -18,18 +18,21 @@ from models.tt_transformers.demo.speculative_decoding.options import DEMO_OPTION
 from models.tt_transformers.demo.speculative_decoding.report import (
     MIN_TIMED_TOKENS,
     LoadMeter,
-    latency_summary,
     performance_lines,
     prompt_entries,
     prompt_table_lines,
-    spec_decode_counters,
-    summarize,
     timing_warnings,
 )
 from models.tt_transformers.demo.speculative_decoding.speculative_demo import main, run_demo
-from models.tt_transformers.demo.speculative_decoding.speculative_generator import IterationStats, UserResult
+from models.tt_transformers.speculative.results import (
+    IterationStats,
+    UserResult,
+    latency_summary,
+    spec_decode_counters,
+    summarize,
+)
 
-from .conftest import REPO_ROOT, write_json
+from ..conftest import REPO_ROOT, write_json
 from .test_inputs_and_cache import DEMO_SCRIPT, demo
 
 

@@ -26,11 +26,11 @@ from models.tt_transformers.demo.speculative_decoding.inputs import (
 from models.tt_transformers.demo.speculative_decoding.options import DEFAULT_PROMPTS, DemoConfig
 from models.tt_transformers.demo.speculative_decoding.report import ReportFile
 from models.tt_transformers.demo.speculative_decoding.speculative_demo import main, run_demo
-from models.tt_transformers.demo.speculative_decoding.speculative_generator import SpeculativeGenerator
+from models.tt_transformers.speculative.generator import SpeculativeGenerator
 from models.tt_transformers.speculative.drafters import SuffixDrafter
 from models.tt_transformers.torch_backend.generator import TorchCausalLM
 
-from .conftest import REPO_ROOT, random_model, save_tiny_hf_checkpoint, write_json
+from ..conftest import REPO_ROOT, random_model, save_tiny_hf_checkpoint, write_json
 
 DOCUMENTED_PROMPTS = "models/tt_transformers/demo/speculative_decoding/sample_prompts.json"
 DEMO_SCRIPT = REPO_ROOT / DOCUMENTED_PROMPTS.replace("sample_prompts.json", "speculative_demo.py")

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from .conftest import REPO_ROOT
+from ..conftest import REPO_ROOT
 
 DEMO = REPO_ROOT / "models/tt_transformers/demo/speculative_decoding/speculative_demo.py"
 PROBE = ("import models.tt_transformers.tt.model as tt, models.tt_transformers.demo.speculative_decoding.speculative_demo, "

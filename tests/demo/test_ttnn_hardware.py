@@ -2,7 +2,7 @@
 """On a Tenstorrent device: what only hardware can confirm about the ttnn backend. Marked `tt_hardware`: collected
 everywhere, run where /dev/tenstorrent* exists, reported as skipped with the reason elsewhere.
 
-    MESH_DEVICE=N150 HF_MODEL=meta-llama/Llama-3.1-8B-Instruct pytest tests/test_ttnn_hardware.py -m tt_hardware
+    MESH_DEVICE=N150 HF_MODEL=meta-llama/Llama-3.1-8B-Instruct pytest tests/demo/test_ttnn_hardware.py -m tt_hardware
 
 HF_MODEL names a checkpoint TT-Transformers runs (a local folder or a hub id in the local Hugging Face cache);
 DRAFT_HEAD an EAGLE-3 head for it (a folder or hub id: the EAGLE authors' or speculators' layout), for the draft head
@@ -20,7 +20,7 @@ import pytest
 from models.tt_transformers.demo.speculative_decoding.build import ModelPool, trace_region_size
 from models.tt_transformers.demo.speculative_decoding.options import DemoConfig
 from models.tt_transformers.demo.speculative_decoding.speculative_demo import run_demo
-from models.tt_transformers.demo.speculative_decoding.speculative_generator import SpeculativeGenerator
+from models.tt_transformers.speculative.generator import SpeculativeGenerator
 from models.tt_transformers.speculative.drafters import HybridDrafter, ModelDrafter, SuffixDrafter
 from models.tt_transformers.torch_backend.checkpoint import resolve_checkpoint
 from models.tt_transformers.ttnn_backend.device import mesh_shape
@@ -28,7 +28,7 @@ from models.tt_transformers.ttnn_backend.draft_head import TtnnDraftHead
 from models.tt_transformers.ttnn_backend.generator import TtnnCausalLM
 from models.tt_transformers.ttnn_backend.model import build_tt_model
 
-from .conftest import REPO_ROOT
+from ..conftest import REPO_ROOT
 
 pytestmark = pytest.mark.tt_hardware
 
@@ -81,7 +81,7 @@ def test_demo_on_device(mesh_device, checkpoint):
 @pytest.mark.parametrize("batch", [1, 4])
 def test_lossless_on_device(mesh_device, checkpoint, batch):
     """Every draft mode equals plain greedy decoding through the same traced 32-row step on the device."""
-    from models.tt_transformers.demo.speculative_decoding.inputs import encode, load_prompts
+    from models.tt_transformers.prompts import encode, load_prompts
     from models.tt_transformers.torch_backend.checkpoint import load_tokenizer
 
     tokenizer = load_tokenizer(checkpoint)
@@ -115,7 +115,7 @@ def device_head_drafter(target, checkpoint, n_draft_tokens: int):
 def test_device_head_lossless_on_device(mesh_device, checkpoint, batch):
     """The draft head on the device (DRAFT_HEAD, the shipped one, or a random one), in head and hybrid modes, equals
     plain greedy decoding through the same traced 32-row step."""
-    from models.tt_transformers.demo.speculative_decoding.inputs import encode, load_prompts
+    from models.tt_transformers.prompts import encode, load_prompts
     from models.tt_transformers.torch_backend.checkpoint import load_tokenizer
 
     tokenizer = load_tokenizer(checkpoint)
@@ -194,7 +194,7 @@ def test_device_head_perf(mesh_device, checkpoint):
 def tt_baseline(mesh_device, checkpoint, config: DemoConfig) -> dict:
     """TT-Transformers' own traced decode (tt_baseline.py) on the perf prompts' first batch, built and dropped before
     our models are built (two 8B models do not fit an N150 together): what a TT user runs without us."""
-    from models.tt_transformers.demo.speculative_decoding.inputs import encode, load_prompts
+    from models.tt_transformers.prompts import encode, load_prompts
     from models.tt_transformers.torch_backend.checkpoint import load_tokenizer
     from models.tt_transformers.ttnn_backend.tt_baseline import tt_decode_baseline
 

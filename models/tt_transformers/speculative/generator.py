@@ -1,0 +1,266 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The speculative decoding loop: draft, verify all drafts in one target forward, accept, repeat.
+
+It speaks only to the `CausalLM` backend interface and the `Drafter` interface: the same loop runs the torch
+backend and the ttnn backend on a Tenstorrent device. With no drafter (or n_draft_tokens 0) it is plain
+autoregressive decoding on the same backend, which is what speed is compared against. A draft token is accepted iff
+it equals the target's own token at its position: the argmax when greedy (all a device sends back), else the keyed
+draw from the target's logits for that row, seeded by (seed, request, position) alone (sampling.py). Either way
+every token appended is the one plain decoding appends there, so both paths are lossless. Each step's drafts are
+sized across users to the backend's row budget (`CausalLM.max_step_rows`: one 32-row tile on a TT device), and
+priced by its `step_cost`.
+
+One iteration reads top to bottom in `generate`: `_draft` (each active user's draft, sized to the row budget),
+`_verify` (one target step over every user's rows, each draft checked against the target's own tokens) and
+`_append` (the accepted tokens kept, the drafter told); `_prefill` comes before, `IterationLog` times and logs.
+"""
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from loguru import logger
+
+from .backend import MAX_DRAFT_TOKENS, CausalLM, StepOutput, UserRows, extra_cost_curve
+from .drafters import Draft, Drafter, Verified
+from .results import IterationStats, UserResult
+from .sampling import KeyedSampler, SamplingParams, TargetSamples
+from .verification import verify_chain, verify_tree
+
+
+def check_n_draft_tokens(n_draft_tokens: int) -> None:
+    if not 0 <= n_draft_tokens <= MAX_DRAFT_TOKENS:
+        raise ValueError(f"--n_draft_tokens must be between 0 and {MAX_DRAFT_TOKENS}, got {n_draft_tokens}")
+
+
+def describe_sources(drafts: Sequence[Draft]) -> str:
+    """Which source drafted: ', suffix (match 12)' for one user, ', suffix 3, model 1' for a batch (the iteration line
+    stays within a 120-column terminal)."""
+    if len(drafts) == 1:
+        d = drafts[0]
+        return f", {d.source}" + (f" (match {d.match_len})" if d.source == "suffix" else "")
+    counts = Counter(d.source for d in drafts)
+    return ", " + ", ".join(f"{source} {n}" for source, n in sorted(counts.items()))
+
+
+class IterationLog:
+    """The `Iteration` lines of one generate() call: the first `limit` logged (None: every one, as TT's demo logs
+    them), the rest counted into one line at the end."""
+
+    def __init__(self, limit: Optional[int]):
+        self.limit, self.iteration = limit, 0
+        self.unlogged_accepted = self.unlogged_drafted = 0
+
+    def iteration_done(self, ms: float, n_users: int, produced: int, accepted: int, drafts: Sequence[Draft]) -> None:
+        drafted = sum(len(d.tokens) for d in drafts)
+        tok_s = produced / (ms / 1e3)
+        if self.limit is None or self.iteration < self.limit:
+            logger.info(f"Iteration {self.iteration}: {ms:.0f}ms @ {tok_s / n_users:.1f} tok/s/user "
+                        f"({tok_s:.1f} tok/s throughput), accepted {accepted}/{drafted}{describe_sources(drafts)}")
+        else:
+            self.unlogged_accepted += accepted
+            self.unlogged_drafted += drafted
+        self.iteration += 1
+
+    def close(self) -> None:
+        unlogged = 0 if self.limit is None else self.iteration - self.limit
+        if unlogged > 0:
+            logger.info(f"... {unlogged} more iteration{'s' * (unlogged > 1)}, accepted "
+                        f"{self.unlogged_accepted}/{self.unlogged_drafted} (--log_iterations -1 logs each)")
+
+
+@dataclass
+class Batch:
+    """One generate() call's users: their results and contexts (prompt + tokens so far), the sampler keyed on their
+    requests, and when each is done."""
+
+    results: list[UserResult]
+    contexts: list[list[int]]
+    sampler: KeyedSampler
+    max_generated_tokens: int
+    stop_at_eos: bool
+    eos_token_ids: set
+    max_seq_len: int
+    arrival: float = field(default_factory=time.perf_counter)  # when generate() was called: tokens are timed from it
+
+    def keep(self, user: int, new: list[int]) -> list[int]:
+        """Cut the accepted tokens at an EOS (kept, as Hugging Face does) and at the token budget."""
+        new = new[: self.max_generated_tokens - len(self.results[user].output_tokens)]
+        if self.stop_at_eos:
+            for i, t in enumerate(new):
+                if t in self.eos_token_ids:
+                    return new[: i + 1]
+        return new
+
+    def finished(self, user: int) -> bool:
+        result = self.results[user]
+        return (len(result.output_tokens) >= self.max_generated_tokens
+                or len(self.contexts[user]) >= self.max_seq_len
+                or (self.stop_at_eos and result.output_tokens[-1] in self.eos_token_ids))
+
+
+class SpeculativeGenerator:
+    """`log_iterations`: the `Iteration` lines logged per generate() call, the rest counted in one line (None: every
+    one, as TT's demo logs them); each iteration is in the results either way."""
+
+    def __init__(self, target: CausalLM, drafter: Optional[Drafter], n_draft_tokens: int,
+                 eos_token_ids: Sequence[int] = (), sampling_params: Optional[SamplingParams] = None,
+                 log_iterations: Optional[int] = None):
+        check_n_draft_tokens(n_draft_tokens)
+        if n_draft_tokens > 0 and drafter is None:
+            raise ValueError("n_draft_tokens > 0 needs a drafter")
+        self.target, self.n_draft_tokens = target, n_draft_tokens
+        self.drafter = drafter if n_draft_tokens > 0 else None
+        self.eos_token_ids = set(eos_token_ids)
+        self.sampling = sampling_params or SamplingParams()
+        self.log_iterations = log_iterations
+
+    def check_prompts(self, prompts: Sequence[Sequence[int]]) -> None:
+        if not prompts:
+            raise ValueError("no prompts to generate from")
+        if len(prompts) > self.target.max_batch_size:
+            raise ValueError(f"{len(prompts)} prompts but the backend was built for batch size "
+                             f"{self.target.max_batch_size}; raise --batch_size or pass fewer prompts")
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"prompt {i} is empty")
+            if not all(0 <= t < self.target.vocab_size for t in p):
+                raise ValueError(f"prompt {i} has token ids outside the model's vocabulary [0, {self.target.vocab_size})"
+                                 "; encode it with the target's own tokenizer")
+            if len(p) >= self.target.max_seq_len:
+                raise ValueError(f"prompt {i} has {len(p)} tokens, which leaves no room to generate within "
+                                 f"max_seq_len={self.target.max_seq_len}; raise --max_seq_len or shorten the prompt")
+
+    @property
+    def taps(self) -> tuple[int, ...]:
+        """The target layers whose input the drafter reads (a draft head drafts from them)."""
+        return self.drafter.taps if self.drafter is not None else ()
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_generated_tokens: int, stop_at_eos: bool = True,
+                 requests: Optional[Sequence[int]] = None) -> list[UserResult]:
+        """requests: an id per prompt that keys its random draws (default: its index), so a prompt samples the same
+        tokens whatever batch it runs in."""
+        self.check_prompts(prompts)
+        if max_generated_tokens < 1:
+            raise ValueError(f"max_generated_tokens must be >= 1, got {max_generated_tokens}")
+        if requests is not None and len(requests) != len(prompts):
+            raise ValueError(f"{len(requests)} request ids for {len(prompts)} prompts")
+        batch = Batch([UserResult(list(p)) for p in prompts], [list(p) for p in prompts],
+                      KeyedSampler(self.sampling, requests), max_generated_tokens, stop_at_eos, self.eos_token_ids,
+                      self.target.max_seq_len)
+        self._prefill(batch, prompts)
+        active = [u for u in range(len(prompts)) if not batch.finished(u)]
+        log = IterationLog(self.log_iterations)
+        while active:
+            start = time.perf_counter()
+            drafts = self._draft(batch, active)
+            verified = self._verify(batch, active, drafts)
+            done = time.perf_counter()
+            ms = (done - start) * 1e3
+            produced, accepted = self._append(batch, active, drafts, verified, ms, done)
+            log.iteration_done(ms, len(active), produced, accepted, drafts)
+            active = [u for u in active if not batch.finished(u)]
+        log.close()
+        return batch.results
+
+    def _prefill(self, batch: Batch, prompts: Sequence[Sequence[int]]) -> None:
+        """The target's prefill, one user at a time as TT-Transformers does (the first token comes from it), then
+        the drafter's start."""
+        users, taps = list(range(len(prompts))), self.taps
+        prompt_hidden = []
+        for u in users:
+            start = time.perf_counter()
+            context = batch.contexts[u]
+            out = self.target.prefill(u, context, logits=not self.sampling.greedy, taps=taps)
+            prompt_hidden.append(out.hidden[0] if taps else None)
+            first = self._target_tokens(batch.sampler, UserRows(u, context[-1:], len(context) - 1), out, 0)[0]
+            done = time.perf_counter()
+            batch.results[u].ttft_ms = (done - start) * 1e3
+            batch.results[u].token_times_s.append(done - batch.arrival)
+            context.append(first)
+            batch.results[u].output_tokens.append(first)
+        if self.drafter is not None:
+            # The draft model's prefill (or the automaton's build) happens after the first token and before the
+            # second, so it is decode time: every user waits for it, as for an iteration.
+            start = time.perf_counter()
+            self.drafter.start(users, prompts, batch.sampler, prompt_hidden if taps else None)
+            draft_prefill_s = time.perf_counter() - start
+            for r in batch.results:
+                r.decode_s += draft_prefill_s
+
+    def _draft(self, batch: Batch, active: list[int]) -> list[Draft]:
+        """Each active user's draft, within its cap (_draft_caps), priced by what verifying it costs this step."""
+        if self.drafter is None:
+            return [Draft([], "none") for _ in active]
+        contexts = [batch.contexts[u] for u in active]
+        caps = self._draft_caps([batch.results[u] for u in active], contexts, batch.max_generated_tokens)
+        context_len = sum(len(c) for c in contexts) / len(active)
+        return self.drafter.propose(active, contexts, caps, extra_cost_curve(self.target, len(active), context_len),
+                                    self.target.supports_trees)
+
+    def _verify(self, batch: Batch, active: list[int], drafts: list[Draft]) -> list[Verified]:
+        """One target step over every user's last token and draft; each user's chain or tree verified against the
+        target's own tokens, a tree's accepted path then moved to its true positions."""
+        rows = [UserRows(u, [batch.contexts[u][-1]] + d.tokens, len(batch.contexts[u]) - 1,
+                         None if d.parents is None else [-1] + [p + 1 for p in d.parents])
+                for u, d in zip(active, drafts)]
+        top_k = self.drafter.top_k if self.drafter is not None else 0
+        out = self.target.step(rows, logits=not self.sampling.greedy, top_k=top_k, taps=self.taps)
+        verified = []
+        for i, (d, r) in enumerate(zip(drafts, rows)):
+            target = self._target_tokens(batch.sampler, r, out, i)
+            if d.parents is None:
+                new = verify_chain(d.tokens, target)
+                path = list(range(len(new) - 1))
+            else:
+                new, path = verify_tree(d.tokens, d.parents, target)
+                self.target.commit_path(r.user, r.start_pos, [0] + [j + 1 for j in path])
+            verified.append(Verified(new, path, r.tokens, out.top_ids[i] if out.top_ids else None,
+                                     out.hidden[i] if out.hidden else None))
+        return verified
+
+    def _append(self, batch: Batch, active: list[int], drafts: list[Draft], verified: list[Verified], ms: float,
+                done: float) -> tuple[int, int]:
+        """The drafter learns from each verification; each user keeps its new tokens (up to an EOS and its budget) and
+        the iteration's record. Returns the tokens kept and the drafts accepted, over all users."""
+        produced = accepted = 0
+        for u, draft, v in zip(active, drafts, verified):
+            if self.drafter is not None:
+                self.drafter.accept(u, v)
+            new = batch.keep(u, v.new_tokens)
+            batch.contexts[u].extend(new)
+            result = batch.results[u]
+            result.output_tokens.extend(new)
+            result.decode_s += ms / 1e3
+            result.token_times_s.append(done - batch.arrival)
+            result.iterations.append(IterationStats(draft.source, len(draft.tokens), v.n_accepted, ms, draft.match_len))
+            produced += len(new)
+            accepted += v.n_accepted
+        return produced, accepted
+
+    def _target_tokens(self, sampler: KeyedSampler, rows: UserRows, out: StepOutput, i: int):
+        """The target's own token after each of the user's rows (the i-th user of `out`): its argmax, or its keyed
+        draw for the position the row predicts (a tree node sits at its depth)."""
+        if self.sampling.greedy:
+            return out.ids[i]
+        depth = [0] * len(rows.tokens)
+        for r, parent in enumerate(rows.parents or range(-1, len(rows.tokens) - 1)):
+            depth[r] = depth[parent] + 1 if parent >= 0 else 0
+        return TargetSamples(sampler, rows.user, out.logits[i], [rows.start_pos + d + 1 for d in depth])
+
+    def _draft_caps(self, results: list[UserResult], contexts: list[list[int]], max_generated_tokens: int) -> list[int]:
+        """Drafts each user may have verified this iteration: never more than could be kept, nor past the end of the
+        KV cache, and all users' rows (one + drafts each) within the backend's row budget."""
+        caps = [max(0, min(self.n_draft_tokens, max_generated_tokens - len(r.output_tokens) - 1,
+                           self.target.max_seq_len - len(ctx) - 1)) for r, ctx in zip(results, contexts)]
+        return share_rows(caps, self.target.max_step_rows - len(caps))
+
+
+def share_rows(caps: Sequence[int], spare: int) -> list[int]:
+    """Split `spare` draft rows across users, none above its own cap (water-filling: users who want fewer leave
+    their share to the others), so a step never carries more rows than the backend's budget."""
+    out = [0] * len(caps)
+    for j, i in enumerate(sorted(range(len(caps)), key=lambda i: caps[i])):
+        out[i] = min(caps[i], spare // (len(caps) - j))
+        spare -= out[i]
+    return out
