@@ -4,12 +4,15 @@ every stage runs and reports, and a failing stage stops the run there with the f
 import json
 import sys
 
+import pytest
+
 from models.tt_transformers.demo.speculative_decoding.options import DemoConfig
 from models.tt_transformers.demo.speculative_decoding.report import write_json_atomic
 from models.tt_transformers.ttnn_backend import device as tt_device
 
 from .conftest import REPO_ROOT
 from .tt_stand_in import install
+from .tt_stand_in import tt_transformers as stand_in_tt
 from .tt_stand_in import ttnn as stand_in_ttnn
 
 sys.path.insert(0, str(REPO_ROOT / "tools"))
@@ -102,3 +105,44 @@ def test_a_published_head_given_by_flag(monkeypatch, tmp_path):
     assert tt_smoke.main(["--draft_head", str(tmp_path / "missing"), "--report", str(tmp_path / "r.json")]) == 1
     failed = json.loads((tmp_path / "r.json").read_text())["stages"][-1]
     assert failed["stage"] == "device open" and "missing" in failed["error"]
+
+
+class PropertyArgs:
+    """A ModelArgs (TEST DOUBLE) whose vocabulary size is a property: its source holds no `self.vocab_size`."""
+
+    def __init__(self, mesh_device, instruct=False, max_batch_size=1, max_seq_len=1024, optimizations=None):
+        self.device_name, self.cluster_shape, self.num_devices, self.is_galaxy = "N150", [1, 1], 1, False
+        self.dim, self.model_name, self.model_cache_path, self.n_layers = 576, "m", None, 30
+        self.hf_config = {"vocab_size": 49152}
+
+    @property
+    def vocab_size(self):
+        return self.hf_config["vocab_size"]
+
+    get_state_dict_prefix = stand_in_tt.ModelArgs.get_state_dict_prefix
+    get_residual_mem_config = stand_in_tt.ModelArgs.get_residual_mem_config
+    weight_cache_path = stand_in_tt.ModelArgs.weight_cache_path
+    load_state_dict = stand_in_tt.ModelArgs.load_state_dict
+
+
+def test_the_surface_stage_stops_only_for_what_the_backend_calls(monkeypatch, tmp_path):
+    """Issue 37 point 8: a ModelArgs attribute that is a property (no `self.<attr>` text) is found, a detail read
+    from TT's source that is missing is a warning and the run goes on, and only a missing signature the backend calls
+    stops the smoke at this stage."""
+    from .tt_stand_in import install
+
+    install(monkeypatch)
+    monkeypatch.setattr(stand_in_tt, "ModelArgs", PropertyArgs)
+
+    class Attention(stand_in_tt.Attention):  # its decode reaches no ttnn.experimental.paged_update_cache text
+        def forward_decode(self, x, *args, **kwargs):
+            return x
+    monkeypatch.setattr(stand_in_tt, "Attention", Attention)
+    smoke = tt_smoke.Smoke(smoke_config(tmp_path), None)
+    tt_smoke.tt_transformers_surface(smoke)
+    surface = smoke.facts["tt_transformers_surface"]
+    assert surface["ModelArgs attributes the backend reads"].startswith("all read attributes set")
+    assert "missing" in surface["paged_update_cache looked up at call time"]
+    monkeypatch.delattr(stand_in_tt.Transformer, "prepare_decode_inputs_host")
+    with pytest.raises(LookupError, match="prepare_decode_inputs_host"):
+        tt_smoke.tt_transformers_surface(smoke)

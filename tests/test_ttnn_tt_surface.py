@@ -83,12 +83,13 @@ def test_layer_counts_and_vocabulary_without_the_newer_attributes():
 
 
 def test_the_probe_names_every_detail(monkeypatch):
-    """On the stand-in every detail is found; with a detail taken away the probe names it and the file to read."""
+    """On the stand-in every detail is found; with a detail taken away the probe names it and the file to read, and
+    says whether the backend calls it (a missing call stops make tt-smoke) or reads it (a warning)."""
     from .tt_stand_in import install
 
     install(monkeypatch)
     lines = tt_surface.probe()
-    assert len(lines) == len(tt_surface.DETAILS) and all(found for _, found, _ in lines), lines
+    assert len(lines) == len(tt_surface.DETAILS) and all(line.found for line in lines), lines
     monkeypatch.delattr(stand_in_tt.Transformer, "prepare_decode_inputs_host")
 
     class Attention(stand_in_tt.Attention):  # a version whose decode does not reach the update through ttnn.experimental
@@ -97,10 +98,12 @@ def test_the_probe_names_every_detail(monkeypatch):
         def forward_decode(self, x, *args, **kwargs):
             return x
     monkeypatch.setattr(stand_in_tt, "Attention", Attention)
-    missing = {name: text for name, found, text in tt_surface.probe() if not found}
+    missing = {line.name: line for line in tt_surface.probe() if not line.found}
     assert set(missing) == {"prepare_decode_inputs_host(tokens, current_pos, page_table)",
                             "paged_update_cache looked up at call time"}
-    assert "models/tt_transformers/tt/model.py" in missing["prepare_decode_inputs_host(tokens, current_pos, page_table)"]
+    called = missing["prepare_decode_inputs_host(tokens, current_pos, page_table)"]
+    assert "models/tt_transformers/tt/model.py" in called.text and called.called
+    assert not missing["paged_update_cache looked up at call time"].called
 
 
 def test_eager_mode_equals_traced_and_captures_nothing(tt, prompts, plain_outputs, monkeypatch):

@@ -83,6 +83,10 @@ class Detail:
     name: str
     where: str  # the file to look at when it is missing
     check: Callable[[], Optional[str]]  # the variant found (a short description), or raises / returns None: missing
+    # True: a signature or method the backend calls (missing: the run would fail there, so the probe stops it); False:
+    # a detail read from TT-Transformers' source text or attributes, which a property, a rename or a refactor can hide
+    # while the run works (missing: a warning, and the later stages tell)
+    called: bool = True
 
 
 def _source(obj) -> str:
@@ -163,13 +167,18 @@ def _module_map() -> str:
 
 
 def _model_args_reads() -> str:
-    text = "".join(_source(c) for c in _tt("model_config").ModelArgs.__mro__ if c is not object)  # and its bases
+    """Set in __init__ (`self.<name>` in the source of ModelArgs or a base) or a class attribute (a property)."""
+    model_args = _tt("model_config").ModelArgs
+    text = "".join(_source(c) for c in model_args.__mro__ if c is not object)  # and its bases
+
+    def sets(name: str) -> bool:
+        return f"self.{name}" in text or hasattr(model_args, name)
     needed = ["device_name", "cluster_shape", "num_devices", "is_galaxy", "vocab_size", "dim", "model_name",
               "model_cache_path", "n_layers"]
-    missing = [a for a in needed if f"self.{a}" not in text]
+    missing = [a for a in needed if not sets(a)]
     if missing:
         raise LookupError(f"ModelArgs sets no {', '.join(missing)}")
-    optional = [a for a in ("padded_vocab_size", "full_model_n_layers") if f"self.{a}" not in text]
+    optional = [a for a in ("padded_vocab_size", "full_model_n_layers") if not sets(a)]
     return "all read attributes set" + (f" ({', '.join(optional)} derived: padded_vocab, full_layers)" if optional
                                         else "")
 
@@ -194,26 +203,26 @@ DETAILS = [
     Detail("ModelArgs(mesh_device, instruct, max_batch_size, max_seq_len, optimizations)", "tt/model_config.py",
            lambda: _signature_has(_tt("model_config").ModelArgs, "instruct", "max_batch_size", "max_seq_len",
                                   "optimizations")),
-    Detail("ModelArgs attributes the backend reads", "tt/model_config.py", _model_args_reads),
+    Detail("ModelArgs attributes the backend reads", "tt/model_config.py", _model_args_reads, called=False),
     Detail("ModelArgs.weight_cache_path / load_state_dict", "tt/model_config.py",
            lambda: "both present" if all(hasattr(_tt("model_config").ModelArgs, a)
                                          for a in ("weight_cache_path", "load_state_dict")) else None),
     Detail("DecodersPrecision.performance / accuracy", "tt/model_config.py",
            lambda: "both present" if all(hasattr(_tt("model_config").DecodersPrecision, a)
                                          for a in ("performance", "accuracy")) else None),
-    Detail("get_state_dict_prefix module map", "tt/model_config.py", _module_map),
-    Detail("decode residual memory config", "tt/model_config.py", _residual_config),
+    Detail("get_state_dict_prefix module map", "tt/model_config.py", _module_map, called=False),
+    Detail("decode residual memory config", "tt/model_config.py", _residual_config, called=False),
     Detail("Transformer(..., attention_class=)", "tt/model.py",
            lambda: _signature_has(_tt("model").Transformer, "attention_class", "paged_attention_config")),
-    Detail("ttnn_decode_forward: per-device logits", "tt/model.py", _decode_forward),
-    Detail("ttnn_decode_forward: return convention", "tt/model.py", _decode_return),
+    Detail("ttnn_decode_forward: per-device logits", "tt/model.py", _decode_forward, called=False),
+    Detail("ttnn_decode_forward: return convention", "tt/model.py", _decode_return, called=False),
     Detail("prepare_decode_inputs_host(tokens, current_pos, page_table)", "tt/model.py",
            lambda: _signature_has(_tt("model").Transformer.prepare_decode_inputs_host, "tokens", "current_pos",
                                   "page_table")),
-    Detail("use_qk_fused", "tt/attention.py", _qk_fused),
-    Detail("paged_update_cache looked up at call time", "tt/attention.py", _update_cache_at_call_time),
+    Detail("use_qk_fused", "tt/attention.py", _qk_fused, called=False),
+    Detail("paged_update_cache looked up at call time", "tt/attention.py", _update_cache_at_call_time, called=False),
     Detail("layers called as LightweightModules (taps)", "models/common/lightweightmodule.py, tt/model.py",
-           _layer_call),
+           _layer_call, called=False),
     Detail("copy_host_to_device(host, device_tensors, mesh_device)", "tt/common.py",
            lambda: _signature_has(_tt("common").copy_host_to_device, "device_tensors", "mesh_device")),
     Detail("PagedAttentionConfig(block_size, max_num_blocks)", "tt/common.py",
@@ -225,9 +234,16 @@ DETAILS = [
 ]
 
 
-def probe() -> list[tuple[str, bool, str]]:
-    """(detail, found, the variant found or what is missing and the file to look at) for every detail, against the
-    installed tt-metal; opens no device."""
+@dataclass
+class ProbeLine:
+    name: str
+    found: bool
+    text: str  # the variant found, or what is missing and the file to look at
+    called: bool  # Detail.called: a missing one stops the run, a missing read detail is a warning
+
+
+def probe() -> list[ProbeLine]:
+    """One line per detail against the installed tt-metal; opens no device."""
     lines = []
     for d in DETAILS:
         try:
@@ -237,5 +253,6 @@ def probe() -> list[tuple[str, bool, str]]:
         else:
             error = "not found"
         where = d.where if d.where.startswith("models/") else f"models/tt_transformers/{d.where}"
-        lines.append((d.name, variant is not None, variant or f"missing ({error}): look at {where}"))
+        text = variant or f"missing ({error}): look at {where}"
+        lines.append(ProbeLine(d.name, variant is not None, text, d.called))
     return lines
