@@ -2,7 +2,10 @@
 """`make tt-smoke` (tools/tt_smoke.py) on the stand-in (a TEST DOUBLE for ttnn and TT-Transformers, not a device):
 every stage runs and reports, and a failing stage stops the run there with the failure in the report."""
 import json
+import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -146,3 +149,68 @@ def test_the_surface_stage_stops_only_for_what_the_backend_calls(monkeypatch, tm
     monkeypatch.delattr(stand_in_tt.Transformer, "prepare_decode_inputs_host")
     with pytest.raises(LookupError, match="prepare_decode_inputs_host"):
         tt_smoke.tt_transformers_surface(smoke)
+
+
+def test_a_galaxy_skips_the_stages_that_need_taps(monkeypatch, tmp_path):
+    """Issue 37 point 1: the backend refuses taps on a Galaxy (its residual is split over the mesh columns and
+    replicated over the rows), so the eager, tapped-states and draft-head stages are reported skipped (Galaxy) there
+    and the rest run. (The stand-in cannot hold a 32-device Llama: the built model's args say Galaxy, as TT's
+    ModelArgs does on a TG.)"""
+    stand_in_machine(monkeypatch, tmp_path)
+    ran = []
+
+    def on_a_galaxy(s):
+        s.lm.tt.args.is_galaxy = True
+    needs_taps = ["eager prefill and verify step", "tapped states", "draft head on the device"]
+    stages = [("device open", tt_smoke.open_device), ("model build", tt_smoke.build_model), ("Galaxy", on_a_galaxy),
+              *((name, stage) for name, stage in tt_smoke.STAGES if name in needs_taps),
+              ("after", lambda s: ran.append(1))]
+    report = tt_smoke.run(smoke_config(tmp_path), tmp_path / "report.json", stages)
+    assert report["ok"], report["stages"][-1]
+    assert ran == [1]
+    assert [s["stage"] for s in report["stages"] if "skipped" in s] == needs_taps
+    assert all(s["skipped"].startswith("skipped (Galaxy)") for s in report["stages"] if "skipped" in s)
+
+
+def test_the_report_names_the_running_stage_and_a_watchdog_dumps_it(monkeypatch, tmp_path):
+    """Issue 37 point 5: the report is on disk before a stage starts, naming it as running (what a hang leaves), a
+    watchdog writes every thread's traceback beside it while the stage runs long, and the log is kept beside it."""
+    path, seen = tmp_path / "report.json", []
+
+    def slow_stage(s):
+        seen.append(json.loads(path.read_text())["running"])
+        time.sleep(1.5)
+    report = tt_smoke.run(smoke_config(tmp_path), path, [("slow", slow_stage)], watchdog_s=0.3)
+    assert report["ok"] and seen == ["slow"]
+    assert json.loads(path.read_text())["running"] is None
+    files = {kind: Path(p) for kind, p in report["files"].items() if kind != "ttnn_log"}
+    tracebacks = files["tracebacks"].read_text()
+    assert "stage 1 (slow) started" in tracebacks and "in slow_stage" in tracebacks, tracebacks
+    assert "stage 1 (slow) passed" in files["log"].read_text()
+
+
+CRASHING_RUN = """
+import faulthandler, sys
+from pathlib import Path
+sys.path.insert(0, {tools!r})
+import tt_smoke
+from models.tt_transformers.demo.speculative_decoding.options import DemoConfig
+
+def crashing_stage(s):
+    faulthandler._sigsegv()
+tt_smoke.run(DemoConfig(backend="ttnn"), Path({report!r}), [("fine", lambda s: None), ("crash", crashing_stage)])
+"""
+
+
+def test_a_hard_crash_leaves_the_report_and_its_traceback(tmp_path):
+    """Issue 37 point 5: a stage that kills the process (a segfault in a C++ op) still leaves the report naming it as
+    running, and the crash's Python traceback beside it."""
+    report = tmp_path / "report.json"
+    done = subprocess.run([sys.executable, "-c", CRASHING_RUN.format(tools=str(REPO_ROOT / "tools"), report=str(report))],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    written = json.loads(report.read_text())
+    assert written["running"] == "crash" and [s["stage"] for s in written["stages"]] == ["fine"]
+    tracebacks = Path(written["files"]["tracebacks"]).read_text()
+    assert "Segmentation fault" in tracebacks and "in crashing_stage" in tracebacks, tracebacks
+    assert written["files"]["ttnn_log"].endswith("report.json.ttnn.log")  # tt-metal's log goes beside the report

@@ -12,10 +12,18 @@ the run uses); prefill of one prompt; one plain traced decode step; one verify s
 drafts; the tapped hidden states an EAGLE-3 head reads (layers 0, 2, N/2 and N-3: the prompt's read back from the
 prefill, a step's left in the tap tile); the draft head on the device (the run's head, else a random EAGLE-3 head:
 its chain against the torch head fed the same states); speculative decoding identical to plain decoding through the
-same verify-shaped step for 32 tokens; the TT perf keys of a short demo run. The report (every stage, its seconds, the failure with its traceback, the
-versions) is written to --report as JSON.
+same verify-shaped step for 32 tokens; the TT perf keys of a short demo run. On a Galaxy (8 x 4 mesh), whose decode
+residual the backend does not gather for taps, the three stages that need taps (the eager stage, tapped states, the
+draft head) are reported `skipped (Galaxy)` and the rest run.
+
+The report (every stage, its seconds, the failure with its traceback, the versions) is written to --report as JSON
+before and after every stage, with `"running": <stage>` while one runs, so a hang or a hard crash still leaves it
+saying where. Beside it: `<report>.log` (this tool's log), `<report>.ttnn.log` (tt-metal's own log, TT_LOGGER_FILE,
+unless already set), and `<report>.tracebacks.txt`: every thread's Python traceback on a hard crash (faulthandler)
+and, every --watchdog_s seconds while one stage runs, again (a hang shows where it waits). Send all four back.
 """
 import argparse
+import faulthandler
 import importlib
 import importlib.metadata
 import json
@@ -51,8 +59,9 @@ from models.tt_transformers.demo.speculative_decoding.speculative_demo import ru
 
 SMOKE_TOKENS = 32
 PROMPT = "Repeat this list exactly: apples, pears, plums, figs, dates, limes, apples, pears, plums, figs, dates, limes."
-SEND_BACK = ("send back the report file, `pip show ttnn`, the tt-metal commit (git -C $TT_METAL_HOME rev-parse HEAD), "
-             "MESH_DEVICE and HF_MODEL")
+SEND_BACK = ("send back the report file and the files beside it, `pip show ttnn`, the tt-metal commit "
+             "(git -C $TT_METAL_HOME rev-parse HEAD), MESH_DEVICE and HF_MODEL")
+WATCHDOG_S = 600  # while one stage runs, every thread's traceback into the tracebacks file this often
 
 
 class Smoke:
@@ -63,6 +72,10 @@ class Smoke:
         self.mesh = self.lm = self.drafter = self.tokens = None
         self.pool = ModelPool()  # the demo run of the last stage reuses the model built here
         self.facts: dict = {}
+
+    def galaxy(self) -> bool:
+        """Whether the model runs on a Galaxy, where the backend refuses taps (TtnnCausalLM._check_taps)."""
+        return self.lm is not None and bool(self.lm.tt.args.is_galaxy)
 
 
 def tt_transformers_surface(s: Smoke) -> None:
@@ -333,14 +346,37 @@ def perf_keys(s: Smoke) -> None:
 STAGES: list[tuple[str, Callable[[Smoke], None]]] = [
     ("ttnn import", import_ttnn), ("TT-Transformers surface", tt_transformers_surface), ("device open", open_device),
     ("model build", build_model), ("eager prefill and verify step", eager_steps),
-    ("compile and trace capture", compile_and_capture), ("prefill", prefill), ("plain decode step", decode_step), ("verify step", verify_step),
-    ("tapped states", tapped_states), ("draft head on the device", device_head),
+    ("compile and trace capture", compile_and_capture), ("prefill", prefill), ("plain decode step", decode_step),
+    ("verify step", verify_step), ("tapped states", tapped_states), ("draft head on the device", device_head),
     (f"lossless over {SMOKE_TOKENS} tokens", lossless), ("perf keys", perf_keys)]
+# The stages that ask for taps: a Galaxy's residual is split over its mesh columns and replicated over its rows, which
+# the backend does not gather (TtnnCausalLM._check_taps refuses), so there they are skipped and the rest run.
+NEEDS_TAPS = (eager_steps, tapped_states, device_head)
+GALAXY_SKIP = "skipped (Galaxy): taps are not gathered on an 8 x 4 mesh"
 
 
-def run_stages(smoke: Smoke, stages, report: dict, report_path: Path) -> None:
-    """Every stage in order until one fails, each recorded in the report."""
+def side_files(report_path: Path) -> dict[str, Path]:
+    """What a run leaves beside its report (module docstring)."""
+    return {kind: report_path.with_name(report_path.name + suffix)
+            for kind, suffix in (("log", ".log"), ("ttnn_log", ".ttnn.log"), ("tracebacks", ".tracebacks.txt"))}
+
+
+def run_stages(smoke: Smoke, stages, report: dict, report_path: Path, tracebacks, watchdog_s: float) -> None:
+    """Every stage in order until one fails, each recorded in the report, which is written before it starts (naming
+    it as running: a hang or a hard crash leaves that) and after it ends. While a stage runs, every thread's traceback
+    goes to `tracebacks` every watchdog_s seconds."""
     for i, (name, stage) in enumerate(stages, 1):
+        if stage in NEEDS_TAPS and smoke.galaxy():
+            report["stages"].append({"stage": name, "skipped": GALAXY_SKIP})
+            logger.warning(f"stage {i} ({name}) {GALAXY_SKIP}")
+            continue
+        report["running"] = name
+        write_report(report, smoke, report_path)
+        print(f"tt-smoke: stage {i}/{len(stages)} ({name}) running", flush=True)
+        tracebacks.write(f"\n--- stage {i} ({name}) started {time.strftime('%Y-%m-%d %H:%M:%S')}; every thread's "
+                         f"traceback follows every {watchdog_s:g}s while it runs ---\n")
+        tracebacks.flush()
+        faulthandler.dump_traceback_later(watchdog_s, repeat=True, file=tracebacks)
         start = time.perf_counter()
         try:
             stage(smoke)
@@ -352,8 +388,12 @@ def run_stages(smoke: Smoke, stages, report: dict, report_path: Path) -> None:
             logger.error(f"stage {i} ({name}) FAILED after {seconds:.1f}s: {type(e).__name__}: {e}")
             logger.error(f"stopped there; {SEND_BACK}: {report_path}")
             return
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+            report["running"] = None
         seconds = time.perf_counter() - start
         report["stages"].append({"stage": name, "seconds": seconds})
+        write_report(report, smoke, report_path)
         logger.info(f"stage {i} ({name}) passed in {seconds:.1f}s")
 
 
@@ -365,23 +405,42 @@ def write_report(report: dict, smoke: Smoke, report_path: Path) -> None:
     write_json_atomic(report_path, report)
 
 
-def run(config: DemoConfig, report_path: Path, stages=None, draft_head=None) -> dict:
-    """Every stage in order until one fails; the report, also written to report_path: before the teardown (the models
-    released, the mesh closed), so that a teardown that crashes or hangs after a failed capture cannot lose it, and
-    again after it, with the teardown's own failure if it had one."""
-    report = {"stages": [], "ok": True}
+def run(config: DemoConfig, report_path: Path, stages=None, draft_head=None, watchdog_s: float = WATCHDOG_S) -> dict:
+    """Every stage in order until one fails; the report, also written to report_path before and after every stage
+    (run_stages), before the teardown (the models released, the mesh closed), so that a teardown that crashes or hangs
+    after a failed capture cannot lose it, and again after it, with the teardown's own failure if it had one. The
+    files beside it (side_files) are set up first: this tool's log, tt-metal's (TT_LOGGER_FILE, read when ttnn loads:
+    not when it is loaded already, or set by the caller), and the tracebacks of a crash or a stage that runs long."""
+    files = side_files(report_path)
+    report = {"stages": [], "ok": True, "running": None, "files": {kind: str(path) for kind, path in files.items()}}
+    sets_ttnn_log = "ttnn" not in sys.modules and "TT_LOGGER_FILE" not in os.environ
+    if sets_ttnn_log:
+        os.environ["TT_LOGGER_FILE"] = str(files["ttnn_log"])
+    else:
+        report["files"]["ttnn_log"] = os.environ.get("TT_LOGGER_FILE", "stdout (ttnn was loaded before the smoke)")
+    print(f"tt-smoke: report {report_path}; beside it {', '.join(str(p) for p in files.values())}", flush=True)
     smoke = Smoke(config, None, draft_head)
-    try:
-        with ExitStack() as exits:
-            smoke.exits = exits
-            run_stages(smoke, stages or STAGES, report, report_path)
+    sink = logger.add(files["log"], level="DEBUG")
+    crash_handler_was_on = faulthandler.is_enabled()
+    with open(files["tracebacks"], "a") as tracebacks:
+        faulthandler.enable(file=tracebacks, all_threads=True)  # a hard crash's tracebacks, beside the report
+        try:
+            with ExitStack() as exits:
+                smoke.exits = exits
+                run_stages(smoke, stages or STAGES, report, report_path, tracebacks, watchdog_s)
+                write_report(report, smoke, report_path)
+        except Exception as e:  # noqa: BLE001: the teardown's failure is reported beside the stages'
+            report["ok"] = False
+            report["teardown"] = f"{type(e).__name__}: {e}"
+            logger.error(f"teardown FAILED: {type(e).__name__}: {e}; {SEND_BACK}: {report_path}")
+        finally:
             write_report(report, smoke, report_path)
-    except Exception as e:  # noqa: BLE001: the teardown's failure is reported beside the stages'
-        report["ok"] = False
-        report["teardown"] = f"{type(e).__name__}: {e}"
-        logger.error(f"teardown FAILED: {type(e).__name__}: {e}; {SEND_BACK}: {report_path}")
-    finally:
-        write_report(report, smoke, report_path)
+            faulthandler.disable()
+            if crash_handler_was_on:  # as it was (pytest's, for one)
+                faulthandler.enable(file=sys.__stderr__, all_threads=True)
+            logger.remove(sink)
+            if sets_ttnn_log:  # read once, when ttnn loads: this process's later imports are not ours to redirect
+                os.environ.pop("TT_LOGGER_FILE", None)
     if report["ok"]:
         logger.info(f"all {len(report['stages'])} stages passed: {json.dumps(smoke.facts.get('perf'))}; report "
                     f"{report_path}")
@@ -396,10 +455,13 @@ def main(argv=None) -> int:
     parser.add_argument("--draft_head", help="the EAGLE-3 head the draft-head stage runs (a folder or a hub id in the "
                                              "local cache, as the demo's); default: the one shipped for the model, "
                                              "else a random one")
+    parser.add_argument("--watchdog_s", type=float, default=WATCHDOG_S,
+                        help="seconds: while one stage runs, every thread's traceback goes to <report>.tracebacks.txt "
+                             "this often")
     args = parser.parse_args(argv)
     config = DemoConfig(backend="ttnn", max_seq_len=args.max_seq_len, precision=args.precision,
-                             draft_mode="suffix", max_generated_tokens=SMOKE_TOKENS)
-    return 0 if run(config, Path(args.report), draft_head=args.draft_head)["ok"] else 1
+                        draft_mode="suffix", max_generated_tokens=SMOKE_TOKENS)
+    return 0 if run(config, Path(args.report), draft_head=args.draft_head, watchdog_s=args.watchdog_s)["ok"] else 1
 
 
 if __name__ == "__main__":
