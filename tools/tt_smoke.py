@@ -126,11 +126,19 @@ def smoke_head_folder(config: DemoConfig, ckpt, draft_head=None):
                                   ckpt.name)
 
 
-# The device head's drafts must agree with the host bf16 head's on at least this share of first drafts. Rounding the
-# weights to bfloat8_b alone left 96.9 % of first drafts the same (shipped head, real states) and 92.9 % (8B-shaped
-# random head; tools/head_precision.py, docs/head_precision.json); the device's compute fidelity adds to that: below
-# 80 % the device head computes something else.
+# The gates on the device head's drafts, against a host head whose matmul weights are rounded as the device stores them
+# (bfloat8_b: draft_head.stored_weights), so that what differs is the device's compute alone. A real head (shipped, or
+# --draft_head): its first drafts agree with the host's on at least MIN_FIRST_DRAFT_AGREEMENT of the prefixes (the
+# weights' rounding alone, if left out of the reference, moved 3-5 % of first drafts, the shipped head's and an
+# 8B-shaped random one's: tools/head_precision.py, docs/head_precision.json; below 80 % the device head computes
+# something else).
+# A random head has near-tied top drafts, which any rounding of the compute reorders (with the old unrounded reference a
+# third of runs failed the 80 % gate with nothing wrong): its first draft must be among the host's RANDOM_HEAD_TOP and
+# its first logits within FIRST_LOGITS_TOLERANCE of the host's (the largest difference over the largest host logit: a
+# wrong program is off by the logits' own size); its agreement is reported.
 MIN_FIRST_DRAFT_AGREEMENT = 0.8
+RANDOM_HEAD_TOP = 3
+FIRST_LOGITS_TOLERANCE = 0.05
 MIN_CHAIN_STEPS = 32  # chain steps compared, over as many prompt prefixes as that takes
 
 
@@ -246,10 +254,11 @@ def tapped_states(s: Smoke) -> None:
 def device_head(s: Smoke) -> None:
     """The run's draft head (or a random EAGLE-3 head of this target's shape, seeded, where none ships) on the device,
     traced with the target's traces: fed the prompt's taps, it drafts a chain of --n_draft_tokens; the torch head fed
-    the same states (bfloat16, on the host) drafts beside it. Reported: both chains, the head's probabilities and the
-    first draft's logits' difference (bfloat8_b weights on the device); the run fails on non-finite logits or a first
-    draft that is not among the torch head's top 5."""
+    the same states, its matmul weights rounded as the device stores them (bfloat16 compute, on the host), drafts beside
+    it. Reported: both chains, the head's probabilities, the first draft's logits' difference and the agreement over
+    prompt prefixes; gated as the constants above say (a real head's agreement, a random head's top and logits)."""
     import torch
+    import ttnn
 
     from models.tt_transformers.speculative.head_drafter import HeadFeed
     from models.tt_transformers.torch_backend.checkpoint import load_model, resolve_checkpoint
@@ -260,6 +269,7 @@ def device_head(s: Smoke) -> None:
         read_draft_head,
     )
     from models.tt_transformers.torch_backend.model_config import ModelArgs
+    from models.tt_transformers.ttnn_backend.draft_head import stored_weights
 
     ckpt = resolve_checkpoint(s.config.model, "--model" if s.config.model else "HF_MODEL")
     args = ModelArgs.from_hf_config(ckpt.config)
@@ -275,7 +285,8 @@ def device_head(s: Smoke) -> None:
     context = s.tokens + out.ids[0]
     ids, probs = dev.draft([HeadFeed(0, 0, context[1:], states=out.hidden[0])], [0], k)[0]
     host = load_model(ckpt, torch.bfloat16, s.config.max_seq_len, "cpu", cpu_kernels=False, n_layers=0)
-    runner = HeadRunner(build_draft_head(*head, host), 1, s.config.max_seq_len, args)
+    weights = stored_weights(*head) if dev.dtype == ttnn.bfloat8_b else head[1]
+    runner = HeadRunner(build_draft_head(head[0], weights, host), 1, s.config.max_seq_len, args)
     state, first_ref = runner.run([0], [0], [out.hidden[0]], [context[1:]])[0]
     reference, logits = [], first_ref
     for j in range(k):
@@ -284,15 +295,19 @@ def device_head(s: Smoke) -> None:
     device_logits = dev.read_logits(0)[dev.last_rows[0]]
     if not torch.isfinite(device_logits).all():
         raise AssertionError("the device head's logits hold non-finite values")
-    top5 = runner.vocab[first_ref.topk(5).indices].tolist()
-    s.facts["draft_head"] = {"head": str(folder or "random"), "device_chain": ids, "torch_chain": reference,
-                             "probs": [round(p, 3) for p in probs], "first_logits_max_rel_diff": round(
-                                 ((device_logits - first_ref).abs().max() / first_ref.abs().max()).item(), 4)}
-    if ids[0] not in top5:
-        raise AssertionError(f"the device head's first draft {ids[0]} is not among the torch head's top 5 {top5}")
+    difference = ((device_logits - first_ref).abs().max() / first_ref.abs().max()).item()
     agreement = chain_agreement(dev, runner, out.hidden[0], context, k)
-    s.facts["draft_head"]["agreement"] = agreement
-    if agreement["first_draft_same"] < MIN_FIRST_DRAFT_AGREEMENT:
+    s.facts["draft_head"] = {"head": str(folder or "random"), "device_chain": ids, "torch_chain": reference,
+                             "probs": [round(p, 3) for p in probs], "first_logits_max_rel_diff": round(difference, 4),
+                             "agreement": agreement}
+    top = runner.vocab[first_ref.topk(RANDOM_HEAD_TOP if folder is None else 5).indices].tolist()
+    if ids[0] not in top:
+        raise AssertionError(f"the device head's first draft {ids[0]} is not among the host head's top {len(top)} "
+                             f"{top}")
+    if folder is None and difference > FIRST_LOGITS_TOLERANCE:
+        raise AssertionError(f"the device head's first logits differ from the host head's by {difference:.1%} of the "
+                             f"largest, above {FIRST_LOGITS_TOLERANCE:.0%}")
+    if folder is not None and agreement["first_draft_same"] < MIN_FIRST_DRAFT_AGREEMENT:
         raise AssertionError(f"the device head's first drafts agree with the host head's on "
                              f"{agreement['first_draft_same']:.0%} of {agreement['chains']} prefixes, below "
                              f"{MIN_FIRST_DRAFT_AGREEMENT:.0%}")

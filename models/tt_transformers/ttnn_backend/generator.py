@@ -44,18 +44,19 @@ from loguru import logger
 
 from ..speculative.backend import DeviceRows, StepOutput, UserRows
 from .device import TRACE_REGIONS
-from .model import TILE_ROWS, TTModel, supported_kwargs
+from .model import BLOCK_SIZE, SINK_BLOCK, TILE_ROWS, TTModel, chunked_prefill_lengths, supported_kwargs
 from .tt_surface import can_keep_shares, decode_forward_kwargs, decode_logits, padded_vocab
 from .trace_plan import TraceKey, pass_ladder, passes_for, region_bytes, trace_bytes, trace_keys, vocab_slices
 
 # What a step costs, in units of streaming the weights once (a decode step of the tile, which computes all 32 rows
 # whatever is in them): each cache-write pass adds two paged_update_cache ops per layer, and paged SDPA decode reads
-# each active row's cached keys, so its work grows with rows x context. Estimates (no device here): the hardware
-# perf test records the step time of every traced shape (TtnnCausalLM.step_times) to replace them.
+# each active row's cached K and V, so its work grows with rows x context (model.key_cost, from the model's shapes
+# and dtypes). Estimates (no device here): the hardware perf test records the step time of every traced shape
+# (TtnnCausalLM.step_times) to replace them.
 WRITE_PASS_COST = 0.01
-KEY_COST = 2e-6  # per row per cached position
-# Row counts a sampled step reads its logits in: each traced program also slices the logits' first R rows
-# (row-major, a copy of R x share values on the device), and a step reads the smallest slice holding its rows.
+# Row counts a sampled step reads its logits in: each program a sampled run traces (TraceKey.logits) also slices the
+# logits' first R rows (row-major, a copy of R x share values on the device), and a step reads the smallest slice
+# holding its rows; a greedy run's programs make none.
 LOGIT_READS = (4, 8, 16)
 # The models on each mesh (id(mesh) -> TtnnCausalLMs): traces are prepared for all of them at once.
 MESH_MODELS: defaultdict = defaultdict(weakref.WeakSet)
@@ -91,6 +92,7 @@ class Trace:
     logits: Any  # [1, 1, 32, share] row-major per device
     top: Optional[list]  # per vocabulary slice: (values, indices) [1, 1, 32, k] per device, or None
     first_rows: dict = field(default_factory=dict)  # R -> the logits' first R rows [1, 1, R, share] (LOGIT_READS)
+    tap_parts: Any = None  # tap_gather "host" on a mesh: the tapped layers' copies stacked, [1, 1, 32 * taps, dim / n]
 
 
 def device_tensors(outputs) -> list:
@@ -224,7 +226,7 @@ class TtnnCausalLM:
     """A TT-Transformers model (or a view of its first layers) behind the CausalLM contract."""
 
     def __init__(self, tt: TTModel, max_batch_size: int, max_seq_len: int, shares_target_cache: bool = False,
-                 inputs: Optional[DeviceInputs] = None, trace: bool = True):
+                 inputs: Optional[DeviceInputs] = None, trace: bool = True, tap_gather: str = "device"):
         if not 1 <= max_batch_size <= TILE_ROWS:
             raise ValueError(f"--batch_size {max_batch_size}: a TT decode step holds at most {TILE_ROWS} users "
                              "(one 32-row tile); use 32 or fewer")
@@ -240,6 +242,7 @@ class TtnnCausalLM:
         self.device_name = f"{args.device_name} ({' x '.join(map(str, args.cluster_shape))} mesh)"
         self.num_devices = args.num_devices
         # Each device reduces its own vocabulary share where TT leaves the LM head's output split (see module doc)
+        self.key_cost = tt.key_cost()  # a row reading one cached position, in step costs (step_cost)
         self.split_vocab = (self.num_devices > 1 and not args.is_galaxy and tt.model.sampling is not None
                             and can_keep_shares(tt.model))
         self.share = padded_vocab(args) // self.num_devices if self.split_vocab else self.vocab_size
@@ -249,6 +252,9 @@ class TtnnCausalLM:
         self.prefilled = False  # TT's prefill warm-up (its first prefill_forward_text) has run
         # False: every step runs its ops eagerly (TT's demos' enable_trace=False): a failure names the op, not a trace
         self.trace = trace
+        # where a mesh's tapped states are gathered (_write_taps): "device", one all-gather inside each tapped trace,
+        # or "host", read back and written to the tap tile after each replay (no collective of ours in a trace)
+        self.tap_gather = tap_gather
         self.inputs = inputs if inputs is not None else DeviceInputs()
         self.traces: dict[TraceKey, Trace] = {}
         self.step_times: dict[TraceKey, list] = defaultdict(list)  # seconds per replay, per trace
@@ -260,31 +266,45 @@ class TtnnCausalLM:
         if not 1 <= n_layers < self.n_layers:
             raise ValueError(f"a draft view needs 1 to {self.n_layers - 1} layers, got {n_layers}")
         return TtnnCausalLM(self.tt.first_layers(n_layers), self.max_batch_size, self.max_seq_len,
-                            shares_target_cache=True, inputs=self.inputs, trace=self.trace)
+                            shares_target_cache=True, inputs=self.inputs, trace=self.trace, tap_gather=self.tap_gather)
 
     def step_cost(self, n_rows: int, context_len: float) -> float:
         """A step of n_rows rows: the passes are those of one user holding every row beyond the first (an upper
         bound for several users)."""
         passes = passes_for(min(n_rows, self.ladder[-1]), self.ladder)
-        return 1 + WRITE_PASS_COST * passes + KEY_COST * n_rows * context_len
+        return 1 + WRITE_PASS_COST * passes + self.key_cost * n_rows * context_len
 
     # ---- warm-up, traces and the trace region ----------------------------------------------------------------
 
-    def warm_up(self, max_rows_per_user: int, top_k: int, taps: Sequence[int]) -> dict:
+    def warm_up(self, max_rows_per_user: int, top_k: int, taps: Sequence[int], logits: bool = False) -> dict:
         """TT-Transformers' prefill warm-up (its first prefill_forward_text: every supported prefill length), then
-        the programs a run with these settings uses planned and checked against the trace region. They are compiled
+        the programs a run with these settings uses (logits: a sampled run's, whose steps read the logits) planned and
+        checked against the trace region. They are compiled
         and captured, with every other model's on the mesh, by `prepare_traces` (or the first step that needs them):
         planning every model first captures each trace once."""
         taps = self._check_taps(taps)
         start = time.perf_counter()
         if not self.shares_target_cache:  # a draft view never prefills: the target's prefill fills its cache
-            self.prefill(0, [0])
+            self._warm_up_prefill()
         self.ladder = pass_ladder(max_rows_per_user)
         # a run's plan replaces an earlier run's (their traces are released when the mesh's are next made): runs in
         # sequence on one model never hold more traces than the most demanding of them
-        self.planned = set(trace_keys(max_rows_per_user, top_k, taps))
+        self.planned = set(trace_keys(max_rows_per_user, top_k, taps, logits))
         self.check_trace_region()
         return {"compile_prefill": time.perf_counter() - start, "compile_decode": 0.0}
+
+    def _warm_up_prefill(self) -> None:
+        """TT's prefill warm-up (its first prefill_forward_text sweeps the lengths up to capped_warmup_seq_len), then
+        one prefill at every padded length TT chunks (model.chunked_prefill_lengths), so the chunked path's programs
+        are built before any decode trace is live: compiled under one, their kernel binaries may be overwritten when
+        it replays (allocator.cpp verify_safe_allocation). Paged into SINK_BLOCK, as TT's own warm-up pages its
+        prompts (a page table of zeros)."""
+        self.prefill(0, [0])
+        generator = self.tt.generator
+        for length in chunked_prefill_lengths(self.tt.args.max_prefill_chunk_size, self.max_seq_len):
+            generator.prefill_forward_text(torch.zeros(1, length, dtype=torch.long), **supported_kwargs(
+                generator.prefill_forward_text, kv_cache=[self.tt.kv_cache], prompt_lens=[length], empty_slots=[0],
+                page_table=torch.full((1, length // BLOCK_SIZE), SINK_BLOCK, dtype=torch.int32), enable_trace=False))
 
     def prepare_traces(self) -> float:
         """Compile, and capture where tracing, every program planned on this mesh (prepare_mesh); seconds spent."""
@@ -315,21 +335,19 @@ class TtnnCausalLM:
         import ttnn
 
         self._run_inputs([UserRows(0, [0], 0)], write=False, passes=TILE_ROWS)
-        passes, top_k, taps = key
-        self.tt.passes.positions = self.inputs.step.pass_positions[:passes]
+        self.tt.passes.positions = self.inputs.step.pass_positions[:key.passes]
         # a scratch tile: the tap tile may hold a verified step's states the head has not been fed yet
-        scratch = ttnn.clone(self.tap_tile(taps), memory_config=ttnn.DRAM_MEMORY_CONFIG) if taps else None
-        for tensor in device_tensors(self._forward(top_k, taps, scratch)) + ([scratch] if taps else []):
+        scratch = ttnn.clone(self.tap_tile(key.taps), memory_config=ttnn.DRAM_MEMORY_CONFIG) if key.taps else None
+        for tensor in device_tensors(self._forward(key, scratch)) + ([scratch] if key.taps else []):
             ttnn.deallocate(tensor)
 
     def capture(self, key: TraceKey) -> None:
         """The program for this key captured as a trace (its outputs are the trace's persistent tensors)."""
         import ttnn
 
-        passes, top_k, taps = key
-        self.tt.passes.positions = self.inputs.step.pass_positions[:passes]
+        self.tt.passes.positions = self.inputs.step.pass_positions[:key.passes]
         trace_id, outputs = captured(self.tt.mesh_device,
-                                     lambda: self._forward(top_k, taps, self.tap_tile(taps) if taps else None))
+                                     lambda: self._forward(key, self.tap_tile(key.taps) if key.taps else None))
         self.traces[key] = Trace(trace_id, *outputs)
 
     def release_traces(self) -> None:
@@ -422,7 +440,7 @@ class TtnnCausalLM:
         import ttnn
 
         passes = passes_for(max(len(u.tokens) for u in rows), self.ladder)
-        key = (passes, top_k, taps)
+        key = TraceKey(passes, top_k, taps, logits)
         if key not in (self.traces if self.trace else self.compiled):
             self.planned.add(key)
             self.check_trace_region()
@@ -434,15 +452,18 @@ class TtnnCausalLM:
             ttnn.execute_trace(self.tt.mesh_device, trace.trace_id, cq_id=0, blocking=False)
         else:  # eager: the same program, op by op
             self.tt.passes.positions = self.inputs.step.pass_positions[:passes]
-            trace = Trace(None, *self._forward(top_k, taps, self.tap_tile(taps) if taps else None))
+            trace = Trace(None, *self._forward(key, self.tap_tile(taps) if taps else None))
         # every output is read right after its own trace's replay: a later trace's capture allocated under this one
         # (prepare_mesh) may overwrite its outputs when that trace replays, never before they are read here
         ids = self._argmax(trace, r)
         all_logits = self._read_logits(trace, r) if logits else None
         top = self._top_k(trace, top_k) if top_k else None
+        if trace.tap_parts is not None:
+            self._gather_taps_on_host(trace.tap_parts, taps)
         self.step_times[key].append(time.perf_counter() - start)  # the step as the loop sees it: reads included
         if not self.trace:
-            for tensor in device_tensors([trace.ids, trace.best, trace.logits, trace.top, trace.first_rows]):
+            for tensor in device_tensors([trace.ids, trace.best, trace.logits, trace.top, trace.first_rows,
+                                          trace.tap_parts]):
                 ttnn.deallocate(tensor)
         out_ids, out_logits, out_top, out_hidden, start = [], [], [], [], 0
         for user_rows in rows:
@@ -559,14 +580,15 @@ class TtnnCausalLM:
         return ttnn.from_torch(mask, dtype=ttnn.bfloat16, layout=ttnn.TILE_LAYOUT, device=self.tt.mesh_device,
                                mesh_mapper=mapper)
 
-    def _forward(self, top_k: int, taps: tuple[int, ...], tile=None) -> list:
+    def _forward(self, key: TraceKey, tile=None) -> list:
         """The traced program: the decode forward over the tile, then per device the argmax (and the max, and the
-        top k of each slice) over its vocabulary share; with `taps`, the tapped states written to `tile`. Outputs go
-        to DRAM (a trace keeps them: L1 is for the ops)."""
+        top k of each slice) over its vocabulary share; with key.taps, the tapped states written to `tile`; with
+        key.logits (a sampled run), the logits' first rows sliced for its reads (a greedy trace reads ids only).
+        Outputs go to DRAM (a trace keeps them: L1 is for the ops)."""
         import ttnn
 
         i, model, dram = self.inputs.step, self.tt.model, ttnn.DRAM_MEMORY_CONFIG
-        with TapCapture(model.layers, taps) as capture:
+        with TapCapture(model.layers, key.taps) as capture:
             out = decode_logits(model.ttnn_decode_forward(
                 i.tokens, i.current_pos, rot_mat_idxs=i.rope_idxs, page_table=i.page_table, kv_cache=self.tt.kv_cache,
                 **decode_forward_kwargs(model, self.split_vocab)))
@@ -577,15 +599,14 @@ class TtnnCausalLM:
             rows = ttnn.untilize(tiles, use_multicore=True, memory_config=dram)
         else:  # TT's untilized logits, whole on every device: drop the padded columns
             rows = ttnn.slice(out, [0, 0, 0, 0], [1, 1, TILE_ROWS, self.vocab_size], memory_config=dram)
-            tiles = ttnn.to_layout(rows, ttnn.TILE_LAYOUT, memory_config=dram) if top_k else None
+            tiles = ttnn.to_layout(rows, ttnn.TILE_LAYOUT, memory_config=dram) if key.top_k else None
             best = None
         ids = ttnn.argmax(rows, dim=-1, keepdim=True, memory_config=dram)
-        top = slice_top_k(tiles, top_k, self.share) if top_k else None
-        if taps:
-            self._write_taps(capture.outputs, taps, tile)
+        top = slice_top_k(tiles, key.top_k, self.share) if key.top_k else None
+        tap_parts = self._write_taps(capture.outputs, key.taps, tile) if key.taps else None
         first_rows = {r: ttnn.slice(rows, [0, 0, 0, 0], [1, 1, r, rows.shape[-1]], memory_config=dram)
-                      for r in LOGIT_READS}
-        return [ids, best, rows, top, first_rows]
+                      for r in (LOGIT_READS if key.logits else ())}
+        return [ids, best, rows, top, first_rows, tap_parts]
 
     def _check_share(self, logits) -> None:
         """The logits' width per device against the share the argmax and top k index by (tt_surface.padded_vocab
@@ -596,7 +617,7 @@ class TtnnCausalLM:
                              f"expected {self.share if self.split_vocab else f'at least {self.vocab_size}'}: this "
                              "tt-metal pads the vocabulary another way (tt_surface.padded_vocab)")
 
-    def _write_taps(self, copies: dict, taps: tuple[int, ...], tile) -> None:
+    def _write_taps(self, copies: dict, taps: tuple[int, ...], tile):
         """The tapped layers' inputs, in the order asked, into `tile` ([1, 1, 32, len(taps) * dim], whole rows on every
         device, as the replicated head reads them). On a mesh each copy holds dim / devices columns (TapCapture), so
         the copies are stacked along the rows ([1, 1, 32 * len(taps), dim / devices]) and all-gathered along dim once
@@ -604,22 +625,42 @@ class TtnnCausalLM:
         TT-Transformers' own (tt/ccl.py tt_all_gather: the model's TT_CCL semaphores, persistent as a trace needs),
         cluster_axis None: over the whole 1 x N mesh; not called on one device (some versions' "# N150" guard compares
         a list with a tuple, `list(mesh_device.shape) == (1, 1)`, and would go on to all_gather_async, which needs two
-        devices)."""
+        devices). With tap_gather "host" the stacked copies are returned instead, an output of the program, which
+        the host reads and writes into the tile after the replay (_gather_taps_on_host): the traced program holds no
+        collective of ours. Returns those copies, or None."""
         import ttnn
         from models.tt_transformers.tt.ccl import tt_all_gather
 
         dram, model, dim = ttnn.DRAM_MEMORY_CONFIG, self.tt.model, self.tt.args.dim
         parts = [copies[i][0] for i in taps]
         if self.num_devices > 1:
+            stacked = ttnn.concat(parts, dim=2, memory_config=dram)
+            if self.tap_gather == "host":
+                return stacked
             rows = tt_all_gather(**supported_kwargs(
-                tt_all_gather, input_tensor=ttnn.concat(parts, dim=2, memory_config=dram), mesh_device=model.mesh_device,
-                tt_ccl=model.tt_ccl, cluster_axis=None, dim=3, memory_config=dram))
+                tt_all_gather, input_tensor=stacked, mesh_device=model.mesh_device, tt_ccl=model.tt_ccl,
+                cluster_axis=None, dim=3, memory_config=dram))
             parts = [ttnn.slice(rows, [0, 0, j * TILE_ROWS, 0], [1, 1, (j + 1) * TILE_ROWS, dim], memory_config=dram)
                      for j in range(len(taps))]
         # concat takes no preallocated output in 0.81.1 ("optional output tensor currently unsupported!",
         # data_movement/concat/concat.cpp): copied into the tile (ttnn.copy: input_b modified in place, equal shapes)
         ttnn.copy(ttnn.concat(parts, dim=3, memory_config=dram), tile)
+        return None
 
+    def _gather_taps_on_host(self, stacked, taps: tuple[int, ...]) -> None:
+        """tap_gather "host": the stacked copies [1, 1, 32 * len(taps), dim / devices] per device read back as one
+        [32 * len(taps), dim] (the devices' columns side by side, ConcatMeshToTensor), each tap's 32 rows put side by
+        side, and the result written into the tap tile on every device: a read and a write of 32 x len(taps) x dim
+        bfloat16 values a step, where the device gather moves none through the host."""
+        import ttnn
+
+        mesh = self.tt.mesh_device
+        rows = ttnn.to_torch(stacked, mesh_composer=ttnn.ConcatMeshToTensor(mesh, dim=3)).reshape(
+            len(taps) * TILE_ROWS, -1)
+        tile = torch.cat(rows.split(TILE_ROWS), dim=1).view(1, 1, TILE_ROWS, -1)
+        ttnn.copy_host_to_device_tensor(ttnn.from_torch(tile, dtype=ttnn.bfloat16, layout=ttnn.TILE_LAYOUT,
+                                                        mesh_mapper=ttnn.ReplicateTensorToMesh(mesh)),
+                                        self.tap_tile(taps))
 
 
 def slice_top_k(tiles, k: int, columns: int) -> list:

@@ -174,7 +174,7 @@ def _model_args_reads() -> str:
     def sets(name: str) -> bool:
         return f"self.{name}" in text or hasattr(model_args, name)
     needed = ["device_name", "cluster_shape", "num_devices", "is_galaxy", "vocab_size", "dim", "model_name",
-              "model_cache_path", "n_layers"]
+              "model_cache_path", "n_layers", "max_prefill_chunk_size"]
     missing = [a for a in needed if not sets(a)]
     if missing:
         raise LookupError(f"ModelArgs sets no {', '.join(missing)}")

@@ -87,7 +87,8 @@ def ttnn_loader(config: DemoConfig, mesh_device):
         tt = build_tt_model(mesh_device, ckpt.folder, ckpt.name, config.batch_size, config.max_seq_len,
                             bool(config.instruct), n_layers, weights_dtype=getattr(ttnn, dtype_of(config)),
                             optimizations=config.precision)
-        return TtnnCausalLM(tt, config.batch_size, config.max_seq_len, trace=bool(config.enable_trace))
+        return TtnnCausalLM(tt, config.batch_size, config.max_seq_len, trace=bool(config.enable_trace),
+                            tap_gather=config.tap_gather)
     return load
 
 
@@ -113,8 +114,9 @@ def trace_region_size(config: DemoConfig, shape: tuple[int, int]) -> int:
     head = draft_head_folder(config, ckpt.name)
     taps = head_taps(head, args) if head is not None else ()
     target_layers = config.target_layers or args.n_layers
+    sampled = config.temperature > 0
     traces = model_trace_bytes(ckpt.name, device, n_devices, args.n_layers, target_layers, args.vocab_size,
-                               config.n_draft_tokens + 1, top_k, taps)
+                               config.n_draft_tokens + 1, top_k, taps, sampled)
     if taps:
         traces += head_region_bytes(ckpt.name, device, args.n_layers, config.n_draft_tokens)
     if drafting and config.draft_mode in ("model", "hybrid"):  # a draft steps up to a whole tile per user
@@ -122,7 +124,7 @@ def trace_region_size(config: DemoConfig, shape: tuple[int, int]) -> int:
         draft_args = ModelArgs.from_hf_config(draft.config)
         layers = draft_args.n_layers if config.draft_model else draft_layers_for(config, target_layers)
         traces += model_trace_bytes(draft.name, device, n_devices, draft_args.n_layers, layers, draft_args.vocab_size,
-                                    TILE_ROWS, 0, ())
+                                    TILE_ROWS, 0, (), sampled)
     return region_bytes(traces)
 
 
@@ -177,7 +179,7 @@ def build(config: DemoConfig, checked: CheckedInputs, mesh_device=None, pool: Op
     pool = pool if pool is not None else ModelPool()
     loader = ttnn_loader(config, mesh_device) if checked.backend == "ttnn" else torch_loader(config, args)
     built_with = (checked.backend, dtype_of(config), config.precision, config.device, config.batch_size,
-                  config.max_seq_len, config.instruct, config.draft_trees)
+                  config.max_seq_len, config.instruct, config.draft_trees, config.tap_gather)
 
     def load(ckpt, n_layers):
         return pool.get(("model", str(ckpt.folder), n_layers, built_with), lambda: loader(ckpt, n_layers))
@@ -267,11 +269,12 @@ def warm_up(target, drafter, draft_lm, config: DemoConfig) -> dict:
     times = {"compile_prefill": 0.0, "compile_decode": 0.0}
     top_k = drafter.top_k if drafter is not None else 0
     taps = drafter.taps if drafter is not None else ()
+    sampled = config.temperature > 0  # the steps return logits (the target's to sample from, a draft model's too)
     work = [(target, config.n_draft_tokens + 1, top_k, taps)]
     if draft_lm is not None:  # a draft model catches up on accepted text in steps of up to its whole row budget
         work.append((draft_lm, draft_lm.max_step_rows, 0, ()))
     for lm, rows, k, h in work:
-        for key, seconds in lm.warm_up(min(rows, lm.max_step_rows), k, h).items():
+        for key, seconds in lm.warm_up(min(rows, lm.max_step_rows), k, h, logits=sampled).items():
             times[key] += seconds
     head = getattr(getattr(drafter, "fallback", drafter), "head", None)
     if hasattr(head, "warm_up"):  # a head on the device: its traces, made with the target's

@@ -35,6 +35,7 @@ DTYPES = {"torch": ("bfloat16", "float32"), "ttnn": ("bfloat8_b", "bfloat16")}
 # tt-metal's text demo runs performance unless told otherwise. (Its demo conftest's own --optimizations takes a
 # decoder-config string, so ours has another name.)
 PRECISIONS = ("performance", "accuracy")
+TAP_GATHERS = ("device", "host")  # where a mesh's tapped states are gathered (ttnn_backend/generator.py, _write_taps)
 
 
 class DemoInputError(ValueError):
@@ -157,6 +158,8 @@ def check_flags(config: DemoConfig, backend: str) -> None:
             raise DemoInputError(f"--{name} must be 0 or 1, got {getattr(config, name)}")
     if config.precision not in PRECISIONS:
         raise DemoInputError(f"--precision {config.precision!r} is not one of {', '.join(PRECISIONS)}")
+    if config.tap_gather not in TAP_GATHERS:
+        raise DemoInputError(f"--tap_gather {config.tap_gather!r} is not one of {', '.join(TAP_GATHERS)}")
     if config.dtype is not None and config.dtype not in DTYPES[backend]:
         raise DemoInputError(f"--dtype {config.dtype!r} is not supported on the {backend} backend; use "
                              f"{' or '.join(DTYPES[backend])}")

@@ -53,6 +53,9 @@ DEMO_OPTIONS = [
     ("device", str, "auto", "torch device: auto (the faster of cpu and cuda for this model, logged), cpu or cuda"),
     ("backend", str, "auto", "torch, ttnn (a Tenstorrent mesh through TT-Transformers) or auto: ttnn when "
                              "MESH_DEVICE is set"),
+    ("tap_gather", str, "device", "ttnn on N300/T3K, a draft head's taps: device (one all-gather in each traced step) "
+                                  "or host (read back and written to the tap tile after each step: slower, no "
+                                  "collective of ours in a trace; the first thing to rule out when a mesh hangs)"),
     ("enable_trace", int, 1, "ttnn: 1 traces every decode step and draft-head replay (as TT's demos' enable_trace); 0 "
                              "runs them op by op (slower; a failure names the op, not the trace). The CLI also takes "
                              "--trace (pytest's own --trace is its debugger)"),
