@@ -74,7 +74,7 @@ def test_taps_match_the_torch_backend_in_float32(tt, embedded_checkpoint, prompt
     errors += block_errors(ours, ref, dim)
     print(f"stand-in vs torch backend, taps {EAGLE3_TAPS} (read back in bf16): max relative error {max(errors):.2e}")
     assert max(errors) < 1e-2
-    assert {taps for *_, taps in lm.traces} == {EAGLE3_TAPS}  # the tapped traces are their own
+    assert {key.taps for key in lm.traces} == {EAGLE3_TAPS}  # the tapped traces are their own
 
 
 def test_taps_come_from_the_layers_named(tt, embedded_checkpoint, prompts):
@@ -137,7 +137,7 @@ def test_speculative_identical_to_plain_through_the_verify_step(tt, prompts, pla
     assert any(it.accepted == 0 for it in steps)  # drafts rejected at their first token
     if mode != "model":  # the copy prompt's suffix drafts pass whole (the 8-layer draft never does here)
         assert any(it.accepted == it.drafted >= 2 for it in steps)
-    assert {passes for passes, *_ in lm.traces} <= {1, 2, 4, 8}  # a trace per number of write passes, captured once
+    assert {key.passes for key in lm.traces} <= {1, 2, 4, 8}  # a trace per number of write passes, captured once
 
 
 def test_generation_to_the_end_of_the_cache(tt, prompts):
@@ -339,3 +339,37 @@ def test_sampling_through_the_verify_step_follows_the_target(monkeypatch, tmp_pa
         assert p_value < 1e-3
     else:
         assert p_value > 1e-3 and full_chains >= 300 * 8 // 2, (p_value, full_chains)
+
+
+def test_step_cost_prices_cached_positions_from_the_models_bytes(tt, embedded_checkpoint):
+    """Issue 37 point 10: a row reading one cached position costs the K and V bytes of every layer there over the
+    weight bytes a step streams, as TT stores them (bfloat8_b, FF1/FF3 bfloat4_b under the performance preset; the
+    cache's own dtype), not a fixed 2e-6 (5.7x too low for Llama-3.1-8B, 52x for this model). Counted here from the
+    stand-in's cache tensors and the checkpoint's weight tensors."""
+    lm = tt(1)
+    weights = load_model(embedded_checkpoint, torch.float32, 16, cpu_kernels=False)  # nn.Linear layers (float32)
+    bfp4, bfp8 = 576 / 1024, 1088 / 1024  # bytes a value: a 32 x 32 tile's mantissas and its 64 shared exponents
+    streamed = weights.output.weight.numel() * bfp8 + sum(
+        layer.feed_forward.w_gate_up.weight.numel() * bfp4 + sum(
+            w.weight.numel() for w in (layer.attention.wqkv, layer.attention.wo, layer.feed_forward.w_down)) * bfp8
+        for layer in weights.layers)
+    positions = lm.tt.kv_cache[0][0].data.shape[0] * lm.tt.kv_cache[0][0].data.shape[2]  # blocks x block size
+    assert {v.dtype for layer in lm.tt.kv_cache for v in layer} == {"bfloat8_b"}
+    kv = sum(v.data.numel() for layer in lm.tt.kv_cache for v in layer) / positions * bfp8
+    assert lm.step_cost(5, 1000) - lm.step_cost(5, 0) == pytest.approx(5 * 1000 * kv / streamed, rel=1e-9)
+
+
+def test_greedy_traces_slice_no_logits(tt):
+    """Issue 37 point 10: the logits' first rows a sampled step reads are sliced only in a sampled run's programs: a
+    greedy run's traces record three ops fewer each."""
+    lm = tt(2)
+    mesh = lm.tt.mesh_device
+    lm.warm_up(5, 0, ())
+    lm.prepare_traces()
+    assert lm.traces and all(not t.first_rows for t in lm.traces.values())
+    greedy = {(key.passes, key.top_k): len(mesh.traces[t.trace_id]) for key, t in lm.traces.items()}
+    lm.warm_up(5, 0, (), logits=True)
+    lm.prepare_traces()
+    sampled = {(key.passes, key.top_k): len(mesh.traces[t.trace_id]) for key, t in lm.traces.items()}
+    assert all(sorted(t.first_rows) == [4, 8, 16] for t in lm.traces.values())
+    assert sampled == {shape: ops + 3 for shape, ops in greedy.items()}

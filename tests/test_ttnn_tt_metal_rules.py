@@ -5,7 +5,7 @@ Each test names the review finding it covers (issue 21); each failed on the back
 import pytest
 import torch
 
-from models.tt_transformers.demo.speculative_decoding.build import ModelPool, trace_region_size
+from models.tt_transformers.demo.speculative_decoding.build import ModelPool, trace_region_size, ttnn_loader
 from models.tt_transformers.demo.speculative_decoding.inputs import DemoInputError, check_flags, dtype_of
 from models.tt_transformers.demo.speculative_decoding.options import DemoConfig, add_demo_options
 from models.tt_transformers.demo.speculative_decoding.speculative_demo import run_demo
@@ -17,7 +17,13 @@ from models.tt_transformers.ttnn_backend import device as tt_device
 from models.tt_transformers.ttnn_backend import generator as tt_generator
 from models.tt_transformers.ttnn_backend.generator import TtnnCausalLM
 from models.tt_transformers.ttnn_backend.model import build_tt_model, weight_cache_root
-from models.tt_transformers.ttnn_backend.trace_plan import model_trace_bytes, pass_ladder, trace_keys, trace_ops
+from models.tt_transformers.ttnn_backend.trace_plan import (
+    TraceKey,
+    model_trace_bytes,
+    pass_ladder,
+    trace_keys,
+    trace_ops,
+)
 
 from .conftest import save_tiny_hf_checkpoint, write_json
 from .stand_in_backend import STAND_IN_TRACE_REGION
@@ -129,12 +135,14 @@ def test_split_vocabulary_argmax_and_top_k_per_device(stand_in, tiny):
         assert [r.output_tokens for r in spec] == reference_output
 
 
-def test_taps_and_the_device_head_on_a_two_device_mesh_equal_one_devices(stand_in, tiny, tmp_path):
+@pytest.mark.parametrize("tap_gather", ["device", "host"])
+def test_taps_and_the_device_head_on_a_two_device_mesh_equal_one_devices(stand_in, tiny, tmp_path, tap_gather):
     """The residual stream entering a decoder layer is split over the devices along dim (tt/decoder.py: "x is
     fractured across devices and interleaved in DRAM (for prefill) and sharded in L1 (for decode)"; tt/embedding.py
     splits the embedding's columns): a prefill's taps are read back concatenated in device order, a step's are
     all-gathered into the tap tile (whole rows on every device), and the head, replicated, drafts what it drafts on one
-    device."""
+    device. Issue 37 point 7: with --tap_gather host the step's copies are read back and written into the tile by the
+    host instead, the same states, with no collective of ours in the traced step."""
     from models.tt_transformers.speculative.head_drafter import HeadFeed
     from models.tt_transformers.torch_backend.checkpoint import read_embedding
     from models.tt_transformers.torch_backend.model_config import ModelArgs
@@ -147,8 +155,12 @@ def test_taps_and_the_device_head_on_a_two_device_mesh_equal_one_devices(stand_i
     # a 32-wide head_dim (the tiny target's is 16): TT's rotary_embedding_llama rotates whole tiles
     config, weights = random_head_tensors(args, seed=1, taps=taps, n_heads=2, n_kv_heads=2, head_dim=32)
 
+    gathers = []
+    tt_all_gather = stand_in_tt.tt_all_gather
+    stand_in.setattr(stand_in_tt, "tt_all_gather", lambda *a, **k: gathers.append(1) or tt_all_gather(*a, **k))
+
     def run(mesh):
-        lm = build(mesh, tiny)
+        lm = ttnn_loader(DemoConfig(backend="ttnn", max_seq_len=192, tap_gather=tap_gather), mesh)(tiny, None)
         lm.warm_up(3, 0, taps)
         head = TtnnDraftHead(lm, config, weights, read_embedding(tiny), 2, args, cache_dir=tmp_path / str(id(mesh)))
         head.warm_up()
@@ -166,7 +178,10 @@ def test_taps_and_the_device_head_on_a_two_device_mesh_equal_one_devices(stand_i
         assert out[0].shape == (8, 3 * lm.tt.args.dim)
         assert torch.equal(out[0], reference[0]) and torch.equal(out[1], reference[1])
         assert out[2] == reference[2]
-        assert lm.tap_tile(taps).shards == 1  # all-gathered (tt_all_gather): every device holds whole rows
+        assert lm.tap_tile(taps).shards == 1  # gathered: every device holds whole rows
+        assert bool(gathers) == (tap_gather == "device")  # tt_all_gather in the traced step, or none at all
+    with pytest.raises(DemoInputError, match="--tap_gather"):
+        check_flags(DemoConfig(tap_gather="both"), "ttnn")
 
 
 def test_decode_residual_layout_and_the_tap_copy(stand_in, tiny):
@@ -193,15 +208,15 @@ def test_decode_residual_layout_and_the_tap_copy(stand_in, tiny):
 
 
 def test_trace_plan_with_taps():
-    """Traces are keyed by (write passes, top k, taps); a tapped one adds a DRAM copy and a slice per tap and the
-    stack, gather, concat and copy into the tap tile to the op count; a device head's traces are counted beside the
+    """Traces are keyed by (write passes, top k, taps, logits); a tapped one adds a DRAM copy and a slice per tap and
+    the stack, gather, concat and copy into the tap tile to the op count; a device head's traces are counted beside the
     target's."""
     from models.tt_transformers.ttnn_backend.trace_plan import head_region_bytes
 
     taps = (2, 15, 27)
-    assert trace_keys(5, 4, taps) == sorted({(p, 4, taps) for p in (1, 2, 4, 5)} | {(1, 0, ())})
-    assert trace_keys(5, 0, ()) == [(1, 0, ()), (2, 0, ()), (4, 0, ()), (5, 0, ())]
-    assert trace_ops(30, (1, 0, taps), 49152) - trace_ops(30, (1, 0, ()), 49152) == 10
+    assert trace_keys(5, 4, taps) == sorted({(p, 4, taps, False) for p in (1, 2, 4, 5)} | {(1, 0, (), False)})
+    assert trace_keys(5, 0, ()) == [(1, 0, (), False), (2, 0, (), False), (4, 0, (), False), (5, 0, (), False)]
+    assert trace_ops(30, TraceKey(1, 0, taps, False), 49152) - trace_ops(30, TraceKey(1, 0, (), False), 49152) == 10
     plain = model_trace_bytes("Llama-3.1-8B", ["N150"], 1, 32, 32, 128256, 5, 0, ())
     tapped = model_trace_bytes("Llama-3.1-8B", ["N150"], 1, 32, 32, 128256, 5, 0, (2, 16, 29))
     assert len(tapped) == len(plain) + 1 and sum(tapped) > sum(plain)  # the plain step beside the tapped ones
@@ -293,7 +308,7 @@ def test_traces_are_planned_and_fit_the_region(stand_in, tmp_path):
     pool = ModelPool()
     run_demo(demo_config(tmp_path, draft_mode="suffix", recycle_top_k=0, compare_baseline=0), mesh, pool)
     target = next(iter(pool.models.values()))
-    assert {passes for passes, _, _ in target.traces} == {1, 2, 4, 5}
+    assert {key.passes for key in target.traces} == {1, 2, 4, 5}
     pool.close()
     small, large = (trace_region_size(demo_config(tmp_path, n_draft_tokens=n), (1, 1)) for n in (1, 16))
     assert 0 < small < large
@@ -360,7 +375,7 @@ def test_nothing_compiles_while_timed(stand_in, tmp_path, embedded_checkpoint):
         summary = run_demo(demo_config(tmp_path, **overrides), mesh)["summary"]
         first_timed = events.index("timed")
         # review finding 4: every model is planned first, then each trace captured once: none released to be made again
-        assert "release" not in events[:first_timed], overrides
+        assert "release" not in events[:first_timed], (overrides, events)
         assert "capture" in events[:first_timed] and "capture" not in events[first_timed:], overrides
         assert events[:first_timed].count("prefill warm-up") == models  # the target's, and a separate draft's
         assert "prefill warm-up" not in events[first_timed:], overrides
@@ -470,3 +485,41 @@ def test_a_sampled_step_reads_only_the_rows_in_use(stand_in, tiny):
         out = lm.step([UserRows(0, list(range(1, rows + 1)), 0)], logits=True)
         assert [shape[-2] for shape in reads if shape[-1] > 1] == [read], rows  # one read of the logits
         assert out.logits[0].shape[0] == rows and torch.equal(out.logits[0][:6], full[: min(rows, 6)])
+
+
+def long_prompt(n: int) -> list[int]:
+    return [(7 * i) % 120 for i in range(n)]
+
+
+def test_a_chunked_prompt_leaves_every_other_users_cache_alone(stand_in, tiny):
+    """Issue 37 point 2: TT's chunked prefill pads the user's page table with zeros to the padded prompt's blocks and
+    fills the cache through it, and paged_fill_cache skips only -1 entries, so a long prompt's padding K/V land in
+    physical block 0. With block 0 a user's first 32 positions, user 0's cache was overwritten by user 1's prefill
+    (plain and speculative runs alike: the lossless checks stayed green); block 0 is a sink now. (Chunks of 2,048
+    rows for this model, as TT's table gives larger models on N150.)"""
+    stand_in.setitem(stand_in_tt.MAX_PREFILL_CHUNK_SIZES_DIV1024, "Tiny-1B", {"N150": 2})
+    lm = build(mesh_of((1, 1)), tiny, users=2, max_seq_len=2240)
+    lm.prefill(0, long_prompt(40))
+    before = lm.step([UserRows(0, [9], 40)], logits=True).logits[0]
+    lm.prefill(1, long_prompt(2100))  # padded to 4,096: its second chunk's pages are 2 of the user's and 62 zeros
+    assert any(name == "chunked_sdpa@2048" for name, _ in lm.tt.mesh_device.compiled)  # it did run in chunks
+    after = lm.step([UserRows(0, [9], 40)], logits=True).logits[0]
+    assert torch.equal(before, after)
+
+
+def test_the_chunked_prefill_is_compiled_before_any_trace(stand_in, tiny):
+    """Issue 37 point 3: TT's prefill warm-up stops at max_prefill_chunk_size, so the chunked path's programs (chunked
+    SDPA: one per chunk start and page-table width in real ttnn 0.81.1) compiled at the first long prompt, after the
+    decode traces were captured (their kernel binaries allocated under a live trace, which a replay may overwrite).
+    warm_up now prefills once at every padded length TT chunks, into the sink block, before anything is traced."""
+    import weakref
+
+    stand_in.setitem(stand_in_tt.MAX_PREFILL_CHUNK_SIZES_DIV1024, "Tiny-1B", {"N150": 2})
+    lm = build(mesh_of((1, 1)), tiny, users=1, max_seq_len=4200)
+    lm.warm_up(2, 0, ())
+    lm.prepare_traces()
+    mesh = lm.tt.mesh_device
+    assert lm.traces and not mesh.unsafe
+    lm.prefill(0, long_prompt(4150))  # padded to 6,144: three chunks of 2,048
+    assert any(name == "chunked_sdpa@4096" for name, _ in mesh.compiled)
+    assert [u for u in mesh.unsafe if not isinstance(u, weakref.ref)] == []  # no program compiled under the traces

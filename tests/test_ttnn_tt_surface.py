@@ -173,3 +173,25 @@ def test_tt_decode_baseline_runs_the_same_model(tt, prompts, plain_outputs, embe
                                 prompts[:2] * 16, 12, 192, True)
     assert report["on_device_sampling"] and report["batch"] == 32 and report["decode_t/s/u"] > 0
     assert report["tokens"][:2] == [p[:12] for p in plain_outputs[:2]]
+
+
+def test_tt_decode_baseline_releases_every_trace_it_made(tt, prompts, embedded_checkpoint, monkeypatch):
+    """Issue 37 point 6: with on-device sampling TT's Generator captures a second trace inside its sampling module
+    (SamplingGenerator.capture_trace), which neither our baseline nor TT's Generator.__del__ released: it stayed in the
+    trace region sized for our traces. Now the baseline leaves no trace, and a version that keeps one stops the run
+    with the trace region it left."""
+    from models.tt_transformers.ttnn_backend import tt_baseline
+
+    lm = tt(4)
+    mesh = lm.tt.mesh_device
+
+    def baseline():
+        return tt_baseline.tt_decode_baseline(mesh, embedded_checkpoint.folder, embedded_checkpoint.name,
+                                              prompts[:2] * 16, 4, 192, True)
+    # the stand-in keeps no kernel binaries: all its DRAM must be back
+    monkeypatch.setattr(tt_baseline, "DRAM_LEFT_BYTES", 0, raising=False)
+    assert baseline()["on_device_sampling"]
+    assert mesh.traces == {}
+    monkeypatch.setattr(stand_in_tt.SamplingGenerator, "reset_trace", lambda self: None)
+    with pytest.raises(RuntimeError, match="left 0.0 MB of trace region|MB of trace region"):
+        baseline()

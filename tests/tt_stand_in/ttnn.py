@@ -91,8 +91,8 @@ class TensorMemoryLayout:  # ttnn.TensorMemoryLayout (the stand-in's layouts are
                                                                  ShardStrategy.WIDTH, ShardStrategy.BLOCK)
 
 
-class BufferType:  # ttnn.BufferType
-    DRAM, L1 = "DRAM", "L1"
+class BufferType:  # ttnn.BufferType (some members)
+    DRAM, L1, TRACE = "DRAM", "L1", "TRACE"
 
 
 class CoreRange:
@@ -204,6 +204,7 @@ class MeshDevice:
         self.unsafe: list = []
         self.warnings: list = []
         self.corrupted_programs: set = set()  # ops whose binaries a replay overwrote
+        self.live = weakref.WeakSet()  # device tensors (not replay outputs), for get_memory_view's DRAM figure
 
     def allocated_under_trace(self, what) -> None:
         """0.81.1 logs a warning (once) and goes on (allocator.cpp verify_safe_allocation); the buffer is corrupted
@@ -322,6 +323,7 @@ class Tensor:
         self.deallocated = False
         if device is not None and not device.replaying:
             device.allocations += 1
+            device.live.add(self)
             if device.capturing is not None:
                 device.capture_allocations += 1
             elif device.traces:
@@ -557,6 +559,25 @@ def release_trace(mesh_device: MeshDevice, trace_id: int) -> None:
 
 def synchronize_device(device, cq_id=None, sub_device_ids=()) -> None:
     pass
+
+
+@dataclass
+class MemoryView:  # ttnn.device MemoryView (its fields the backend reads)
+    num_banks: int
+    total_bytes_allocated_per_bank: int
+
+
+def get_memory_view(device: MeshDevice, buffer_type) -> MemoryView:
+    """ttnn.get_memory_view(device, buffer_type) (checked on ttnn 0.81.1's mock device: DRAM 12 banks, and TRACE, the
+    trace region, per bank): DRAM as the bytes of the device tensors alive and not deallocated (each buffer once: views
+    share theirs), TRACE as the live traces' sizes (TRACE_OP_BYTES an op)."""
+    if buffer_type == BufferType.TRACE:
+        return MemoryView(12, -(-sum(device.trace_sizes.values()) // 12))
+    if buffer_type != BufferType.DRAM:
+        raise NotImplementedError("stand-in: memory views of DRAM and the trace region only")
+    buffers = {t._data.untyped_storage().data_ptr(): t._data.untyped_storage().nbytes()
+               for t in list(device.live) if not t.deallocated}
+    return MemoryView(12, -(-sum(buffers.values()) // 12))
 
 
 def slice(input_tensor: Tensor, slice_start, slice_end, slice_step=None, *, memory_config=None, **kwargs) -> Tensor:
