@@ -237,17 +237,16 @@ def head_weights(config: HeadConfig, weights: dict) -> dict[str, torch.Tensor]:
     return out
 
 
-def stored_weights(config: HeadConfig, weights: dict, keep: Sequence[str] = ()) -> dict:
+def stored_weights(config: HeadConfig, weights: dict) -> dict:
     """The head's tensors (the file's names, for a host head) with every matmul weight as the device holds it in
     bfloat8_b: rounded (bfp8.py) in the layout the device stores (head_weights: transposed, q and k rows in Meta's
-    order, q/k/v and gate/up fused), then put back in the file's layout. `keep`: weights (head_weights' names) left
-    as they are. The host reference a device head's drafts are checked against (make tt-smoke), and
-    tools/head_precision.py's."""
+    order, q/k/v and gate/up fused), then put back in the file's layout. The host reference a device head's drafts
+    are checked against (make tt-smoke), and tools/head_precision.py's."""
     from .bfp8 import bfp8_round
 
     a, out, host = config.layer, dict(weights), head_weights(config, weights)
     for name, parts in parameter_names(config).items():
-        if host[name].dim() != 2 or name in keep:
+        if host[name].dim() != 2:  # norms: bfloat16 on the device
             continue
         w = bfp8_round(host[name]).t()
         if name.endswith("wqkv.weight"):
