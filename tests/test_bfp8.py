@@ -59,3 +59,29 @@ def test_hifi2_is_the_activation_less_its_last_mantissa_bit():
     assert torch.equal(golden_fidelity_matmul(x, w, 4), exact)
     hifi2 = golden_fidelity_matmul(x, w, 2)
     assert torch.equal(hifi2, hifi2_activation(x).double() @ w.double()) and not torch.equal(hifi2, exact)
+
+
+def test_the_head_cache_rounds_as_the_devices_bfloat8_b_cache_tiles():
+    """tools/head_precision.py rounds a host head's KV cache at each write (Bfp8Cache): each [kv heads, head_dim] row
+    block of the written rows alone. The device's cache is [blocks, kv heads, 32 positions, head_dim] in tiles, each
+    16-value row of a face (one position of one head) sharing an exponent: rounding the same values laid out as the
+    device holds them gives the same cache, whatever else the tile holds."""
+    import sys
+
+    from .conftest import REPO_ROOT
+
+    sys.path.insert(0, str(REPO_ROOT / "tools"))
+    from head_precision import Bfp8Cache
+
+    torch.manual_seed(0)
+    users, heads, slots, head_dim = 1, 3, 40, 64
+    k = (torch.randn(1, 7, heads, head_dim) * torch.logspace(-3, 2, head_dim)).to(torch.bfloat16)
+    cache = torch.Tensor._make_subclass(Bfp8Cache, torch.zeros(users, heads, slots, head_dim, dtype=torch.bfloat16))
+    positions = torch.tensor([[3, 4, 5, 6, 7, 8, 9]])
+    cache[torch.tensor([[0]]), :, positions] = k
+    device = torch.zeros(heads, slots, head_dim)  # one block of the device's layout, the rows at their positions
+    device[:, 3:10] = k[0].transpose(0, 1).float()
+    device[:, 20] = 1e4  # another position's values in the same tile: no effect on these rows
+    assert torch.equal(cache[0, :, 3:10].float(), bfp8_round(device)[:, 3:10])
+    assert not torch.equal(cache[0, :, 3:10], k[0].transpose(0, 1))  # rounded, not stored as written
+    assert type(cache[0]) is torch.Tensor  # reads are plain tensors

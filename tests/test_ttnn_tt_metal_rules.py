@@ -2,10 +2,17 @@
 """The ttnn backend held to the rules of tt-metal's own code, on the stand-in (tests/tt_stand_in: a TEST DOUBLE
 whose every rule names the tt-metal file and function it mirrors; it is not a device and proves nothing about one).
 Each test names the review finding it covers (issue 21); each failed on the backend before that review's fixes."""
+import weakref
+
 import pytest
 import torch
 
-from models.tt_transformers.demo.speculative_decoding.build import ModelPool, trace_region_size, ttnn_loader
+from models.tt_transformers.demo.speculative_decoding.build import (
+    ModelPool,
+    check_step_rows,
+    trace_region_size,
+    ttnn_loader,
+)
 from models.tt_transformers.demo.speculative_decoding.inputs import DemoInputError, check_flags, dtype_of
 from models.tt_transformers.demo.speculative_decoding.options import DemoConfig, add_demo_options
 from models.tt_transformers.demo.speculative_decoding.speculative_demo import run_demo
@@ -316,7 +323,7 @@ def test_traces_are_planned_and_fit_the_region(stand_in, tmp_path):
     with tt_device.open_mesh(trace_region_size=trace_region_size(truncated, (1, 1))) as sized:
         run_demo(truncated, sized)  # the plan and the model agree on a truncated target's traces
     with tt_device.open_mesh(trace_region_size=small) as narrow:
-        with pytest.raises(ValueError, match="trace_region_size >= .*lower --n_draft_tokens"):
+        with pytest.raises(ValueError, match="rerun with --trace_region_size [0-9]+ .*lower --n_draft_tokens"):
             run_demo(demo_config(tmp_path, n_draft_tokens=16), narrow)
 
 
@@ -340,10 +347,22 @@ def test_buffers_allocated_under_a_live_trace_on_the_stand_in(stand_in, tiny):
 
 def test_trace_region_overflow_on_the_stand_in(stand_in, tiny):
     """The stand-in's side of finding 6: traces past the region fail as tt-metal's do; no region and allocations in
-    the capture fail too."""
-    lm = build(stand_in_ttnn.open_mesh_device(stand_in_ttnn.MeshShape(1, 1), trace_region_size=10_000), tiny)
-    with pytest.raises(RuntimeError, match="allocated for trace region"):
-        lm.step([UserRows(0, [1], 0)])
+    the capture fail too. Issue 37's third review (first-try risk: a region from an op-count estimate): tt-metal's
+    refusal comes back as one line naming the --trace_region_size to pass, scaled from what the device reported for
+    the traces captured so far, and a mesh opened with that size runs the same steps."""
+    import re
+
+    lm = build(stand_in_ttnn.open_mesh_device(stand_in_ttnn.MeshShape(1, 1), trace_region_size=100_000), tiny)
+    lm.warm_up(3, 0, ())
+    with pytest.raises(ValueError, match="outgrew the trace region: .* rerun with --trace_region_size [0-9]+ ") as e:
+        lm.prepare_traces()
+    assert "\n" not in str(e.value) and "allocated for trace region" in str(e.value.__cause__)
+    size = int(re.search(r"--trace_region_size ([0-9]+)", str(e.value)).group(1))
+    lm.release()
+    lm = build(stand_in_ttnn.open_mesh_device(stand_in_ttnn.MeshShape(1, 1), trace_region_size=size), tiny)
+    lm.warm_up(3, 0, ())
+    lm.prepare_traces()
+    assert len(lm.traces) == 3 and lm.step([UserRows(0, [1, 2, 3], 0)]).ids
     lm = build(stand_in_ttnn.open_mesh_device(stand_in_ttnn.MeshShape(1, 1)), tiny)
     with pytest.raises(RuntimeError, match="non-zero trace_region_size"):
         lm.step([UserRows(0, [1], 0)])
@@ -512,8 +531,6 @@ def test_the_chunked_prefill_is_compiled_before_any_trace(stand_in, tiny):
     SDPA: one per chunk start and page-table width in real ttnn 0.81.1) compiled at the first long prompt, after the
     decode traces were captured (their kernel binaries allocated under a live trace, which a replay may overwrite).
     warm_up now prefills once at every padded length TT chunks, into the sink block, before anything is traced."""
-    import weakref
-
     stand_in.setitem(stand_in_tt.MAX_PREFILL_CHUNK_SIZES_DIV1024, "Tiny-1B", {"N150": 2})
     lm = build(mesh_of((1, 1)), tiny, users=1, max_seq_len=4200)
     lm.warm_up(2, 0, ())
@@ -523,3 +540,115 @@ def test_the_chunked_prefill_is_compiled_before_any_trace(stand_in, tiny):
     lm.prefill(0, long_prompt(4150))  # padded to 6,144: three chunks of 2,048
     assert any(name == "chunked_sdpa@4096" for name, _ in mesh.compiled)
     assert [u for u in mesh.unsafe if not isinstance(u, weakref.ref)] == []  # no program compiled under the traces
+
+
+def on_a_galaxy(tt_model):
+    """A stand-in model whose args and attention say what TT-Transformers' say on a TG (the stand-in cannot hold 32
+    devices): ModelArgs.is_galaxy, and tt/attention.py's batch_size_per_device_group for a 32-row batch and 8 KV heads,
+    32 // (32 // 8) = 8 users per mesh column."""
+    tt_model.args.is_galaxy = True
+    for layer in tt_model.model.layers:
+        layer.attention.batch_size_per_device_group = 8
+    return tt_model
+
+
+def test_a_galaxy_step_keeps_to_one_mesh_columns_users(stand_in, tiny):
+    """Issue 37's third review, F1: on a Galaxy TT gives each of the 4 mesh columns 8 of the tile's 32 rows and its
+    own KV caches (positions and page-table rows split over the columns, prepare_decode_inputs_host), and some
+    attention.py versions fill only column 0's caches in a paged prefill: a user's verify rows in tile rows 8-31
+    attended to caches nobody filled, or that its earlier rows never wrote. A step now holds at most one column's 8
+    rows, a batch past them is refused in one line, and the run's traces are planned for 8 rows."""
+    mesh = mesh_of((1, 1))
+    lm = TtnnCausalLM(on_a_galaxy(build_tt_model(mesh, tiny.folder, tiny.name, 2, 192, True)), 2, 192)
+    assert lm.max_step_rows == 8
+    with pytest.raises(ValueError, match=r"^a step of 9 rows does not fit one Galaxy mesh column's rows \(8\)$"):
+        lm.step([UserRows(0, [1, 2, 3, 4, 5], 0), UserRows(1, [1, 2, 3, 4], 0)])
+    with pytest.raises(ValueError, match=r"^--batch_size 16: on a Galaxy .* use --batch_size 8 or fewer$"):
+        TtnnCausalLM(lm.tt, 16, 192)
+    drafts = SpeculativeGenerator(lm, SuffixDrafter(1), 16)
+    assert sum(drafts._draft_caps([SimpleResult()] * 2, [[1, 2]] * 2, 64)) + 2 <= 8  # the rows shared within 8
+
+
+class SimpleResult:
+    output_tokens: list = []
+
+
+def test_the_demo_refuses_a_galaxy_batch_its_mesh_column_cannot_verify(stand_in, tmp_path):
+    """F1: a --batch_size / --n_draft_tokens pair whose verify steps need more than a mesh column's 8 rows is refused
+    in one line naming the flags and what fits, not run with its drafts cut short (at --batch_size 8, to none)."""
+    from models.tt_transformers.ttnn_backend import model as tt_model
+
+    built = tt_model.build_tt_model
+    stand_in.setattr(tt_model, "build_tt_model", lambda *a, **k: on_a_galaxy(built(*a, **k)))
+    mesh = mesh_of((1, 1))
+    with pytest.raises(DemoInputError, match=r"^--n_draft_tokens 4 with --batch_size 2: on a Galaxy a verify step "
+                                             r"holds 8 rows .* 10 do not fit; use --n_draft_tokens 3 or fewer"):
+        run_demo(demo_config(tmp_path, batch_size=2, n_draft_tokens=4, draft_mode="suffix"), mesh)
+    with pytest.raises(DemoInputError, match=r"use --batch_size 4 or fewer to draft"):
+        run_demo(demo_config(tmp_path, batch_size=8, n_draft_tokens=1, draft_mode="suffix"), mesh)
+    ckpt = resolve_checkpoint(None)
+    target = TtnnCausalLM(tt_model.build_tt_model(mesh, ckpt.folder, ckpt.name, 2, 256, True), 2, 256)
+    for batch, n_draft in ((2, 3), (8, 0), (1, 7)):  # what fits a column's 8 rows runs (the stand-in cannot step a
+        # Galaxy: its positions split over the mesh columns, which a one-device stand-in does not hold)
+        check_step_rows(demo_config(tmp_path, batch_size=batch, n_draft_tokens=n_draft), target)
+
+
+def test_prefill_warm_prompts_cover_every_padded_length_and_the_short_prompts_tiles(stand_in, tiny):
+    """F2: the warm-up prefills one prompt of every padded length TT's sweep leaves out (get_padded_prefill_len pads to
+    the smaller of a power of two and a multiple of 2,048: 256, 512, then 6,144, 10,240 ...), not only the lengths
+    TT chunks, and every (padded length, blocks) class of the prompts up to PER_TILE_WARM_POSITIONS tokens."""
+    from models.tt_transformers.ttnn_backend.model import PER_TILE_WARM_POSITIONS, prefill_warm_prompts
+
+    stand_in.setitem(stand_in_tt.MAX_PREFILL_CHUNK_SIZES_DIV1024, "Tiny-1B", {"N150": 4})
+    args = build_tt_model(mesh_of((1, 1)), tiny.folder, tiny.name, 1, 12000, True).args
+    prompts = prefill_warm_prompts(args, 12000)
+    padded = {stand_in_tt.get_padded_prefill_len(n) for n in prompts} | set(args.get_warmup_prefill_supported_seq_lens())
+    assert padded == {stand_in_tt.get_padded_prefill_len(n) for n in range(1, 12001)}
+    assert {6144, 10240, 12000} <= set(prompts)  # 12,000 stands for 10,241..12,000 (padded to 12,288, past the cache)
+    short = {(stand_in_tt.get_padded_prefill_len(n), -(-n // 32)) for n in prompts if n <= PER_TILE_WARM_POSITIONS}
+    swept = {(n, n // 32) for n in args.get_warmup_prefill_supported_seq_lens()} | {(128, 1)}
+    assert short | swept >= {(stand_in_tt.get_padded_prefill_len(n), -(-n // 32))
+                             for n in range(1, PER_TILE_WARM_POSITIONS + 1)}
+    assert len(prompts) == len(set(prompts)) and not set(prompts) & set(args.get_warmup_prefill_supported_seq_lens())
+
+
+def programs_compiled_by(mesh, run) -> set:
+    before = set(mesh.compiled)
+    run()
+    return set(mesh.compiled) - before
+
+
+def test_every_prefill_program_a_prompt_can_need_is_compiled_before_any_trace(stand_in, tiny):
+    """F2: TT's sweep stops at 128 and 1024 x 2^k, so a prompt padded to 256 or 512 compiled its prefill programs
+    with the decode traces live (their kernel binaries allocated under a trace, which a replay may overwrite); and
+    TT's last-token ttnn.slice and paged_fill_cache compile per last-token tile and page-table width (ttnn 0.81.1
+    keys a slice by its offsets, a fill by its page table's shape). After warm_up and the capture, no prompt up to
+    max_seq_len (here within PER_TILE_WARM_POSITIONS) compiles anything, nor are the traces made again."""
+    lm = build(mesh_of((1, 1)), tiny, users=1, max_seq_len=600)
+    lm.warm_up(2, 0, ())
+    lm.prepare_traces()
+    mesh, traces = lm.tt.mesh_device, {key: t.trace_id for key, t in lm.traces.items()}
+    for n in (5, 33, 70, 129, 200, 257, 300, 450, 513, 599, 600):
+        assert programs_compiled_by(mesh, lambda: lm.prefill(0, long_prompt(n))) == set(), n
+        lm.step([UserRows(0, [3], n - 1)])
+    assert {key: t.trace_id for key, t in lm.traces.items()} == traces
+    assert [u for u in mesh.unsafe if not isinstance(u, weakref.ref)] == []
+
+
+def test_a_prefill_that_compiles_under_live_traces_has_them_made_again(stand_in, tiny):
+    """F2, past PER_TILE_WARM_POSITIONS (a prefill per 32 positions would cost a prompt-long prefill each): a prompt
+    whose last-token tile no warm-up ran compiles its slice and fill programs while the decode traces are live; the
+    backend sees the program cache grow (num_program_cache_entries) and makes every trace on the mesh again before
+    any replay, so no replay can overwrite those programs. Before, the next prompt of that length ran a program a
+    replay had overwritten."""
+    lm = build(mesh_of((1, 1)), tiny, users=1, max_seq_len=1400)
+    lm.warm_up(2, 0, ())
+    lm.prepare_traces()
+    mesh, before = lm.tt.mesh_device, {key: t.trace_id for key, t in lm.traces.items()}
+    new = programs_compiled_by(mesh, lambda: lm.prefill(0, long_prompt(1100)))  # padded to 2,048, tile 1,088
+    assert any(name.startswith("slice@(0, 0, 1088") for name, _ in new), new
+    assert set(lm.traces) == set(before) and not set(before.values()) & {t.trace_id for t in lm.traces.values()}
+    assert [u for u in mesh.unsafe if not isinstance(u, weakref.ref)] == []
+    lm.step([UserRows(0, [3], 1100)])
+    lm.prefill(0, long_prompt(1100))  # the same programs again, after a replay
+    assert lm.step([UserRows(0, [3], 1100)]).ids

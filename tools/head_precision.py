@@ -17,6 +17,13 @@ their greedy responses), and a random EAGLE-3 head of Llama-3.1-8B's shape with 
 states (no 8B target here: its agreement says how sensitive that shape is, not what a trained head would do).
 Variants: bfloat8_b weights with every matmul in HiFi4, in HiFi2, and in HiFi2 but the LM head; each against the bf16
 head and against the HiFi4 one.
+
+First logits (`make tt-smoke`'s random-head gate, tools/tt_smoke.py FIRST_LOGITS_TOLERANCE): the smoke compares the
+device head's first logits with a host reference whose weights are rounded to bfloat8_b but whose KV cache is
+bfloat16; the device's KV cache is bfloat8_b (draft_head.py: with bfloat8_b weights), and its matmuls run in HiFi2.
+From every chain start, the first logits of the head with bfloat8_b weights and its KV cache stored as bfloat8_b
+(bfp8_round at each write: each 16-value row of a cache tile, one position's head, shares an exponent), alone and with
+HiFi2 matmuls, against that reference: the largest relative difference (max |a - b| / max |b|, the smoke's measure).
 """
 import argparse
 import json
@@ -29,6 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from models.tt_transformers.torch_backend.draft_head import HeadRunner, build_draft_head  # noqa: E402
+from models.tt_transformers.ttnn_backend.bfp8 import bfp8_round  # noqa: E402
 from models.tt_transformers.ttnn_backend.draft_head import stored_weights  # noqa: E402
 
 # the head's matmuls: its parameter -> its module (draft_head.PARAMETERS)
@@ -45,14 +53,42 @@ def hifi2_activation(x: torch.Tensor) -> torch.Tensor:
     return (bits & ~1).view(torch.bfloat16).to(x.dtype)
 
 
-def chains(head, target, states: torch.Tensor, tokens: list[int], starts, k: int, hifi2=()) -> list[list[int]]:
-    """From each start p: the head fed rows 0..p-1 (state i with token i + 1), then k drafts, each fed back. hifi2: the
-    matmuls (MATMULS' names) that run in HiFi2."""
+class Bfp8Cache(torch.Tensor):
+    """A head KV-cache tensor [users, kv heads, slots, head_dim] whose writes are stored as the device's bfloat8_b cache
+    stores them: the device's cache tile is 32 positions of one head x 32 of head_dim, each 16-value row of a face
+    (one position's head) sharing an exponent (bfp8.py), so rounding each written [.., heads, head_dim] row block
+    alone is the same. Reads are plain tensors."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def __setitem__(self, index, value):
+        super().__setitem__(index, bfp8_round(value).to(value.dtype))
+
+
+def runner_for(head, target, max_seq_len: int, hifi2=(), kv_bfp8: bool = False) -> HeadRunner:
+    """The head on the host: hifi2, the matmuls (MATMULS' names) that run in HiFi2; kv_bfp8, its KV cache stored as
+    bfloat8_b."""
     module = build_draft_head(*head, target)
     for name in hifi2:
         module.get_submodule(MATMULS[name]).register_forward_pre_hook(
             lambda _, args: (hifi2_activation(args[0]), *args[1:]))
-    runner = HeadRunner(module, 1, len(tokens) + k + 1, target.args)
+    runner = HeadRunner(module, 1, max_seq_len, target.args)
+    if kv_bfp8:
+        runner.cache.k[0] = torch.Tensor._make_subclass(Bfp8Cache, runner.cache.k[0])
+        runner.cache.v[0] = torch.Tensor._make_subclass(Bfp8Cache, runner.cache.v[0])
+    return runner
+
+
+def first_logits(head, target, states: torch.Tensor, tokens: list[int], starts, hifi2=(), kv_bfp8=False) -> list:
+    """From each start p, the logits after the head is fed rows 0..p-1 (its first draft's)."""
+    runner = runner_for(head, target, len(tokens) + 1, hifi2, kv_bfp8)
+    return [runner.run([0], [0], [states[:p]], [tokens[1 : p + 1]])[0][1] for p in starts]
+
+
+def chains(head, target, states: torch.Tensor, tokens: list[int], starts, k: int, hifi2=()) -> list[list[int]]:
+    """From each start p: the head fed rows 0..p-1 (state i with token i + 1), then k drafts, each fed back. hifi2: the
+    matmuls (MATMULS' names) that run in HiFi2."""
+    runner = runner_for(head, target, len(tokens) + k + 1, hifi2)
     out = []
     for p in starts:
         state, logits = runner.run([0], [0], [states[:p]], [tokens[1 : p + 1]])[0]
@@ -125,15 +161,36 @@ VARIANTS = {"bfloat8_b, HiFi4": (), "bfloat8_b, HiFi2": tuple(MATMULS),
             "bfloat8_b, HiFi2 but the LM head": tuple(name for name in MATMULS if name != "lm_head.weight")}
 
 
+# the device head's KV cache and matmuls beside the smoke's reference (bfloat8_b weights, bf16 cache, exact matmuls)
+DEVICE_LIKE = {"KV cache bfloat8_b": {"kv_bfp8": True},
+               "KV cache bfloat8_b, HiFi2 matmuls (the device head's configs)": {"kv_bfp8": True,
+                                                                                 "hifi2": tuple(MATMULS)}}
+
+
+def largest_relative_difference(reference: list, other: list) -> float:
+    """max over starts of max |a - b| / max |b| (tools/tt_smoke.py's first-logits measure)."""
+    return max(((a - b).abs().max() / b.abs().max()).item() for b, a in zip(reference, other))
+
+
 def measure(head: tuple, sequences: list, k: int) -> dict:
-    """Every variant's chains against the bf16 head's and against the all-HiFi4 one's."""
+    """Every variant's chains against the bf16 head's and against the all-HiFi4 one's; the first logits of the
+    device-like variants against the smoke's reference."""
     def drafted(weights, hifi2=()):
         return [c for target, states, tokens, starts in sequences
                 for c in chains((head[0], weights), target, states, tokens, starts, k, hifi2)]
     reference, stored = drafted(head[1]), stored_weights(*head)
     variants = {name: drafted(stored, hifi2) for name, hifi2 in VARIANTS.items()}
-    return {name: {"vs bf16": agreement(reference, out), "vs bfloat8_b, HiFi4": agreement(
+    report = {name: {"vs bf16": agreement(reference, out), "vs bfloat8_b, HiFi4": agreement(
         variants["bfloat8_b, HiFi4"], out)} for name, out in variants.items()}
+
+    def logits(**kwargs):
+        return [x for target, states, tokens, starts in sequences
+                for x in first_logits((head[0], stored), target, states, tokens, starts, **kwargs)]
+    smoke_reference = logits()
+    report["first logits, max relative difference from the smoke's reference"] = {
+        name: round(largest_relative_difference(smoke_reference, logits(**kwargs)), 5)
+        for name, kwargs in DEVICE_LIKE.items()}
+    return report
 
 
 def main(argv=None) -> int:

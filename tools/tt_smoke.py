@@ -53,7 +53,7 @@ from models.tt_transformers.demo.speculative_decoding.inputs import (  # noqa: E
     draft_head_folder,
     encode,
 )
-from models.tt_transformers.demo.speculative_decoding.options import DemoConfig  # noqa: E402
+from models.tt_transformers.demo.speculative_decoding.options import DemoConfig, OneLineErrorParser  # noqa: E402
 from models.tt_transformers.demo.speculative_decoding.report import environment, write_json_atomic  # noqa: E402
 from models.tt_transformers.demo.speculative_decoding.speculative_demo import run_demo  # noqa: E402
 
@@ -135,14 +135,28 @@ def smoke_head_folder(config: DemoConfig, ckpt, draft_head=None):
 # A random head has near-tied top drafts, which any rounding of the compute reorders (with the old unrounded reference a
 # third of runs failed the 80 % gate with nothing wrong): its first draft must be among the host's RANDOM_HEAD_TOP and
 # its first logits within FIRST_LOGITS_TOLERANCE of the host's (the largest difference over the largest host logit: a
-# wrong program is off by the logits' own size); its agreement is reported.
+# wrong program is off by the logits' own size); its agreement is reported. The tolerance is measured: the host
+# reference keeps a bf16 KV cache and exact matmuls where the device head's cache is bfloat8_b and its matmuls HiFi2,
+# and tools/head_precision.py found those two alone move the first logits by up to 3.07 % (the shipped SmolLM2 head on
+# real tapped states; 1.64 % with the cache alone) and 1.20 % (an 8B-shaped random head on random states; 0.78 %), in
+# docs/head_precision.json. The gate allows FIRST_LOGITS_MARGIN times the larger: as much again for what the host does
+# not model (the device's norms, softmax and SDPA in bf16 with approximate exponentials), 6.14 % in all.
 MIN_FIRST_DRAFT_AGREEMENT = 0.8
 RANDOM_HEAD_TOP = 3
-FIRST_LOGITS_TOLERANCE = 0.05
+FIRST_LOGITS_MEASURED = 0.03068  # docs/head_precision.json: the largest "KV cache bfloat8_b, HiFi2 matmuls" figure
+FIRST_LOGITS_MARGIN = 2
+FIRST_LOGITS_TOLERANCE = round(FIRST_LOGITS_MEASURED * FIRST_LOGITS_MARGIN, 4)
 MIN_CHAIN_STEPS = 32  # chain steps compared, over as many prompt prefixes as that takes
 
 
-def stages_region(config: DemoConfig, shape, draft_head=None) -> int:
+# The smoke opens the mesh with the traces' estimate (trace_plan.py: TT's per-model region scaled by op counts, never
+# measured on a device) x 1.5, where the demo uses x 1.25: a first run on a device is the one that finds out how far
+# off the estimate is, and the extra costs little DRAM (Llama-3.1-8B on N150: 542 MB instead of 452, of 12 GB). Traces
+# that still outgrow it stop the run with the size to pass (--trace_region_size).
+SMOKE_REGION_MARGIN = 1.5
+
+
+def stages_region(config: DemoConfig, shape, draft_head=None, margin: float = SMOKE_REGION_MARGIN) -> int:
     """Trace region for the traces the stages add to the run's: the taps stage's (1 write pass, smoke_taps), and the
     head stage's (the target's steps with the head's taps and the head's own traces), with the margin."""
     from models.tt_transformers.torch_backend.checkpoint import resolve_checkpoint
@@ -166,14 +180,17 @@ def stages_region(config: DemoConfig, shape, draft_head=None) -> int:
                                smoke_taps(args.n_layers))
     traces += model_trace_bytes(ckpt.name, devices, n, args.n_layers, args.n_layers, args.vocab_size, k + 1, 0,
                                 head_taps)
-    return region_bytes(traces + head_region_bytes(ckpt.name, devices, args.n_layers, k))
+    return region_bytes(traces + head_region_bytes(ckpt.name, devices, args.n_layers, k), margin)
 
 
 def open_device(s: Smoke) -> None:
+    """The mesh, its trace region --trace_region_size where given, else the run's and the stages' traces x
+    SMOKE_REGION_MARGIN."""
     from models.tt_transformers.ttnn_backend.device import fabric_config_for, mesh_shape, open_mesh
 
     shape = mesh_shape()
-    region = trace_region_size(s.config, shape) + stages_region(s.config, shape, s.draft_head)
+    region = s.config.trace_region_size or (trace_region_size(s.config, shape, SMOKE_REGION_MARGIN)
+                                            + stages_region(s.config, shape, s.draft_head))
     s.mesh = s.exits.enter_context(open_mesh(trace_region_size=region))
     s.exits.callback(s.pool.close)  # traces released before the mesh closes
     s.facts.update(mesh=list(shape), fabric=str(fabric_config_for(shape)), trace_region_size=region)
@@ -412,6 +429,14 @@ def run_stages(smoke: Smoke, stages, report: dict, report_path: Path, tracebacks
         logger.info(f"stage {i} ({name}) passed in {seconds:.1f}s")
 
 
+def smoke_settings(config: DemoConfig, draft_head=None) -> dict:
+    """What this run was asked for, in the report: the settings that change which programs run (--tap_gather: whether
+    the tapped traces hold our all-gather), so a report says which form hung or passed."""
+    return {"tap_gather": config.tap_gather, "max_seq_len": config.max_seq_len, "precision": config.precision,
+            "n_draft_tokens": config.n_draft_tokens, "draft_head": draft_head,
+            "trace_region_size": config.trace_region_size}
+
+
 def write_report(report: dict, smoke: Smoke, report_path: Path) -> None:
     report["facts"] = smoke.facts
     report["environment"] = {"MESH_DEVICE": os.environ.get("MESH_DEVICE"), "HF_MODEL": os.environ.get("HF_MODEL"),
@@ -427,7 +452,8 @@ def run(config: DemoConfig, report_path: Path, stages=None, draft_head=None, wat
     files beside it (side_files) are set up first: this tool's log, tt-metal's (TT_LOGGER_FILE, read when ttnn loads:
     not when it is loaded already, or set by the caller), and the tracebacks of a crash or a stage that runs long."""
     files = side_files(report_path)
-    report = {"stages": [], "ok": True, "running": None, "files": {kind: str(path) for kind, path in files.items()}}
+    report = {"stages": [], "ok": True, "running": None, "files": {kind: str(path) for kind, path in files.items()},
+              "settings": smoke_settings(config, draft_head)}
     sets_ttnn_log = "ttnn" not in sys.modules and "TT_LOGGER_FILE" not in os.environ
     if sets_ttnn_log:
         os.environ["TT_LOGGER_FILE"] = str(files["ttnn_log"])
@@ -463,7 +489,7 @@ def run(config: DemoConfig, report_path: Path, stages=None, draft_head=None, wat
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--report", default="tt_smoke_report.json", help="where the JSON report goes")
     parser.add_argument("--max_seq_len", type=int, default=1024)
     parser.add_argument("--precision", default="performance", choices=PRECISIONS)
@@ -473,9 +499,18 @@ def main(argv=None) -> int:
     parser.add_argument("--watchdog_s", type=float, default=WATCHDOG_S,
                         help="seconds: while one stage runs, every thread's traceback goes to <report>.tracebacks.txt "
                              "this often")
+    parser.add_argument("--tap_gather", default="device", choices=("device", "host"),
+                        help="N300/T3K: where the tapped states a draft head reads are gathered: device (one "
+                             "all-gather inside each tapped trace) or host (read back and written to the tap tile "
+                             "after each replay: no collective of ours in a trace; the first thing to rule out when "
+                             "the tapped-states or draft-head stage hangs)")
+    parser.add_argument("--trace_region_size", type=int, help="bytes of trace region to open the mesh with (default: "
+                                                                "the traces' estimate x 1.5; a run whose traces outgrow "
+                                                                "the region names the size to pass here)")
     args = parser.parse_args(argv)
     config = DemoConfig(backend="ttnn", max_seq_len=args.max_seq_len, precision=args.precision,
-                        draft_mode="suffix", max_generated_tokens=SMOKE_TOKENS)
+                        draft_mode="suffix", max_generated_tokens=SMOKE_TOKENS, tap_gather=args.tap_gather,
+                        trace_region_size=args.trace_region_size)
     return 0 if run(config, Path(args.report), draft_head=args.draft_head, watchdog_s=args.watchdog_s)["ok"] else 1
 
 

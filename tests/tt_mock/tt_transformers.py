@@ -40,8 +40,9 @@ Mirrored from tt-metal's sources (the pinned v0.81.1 is not in the searchable in
   and each chunk's slice of it paging the fill, as the stand-in's mirror; the layers run on x [1, 1, S, dim /
   devices] in DRAM (the taps' prefill reads), the last token's logits to the host.
 One KV-cache pair is shared by every layer (the shapes and configs are what is checked; 32 layers of an 8B cache at
-8,192 positions would not fit the mock device's DRAM), and only the first and last layers run attention (every
-layer's calls are the same: 30 more copies of them would only slow the run).
+8,192 positions would not fit the mock device's DRAM). Every layer runs its decode attention (the backend counts each
+layer's ordered cache writes when it compiles a step); in prefill only the first and last layers run attention
+(every layer's calls are the same: 30 more copies of them would only slow the run).
 """
 import json
 import math
@@ -271,11 +272,11 @@ class TransformerBlock(LightweightModule):
                 page_table=None, chunk_page_table=None, chunk_start_idx=None, kv_cache=None, batch_size=1):
         skip_mem_cfg = self.args.get_residual_mem_config(mode, None)
         assert x.memory_config() == skip_mem_cfg, f"decoder input memcfg mismatch: {x.memory_config()} != {skip_mem_cfg}"
-        if not self.updates_cache:  # only the first and last layers' attention (the same calls in every layer)
-            return x
-        if mode == Mode.DECODE:
+        if mode == Mode.DECODE:  # every layer, as TT's: the backend checks that each layer's cache writes are ordered
             return self.attention.forward_decode(x, current_pos, rot_mats_global, page_table=page_table,
                                                  kv_cache=kv_cache)
+        if not self.updates_cache:  # prefill: the first and last layers' attention (the same calls in every layer)
+            return x
         return self.attention.forward_prefill(x, rot_mats_global, user_id, page_table=page_table,
                                               chunk_page_table=chunk_page_table, chunk_start_idx=chunk_start_idx,
                                               kv_cache=kv_cache)

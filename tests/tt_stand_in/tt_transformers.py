@@ -23,9 +23,9 @@ through its slice of that padded table (so the padding's K/V go to block 0, as p
 and attending through chunked SDPA over the cache; the chunks after the last token's are not run. Not modelled:
 traced prefill. The stand-in keys its compiled programs by the shapes of an op's tensors, and for chunked SDPA also by
 its chunk_start_idx (real ttnn 0.81.1 compiles one program per chunk_start_idx and page-table width: counted with
-num_program_cache_entries on the mock device). Real ttnn also compiles a paged_fill_cache per page-table width and a
-slice per offset (the prefill's last-token slice), counted the same way: the stand-in keeps those out of its keys, so
-it does not flag a prompt length first seen while decode traces are live (docs/ttnn_backend.md says what that leaves).
+num_program_cache_entries on the mock device), paged_fill_cache by the fill page table's width and ttnn.slice (the
+prefill's last-token slice among them) by its offsets, as real ttnn does (counted the same way): a prompt whose length,
+last-token tile or blocks no warm-up prefilled compiles programs, flagged when decode traces are live.
 
 The tt-metal tag the backend pins (v0.81.1, d80d9482) is not in the searchable index: the files were read at the
 nearest versions found (model_config.py and generator.py at 87700c07, model.py, attention.py, common.py and ccl.py
@@ -359,6 +359,11 @@ class Attention:
             (weight_cache_path / f"{layer_name}.wqkv").touch()
         a = args.torch_args
         self.use_qk_fused = configuration.use_qk_fused  # read once, at construction, as TT's Attention
+        # tt/attention.py __init__: on a TG (32 devices) each mesh column's users, else the whole batch
+        self.TG = args.num_devices == 32
+        num_device_groups = args.num_devices // a.n_kv_heads
+        self.batch_size_per_device_group = (max(args.max_batch_size // num_device_groups, 1) if self.TG
+                                            else args.max_batch_size)
         self.args, self.model, self.block = args, state_dict, state_dict.layers[layer_num]
         self.n_heads, self.n_kv_heads, self.head_dim = a.n_heads, a.n_kv_heads, a.head_dim
         self.scale, self.sliding_window = a.head_dim ** -0.5, a.sliding_window
@@ -415,9 +420,10 @@ class Attention:
             def fill(cache, new):  # ttnn.experimental.paged_fill_cache(cache, new[:, :, :page_len], page table)
                 cache.data[blocks, :, positions % block] = ttnn.stored(new.data[0, :page_len],
                                                                        cache.dtype).to(cache.data.dtype)
-            # (the page table stays out of the stand-in's compile key: see the module docstring)
+            # the fill page table is an input of the op: its width is part of the program (module docstring)
             for cache, new in ((keys, k), (values, v)):
-                ttnn.run_op("paged_fill_cache", fill, cache, new, inplace=True)
+                ttnn.run_op("paged_fill_cache", lambda c, n, _table: fill(c, n), cache, new, fill_page_table,
+                            inplace=True)
 
         def causal(queries, keys_at):  # query i (at queries[i]) sees key j (at keys_at[j]) within the sliding window
             visible = queries.view(-1, 1) >= keys_at.view(1, -1)

@@ -218,6 +218,11 @@ class MeshDevice:
     def get_num_devices(self) -> int:
         return self.shape[0] * self.shape[1]
 
+    def num_program_cache_entries(self) -> int:
+        """MeshDevice.num_program_cache_entries (ttnn/cpp/ttnn/distributed/distributed_pybind.cpp: "Number of entries
+        in the program cache for this device"): the stand-in's compiled programs."""
+        return len(self.compiled)
+
     def dram_grid_size(self) -> CoreCoord:
         return CoreCoord(12, 1)  # Wormhole: 12 DRAM channels
 
@@ -521,9 +526,9 @@ def end_trace_capture(mesh_device: MeshDevice, trace_id: int, *, cq_id=None) -> 
         raise RuntimeError("Trace buffer overlaps with buffers allocated during trace capture. Reduce allocations "
                            "during trace capture or set a non-zero trace_region_size.")
     used = sum(mesh_device.trace_sizes.values())
-    if mesh_device.trace_region_size and used + size > mesh_device.trace_region_size:
-        raise RuntimeError(f"Creating trace buffers of size {used + size}B on MeshDevice, but only "
-                           f"{mesh_device.trace_region_size}B is allocated for trace region.")
+    if mesh_device.trace_region_size and used + size > mesh_device.trace_region_size:  # mesh_trace.cpp's TT_FATAL
+        raise RuntimeError(f"TT_FATAL: Creating trace buffers of size {used + size}B on MeshDevice {id(mesh_device)}, "
+                           f"but only {mesh_device.trace_region_size}B is allocated for trace region.")
     mesh_device.traces[trace_id], mesh_device.trace_sizes[trace_id] = ops, size
 
 
@@ -581,9 +586,12 @@ def get_memory_view(device: MeshDevice, buffer_type) -> MemoryView:
 
 
 def slice(input_tensor: Tensor, slice_start, slice_end, slice_step=None, *, memory_config=None, **kwargs) -> Tensor:
-    """On a sharded tensor each device slices its own shard (local coordinates)."""
+    """On a sharded tensor each device slices its own shard (local coordinates). A program per offsets, as ttnn
+    0.81.1 keys a slice's program (counted with num_program_cache_entries on the mock device: one entry per offset of
+    the same shape)."""
     index = tuple(builtins.slice(start, end) for start, end in zip(slice_start, slice_end))
-    return run_op("slice", lambda t: (per_shard(t, lambda d: d[index].clone()), t.dtype, t.layout), input_tensor,
+    return run_op(f"slice@{tuple(slice_start)}:{tuple(slice_end)}",
+                  lambda t: (per_shard(t, lambda d: d[index].clone()), t.dtype, t.layout), input_tensor,
                   mem=memory_config)
 
 

@@ -33,6 +33,8 @@
   the pass tensors the trace reads), so the loop allocates nothing on the device.
 """
 import contextlib
+import math
+import re
 import time
 import weakref
 from collections import defaultdict
@@ -44,8 +46,8 @@ from loguru import logger
 
 from ..speculative.backend import DeviceRows, StepOutput, UserRows
 from .device import TRACE_REGIONS
-from .model import BLOCK_SIZE, SINK_BLOCK, TILE_ROWS, TTModel, chunked_prefill_lengths, supported_kwargs
-from .tt_surface import can_keep_shares, decode_forward_kwargs, decode_logits, padded_vocab
+from .model import SINK_BLOCK, TILE_ROWS, TTModel, prefill_warm_prompts, supported_kwargs
+from .tt_surface import can_keep_shares, decode_forward_kwargs, decode_logits, mesh_column_rows, padded_vocab
 from .trace_plan import TraceKey, pass_ladder, passes_for, region_bytes, trace_bytes, trace_keys, vocab_slices
 
 # What a step costs, in units of streaming the weights once (a decode step of the tile, which computes all 32 rows
@@ -188,7 +190,62 @@ def prepare_mesh(mesh) -> None:
             lm.compiled.add(key)
     for lm in models:
         for key in sorted(lm.planned if lm.trace else ()):
-            lm.capture(key)
+            try:
+                lm.capture(key)
+            except RuntimeError as e:
+                error = region_error(e, models, lm, key)
+                if error is None:
+                    raise
+                raise error from e
+
+
+# tt-metal's refusal when the trace buffers outgrow the region (mesh_trace.cpp populate_mesh_buffer, TT_FATAL; the
+# text is in the ttnn 0.81.1 wheel's libtt_metal.so): the first number is every live trace's size with the failing one's
+TRACE_REGION_FULL = re.compile(r"Creating trace buffers of size (\d+)B on MeshDevice \S+, but only (\d+)B is allocated "
+                               r"for trace region")
+
+
+def region_error(error: RuntimeError, models: list, failing, failing_key) -> Optional[ValueError]:
+    """tt-metal's trace-region refusal as one line naming the size to open the mesh with, or None for any other
+    error. tt-metal reports what the traces captured so far took on the device; trace_plan's estimate for the same
+    traces says how far off it was, and every planned trace scaled by that, with trace_plan's margin, is the size."""
+    found = TRACE_REGION_FULL.search(str(error))
+    if not found:
+        return None
+    needed, region = int(found.group(1)), int(found.group(2))
+    done = [(lm, key) for lm in models for key in lm.traces] + [(failing, failing_key)]
+    estimated_done = sum(lm._trace_bytes(key) for lm, key in done)
+    planned = [lm._trace_bytes(key) for lm in models if lm.trace for key in lm.planned]
+    size = region_bytes([math.ceil(needed * sum(planned) / max(estimated_done, 1))])
+    return ValueError(f"the decode traces outgrew the trace region: {len(done)} of the {len(planned)} planned traces "
+                      f"took {needed / 1e6:.0f} MB on the device and the mesh was opened with {region / 1e6:.0f} MB "
+                      f"(trace_plan estimated {estimated_done / 1e6:.0f} MB for them); rerun with --trace_region_size "
+                      f"{size} (or device_params' trace_region_size)")
+
+
+def program_cache_entries(mesh) -> Optional[int]:
+    """The mesh's program-cache entries (MeshDevice.num_program_cache_entries, ttnn/cpp/ttnn/distributed/
+    distributed_pybind.cpp: "Number of entries in the program cache for this device"), None where it has none."""
+    count = getattr(mesh, "num_program_cache_entries", None)
+    return int(count()) if callable(count) else None
+
+
+def remake_traces_after(mesh, before: Optional[int], what: str) -> None:
+    """After host work that may compile programs (a prefill: TT's last-token slice and paged_fill_cache compile per
+    last-token tile and page-table width, beyond what the warm-up covers): if programs were added to the cache while
+    decode traces were live, their kernel binaries were allocated under those traces and a replay may overwrite them
+    (allocator.cpp verify_safe_allocation), so every trace on the mesh is released and made again (prepare_mesh)
+    before any replay; the binaries now sit outside every trace's buffers. Logged with what it cost."""
+    after = program_cache_entries(mesh)
+    models = list(MESH_MODELS[id(mesh)])
+    if before is None or after is None or after == before or not any(lm.traces for lm in models):
+        return
+    start = time.perf_counter()
+    for lm in models:
+        lm.release_traces()
+    prepare_mesh(mesh)
+    logger.info(f"{what} compiled {after - before} program(s) while the decode traces were live: every trace on the "
+                f"mesh made again ({time.perf_counter() - start:.1f}s)")
 
 
 def captured(mesh, program):
@@ -232,7 +289,15 @@ class TtnnCausalLM:
                              "(one 32-row tile); use 32 or fewer")
         self.tt, self.max_batch_size, self.max_seq_len = tt, max_batch_size, max_seq_len
         self.n_layers, self.vocab_size = tt.n_layers, tt.args.vocab_size
-        self.max_step_rows = TILE_ROWS
+        # The rows a step may use: the tile, or on a Galaxy one mesh column's users (tt_surface.mesh_column_rows).
+        # A Galaxy column computes its own 8 rows against its own KV caches, and (in some attention.py versions) only
+        # column 0's caches hold the prompts, so a user's rows must stay in column 0's rows at every step: a verify
+        # row in tile rows 8-31 would attend to a cache that was never filled, or one its earlier rows never wrote.
+        self.max_step_rows = mesh_column_rows(tt.model, tt.args, TILE_ROWS)
+        if max_batch_size > self.max_step_rows:
+            raise ValueError(f"--batch_size {max_batch_size}: on a Galaxy a decode step's rows must sit in one mesh "
+                             f"column's {self.max_step_rows} users (TT-Transformers' attention gives each mesh column "
+                             f"its own users and KV caches); use --batch_size {self.max_step_rows} or fewer")
         # Token trees need each row to see its ancestors only, which paged SDPA decode (each row sees every cached
         # position up to its own) does not express without an attention mask per step: chains only (README).
         self.supports_trees = False
@@ -250,6 +315,7 @@ class TtnnCausalLM:
         self.planned: set[TraceKey] = set()  # (write passes, top k, taps) of every program a run uses
         self.compiled: set[TraceKey] = set()  # the planned programs already run once (kernels built)
         self.prefilled = False  # TT's prefill warm-up (its first prefill_forward_text) has run
+        self.prefill_warmed = False  # _warm_up_prefill has run (its programs stay in the mesh's program cache)
         # False: every step runs its ops eagerly (TT's demos' enable_trace=False): a failure names the op, not a trace
         self.trace = trace
         # where a mesh's tapped states are gathered (_write_taps): "device", one all-gather inside each tapped trace,
@@ -294,17 +360,29 @@ class TtnnCausalLM:
         return {"compile_prefill": time.perf_counter() - start, "compile_decode": 0.0}
 
     def _warm_up_prefill(self) -> None:
-        """TT's prefill warm-up (its first prefill_forward_text sweeps the lengths up to capped_warmup_seq_len), then
-        one prefill at every padded length TT chunks (model.chunked_prefill_lengths), so the chunked path's programs
-        are built before any decode trace is live: compiled under one, their kernel binaries may be overwritten when
-        it replays (allocator.cpp verify_safe_allocation). Paged into SINK_BLOCK, as TT's own warm-up pages its
-        prompts (a page table of zeros)."""
+        """TT's prefill warm-up (its first prefill_forward_text sweeps the lengths of
+        ModelArgs.get_warmup_prefill_supported_seq_lens, up to capped_warmup_seq_len), then one prefill of every prompt
+        length model.prefill_warm_prompts names: every padded length TT's sweep leaves out (256 and 512, the chunked
+        lengths past the chunk size, ...), and every last-token tile of the prompts up to PER_TILE_WARM_POSITIONS
+        tokens (TT's last-token ttnn.slice and its paged_fill_cache compile per tile and page-table width). So those
+        programs are built before any decode trace is live: compiled under one, their kernel binaries may be
+        overwritten when it replays (allocator.cpp verify_safe_allocation); a prefill that still compiles something
+        later has the traces made again (remake_traces_after). Paged into SINK_BLOCK through a page-table row as wide as a
+        user's (TT cuts it to the prompt's blocks as it cuts theirs), as TT's own warm-up pages its prompts (a page
+        table of zeros)."""
+        if self.prefill_warmed:  # a later run on the same model: its programs are in the program cache
+            return
+        programs = program_cache_entries(self.tt.mesh_device)
         self.prefill(0, [0])
         generator = self.tt.generator
-        for length in chunked_prefill_lengths(self.tt.args.max_prefill_chunk_size, self.max_seq_len):
-            generator.prefill_forward_text(torch.zeros(1, length, dtype=torch.long), **supported_kwargs(
-                generator.prefill_forward_text, kv_cache=[self.tt.kv_cache], prompt_lens=[length], empty_slots=[0],
-                page_table=torch.full((1, length // BLOCK_SIZE), SINK_BLOCK, dtype=torch.int32), enable_trace=False))
+        sink = torch.full((1, self.tt.page_table.shape[1]), SINK_BLOCK, dtype=torch.int32)
+        for n in prefill_warm_prompts(self.tt.args, self.max_seq_len):
+            generator.prefill_forward_text(torch.zeros(1, n, dtype=torch.long), **supported_kwargs(
+                generator.prefill_forward_text, kv_cache=[self.tt.kv_cache], prompt_lens=[n], empty_slots=[0],
+                page_table=sink, enable_trace=False))
+        self.prefill_warmed = True
+        # another model's traces may already be live on the mesh (a pool's earlier run): made again if so
+        remake_traces_after(self.tt.mesh_device, programs, "the prefill warm-up")
 
     def prepare_traces(self) -> float:
         """Compile, and capture where tracing, every program planned on this mesh (prepare_mesh); seconds spent."""
@@ -321,8 +399,9 @@ class TtnnCausalLM:
         needed = sum(lm._trace_bytes(key) for lm in MESH_MODELS[id(mesh)] if lm.trace for key in lm.planned)
         if region and needed > region:
             raise ValueError(f"the planned decode traces take about {needed / 1e6:.0f} MB of trace region and the mesh "
-                             f"was opened with {region / 1e6:.0f} MB: open it with trace_region_size >= "
-                             f"{region_bytes([needed])} (device_params), or plan fewer traces (lower --n_draft_tokens)")
+                             f"was opened with {region / 1e6:.0f} MB: rerun with --trace_region_size "
+                             f"{region_bytes([needed])} (or device_params' trace_region_size), or plan fewer traces "
+                             "(lower --n_draft_tokens)")
 
     def _trace_bytes(self, key: TraceKey) -> int:
         args = self.tt.args
@@ -338,8 +417,24 @@ class TtnnCausalLM:
         self.tt.passes.positions = self.inputs.step.pass_positions[:key.passes]
         # a scratch tile: the tap tile may hold a verified step's states the head has not been fed yet
         scratch = ttnn.clone(self.tap_tile(key.taps), memory_config=ttnn.DRAM_MEMORY_CONFIG) if key.taps else None
-        for tensor in device_tensors(self._forward(key, scratch)) + ([scratch] if key.taps else []):
+        self.tt.passes.count_from_zero()
+        outputs = self._forward(key, scratch)
+        self._check_ordered_writes(key.passes)
+        for tensor in device_tensors(outputs) + ([scratch] if key.taps else []):
             ttnn.deallocate(tensor)
+
+    def _check_ordered_writes(self, passes: int) -> None:
+        """Every layer's K and V cache writes went through the ordered writer (attention.py), each as `passes` update
+        ops: otherwise TT-Transformers reached paged_update_cache some other way (bound at import, fused, a renamed
+        forward_decode) and a verify step's rows would race in one op, losing writes with no error. One line naming
+        the counts."""
+        done = self.tt.passes
+        if done.writes != 2 * self.n_layers or done.issued != 2 * self.n_layers * passes:
+            raise RuntimeError(f"the ordered cache writes did not reach TT-Transformers' attention: a {self.n_layers}-"
+                               f"layer decode step made {done.writes} K/V writes through them ({2 * self.n_layers} "
+                               f"expected) and issued {done.issued} update ops ({2 * self.n_layers * passes} expected "
+                               f"for {passes} passes); this tt-metal's tt/attention.py does not call "
+                               "ttnn.experimental.paged_update_cache from Attention.forward_decode (tt_surface probe)")
 
     def capture(self, key: TraceKey) -> None:
         """The program for this key captured as a trace (its outputs are the trace's persistent tensors)."""
@@ -354,7 +449,8 @@ class TtnnCausalLM:
         traces, self.traces = self.traces, {}
         release_all(self.tt.mesh_device, [t.trace_id for t in traces.values()])
 
-    def __del__(self):  # as TT-Transformers' Generator.__del__: a dropped model's traces leave the trace region
+    def __del__(self):  # a dropped model's traces leave the trace region (TT-Transformers' Generator.__del__
+        # releases none: it closes data-parallel submeshes only, tt/generator.py; tt_baseline.py releases TT's)
         with contextlib.suppress(Exception):  # a destructor never raises (the mesh may be closed already)
             self.release_traces()
 
@@ -374,10 +470,12 @@ class TtnnCausalLM:
         if taps and not self.prefilled:  # TT's first prefill runs its warm-up sweep: not under the taps' host reads
             self.prefill(user, list(tokens[:1]))
         self.prefilled = True
+        programs = program_cache_entries(self.tt.mesh_device)
         with TapCapture(self.tt.model.layers, taps, copy=self._to_host) as capture:
             out = generator.prefill_forward_text(torch.tensor([list(tokens)]), **supported_kwargs(
                 generator.prefill_forward_text, page_table=self.tt.page_table[user : user + 1],
                 kv_cache=[self.tt.kv_cache], prompt_lens=[len(tokens)], empty_slots=[user], enable_trace=False))
+        remake_traces_after(self.tt.mesh_device, programs, f"a prefill of {len(tokens)} tokens")
         row = out.reshape(-1)[: self.vocab_size].float().view(1, -1)
         states = [prompt_taps(capture.outputs, taps, len(tokens))] if taps else None
         return StepOutput([row.argmax(dim=-1).tolist()], [row] if logits else None, hidden=states)
@@ -439,6 +537,7 @@ class TtnnCausalLM:
         made again (prepare_mesh). taps: checked (_check_taps)."""
         import ttnn
 
+        self._check_rows(sum(len(r.tokens) for r in rows))  # before anything is planned or compiled for the step
         passes = passes_for(max(len(u.tokens) for u in rows), self.ladder)
         key = TraceKey(passes, top_k, taps, logits)
         if key not in (self.traces if self.trace else self.compiled):
@@ -485,9 +584,7 @@ class TtnnCausalLM:
         import ttnn
         from models.tt_transformers.tt.common import copy_host_to_device
 
-        n_rows = sum(len(r.tokens) for r in rows)
-        if n_rows > TILE_ROWS:
-            raise ValueError(f"a step of {n_rows} rows does not fit the {TILE_ROWS}-row decode tile")
+        n_rows = self._check_rows(sum(len(r.tokens) for r in rows))
         tokens = torch.zeros(TILE_ROWS, dtype=torch.int64)
         positions = torch.full((TILE_ROWS,), -1, dtype=torch.int64)
         page_table = self.tt.page_table[0].repeat(TILE_ROWS, 1)  # idle rows: any valid row, never read
@@ -500,7 +597,12 @@ class TtnnCausalLM:
                 if write:
                     pass_positions[j, r] = positions[r]
                 r += 1
-        host = [*self.tt.model.prepare_decode_inputs_host(tokens, positions, page_table),
+        decode_inputs = self.tt.model.prepare_decode_inputs_host(tokens, positions, page_table)
+        if len(decode_inputs) != 4:
+            raise ValueError(f"TT-Transformers' prepare_decode_inputs_host returned {len(decode_inputs)} inputs where "
+                             "the backend takes 4 (tokens, current_pos, rot_mat_idxs, page_table): this tt-metal's "
+                             "decode interface is not one the backend drives (tt_surface probe)")
+        host = [*decode_inputs,
                 *(ttnn.from_torch(p, dtype=ttnn.int32, mesh_mapper=self._replicated()) for p in pass_positions)]
         if self.inputs.step is None:
             device = copy_host_to_device(host, mesh_device=self.tt.mesh_device)
@@ -511,6 +613,13 @@ class TtnnCausalLM:
             i = self.inputs.step
             copy_host_to_device(host, [i.tokens, i.current_pos, i.rope_idxs, i.page_table, *i.pass_positions])
         return r
+
+    def _check_rows(self, n_rows: int) -> int:
+        """n_rows, or one line when a step of that many rows does not fit (max_step_rows)."""
+        if n_rows > self.max_step_rows:
+            where = "the decode tile" if self.max_step_rows == TILE_ROWS else "one Galaxy mesh column's rows"
+            raise ValueError(f"a step of {n_rows} rows does not fit {where} ({self.max_step_rows})")
+        return n_rows
 
     def _read(self, tensor) -> torch.Tensor:
         """A traced output read back as [32, width]: on a split-vocabulary mesh the devices' parts side by side in

@@ -122,18 +122,48 @@ def model_args_seq_len(max_seq_len: int) -> int:
     return 1 << (max_seq_len - 1).bit_length()
 
 
-def chunked_prefill_lengths(max_prefill_chunk_size: int, max_seq_len: int) -> list[int]:
-    """The padded lengths (TT's get_padded_prefill_len) of the prompts of up to max_seq_len tokens that TT prefills in
-    chunks (longer than max_prefill_chunk_size: tt/generator.py prefill_forward_single_user_text). Real ttnn 0.81.1
-    compiles chunked SDPA once per chunk_start_idx and page-table width (counted with num_program_cache_entries on the
-    mock device), and TT's prefill warm-up stops at max_prefill_chunk_size (get_warmup_prefill_supported_seq_lens), so
-    each of these lengths is a set of programs the first such prompt would otherwise compile."""
+# Prompts up to this many tokens have every last-token tile warmed (prefill_warm_prompts): one prefill per 32
+# positions, 32 prefills of 32 to 1,024 tokens (22,016 positions in all, about 20 x TT's own sweep at max_seq_len
+# 1024). Past it each tile would cost a prefill as long as the prompt (256 more prefills, 1.2 M positions, at
+# max_seq_len 8192): not warmed, covered by remaking the traces after a prefill that compiled (generator.py
+# remake_traces_after).
+PER_TILE_WARM_POSITIONS = 1024
+
+
+def prefill_warm_prompts(args, max_seq_len: int) -> list[int]:
+    """The prompt lengths the backend's warm-up prefills (TtnnCausalLM._warm_up_prefill) so that no prompt of up to
+    max_seq_len tokens compiles a prefill program while decode traces are live, as far as that is cheap:
+    - one prompt of each padded length (TT's get_padded_prefill_len of 1..max_seq_len) that TT's own warm-up sweep
+      does not run (ModelArgs.get_warmup_prefill_supported_seq_lens, tt/model_config.py: 128 and 1024 x 2^k up to
+      capped_warmup_seq_len, plus the trace-supported lengths): tt/common.py@553f842d pads to "whichever is smaller: a
+      power of 2 or a multiple of 2048", so 256 and 512, and past 4,096 the multiples of 2,048 (6,144, 10,240, ...),
+      which also covers the lengths TT prefills in chunks (past max_prefill_chunk_size: chunked SDPA compiles once
+      per chunk_start_idx and page-table width in real ttnn 0.81.1, counted with num_program_cache_entries on the
+      mock device). A prompt of the padded length runs every chunk a shorter one of that length runs;
+    - one prompt of 32 b tokens for every block count b of the prompts up to PER_TILE_WARM_POSITIONS: TT's
+      Transformer.forward slices the last token's 32 rows, `ttnn.slice(x, (0, 0, get_last_token, 0), (1, 1,
+      get_last_token + 32, x.shape[-1]))` (tt/model.py@00a9ba8f), and ttnn keys a slice's program by its offsets;
+      its attention fills the cache through the user's page table cut to the prompt's blocks
+      (Generator._get_prefill_user_page_table), and paged_fill_cache keys its program by the page table's width: a
+      prompt of 32 b tokens has b blocks and its last token in tile b - 1.
+    A prompt stands for its (padded length, blocks) class; the classes TT's sweep already ran (its lengths as whole
+    prompts) and the one-token prefill that triggers the sweep are left out. Without
+    get_warmup_prefill_supported_seq_lens (older ModelArgs) every padded length is prefilled."""
     from models.tt_transformers.tt.common import get_padded_prefill_len
 
-    # padded lengths step at multiples of 2,048 past 2,048: every 32nd prompt length finds each step
-    lengths = {get_padded_prefill_len(n) for n in range(max_prefill_chunk_size + 1, max_seq_len + 1, BLOCK_SIZE)}
-    lengths.add(get_padded_prefill_len(max_seq_len))
-    return sorted(length for length in lengths if length > max_prefill_chunk_size)
+    def kind(n: int) -> tuple[int, int]:
+        return get_padded_prefill_len(n), math.ceil(n / BLOCK_SIZE)
+    swept = getattr(args, "get_warmup_prefill_supported_seq_lens", None)
+    done = {kind(n) for n in (swept() if callable(swept) else ())} | {kind(1)}
+    padded = {get_padded_prefill_len(n) for n in range(1, max_seq_len + 1)}
+    candidates = [min(length, max_seq_len) for length in sorted(padded)]  # past max_seq_len: its longest prompt
+    per_tile = min(max_seq_len, PER_TILE_WARM_POSITIONS)
+    candidates += [min(b * BLOCK_SIZE, per_tile) for b in range(1, math.ceil(per_tile / BLOCK_SIZE) + 1)]
+    prompts = {}
+    for n in candidates:
+        if kind(n) not in done:
+            prompts.setdefault(kind(n), n)
+    return sorted(prompts.values())
 
 
 # Bytes per value as TT stores them: a 32 x 32 tile of bfloat8_b is 1,024 mantissa bytes and 64 shared exponents, one

@@ -141,9 +141,9 @@ def head_trace_bytes(model_name: str, device_name: Optional[str], full_layers: i
     return math.ceil(op_bytes(model_name, device_name, full_layers) * head_trace_ops(key))
 
 
-def region_bytes(traces: list[int]) -> int:
-    """The trace_region_size for traces of these sizes, with the margin, rounded up to a MB."""
-    return math.ceil(sum(traces) * MARGIN / 1e6) * 1_000_000
+def region_bytes(traces: list[int], margin: Optional[float] = None) -> int:
+    """The trace_region_size for traces of these sizes, with the margin (MARGIN unless given), rounded up to a MB."""
+    return math.ceil(sum(traces) * (MARGIN if margin is None else margin) / 1e6) * 1_000_000
 
 
 def device_names_for(shape: tuple[int, int], mesh_name: Optional[str]) -> list[str]:

@@ -8,11 +8,16 @@ host sampling otherwise. Decode tokens/s/user is the demo's: the steps after the
 (n - 1) / their time.
 
 The model is dropped after the run with every trace it made released: TT's Generator's own (its trace_id*
-attributes) and, with on-device sampling, the sampling module's (TT's split sampling captures a second trace inside
-models/common/sampling/generator.py SamplingGenerator.capture_trace, released only by its reset_trace; TT's
-Generator.__del__ releases neither). Then the mesh's trace region and DRAM must be back where they were before the
-baseline was built (ttnn.get_memory_view), or the run stops with what is left: the perf test builds ours next, its
-trace region sized for ours alone.
+attributes: the decode traces, and the prefill traces of versions that trace prefill) and, with on-device sampling, the
+sampling module's (TT's split sampling captures a second trace inside models/common/sampling/generator.py
+SamplingGenerator.capture_trace, released only by its reset_trace). TT-Transformers' Generator.__del__ releases no
+trace: in every version of tt/generator.py the index holds (000ec121, d9d95fa3 and the 2026 split-sampling form the
+backend follows, read for 87700c07) it only closes the data-parallel submeshes (`# Workaround for issue #19052`).
+The __del__ that releases `trace_id_prefill` and `trace_ids_decode` is the Galaxy demo's own Generator
+(models/demos/llama3_70b_galaxy/tt/generator.py), not this one; so that such a destructor could not release a trace
+twice, the Generator's trace_id* attributes are emptied once their traces are released here. Then the mesh's trace
+region and DRAM must be back where they were before the baseline was built (ttnn.get_memory_view), or the run stops
+with what is left: the perf test builds ours next, its trace region sized for ours alone.
 
 Our plain decoding runs our verify-shaped step (ordered cache writes, the whole logits tile): the perf test times
 both on the same checkpoint, so speedups are stated against what a TT user would pick as well as against our own
@@ -73,6 +78,7 @@ def tt_decode_baseline(mesh_device, folder: Path, name: str, prompts: Sequence[S
             current_pos += 1
     finally:
         release_all(mesh_device, generator_traces(generator))
+        forget_traces(generator)
         for sampling_module in (getattr(m, "sampling", None) for m in generator.model):  # split sampling's traces
             if hasattr(sampling_module, "reset_trace"):
                 sampling_module.reset_trace()
@@ -123,6 +129,17 @@ def generator_traces(generator) -> list:
             return [i for v in value for i in ids(v)]
         return [] if value is None else [value]
     return [i for name, value in vars(generator).items() if name.startswith("trace_id") for i in ids(value)]
+
+
+def forget_traces(generator) -> None:
+    """The Generator's trace_id* attributes emptied (a dict cleared, an id set to None) once generator_traces' ids
+    are released: a destructor that releases what they hold (module docstring) finds nothing left."""
+    for name, value in list(vars(generator).items()):
+        if name.startswith("trace_id"):
+            if isinstance(value, dict):
+                value.clear()
+            else:
+                setattr(generator, name, None)
 
 
 def next_tokens(out, sampled_on_device: bool) -> torch.Tensor:

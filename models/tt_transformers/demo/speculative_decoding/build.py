@@ -92,10 +92,13 @@ def ttnn_loader(config: DemoConfig, mesh_device):
     return load
 
 
-def trace_region_size(config: DemoConfig, shape: tuple[int, int]) -> int:
-    """The trace region a ttnn run on a mesh of this shape needs: every decode trace of the target, of the draft model
-    and of a draft head (ttnn_backend/trace_plan.py), for the draft mode's most demanding choice (hybrid: recycling's
-    top k, a head's taps and traces and a draft model's traces all counted)."""
+def trace_region_size(config: DemoConfig, shape: tuple[int, int], margin: float = None) -> int:
+    """The trace region a ttnn run on a mesh of this shape needs: --trace_region_size where given, else every decode
+    trace of the target, of the draft model and of a draft head (ttnn_backend/trace_plan.py), for the draft mode's
+    most demanding choice (hybrid: recycling's top k, a head's taps and traces and a draft model's traces all
+    counted), with trace_plan's margin (or `margin`)."""
+    if config.trace_region_size is not None:
+        return config.trace_region_size
     from models.tt_transformers.torch_backend.checkpoint import resolve_checkpoint
     from models.tt_transformers.torch_backend.model_config import ModelArgs
     from models.tt_transformers.ttnn_backend.model import TILE_ROWS
@@ -125,7 +128,7 @@ def trace_region_size(config: DemoConfig, shape: tuple[int, int]) -> int:
         layers = draft_args.n_layers if config.draft_model else draft_layers_for(config, target_layers)
         traces += model_trace_bytes(draft.name, device, n_devices, draft_args.n_layers, layers, draft_args.vocab_size,
                                     TILE_ROWS, 0, (), sampled)
-    return region_bytes(traces)
+    return region_bytes(traces, margin)
 
 
 class ModelPool:
@@ -185,6 +188,7 @@ def build(config: DemoConfig, checked: CheckedInputs, mesh_device=None, pool: Op
         return pool.get(("model", str(ckpt.folder), n_layers, built_with), lambda: loader(ckpt, n_layers))
 
     target = load(ckpt, target_layers)
+    check_step_rows(config, target)
     if not config.draft_trees:
         target.supports_trees = False
     drafter = draft_lm = None
@@ -218,6 +222,22 @@ def build(config: DemoConfig, checked: CheckedInputs, mesh_device=None, pool: Op
                        f"answers that reach it stop there (--max_seq_len {longest + config.max_generated_tokens} "
                        "holds them all)")
     return tokenizer, target, drafter, draft_lm, tokens, eos_token_ids(ckpt, tokenizer)
+
+
+def check_step_rows(config: DemoConfig, target) -> None:
+    """On a Galaxy a step holds one mesh column's users (TtnnCausalLM.max_step_rows: 8 rows, not the tile's 32): a
+    batch whose verify steps would need more rows is refused in one line naming the flags, rather than run with its
+    drafts cut to what fits (at --batch_size 8, none)."""
+    args = getattr(getattr(target, "tt", None), "args", None)
+    rows, wanted = target.max_step_rows, config.batch_size * (config.n_draft_tokens + 1)
+    if not getattr(args, "is_galaxy", False) or config.n_draft_tokens == 0 or wanted <= rows:
+        return
+    most = rows // config.batch_size - 1
+    fix = (f"use --n_draft_tokens {most} or fewer, or a smaller --batch_size" if most >= 1 else
+           f"use --batch_size {rows // 2} or fewer to draft (or --n_draft_tokens 0)")
+    raise DemoInputError(f"--n_draft_tokens {config.n_draft_tokens} with --batch_size {config.batch_size}: on a Galaxy "
+                         f"a verify step holds {rows} rows (one mesh column's users), and {config.batch_size} x "
+                         f"({config.n_draft_tokens} + 1) = {wanted} do not fit; {fix}")
 
 
 def head_drafter(head: tuple, target, ckpt, args, config: DemoConfig, pooled=lambda make: make()):

@@ -160,6 +160,9 @@ def check_flags(config: DemoConfig, backend: str) -> None:
         raise DemoInputError(f"--precision {config.precision!r} is not one of {', '.join(PRECISIONS)}")
     if config.tap_gather not in TAP_GATHERS:
         raise DemoInputError(f"--tap_gather {config.tap_gather!r} is not one of {', '.join(TAP_GATHERS)}")
+    if config.trace_region_size is not None and config.trace_region_size < 1:
+        raise DemoInputError(f"--trace_region_size must be a positive number of bytes, got {config.trace_region_size}; "
+                             "leave it out to size the region for the run")
     if config.dtype is not None and config.dtype not in DTYPES[backend]:
         raise DemoInputError(f"--dtype {config.dtype!r} is not supported on the {backend} backend; use "
                              f"{' or '.join(DTYPES[backend])}")
