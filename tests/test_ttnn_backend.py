@@ -14,6 +14,7 @@ from models.tt_transformers.speculative.drafters import HybridDrafter, ModelDraf
 from models.tt_transformers.torch_backend.checkpoint import load_model, resolve_checkpoint
 from models.tt_transformers.torch_backend.generator import TorchCausalLM
 from models.tt_transformers.ttnn_backend import attention as ordered_attention
+from models.tt_transformers.ttnn_backend.generator import TtnnCausalLM
 
 from .stand_in_backend import MAX_SEQ_LEN, backend_builder, outputs
 from .tt_stand_in import ttnn as stand_in_ttnn
@@ -74,7 +75,7 @@ def test_taps_match_the_torch_backend_in_float32(tt, embedded_checkpoint, prompt
     errors += block_errors(ours, ref, dim)
     print(f"stand-in vs torch backend, taps {EAGLE3_TAPS} (read back in bf16): max relative error {max(errors):.2e}")
     assert max(errors) < 1e-2
-    assert {taps for *_, taps in lm.traces} == {EAGLE3_TAPS}  # the tapped traces are their own
+    assert {key.taps for key in lm.traces} == {EAGLE3_TAPS}  # the tapped traces are their own
 
 
 def test_taps_come_from_the_layers_named(tt, embedded_checkpoint, prompts):
@@ -137,7 +138,7 @@ def test_speculative_identical_to_plain_through_the_verify_step(tt, prompts, pla
     assert any(it.accepted == 0 for it in steps)  # drafts rejected at their first token
     if mode != "model":  # the copy prompt's suffix drafts pass whole (the 8-layer draft never does here)
         assert any(it.accepted == it.drafted >= 2 for it in steps)
-    assert {passes for passes, *_ in lm.traces} <= {1, 2, 4, 8}  # a trace per number of write passes, captured once
+    assert {key.passes for key in lm.traces} <= {1, 2, 4, 8}  # a trace per number of write passes, captured once
 
 
 def test_generation_to_the_end_of_the_cache(tt, prompts):
@@ -189,8 +190,28 @@ def test_every_row_of_a_verify_step_is_written(tt, prompts, monkeypatch):
     writes = verify_step(tt(2))
     assert len(writes) == 2 * 8 * 30  # (K, V) x 8 passes (7 rows round up to the ladder's 8) x 30 layers
     assert lost_writes(writes) == 0
-    monkeypatch.setattr(ordered_attention, "ordered_update", lambda update_op, passes: update_op)
+    batched_writes(monkeypatch)
     assert lost_writes(verify_step(tt(2))) > 0
+
+
+def batched_writes(monkeypatch) -> None:
+    """TT-Transformers' own cache write (every row in one paged_update_cache) in place of the ordered passes, and the
+    backend's check that its passes reached TT's attention (TtnnCausalLM._check_ordered_writes) off, which would
+    refuse such a model at its first compile: what that check guards against, made to happen."""
+    monkeypatch.setattr(ordered_attention, "ordered_update", lambda update_op, passes: update_op)
+    monkeypatch.setattr(TtnnCausalLM, "_check_ordered_writes", lambda self, passes: None)
+
+
+def test_a_model_whose_cache_writes_bypass_the_ordered_passes_is_refused(tt, prompts, monkeypatch):
+    """Issue 37's third review, F5: a TT-Transformers that reaches paged_update_cache some other way (bound at import,
+    fused) would write a verify step's rows in one op, racing, with no error; the backend counts the writes that went
+    through its passes when it compiles a step and refuses in one line."""
+    monkeypatch.setattr(ordered_attention, "ordered_update", lambda update_op, passes: update_op)
+    lm = tt(1)
+    lm.prefill(0, prompts[0][:40])
+    with pytest.raises(RuntimeError, match=r"^the ordered cache writes did not reach TT-Transformers' attention: a 30-"
+                                           r"layer decode step made 0 K/V writes through them \(60 expected\)"):
+        lm.step([UserRows(0, prompts[0][40:43], 40)])
 
 
 def test_ordered_cache_writes_are_needed(tt, prompts, plain_outputs, monkeypatch):
@@ -198,7 +219,7 @@ def test_ordered_cache_writes_are_needed(tt, prompts, plain_outputs, monkeypatch
     keys and values, and speculative output drifts from plain decoding: the ordered passes are what prevent it.
     Both runs on fresh backends whose caches hold only what they wrote."""
     assert outputs(SpeculativeGenerator(tt(1), SuffixDrafter(2), 6).generate(prompts[:1], 32)) == plain_outputs[:1]
-    monkeypatch.setattr(ordered_attention, "ordered_update", lambda update_op, passes: update_op)
+    batched_writes(monkeypatch)
     assert outputs(SpeculativeGenerator(tt(1), SuffixDrafter(2), 6).generate(prompts[:1], 32)) != plain_outputs[:1]
 
 
@@ -262,7 +283,7 @@ def test_row_budget_and_idle_users(tt, prompts):
         seen[-1] += (lm.inputs.step.current_pos.data.tolist(),)
         return out
     lm.step = recording
-    with pytest.raises(ValueError, match="does not fit the 32-row decode tile"):
+    with pytest.raises(ValueError, match=r"^a step of 33 rows does not fit the decode tile \(32\)$"):
         step([UserRows(0, list(range(20)), 0), UserRows(1, list(range(13)), 0)])
     results = SpeculativeGenerator(lm, SuffixDrafter(1), 16, eos_token_ids=[2]).generate(prompts, 60)
     assert 16 < max(rows for rows, _, _ in seen) <= 32
@@ -319,3 +340,37 @@ def test_sampling_through_the_verify_step_follows_the_target(monkeypatch, tmp_pa
         assert p_value < 1e-3
     else:
         assert p_value > 1e-3 and full_chains >= 300 * 8 // 2, (p_value, full_chains)
+
+
+def test_step_cost_prices_cached_positions_from_the_models_bytes(tt, embedded_checkpoint):
+    """Issue 37 point 10: a row reading one cached position costs the K and V bytes of every layer there over the
+    weight bytes a step streams, as TT stores them (bfloat8_b, FF1/FF3 bfloat4_b under the performance preset; the
+    cache's own dtype), not a fixed 2e-6 (5.7x too low for Llama-3.1-8B, 52x for this model). Counted here from the
+    stand-in's cache tensors and the checkpoint's weight tensors."""
+    lm = tt(1)
+    weights = load_model(embedded_checkpoint, torch.float32, 16, cpu_kernels=False)  # nn.Linear layers (float32)
+    bfp4, bfp8 = 576 / 1024, 1088 / 1024  # bytes a value: a 32 x 32 tile's mantissas and its 64 shared exponents
+    streamed = weights.output.weight.numel() * bfp8 + sum(
+        layer.feed_forward.w_gate_up.weight.numel() * bfp4 + sum(
+            w.weight.numel() for w in (layer.attention.wqkv, layer.attention.wo, layer.feed_forward.w_down)) * bfp8
+        for layer in weights.layers)
+    positions = lm.tt.kv_cache[0][0].data.shape[0] * lm.tt.kv_cache[0][0].data.shape[2]  # blocks x block size
+    assert {v.dtype for layer in lm.tt.kv_cache for v in layer} == {"bfloat8_b"}
+    kv = sum(v.data.numel() for layer in lm.tt.kv_cache for v in layer) / positions * bfp8
+    assert lm.step_cost(5, 1000) - lm.step_cost(5, 0) == pytest.approx(5 * 1000 * kv / streamed, rel=1e-9)
+
+
+def test_greedy_traces_slice_no_logits(tt):
+    """Issue 37 point 10: the logits' first rows a sampled step reads are sliced only in a sampled run's programs: a
+    greedy run's traces record three ops fewer each."""
+    lm = tt(2)
+    mesh = lm.tt.mesh_device
+    lm.warm_up(5, 0, ())
+    lm.prepare_traces()
+    assert lm.traces and all(not t.first_rows for t in lm.traces.values())
+    greedy = {(key.passes, key.top_k): len(mesh.traces[t.trace_id]) for key, t in lm.traces.items()}
+    lm.warm_up(5, 0, (), logits=True)
+    lm.prepare_traces()
+    sampled = {(key.passes, key.top_k): len(mesh.traces[t.trace_id]) for key, t in lm.traces.items()}
+    assert all(sorted(t.first_rows) == [4, 8, 16] for t in lm.traces.values())
+    assert sampled == {shape: ops + 3 for shape, ops in greedy.items()}

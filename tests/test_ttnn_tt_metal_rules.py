@@ -3,6 +3,8 @@
 whose every rule names the tt-metal file and function it mirrors; it is not a device and proves nothing about one).
 Each test names the review finding it covers (issue 21); each failed on the backend before that review's fixes. The
 findings about the demo's runs on the backend: tests/demo/test_ttnn.py."""
+import weakref
+
 import pytest
 import torch
 
@@ -14,7 +16,7 @@ from models.tt_transformers.ttnn_backend import device as tt_device
 from models.tt_transformers.ttnn_backend import generator as tt_generator
 from models.tt_transformers.ttnn_backend.generator import TtnnCausalLM
 from models.tt_transformers.ttnn_backend.model import build_tt_model, weight_cache_root
-from models.tt_transformers.ttnn_backend.trace_plan import model_trace_bytes, trace_keys, trace_ops
+from models.tt_transformers.ttnn_backend.trace_plan import TraceKey, model_trace_bytes, trace_keys, trace_ops
 
 from .conftest import save_tiny_hf_checkpoint
 from .stand_in_backend import STAND_IN_TRACE_REGION
@@ -42,9 +44,9 @@ def tiny(tmp_path_factory):
     return resolve_checkpoint(str(folder))
 
 
-def build(mesh, ckpt, users=1, max_seq_len=192, **kwargs):
+def build(mesh, ckpt, users=1, max_seq_len=192, tap_gather="device", **kwargs):
     return TtnnCausalLM(build_tt_model(mesh, ckpt.folder, ckpt.name, users, max_seq_len, True, **kwargs), users,
-                        max_seq_len)
+                        max_seq_len, tap_gather=tap_gather)
 
 
 def mesh_of(shape):
@@ -126,12 +128,14 @@ def test_split_vocabulary_argmax_and_top_k_per_device(stand_in, tiny):
         assert [r.output_tokens for r in spec] == reference_output
 
 
-def test_taps_and_the_device_head_on_a_two_device_mesh_equal_one_devices(stand_in, tiny, tmp_path):
+@pytest.mark.parametrize("tap_gather", ["device", "host"])
+def test_taps_and_the_device_head_on_a_two_device_mesh_equal_one_devices(stand_in, tiny, tmp_path, tap_gather):
     """The residual stream entering a decoder layer is split over the devices along dim (tt/decoder.py: "x is
     fractured across devices and interleaved in DRAM (for prefill) and sharded in L1 (for decode)"; tt/embedding.py
     splits the embedding's columns): a prefill's taps are read back concatenated in device order, a step's are
     all-gathered into the tap tile (whole rows on every device), and the head, replicated, drafts what it drafts on one
-    device."""
+    device. Issue 37 point 7: with --tap_gather host the step's copies are read back and written into the tile by the
+    host instead, the same states, with no collective of ours in the traced step."""
     from models.tt_transformers.speculative.head_drafter import HeadFeed
     from models.tt_transformers.torch_backend.checkpoint import read_embedding
     from models.tt_transformers.torch_backend.model_config import ModelArgs
@@ -144,8 +148,12 @@ def test_taps_and_the_device_head_on_a_two_device_mesh_equal_one_devices(stand_i
     # a 32-wide head_dim (the tiny target's is 16): TT's rotary_embedding_llama rotates whole tiles
     config, weights = random_head_tensors(args, seed=1, taps=taps, n_heads=2, n_kv_heads=2, head_dim=32)
 
+    gathers = []
+    tt_all_gather = stand_in_tt.tt_all_gather
+    stand_in.setattr(stand_in_tt, "tt_all_gather", lambda *a, **k: gathers.append(1) or tt_all_gather(*a, **k))
+
     def run(mesh):
-        lm = build(mesh, tiny)
+        lm = build(mesh, tiny, tap_gather=tap_gather)
         lm.warm_up(3, 0, taps)
         head = TtnnDraftHead(lm, config, weights, read_embedding(tiny), 2, args, cache_dir=tmp_path / str(id(mesh)))
         head.warm_up()
@@ -163,7 +171,8 @@ def test_taps_and_the_device_head_on_a_two_device_mesh_equal_one_devices(stand_i
         assert out[0].shape == (8, 3 * lm.tt.args.dim)
         assert torch.equal(out[0], reference[0]) and torch.equal(out[1], reference[1])
         assert out[2] == reference[2]
-        assert lm.tap_tile(taps).shards == 1  # all-gathered (tt_all_gather): every device holds whole rows
+        assert lm.tap_tile(taps).shards == 1  # gathered: every device holds whole rows
+        assert bool(gathers) == (tap_gather == "device")  # tt_all_gather in the traced step, or none at all
 
 
 def test_decode_residual_layout_and_the_tap_copy(stand_in, tiny):
@@ -190,15 +199,15 @@ def test_decode_residual_layout_and_the_tap_copy(stand_in, tiny):
 
 
 def test_trace_plan_with_taps():
-    """Traces are keyed by (write passes, top k, taps); a tapped one adds a DRAM copy and a slice per tap and the
-    stack, gather, concat and copy into the tap tile to the op count; a device head's traces are counted beside the
+    """Traces are keyed by (write passes, top k, taps, logits); a tapped one adds a DRAM copy and a slice per tap and
+    the stack, gather, concat and copy into the tap tile to the op count; a device head's traces are counted beside the
     target's."""
     from models.tt_transformers.ttnn_backend.trace_plan import head_region_bytes
 
     taps = (2, 15, 27)
-    assert trace_keys(5, 4, taps) == sorted({(p, 4, taps) for p in (1, 2, 4, 5)} | {(1, 0, ())})
-    assert trace_keys(5, 0, ()) == [(1, 0, ()), (2, 0, ()), (4, 0, ()), (5, 0, ())]
-    assert trace_ops(30, (1, 0, taps), 49152) - trace_ops(30, (1, 0, ()), 49152) == 10
+    assert trace_keys(5, 4, taps) == sorted({(p, 4, taps, False) for p in (1, 2, 4, 5)} | {(1, 0, (), False)})
+    assert trace_keys(5, 0, ()) == [(1, 0, (), False), (2, 0, (), False), (4, 0, (), False), (5, 0, (), False)]
+    assert trace_ops(30, TraceKey(1, 0, taps, False), 49152) - trace_ops(30, TraceKey(1, 0, (), False), 49152) == 10
     plain = model_trace_bytes("Llama-3.1-8B", ["N150"], 1, 32, 32, 128256, 5, 0, ())
     tapped = model_trace_bytes("Llama-3.1-8B", ["N150"], 1, 32, 32, 128256, 5, 0, (2, 16, 29))
     assert len(tapped) == len(plain) + 1 and sum(tapped) > sum(plain)  # the plain step beside the tapped ones
@@ -249,10 +258,22 @@ def test_buffers_allocated_under_a_live_trace_on_the_stand_in(stand_in, tiny):
 
 def test_trace_region_overflow_on_the_stand_in(stand_in, tiny):
     """The stand-in's side of finding 6: traces past the region fail as tt-metal's do; no region and allocations in
-    the capture fail too."""
-    lm = build(stand_in_ttnn.open_mesh_device(stand_in_ttnn.MeshShape(1, 1), trace_region_size=10_000), tiny)
-    with pytest.raises(RuntimeError, match="allocated for trace region"):
-        lm.step([UserRows(0, [1], 0)])
+    the capture fail too. Issue 37's third review (first-try risk: a region from an op-count estimate): tt-metal's
+    refusal comes back as one line naming the --trace_region_size to pass, scaled from what the device reported for
+    the traces captured so far, and a mesh opened with that size runs the same steps."""
+    import re
+
+    lm = build(stand_in_ttnn.open_mesh_device(stand_in_ttnn.MeshShape(1, 1), trace_region_size=100_000), tiny)
+    lm.warm_up(3, 0, ())
+    with pytest.raises(ValueError, match="outgrew the trace region: .* rerun with --trace_region_size [0-9]+ ") as e:
+        lm.prepare_traces()
+    assert "\n" not in str(e.value) and "allocated for trace region" in str(e.value.__cause__)
+    size = int(re.search(r"--trace_region_size ([0-9]+)", str(e.value)).group(1))
+    lm.release()
+    lm = build(stand_in_ttnn.open_mesh_device(stand_in_ttnn.MeshShape(1, 1), trace_region_size=size), tiny)
+    lm.warm_up(3, 0, ())
+    lm.prepare_traces()
+    assert len(lm.traces) == 3 and lm.step([UserRows(0, [1, 2, 3], 0)]).ids
     lm = build(stand_in_ttnn.open_mesh_device(stand_in_ttnn.MeshShape(1, 1)), tiny)
     with pytest.raises(RuntimeError, match="non-zero trace_region_size"):
         lm.step([UserRows(0, [1], 0)])
@@ -344,3 +365,131 @@ def test_a_sampled_step_reads_only_the_rows_in_use(stand_in, tiny):
         out = lm.step([UserRows(0, list(range(1, rows + 1)), 0)], logits=True)
         assert [shape[-2] for shape in reads if shape[-1] > 1] == [read], rows  # one read of the logits
         assert out.logits[0].shape[0] == rows and torch.equal(out.logits[0][:6], full[: min(rows, 6)])
+
+
+def long_prompt(n: int) -> list[int]:
+    return [(7 * i) % 120 for i in range(n)]
+
+
+def test_a_chunked_prompt_leaves_every_other_users_cache_alone(stand_in, tiny):
+    """Issue 37 point 2: TT's chunked prefill pads the user's page table with zeros to the padded prompt's blocks and
+    fills the cache through it, and paged_fill_cache skips only -1 entries, so a long prompt's padding K/V land in
+    physical block 0. With block 0 a user's first 32 positions, user 0's cache was overwritten by user 1's prefill
+    (plain and speculative runs alike: the lossless checks stayed green); block 0 is a sink now. (Chunks of 2,048
+    rows for this model, as TT's table gives larger models on N150.)"""
+    stand_in.setitem(stand_in_tt.MAX_PREFILL_CHUNK_SIZES_DIV1024, "Tiny-1B", {"N150": 2})
+    lm = build(mesh_of((1, 1)), tiny, users=2, max_seq_len=2240)
+    lm.prefill(0, long_prompt(40))
+    before = lm.step([UserRows(0, [9], 40)], logits=True).logits[0]
+    lm.prefill(1, long_prompt(2100))  # padded to 4,096: its second chunk's pages are 2 of the user's and 62 zeros
+    assert any(name == "chunked_sdpa@2048" for name, _ in lm.tt.mesh_device.compiled)  # it did run in chunks
+    after = lm.step([UserRows(0, [9], 40)], logits=True).logits[0]
+    assert torch.equal(before, after)
+
+
+def test_the_chunked_prefill_is_compiled_before_any_trace(stand_in, tiny):
+    """Issue 37 point 3: TT's prefill warm-up stops at max_prefill_chunk_size, so the chunked path's programs (chunked
+    SDPA: one per chunk start and page-table width in real ttnn 0.81.1) compiled at the first long prompt, after the
+    decode traces were captured (their kernel binaries allocated under a live trace, which a replay may overwrite).
+    warm_up now prefills once at every padded length TT chunks, into the sink block, before anything is traced."""
+    stand_in.setitem(stand_in_tt.MAX_PREFILL_CHUNK_SIZES_DIV1024, "Tiny-1B", {"N150": 2})
+    lm = build(mesh_of((1, 1)), tiny, users=1, max_seq_len=4200)
+    lm.warm_up(2, 0, ())
+    lm.prepare_traces()
+    mesh = lm.tt.mesh_device
+    assert lm.traces and not mesh.unsafe
+    lm.prefill(0, long_prompt(4150))  # padded to 6,144: three chunks of 2,048
+    assert any(name == "chunked_sdpa@4096" for name, _ in mesh.compiled)
+    assert [u for u in mesh.unsafe if not isinstance(u, weakref.ref)] == []  # no program compiled under the traces
+
+
+def on_a_galaxy(tt_model):
+    """A stand-in model whose args and attention say what TT-Transformers' say on a TG (the stand-in cannot hold 32
+    devices): ModelArgs.is_galaxy, and tt/attention.py's batch_size_per_device_group for a 32-row batch and 8 KV heads,
+    32 // (32 // 8) = 8 users per mesh column."""
+    tt_model.args.is_galaxy = True
+    for layer in tt_model.model.layers:
+        layer.attention.batch_size_per_device_group = 8
+    return tt_model
+
+
+def test_a_galaxy_step_keeps_to_one_mesh_columns_users(stand_in, tiny):
+    """Issue 37's third review, F1: on a Galaxy TT gives each of the 4 mesh columns 8 of the tile's 32 rows and its
+    own KV caches (positions and page-table rows split over the columns, prepare_decode_inputs_host), and some
+    attention.py versions fill only column 0's caches in a paged prefill: a user's verify rows in tile rows 8-31
+    attended to caches nobody filled, or that its earlier rows never wrote. A step now holds at most one column's 8
+    rows, a batch past them is refused in one line, and the run's traces are planned for 8 rows."""
+    mesh = mesh_of((1, 1))
+    lm = TtnnCausalLM(on_a_galaxy(build_tt_model(mesh, tiny.folder, tiny.name, 2, 192, True)), 2, 192)
+    assert lm.max_step_rows == 8
+    with pytest.raises(ValueError, match=r"^a step of 9 rows does not fit one Galaxy mesh column's rows \(8\)$"):
+        lm.step([UserRows(0, [1, 2, 3, 4, 5], 0), UserRows(1, [1, 2, 3, 4], 0)])
+    with pytest.raises(ValueError, match=r"^--batch_size 16: on a Galaxy .* use --batch_size 8 or fewer$"):
+        TtnnCausalLM(lm.tt, 16, 192)
+    drafts = SpeculativeGenerator(lm, SuffixDrafter(1), 16)
+    assert sum(drafts._draft_caps([SimpleResult()] * 2, [[1, 2]] * 2, 64)) + 2 <= 8  # the rows shared within 8
+
+
+class SimpleResult:
+    output_tokens: list = []
+
+
+def test_prefill_warm_prompts_cover_every_padded_length_and_the_short_prompts_tiles(stand_in, tiny):
+    """F2: the warm-up prefills one prompt of every padded length TT's sweep leaves out (get_padded_prefill_len pads to
+    the smaller of a power of two and a multiple of 2,048: 256, 512, then 6,144, 10,240 ...), not only the lengths
+    TT chunks, and every (padded length, blocks) class of the prompts up to PER_TILE_WARM_POSITIONS tokens."""
+    from models.tt_transformers.ttnn_backend.model import PER_TILE_WARM_POSITIONS, prefill_warm_prompts
+
+    stand_in.setitem(stand_in_tt.MAX_PREFILL_CHUNK_SIZES_DIV1024, "Tiny-1B", {"N150": 4})
+    args = build_tt_model(mesh_of((1, 1)), tiny.folder, tiny.name, 1, 12000, True).args
+    prompts = prefill_warm_prompts(args, 12000)
+    padded = {stand_in_tt.get_padded_prefill_len(n) for n in prompts} | set(args.get_warmup_prefill_supported_seq_lens())
+    assert padded == {stand_in_tt.get_padded_prefill_len(n) for n in range(1, 12001)}
+    assert {6144, 10240, 12000} <= set(prompts)  # 12,000 stands for 10,241..12,000 (padded to 12,288, past the cache)
+    short = {(stand_in_tt.get_padded_prefill_len(n), -(-n // 32)) for n in prompts if n <= PER_TILE_WARM_POSITIONS}
+    swept = {(n, n // 32) for n in args.get_warmup_prefill_supported_seq_lens()} | {(128, 1)}
+    assert short | swept >= {(stand_in_tt.get_padded_prefill_len(n), -(-n // 32))
+                             for n in range(1, PER_TILE_WARM_POSITIONS + 1)}
+    assert len(prompts) == len(set(prompts)) and not set(prompts) & set(args.get_warmup_prefill_supported_seq_lens())
+
+
+def programs_compiled_by(mesh, run) -> set:
+    before = set(mesh.compiled)
+    run()
+    return set(mesh.compiled) - before
+
+
+def test_every_prefill_program_a_prompt_can_need_is_compiled_before_any_trace(stand_in, tiny):
+    """F2: TT's sweep stops at 128 and 1024 x 2^k, so a prompt padded to 256 or 512 compiled its prefill programs
+    with the decode traces live (their kernel binaries allocated under a trace, which a replay may overwrite); and
+    TT's last-token ttnn.slice and paged_fill_cache compile per last-token tile and page-table width (ttnn 0.81.1
+    keys a slice by its offsets, a fill by its page table's shape). After warm_up and the capture, no prompt up to
+    max_seq_len (here within PER_TILE_WARM_POSITIONS) compiles anything, nor are the traces made again."""
+    lm = build(mesh_of((1, 1)), tiny, users=1, max_seq_len=600)
+    lm.warm_up(2, 0, ())
+    lm.prepare_traces()
+    mesh, traces = lm.tt.mesh_device, {key: t.trace_id for key, t in lm.traces.items()}
+    for n in (5, 33, 70, 129, 200, 257, 300, 450, 513, 599, 600):
+        assert programs_compiled_by(mesh, lambda: lm.prefill(0, long_prompt(n))) == set(), n
+        lm.step([UserRows(0, [3], n - 1)])
+    assert {key: t.trace_id for key, t in lm.traces.items()} == traces
+    assert [u for u in mesh.unsafe if not isinstance(u, weakref.ref)] == []
+
+
+def test_a_prefill_that_compiles_under_live_traces_has_them_made_again(stand_in, tiny):
+    """F2, past PER_TILE_WARM_POSITIONS (a prefill per 32 positions would cost a prompt-long prefill each): a prompt
+    whose last-token tile no warm-up ran compiles its slice and fill programs while the decode traces are live; the
+    backend sees the program cache grow (num_program_cache_entries) and makes every trace on the mesh again before
+    any replay, so no replay can overwrite those programs. Before, the next prompt of that length ran a program a
+    replay had overwritten."""
+    lm = build(mesh_of((1, 1)), tiny, users=1, max_seq_len=1400)
+    lm.warm_up(2, 0, ())
+    lm.prepare_traces()
+    mesh, before = lm.tt.mesh_device, {key: t.trace_id for key, t in lm.traces.items()}
+    new = programs_compiled_by(mesh, lambda: lm.prefill(0, long_prompt(1100)))  # padded to 2,048, tile 1,088
+    assert any(name.startswith("slice@(0, 0, 1088") for name, _ in new), new
+    assert set(lm.traces) == set(before) and not set(before.values()) & {t.trace_id for t in lm.traces.values()}
+    assert [u for u in mesh.unsafe if not isinstance(u, weakref.ref)] == []
+    lm.step([UserRows(0, [3], 1100)])
+    lm.prefill(0, long_prompt(1100))  # the same programs again, after a replay
+    assert lm.step([UserRows(0, [3], 1100)]).ids

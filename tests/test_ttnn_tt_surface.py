@@ -83,12 +83,13 @@ def test_layer_counts_and_vocabulary_without_the_newer_attributes():
 
 
 def test_the_probe_names_every_detail(monkeypatch):
-    """On the stand-in every detail is found; with a detail taken away the probe names it and the file to read."""
+    """On the stand-in every detail is found; with a detail taken away the probe names it and the file to read, and
+    says whether the backend calls it (a missing call stops make tt-smoke) or reads it (a warning)."""
     from .tt_stand_in import install
 
     install(monkeypatch)
     lines = tt_surface.probe()
-    assert len(lines) == len(tt_surface.DETAILS) and all(found for _, found, _ in lines), lines
+    assert len(lines) == len(tt_surface.DETAILS) and all(line.found for line in lines), lines
     monkeypatch.delattr(stand_in_tt.Transformer, "prepare_decode_inputs_host")
 
     class Attention(stand_in_tt.Attention):  # a version whose decode does not reach the update through ttnn.experimental
@@ -97,10 +98,13 @@ def test_the_probe_names_every_detail(monkeypatch):
         def forward_decode(self, x, *args, **kwargs):
             return x
     monkeypatch.setattr(stand_in_tt, "Attention", Attention)
-    missing = {name: text for name, found, text in tt_surface.probe() if not found}
+    missing = {line.name: line for line in tt_surface.probe() if not line.found}
     assert set(missing) == {"prepare_decode_inputs_host(tokens, current_pos, page_table)",
+                            "prepare_decode_inputs_host returns 4 device inputs",
                             "paged_update_cache looked up at call time"}
-    assert "models/tt_transformers/tt/model.py" in missing["prepare_decode_inputs_host(tokens, current_pos, page_table)"]
+    called = missing["prepare_decode_inputs_host(tokens, current_pos, page_table)"]
+    assert "models/tt_transformers/tt/model.py" in called.text and called.called
+    assert not missing["paged_update_cache looked up at call time"].called
 
 
 def test_eager_mode_equals_traced_and_captures_nothing(tt, prompts, plain_outputs, monkeypatch):
@@ -170,3 +174,154 @@ def test_tt_decode_baseline_runs_the_same_model(tt, prompts, plain_outputs, embe
                                 prompts[:2] * 16, 12, 192, True)
     assert report["on_device_sampling"] and report["batch"] == 32 and report["decode_t/s/u"] > 0
     assert report["tokens"][:2] == [p[:12] for p in plain_outputs[:2]]
+
+
+def test_tt_decode_baseline_releases_every_trace_it_made(tt, prompts, embedded_checkpoint, monkeypatch):
+    """Issue 37 point 6: with on-device sampling TT's Generator captures a second trace inside its sampling module
+    (SamplingGenerator.capture_trace), which neither our baseline nor TT's Generator.__del__ released: it stayed in the
+    trace region sized for our traces. Now the baseline leaves no trace, and a version that keeps one stops the run
+    with the trace region it left."""
+    from models.tt_transformers.ttnn_backend import tt_baseline
+
+    lm = tt(4)
+    mesh = lm.tt.mesh_device
+
+    def baseline():
+        return tt_baseline.tt_decode_baseline(mesh, embedded_checkpoint.folder, embedded_checkpoint.name,
+                                              prompts[:2] * 16, 4, 192, True)
+    # the stand-in keeps no kernel binaries: all its DRAM must be back
+    monkeypatch.setattr(tt_baseline, "DRAM_LEFT_BYTES", 0, raising=False)
+    assert baseline()["on_device_sampling"]
+    assert mesh.traces == {}
+    monkeypatch.setattr(stand_in_tt.SamplingGenerator, "reset_trace", lambda self: None)
+    with pytest.raises(RuntimeError, match="left 0.0 MB of trace region|MB of trace region"):
+        baseline()
+
+
+class FiveInputs(stand_in_tt.Transformer):
+    """tt/model.py@000ec121's decode interface (TEST DOUBLE of its signatures): prepare_decode_inputs_host returns
+    rot_mat_idxs_global and rot_mat_idxs_local apart, and ttnn_decode_forward takes them by those names."""
+
+    def prepare_decode_inputs_host(self, tokens, current_pos, page_table=None):
+        tokens, current_pos, rope_idxs, page_table = super().prepare_decode_inputs_host(tokens, current_pos, page_table)
+        return tokens, current_pos, rope_idxs, rope_idxs, page_table
+
+    def ttnn_decode_forward(self, x, current_pos, rot_mat_idxs_global=None, rot_mat_idxs_local=None, page_table=None,
+                            kv_cache=None, argmax_on_device=False):
+        return super().ttnn_decode_forward(x, current_pos, rot_mat_idxs_global, page_table, kv_cache)
+
+
+def test_the_probe_stops_for_a_decode_interface_the_backend_cannot_drive(monkeypatch, tt):
+    """Issue 37's third review, F5: the backend unpacks four inputs from prepare_decode_inputs_host and calls
+    ttnn_decode_forward(x, current_pos, rot_mat_idxs=, page_table=, kv_cache=); the version at 000ec121 returns five
+    and names the rotary inputs apart, which failed with a TypeError at the first step. The probe names both as
+    missing calls (make tt-smoke stops at stage 2), and a step that gets another count says so in one line."""
+    from models.tt_transformers.speculative.backend import UserRows
+
+    lm = tt(1)
+    monkeypatch.setattr(stand_in_tt, "Transformer", FiveInputs)
+    missing = {line.name: line for line in tt_surface.probe() if not line.found and line.called}
+    assert set(missing) == {"prepare_decode_inputs_host returns 4 device inputs",
+                            "ttnn_decode_forward(x, current_pos, rot_mat_idxs=, page_table=, kv_cache=)"}
+    assert "returns 5 values where the backend unpacks 4" in missing["prepare_decode_inputs_host returns 4 device "
+                                                                    "inputs"].text
+    four = lm.tt.model.prepare_decode_inputs_host  # the built model's: now as 000ec121's returns them
+    monkeypatch.setattr(lm.tt.model, "prepare_decode_inputs_host",
+                        lambda *args: (lambda t, c, r, p: (t, c, r, r, p))(*four(*args)))
+    with pytest.raises(ValueError, match=r"^TT-Transformers' prepare_decode_inputs_host returned 5 inputs where the "
+                                         r"backend takes 4 .*"):
+        lm.step([UserRows(0, [1], 0)])
+
+
+def test_a_step_whose_cache_writes_bypass_the_ordered_writer_is_refused(monkeypatch, embedded_checkpoint):
+    """F5: the ordered cache writes replace ttnn.experimental.paged_update_cache while TT's forward_decode runs, which
+    reaches them only if TT looks the op up there at call time; a version that bound it otherwise (at import, say)
+    wrote a verify step's rows in one racing op with no error (the probe's text check only warns). Compiling a step
+    now counts the writes that went through the ordered writer (2 per layer, each `passes` ops) and stops with one
+    line when they did not."""
+    from models.tt_transformers.speculative.backend import UserRows
+    from models.tt_transformers.ttnn_backend.trace_plan import TraceKey
+
+    from .stand_in_backend import backend_builder
+
+    raw = stand_in_ttnn.experimental.paged_update_cache
+
+    class BoundAtImport(stand_in_tt.Attention):  # an Attention that calls the op it bound when its module loaded
+        def forward_decode(self, *args, **kwargs):
+            looked_up = stand_in_ttnn.experimental.paged_update_cache
+            stand_in_ttnn.experimental.paged_update_cache = raw
+            try:
+                return super().forward_decode(*args, **kwargs)
+            finally:
+                stand_in_ttnn.experimental.paged_update_cache = looked_up
+    build = backend_builder(monkeypatch, embedded_checkpoint)
+    lm = build(1)
+    assert lm.step([UserRows(0, [1, 2, 3], 0)]).ids  # TT's own Attention: every write ordered
+    lm.release_traces()  # (a compile allocates: never under a live trace)
+    lm.compile(TraceKey(4, 0, (), False))
+    assert (lm.tt.passes.writes, lm.tt.passes.issued) == (2 * 30, 2 * 30 * 4)  # 30 layers, 4 passes
+    monkeypatch.setattr(stand_in_tt, "Attention", BoundAtImport)
+    with pytest.raises(RuntimeError, match=r"^the ordered cache writes did not reach TT-Transformers' attention: a "
+                                           r"30-layer decode step made 0 K/V writes through them \(60 expected\)"):
+        build(1).step([UserRows(0, [1, 2, 3], 0)])
+
+
+def test_the_galaxy_probe_is_called_on_a_galaxy_only(monkeypatch):
+    """F1: on a Galaxy the backend keeps a step's rows in mesh column 0's users, which is right when TT's Attention
+    groups the decode users per mesh column (batch_size_per_device_group) and fills column 0's caches in a prefill;
+    the probe reads that from tt/attention.py where MESH_DEVICE names a Galaxy (stopping make tt-smoke when it cannot),
+    and is not needed elsewhere."""
+    from .tt_stand_in import install
+
+    install(monkeypatch)
+    name = "Galaxy: decode users grouped per mesh column"
+    monkeypatch.setenv("MESH_DEVICE", "N300")
+    line = next(line for line in tt_surface.probe() if line.name == name)
+    assert line.found and not line.called and "not needed" in line.text
+    monkeypatch.setenv("MESH_DEVICE", "TG")
+    line = next(line for line in tt_surface.probe() if line.name == name)  # the stand-in has no Galaxy path
+    assert not line.found and line.called and "models/tt_transformers/tt/attention.py" in line.text
+
+    class OlderGalaxyAttention(stand_in_tt.Attention):  # the one-column fill, tt/attention.py@00b769dd
+        def forward_prefill(self, x, *args, **kwargs):
+            if self.TG:
+                x = self.prefill_prepare_tensor_for_kv_cache(x, self.batch_size_per_device_group)
+            return super().forward_prefill(x, *args, **kwargs)
+
+        def prefill_prepare_tensor_for_kv_cache(self, key_or_value_layer, user_id):
+            return key_or_value_layer
+
+    class NewerGalaxyAttention(stand_in_tt.Attention):  # every column filled with a page table
+        def forward_prefill(self, x, *args, page_table=None, **kwargs):
+            if self.TG and not page_table:
+                x = self.prefill_prepare_tensor_for_kv_cache(x, self.batch_size_per_device_group)
+            return super().forward_prefill(x, *args, page_table=page_table, **kwargs)
+    for attention, fills in ((OlderGalaxyAttention, "fills the column of user_id"), (NewerGalaxyAttention,
+                                                                                     "fills every column")):
+        monkeypatch.setattr(stand_in_tt, "Attention", attention)
+        line = next(line for line in tt_surface.probe() if line.name == name)
+        assert line.found and line.called and fills in line.text, line
+
+
+def test_tt_decode_baseline_leaves_no_trace_id_for_a_destructor(tt, prompts, embedded_checkpoint, monkeypatch):
+    """F6: TT-Transformers' Generator.__del__ releases no trace (tt/generator.py: it closes data-parallel submeshes),
+    but a Generator whose destructor releases what its trace_id* attributes hold (the Galaxy demo's,
+    models/demos/llama3_70b_galaxy/tt/generator.py) would release the baseline's traces a second time after the
+    baseline released them. The baseline empties those attributes once it has released their traces."""
+    import gc
+
+    from models.tt_transformers.ttnn_backend import tt_baseline
+
+    lm = tt(4)
+    mesh = lm.tt.mesh_device
+    released, release = [], stand_in_ttnn.release_trace
+    monkeypatch.setattr(stand_in_ttnn, "release_trace", lambda m, trace_id: released.append(trace_id) or release(m, trace_id))
+
+    def releases_its_traces(self):  # a destructor as the Galaxy demo's Generator has
+        for trace_id in tt_baseline.generator_traces(self):
+            stand_in_ttnn.release_trace(self.mesh_device, trace_id)
+    monkeypatch.setattr(stand_in_tt.Generator, "__del__", releases_its_traces, raising=False)
+    tt_baseline.tt_decode_baseline(mesh, embedded_checkpoint.folder, embedded_checkpoint.name, prompts[:2] * 16, 4,
+                                   192, True)
+    gc.collect()
+    assert released and len(released) == len(set(released)), released

@@ -1,21 +1,33 @@
 # SPDX-License-Identifier: Apache-2.0
-"""How much a draft head's bfloat8_b weights (as a Tenstorrent device stores them: ttnn_backend/bfp8.py, checked
-against ttnn's own conversion by `make tt-mock`) change what it drafts, against the same head in bfloat16 on the host:
-over whole chains drafted from the same states, the share of chains identical to the bf16 head's and the mean agreed
-prefix. The first measurement of issue 31's finding 1 (the device head's matmul weights are all bfloat8_b today);
-compute-kernel fidelity is not modelled here (the host computes in bf16).
+"""How much a draft head's device numerics change what it drafts, against the same head in bfloat16 on the host: over
+whole chains drafted from the same states, the share of chains identical to the bf16 head's and the mean agreed
+prefix. Two effects are modelled: the matmul weights stored in bfloat8_b (as a Tenstorrent device stores them:
+ttnn_backend/bfp8.py via draft_head.stored_weights, checked against ttnn's own conversion by `make tt-mock`), and the
+matmuls' math fidelity. A Wormhole matmul multiplies in fidelity phases over its operands' mantissa bits (tt-llk's
+golden model, tests/python_tests/helpers/golden_generators.py FidelityMasking: srcA, the weight, in two 5-bit halves;
+srcB, the activation, in its top 7 of 8 significant bits then its last): HiFi4 runs all four phases (exact products,
+fp32 accumulation here), HiFi2 the first two, which is the activation with its last bf16 mantissa bit dropped times
+the whole weight. The rest of the host compute is bf16 for every variant (norms, attention, softmax on the device are
+not modelled).
 
     .venv/bin/python tools/head_precision.py [--chain 8] [--stride 4] [--json docs/head_precision.json]
 
 Heads: the shipped SmolLM2-135M-Instruct head on the embedded target's real tapped states (the sample prompts and
 their greedy responses), and a random EAGLE-3 head of Llama-3.1-8B's shape with a 32k draft vocabulary on random
 states (no 8B target here: its agreement says how sensitive that shape is, not what a trained head would do).
-Variants: every matmul weight bfloat8_b; every one but fc and the LM head (kept bf16, as the issue proposes).
+Variants: bfloat8_b weights with every matmul in HiFi4, in HiFi2, and in HiFi2 but the LM head; each against the bf16
+head and against the HiFi4 one.
+
+First logits (`make tt-smoke`'s random-head gate, tools/tt_smoke.py FIRST_LOGITS_TOLERANCE): the smoke compares the
+device head's first logits with a host reference whose weights are rounded to bfloat8_b but whose KV cache is
+bfloat16; the device's KV cache is bfloat8_b (draft_head.py: with bfloat8_b weights), and its matmuls run in HiFi2.
+From every chain start, the first logits of the head with bfloat8_b weights and its KV cache stored as bfloat8_b
+(bfp8_round at each write: each 16-value row of a cache tile, one position's head, shares an exponent), alone and with
+HiFi2 matmuls, against that reference: the largest relative difference (max |a - b| / max |b|, the smoke's measure).
 """
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -23,25 +35,60 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from models.tt_transformers.ttnn_backend.bfp8 import bfp8_round  # noqa: E402
 from models.tt_transformers.torch_backend.draft_head import HeadRunner, build_draft_head  # noqa: E402
+from models.tt_transformers.ttnn_backend.bfp8 import bfp8_round  # noqa: E402
+from models.tt_transformers.ttnn_backend.draft_head import stored_weights  # noqa: E402
 
-KEEP_BF16 = ("fc.weight", "lm_head.weight")
-
-
-def device_weights(weights: dict, keep=()) -> dict:
-    """The head's matmul weights as the device stores them (transposed [in, out] tiles, as draft_head.head_weights
-    lays them out), norms, embeddings and id maps untouched; `keep` stays bf16."""
-    def stored(name, w):
-        if w.dim() != 2 or "norm" in name or "embed" in name or name in keep:
-            return w
-        return bfp8_round(w.float().t()).t().to(w.dtype)
-    return {name: stored(name, w) for name, w in weights.items()}
+# the head's matmuls: its parameter -> its module (draft_head.PARAMETERS)
+MATMULS = {"fc.weight": "fc", "layer.attention.wqkv.weight": "layer.attention.wqkv",
+           "layer.attention.wo.weight": "layer.attention.wo",
+           "layer.feed_forward.w_gate_up.weight": "layer.feed_forward.w_gate_up",
+           "layer.feed_forward.w_down.weight": "layer.feed_forward.w_down", "lm_head.weight": "lm_head"}
 
 
-def chains(head, target, states: torch.Tensor, tokens: list[int], starts, k: int) -> list[list[int]]:
-    """From each start p: the head fed rows 0..p-1 (state i with token i + 1), then k drafts, each fed back."""
-    runner = HeadRunner(build_draft_head(*head, target), 1, len(tokens) + k + 1, target.args)
+def hifi2_activation(x: torch.Tensor) -> torch.Tensor:
+    """A matmul's activation as HiFi2's two phases read it: bf16 with its last mantissa bit dropped (srcB's top 7 of
+    8 significant bits, truncated toward zero)."""
+    bits = x.to(torch.bfloat16).view(torch.int16)
+    return (bits & ~1).view(torch.bfloat16).to(x.dtype)
+
+
+class Bfp8Cache(torch.Tensor):
+    """A head KV-cache tensor [users, kv heads, slots, head_dim] whose writes are stored as the device's bfloat8_b cache
+    stores them: the device's cache tile is 32 positions of one head x 32 of head_dim, each 16-value row of a face
+    (one position's head) sharing an exponent (bfp8.py), so rounding each written [.., heads, head_dim] row block
+    alone is the same. Reads are plain tensors."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def __setitem__(self, index, value):
+        super().__setitem__(index, bfp8_round(value).to(value.dtype))
+
+
+def runner_for(head, target, max_seq_len: int, hifi2=(), kv_bfp8: bool = False) -> HeadRunner:
+    """The head on the host: hifi2, the matmuls (MATMULS' names) that run in HiFi2; kv_bfp8, its KV cache stored as
+    bfloat8_b."""
+    module = build_draft_head(*head, target)
+    for name in hifi2:
+        module.get_submodule(MATMULS[name]).register_forward_pre_hook(
+            lambda _, args: (hifi2_activation(args[0]), *args[1:]))
+    runner = HeadRunner(module, 1, max_seq_len, target.args)
+    if kv_bfp8:
+        runner.cache.k[0] = torch.Tensor._make_subclass(Bfp8Cache, runner.cache.k[0])
+        runner.cache.v[0] = torch.Tensor._make_subclass(Bfp8Cache, runner.cache.v[0])
+    return runner
+
+
+def first_logits(head, target, states: torch.Tensor, tokens: list[int], starts, hifi2=(), kv_bfp8=False) -> list:
+    """From each start p, the logits after the head is fed rows 0..p-1 (its first draft's)."""
+    runner = runner_for(head, target, len(tokens) + 1, hifi2, kv_bfp8)
+    return [runner.run([0], [0], [states[:p]], [tokens[1 : p + 1]])[0][1] for p in starts]
+
+
+def chains(head, target, states: torch.Tensor, tokens: list[int], starts, k: int, hifi2=()) -> list[list[int]]:
+    """From each start p: the head fed rows 0..p-1 (state i with token i + 1), then k drafts, each fed back. hifi2: the
+    matmuls (MATMULS' names) that run in HiFi2."""
+    runner = runner_for(head, target, len(tokens) + k + 1, hifi2)
     out = []
     for p in starts:
         state, logits = runner.run([0], [0], [states[:p]], [tokens[1 : p + 1]])[0]
@@ -66,7 +113,7 @@ def agreement(reference: list[list[int]], other: list[list[int]]) -> dict:
                 sum(n > 0 for n in prefixes) / len(prefixes), 4)}
 
 
-def shipped_head_case(stride: int) -> tuple[dict, list]:
+def shipped_head_case(stride: int) -> tuple[tuple, list]:
     from models.tt_transformers.prompts import encode, load_prompts
     from models.tt_transformers.torch_backend.draft_head import DRAFT_HEADS
     from models.tt_transformers.speculative.generator import SpeculativeGenerator
@@ -88,12 +135,10 @@ def shipped_head_case(stride: int) -> tuple[dict, list]:
         whole = tokens + response
         states = lm.prefill(0, whole, taps=head[0].taps).hidden[0].to(torch.bfloat16)
         sequences.append((whole, states, range(len(tokens), len(whole) - 1, stride)))
-    return {"bf16": head, "bfloat8_b": (head[0], device_weights(head[1])),
-            "bfloat8_b, fc and LM head bf16": (head[0], device_weights(head[1], KEEP_BF16))}, \
-        [(target, states, whole, starts) for whole, states, starts in sequences]
+    return head, [(target, states, whole, starts) for whole, states, starts in sequences]
 
 
-def llama8b_case() -> tuple[dict, list]:
+def llama8b_case() -> tuple[tuple, list]:
     from models.tt_transformers.torch_backend.draft_head import random_head
     from models.tt_transformers.torch_backend.model import Transformer
     from models.tt_transformers.torch_backend.model_config import ModelArgs
@@ -109,15 +154,43 @@ def llama8b_case() -> tuple[dict, list]:
     n = 64
     states = torch.randn(n, len(config.taps) * args.dim, dtype=torch.bfloat16)
     tokens = torch.randint(0, args.vocab_size, (n + 1,)).tolist()
-    return {"bf16": (config, weights), "bfloat8_b": (config, device_weights(weights)),
-            "bfloat8_b, fc and LM head bf16": (config, device_weights(weights, KEEP_BF16))}, \
-        [(target, states, tokens, range(8, n, 4))]
+    return (config, weights), [(target, states, tokens, range(8, n, 4))]
 
 
-def measure(heads: dict, sequences: list, k: int) -> dict:
-    drafted = {name: [c for target, states, tokens, starts in sequences
-                      for c in chains(head, target, states, tokens, starts, k)] for name, head in heads.items()}
-    return {name: agreement(drafted["bf16"], drafted[name]) for name in heads if name != "bf16"}
+VARIANTS = {"bfloat8_b, HiFi4": (), "bfloat8_b, HiFi2": tuple(MATMULS),
+            "bfloat8_b, HiFi2 but the LM head": tuple(name for name in MATMULS if name != "lm_head.weight")}
+
+
+# the device head's KV cache and matmuls beside the smoke's reference (bfloat8_b weights, bf16 cache, exact matmuls)
+DEVICE_LIKE = {"KV cache bfloat8_b": {"kv_bfp8": True},
+               "KV cache bfloat8_b, HiFi2 matmuls (the device head's configs)": {"kv_bfp8": True,
+                                                                                 "hifi2": tuple(MATMULS)}}
+
+
+def largest_relative_difference(reference: list, other: list) -> float:
+    """max over starts of max |a - b| / max |b| (tools/tt_smoke.py's first-logits measure)."""
+    return max(((a - b).abs().max() / b.abs().max()).item() for b, a in zip(reference, other))
+
+
+def measure(head: tuple, sequences: list, k: int) -> dict:
+    """Every variant's chains against the bf16 head's and against the all-HiFi4 one's; the first logits of the
+    device-like variants against the smoke's reference."""
+    def drafted(weights, hifi2=()):
+        return [c for target, states, tokens, starts in sequences
+                for c in chains((head[0], weights), target, states, tokens, starts, k, hifi2)]
+    reference, stored = drafted(head[1]), stored_weights(*head)
+    variants = {name: drafted(stored, hifi2) for name, hifi2 in VARIANTS.items()}
+    report = {name: {"vs bf16": agreement(reference, out), "vs bfloat8_b, HiFi4": agreement(
+        variants["bfloat8_b, HiFi4"], out)} for name, out in variants.items()}
+
+    def logits(**kwargs):
+        return [x for target, states, tokens, starts in sequences
+                for x in first_logits((head[0], stored), target, states, tokens, starts, **kwargs)]
+    smoke_reference = logits()
+    report["first logits, max relative difference from the smoke's reference"] = {
+        name: round(largest_relative_difference(smoke_reference, logits(**kwargs)), 5)
+        for name, kwargs in DEVICE_LIKE.items()}
+    return report
 
 
 def main(argv=None) -> int:
@@ -126,11 +199,9 @@ def main(argv=None) -> int:
     parser.add_argument("--stride", type=int, default=4, help="positions between chain starts in each response")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
-    start = time.perf_counter()
     report = {"chain": args.chain,
               "SmolLM2-135M-Instruct shipped head": measure(*shipped_head_case(args.stride), args.chain),
               "Llama-3.1-8B-shaped random head (32k draft vocabulary)": measure(*llama8b_case(), args.chain)}
-    report["seconds"] = round(time.perf_counter() - start, 1)
     print(json.dumps(report, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")

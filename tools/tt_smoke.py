@@ -12,10 +12,18 @@ the run uses); prefill of one prompt; one plain traced decode step; one verify s
 drafts; the tapped hidden states an EAGLE-3 head reads (layers 0, 2, N/2 and N-3: the prompt's read back from the
 prefill, a step's left in the tap tile); the draft head on the device (the run's head, else a random EAGLE-3 head:
 its chain against the torch head fed the same states); speculative decoding identical to plain decoding through the
-same verify-shaped step for 32 tokens; the TT perf keys of a short demo run. The report (every stage, its seconds, the failure with its traceback, the
-versions) is written to --report as JSON.
+same verify-shaped step for 32 tokens; the TT perf keys of a short demo run. On a Galaxy (8 x 4 mesh), whose decode
+residual the backend does not gather for taps, the three stages that need taps (the eager stage, tapped states, the
+draft head) are reported `skipped (Galaxy)` and the rest run.
+
+The report (every stage, its seconds, the failure with its traceback, the versions) is written to --report as JSON
+before and after every stage, with `"running": <stage>` while one runs, so a hang or a hard crash still leaves it
+saying where. Beside it: `<report>.log` (this tool's log), `<report>.ttnn.log` (tt-metal's own log, TT_LOGGER_FILE,
+unless already set), and `<report>.tracebacks.txt`: every thread's Python traceback on a hard crash (faulthandler)
+and, every --watchdog_s seconds while one stage runs, again (a hang shows where it waits). Send all four back.
 """
 import argparse
+import faulthandler
 import importlib
 import importlib.metadata
 import json
@@ -44,15 +52,16 @@ from models.tt_transformers.demo.speculative_decoding.inputs import (  # noqa: E
     check_inputs,
     draft_head_folder,
 )
-from models.tt_transformers.demo.speculative_decoding.options import DemoConfig  # noqa: E402
+from models.tt_transformers.demo.speculative_decoding.options import DemoConfig, OneLineErrorParser  # noqa: E402
 from models.tt_transformers.demo.speculative_decoding.speculative_demo import run_demo  # noqa: E402
 from models.tt_transformers.prompts import encode  # noqa: E402
 from models.tt_transformers.records import environment, write_json_atomic  # noqa: E402
 
 SMOKE_TOKENS = 32
 PROMPT = "Repeat this list exactly: apples, pears, plums, figs, dates, limes, apples, pears, plums, figs, dates, limes."
-SEND_BACK = ("send back the report file, `pip show ttnn`, the tt-metal commit (git -C $TT_METAL_HOME rev-parse HEAD), "
-             "MESH_DEVICE and HF_MODEL")
+SEND_BACK = ("send back the report file and the files beside it, `pip show ttnn`, the tt-metal commit "
+             "(git -C $TT_METAL_HOME rev-parse HEAD), MESH_DEVICE and HF_MODEL")
+WATCHDOG_S = 600  # while one stage runs, every thread's traceback into the tracebacks file this often
 
 
 class Smoke:
@@ -64,19 +73,29 @@ class Smoke:
         self.pool = ModelPool()  # the demo run of the last stage reuses the model built here
         self.facts: dict = {}
 
+    def galaxy(self) -> bool:
+        """Whether the model runs on a Galaxy, where the backend refuses taps (TtnnCausalLM._check_taps)."""
+        return self.lm is not None and bool(self.lm.tt.args.is_galaxy)
+
 
 def tt_transformers_surface(s: Smoke) -> None:
     """Every TT-Transformers detail the backend relies on, probed against the installed tt-metal without opening a
-    device (ttnn_backend/tt_surface.py): one line each, found with its variant or missing with the file to look at."""
+    device (ttnn_backend/tt_surface.py): one line each, found with its variant or missing with the file to look at.
+    The stage stops the run only for a signature the backend calls; a detail read from TT's source text or attributes
+    (a property, a rename or a refactor can hide it while the run works) is a warning, and the later stages tell."""
     from models.tt_transformers.ttnn_backend.tt_surface import probe
 
     lines = probe()
-    for name, found, variant in lines:
-        (logger.info if found else logger.error)(f"  {'found' if found else 'MISSING'}: {name}: {variant}")
-    s.facts["tt_transformers_surface"] = {name: variant for name, _, variant in lines}
-    missing = [name for name, found, _ in lines if not found]
+    for line in lines:
+        if line.found:
+            logger.info(f"  found: {line.name}: {line.text}")
+        else:
+            (logger.error if line.called else logger.warning)(
+                f"  {'MISSING' if line.called else 'not found (read, not called: going on)'}: {line.name}: {line.text}")
+    s.facts["tt_transformers_surface"] = {line.name: line.text for line in lines}
+    missing = [line.name for line in lines if line.called and not line.found]
     if missing:
-        raise LookupError(f"{len(missing)} TT-Transformers detail(s) the backend relies on are missing: "
+        raise LookupError(f"{len(missing)} TT-Transformers signature(s) the backend calls are missing: "
                           f"{'; '.join(missing)}")
 
 
@@ -107,15 +126,37 @@ def smoke_head_folder(config: DemoConfig, ckpt, draft_head=None):
                                   ckpt.name)
 
 
-# The device head's drafts must agree with the host bf16 head's on at least this share of first drafts. Rounding the
-# weights to bfloat8_b alone left 96.9 % of first drafts the same (shipped head, real states) and 92.9 % (8B-shaped
-# random head; tools/head_precision.py, docs/head_precision.json); the device's compute fidelity adds to that: below
-# 80 % the device head computes something else.
+# The gates on the device head's drafts, against a host head whose matmul weights are rounded as the device stores them
+# (bfloat8_b: draft_head.stored_weights), so that what differs is the device's compute alone. A real head (shipped, or
+# --draft_head): its first drafts agree with the host's on at least MIN_FIRST_DRAFT_AGREEMENT of the prefixes (the
+# weights' rounding alone, if left out of the reference, moved 3-5 % of first drafts, the shipped head's and an
+# 8B-shaped random one's: tools/head_precision.py, docs/head_precision.json; below 80 % the device head computes
+# something else).
+# A random head has near-tied top drafts, which any rounding of the compute reorders (with the old unrounded reference a
+# third of runs failed the 80 % gate with nothing wrong): its first draft must be among the host's RANDOM_HEAD_TOP and
+# its first logits within FIRST_LOGITS_TOLERANCE of the host's (the largest difference over the largest host logit: a
+# wrong program is off by the logits' own size); its agreement is reported. The tolerance is measured: the host
+# reference keeps a bf16 KV cache and exact matmuls where the device head's cache is bfloat8_b and its matmuls HiFi2,
+# and tools/head_precision.py found those two alone move the first logits by up to 3.07 % (the shipped SmolLM2 head on
+# real tapped states; 1.64 % with the cache alone) and 1.20 % (an 8B-shaped random head on random states; 0.78 %), in
+# docs/head_precision.json. The gate allows FIRST_LOGITS_MARGIN times the larger: as much again for what the host does
+# not model (the device's norms, softmax and SDPA in bf16 with approximate exponentials), 6.14 % in all.
 MIN_FIRST_DRAFT_AGREEMENT = 0.8
+RANDOM_HEAD_TOP = 3
+FIRST_LOGITS_MEASURED = 0.03068  # docs/head_precision.json: the largest "KV cache bfloat8_b, HiFi2 matmuls" figure
+FIRST_LOGITS_MARGIN = 2
+FIRST_LOGITS_TOLERANCE = round(FIRST_LOGITS_MEASURED * FIRST_LOGITS_MARGIN, 4)
 MIN_CHAIN_STEPS = 32  # chain steps compared, over as many prompt prefixes as that takes
 
 
-def stages_region(config: DemoConfig, shape, draft_head=None) -> int:
+# The smoke opens the mesh with the traces' estimate (trace_plan.py: TT's per-model region scaled by op counts, never
+# measured on a device) x 1.5, where the demo uses x 1.25: a first run on a device is the one that finds out how far
+# off the estimate is, and the extra costs little DRAM (Llama-3.1-8B on N150: 542 MB instead of 452, of 12 GB). Traces
+# that still outgrow it stop the run with the size to pass (--trace_region_size).
+SMOKE_REGION_MARGIN = 1.5
+
+
+def stages_region(config: DemoConfig, shape, draft_head=None, margin: float = SMOKE_REGION_MARGIN) -> int:
     """Trace region for the traces the stages add to the run's: the taps stage's (1 write pass, smoke_taps), and the
     head stage's (the target's steps with the head's taps and the head's own traces), with the margin."""
     from models.tt_transformers.torch_backend.checkpoint import resolve_checkpoint
@@ -139,14 +180,17 @@ def stages_region(config: DemoConfig, shape, draft_head=None) -> int:
                                smoke_taps(args.n_layers))
     traces += model_trace_bytes(ckpt.name, devices, n, args.n_layers, args.n_layers, args.vocab_size, k + 1, 0,
                                 head_taps)
-    return region_bytes(traces + head_region_bytes(ckpt.name, devices, args.n_layers, k))
+    return region_bytes(traces + head_region_bytes(ckpt.name, devices, args.n_layers, k), margin)
 
 
 def open_device(s: Smoke) -> None:
+    """The mesh, its trace region --trace_region_size where given, else the run's and the stages' traces x
+    SMOKE_REGION_MARGIN."""
     from models.tt_transformers.ttnn_backend.device import fabric_config_for, mesh_shape, open_mesh
 
     shape = mesh_shape()
-    region = trace_region_size(s.config, shape) + stages_region(s.config, shape, s.draft_head)
+    region = s.config.trace_region_size or (trace_region_size(s.config, shape, SMOKE_REGION_MARGIN)
+                                            + stages_region(s.config, shape, s.draft_head))
     s.mesh = s.exits.enter_context(open_mesh(trace_region_size=region))
     s.exits.callback(s.pool.close)  # traces released before the mesh closes
     s.facts.update(mesh=list(shape), fabric=str(fabric_config_for(shape)), trace_region_size=region)
@@ -227,10 +271,11 @@ def tapped_states(s: Smoke) -> None:
 def device_head(s: Smoke) -> None:
     """The run's draft head (or a random EAGLE-3 head of this target's shape, seeded, where none ships) on the device,
     traced with the target's traces: fed the prompt's taps, it drafts a chain of --n_draft_tokens; the torch head fed
-    the same states (bfloat16, on the host) drafts beside it. Reported: both chains, the head's probabilities and the
-    first draft's logits' difference (bfloat8_b weights on the device); the run fails on non-finite logits or a first
-    draft that is not among the torch head's top 5."""
+    the same states, its matmul weights rounded as the device stores them (bfloat16 compute, on the host), drafts beside
+    it. Reported: both chains, the head's probabilities, the first draft's logits' difference and the agreement over
+    prompt prefixes; gated as the constants above say (a real head's agreement, a random head's top and logits)."""
     import torch
+    import ttnn
 
     from models.tt_transformers.speculative.head_drafter import HeadFeed
     from models.tt_transformers.torch_backend.checkpoint import load_model, resolve_checkpoint
@@ -241,6 +286,7 @@ def device_head(s: Smoke) -> None:
         read_draft_head,
     )
     from models.tt_transformers.torch_backend.model_config import ModelArgs
+    from models.tt_transformers.ttnn_backend.draft_head import stored_weights
 
     ckpt = resolve_checkpoint(s.config.model, "--model" if s.config.model else "HF_MODEL")
     args = ModelArgs.from_hf_config(ckpt.config)
@@ -256,7 +302,8 @@ def device_head(s: Smoke) -> None:
     context = s.tokens + out.ids[0]
     ids, probs = dev.draft([HeadFeed(0, 0, context[1:], states=out.hidden[0])], [0], k)[0]
     host = load_model(ckpt, torch.bfloat16, s.config.max_seq_len, "cpu", cpu_kernels=False, n_layers=0)
-    runner = HeadRunner(build_draft_head(*head, host), 1, s.config.max_seq_len, args)
+    weights = stored_weights(*head) if dev.dtype == ttnn.bfloat8_b else head[1]
+    runner = HeadRunner(build_draft_head(head[0], weights, host), 1, s.config.max_seq_len, args)
     state, first_ref = runner.run([0], [0], [out.hidden[0]], [context[1:]])[0]
     reference, logits = [], first_ref
     for j in range(k):
@@ -265,15 +312,19 @@ def device_head(s: Smoke) -> None:
     device_logits = dev.read_logits(0)[dev.last_rows[0]]
     if not torch.isfinite(device_logits).all():
         raise AssertionError("the device head's logits hold non-finite values")
-    top5 = runner.vocab[first_ref.topk(5).indices].tolist()
-    s.facts["draft_head"] = {"head": str(folder or "random"), "device_chain": ids, "torch_chain": reference,
-                             "probs": [round(p, 3) for p in probs], "first_logits_max_rel_diff": round(
-                                 ((device_logits - first_ref).abs().max() / first_ref.abs().max()).item(), 4)}
-    if ids[0] not in top5:
-        raise AssertionError(f"the device head's first draft {ids[0]} is not among the torch head's top 5 {top5}")
+    difference = ((device_logits - first_ref).abs().max() / first_ref.abs().max()).item()
     agreement = chain_agreement(dev, runner, out.hidden[0], context, k)
-    s.facts["draft_head"]["agreement"] = agreement
-    if agreement["first_draft_same"] < MIN_FIRST_DRAFT_AGREEMENT:
+    s.facts["draft_head"] = {"head": str(folder or "random"), "device_chain": ids, "torch_chain": reference,
+                             "probs": [round(p, 3) for p in probs], "first_logits_max_rel_diff": round(difference, 4),
+                             "agreement": agreement}
+    top = runner.vocab[first_ref.topk(RANDOM_HEAD_TOP if folder is None else 5).indices].tolist()
+    if ids[0] not in top:
+        raise AssertionError(f"the device head's first draft {ids[0]} is not among the host head's top {len(top)} "
+                             f"{top}")
+    if folder is None and difference > FIRST_LOGITS_TOLERANCE:
+        raise AssertionError(f"the device head's first logits differ from the host head's by {difference:.1%} of the "
+                             f"largest, above {FIRST_LOGITS_TOLERANCE:.2%}")
+    if folder is not None and agreement["first_draft_same"] < MIN_FIRST_DRAFT_AGREEMENT:
         raise AssertionError(f"the device head's first drafts agree with the host head's on "
                              f"{agreement['first_draft_same']:.0%} of {agreement['chains']} prefixes, below "
                              f"{MIN_FIRST_DRAFT_AGREEMENT:.0%}")
@@ -327,14 +378,37 @@ def perf_keys(s: Smoke) -> None:
 STAGES: list[tuple[str, Callable[[Smoke], None]]] = [
     ("ttnn import", import_ttnn), ("TT-Transformers surface", tt_transformers_surface), ("device open", open_device),
     ("model build", build_model), ("eager prefill and verify step", eager_steps),
-    ("compile and trace capture", compile_and_capture), ("prefill", prefill), ("plain decode step", decode_step), ("verify step", verify_step),
-    ("tapped states", tapped_states), ("draft head on the device", device_head),
+    ("compile and trace capture", compile_and_capture), ("prefill", prefill), ("plain decode step", decode_step),
+    ("verify step", verify_step), ("tapped states", tapped_states), ("draft head on the device", device_head),
     (f"lossless over {SMOKE_TOKENS} tokens", lossless), ("perf keys", perf_keys)]
+# The stages that ask for taps: a Galaxy's residual is split over its mesh columns and replicated over its rows, which
+# the backend does not gather (TtnnCausalLM._check_taps refuses), so there they are skipped and the rest run.
+NEEDS_TAPS = (eager_steps, tapped_states, device_head)
+GALAXY_SKIP = "skipped (Galaxy): taps are not gathered on an 8 x 4 mesh"
 
 
-def run_stages(smoke: Smoke, stages, report: dict, report_path: Path) -> None:
-    """Every stage in order until one fails, each recorded in the report."""
+def side_files(report_path: Path) -> dict[str, Path]:
+    """What a run leaves beside its report (module docstring)."""
+    return {kind: report_path.with_name(report_path.name + suffix)
+            for kind, suffix in (("log", ".log"), ("ttnn_log", ".ttnn.log"), ("tracebacks", ".tracebacks.txt"))}
+
+
+def run_stages(smoke: Smoke, stages, report: dict, report_path: Path, tracebacks, watchdog_s: float) -> None:
+    """Every stage in order until one fails, each recorded in the report, which is written before it starts (naming
+    it as running: a hang or a hard crash leaves that) and after it ends. While a stage runs, every thread's traceback
+    goes to `tracebacks` every watchdog_s seconds."""
     for i, (name, stage) in enumerate(stages, 1):
+        if stage in NEEDS_TAPS and smoke.galaxy():
+            report["stages"].append({"stage": name, "skipped": GALAXY_SKIP})
+            logger.warning(f"stage {i} ({name}) {GALAXY_SKIP}")
+            continue
+        report["running"] = name
+        write_report(report, smoke, report_path)
+        print(f"tt-smoke: stage {i}/{len(stages)} ({name}) running", flush=True)
+        tracebacks.write(f"\n--- stage {i} ({name}) started {time.strftime('%Y-%m-%d %H:%M:%S')}; every thread's "
+                         f"traceback follows every {watchdog_s:g}s while it runs ---\n")
+        tracebacks.flush()
+        faulthandler.dump_traceback_later(watchdog_s, repeat=True, file=tracebacks)
         start = time.perf_counter()
         try:
             stage(smoke)
@@ -346,9 +420,21 @@ def run_stages(smoke: Smoke, stages, report: dict, report_path: Path) -> None:
             logger.error(f"stage {i} ({name}) FAILED after {seconds:.1f}s: {type(e).__name__}: {e}")
             logger.error(f"stopped there; {SEND_BACK}: {report_path}")
             return
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+            report["running"] = None
         seconds = time.perf_counter() - start
         report["stages"].append({"stage": name, "seconds": seconds})
+        write_report(report, smoke, report_path)
         logger.info(f"stage {i} ({name}) passed in {seconds:.1f}s")
+
+
+def smoke_settings(config: DemoConfig, draft_head=None) -> dict:
+    """What this run was asked for, in the report: the settings that change which programs run (--tap_gather: whether
+    the tapped traces hold our all-gather), so a report says which form hung or passed."""
+    return {"tap_gather": config.tap_gather, "max_seq_len": config.max_seq_len, "precision": config.precision,
+            "n_draft_tokens": config.n_draft_tokens, "draft_head": draft_head,
+            "trace_region_size": config.trace_region_size}
 
 
 def write_report(report: dict, smoke: Smoke, report_path: Path) -> None:
@@ -359,23 +445,43 @@ def write_report(report: dict, smoke: Smoke, report_path: Path) -> None:
     write_json_atomic(report_path, report)
 
 
-def run(config: DemoConfig, report_path: Path, stages=None, draft_head=None) -> dict:
-    """Every stage in order until one fails; the report, also written to report_path: before the teardown (the models
-    released, the mesh closed), so that a teardown that crashes or hangs after a failed capture cannot lose it, and
-    again after it, with the teardown's own failure if it had one."""
-    report = {"stages": [], "ok": True}
+def run(config: DemoConfig, report_path: Path, stages=None, draft_head=None, watchdog_s: float = WATCHDOG_S) -> dict:
+    """Every stage in order until one fails; the report, also written to report_path before and after every stage
+    (run_stages), before the teardown (the models released, the mesh closed), so that a teardown that crashes or hangs
+    after a failed capture cannot lose it, and again after it, with the teardown's own failure if it had one. The
+    files beside it (side_files) are set up first: this tool's log, tt-metal's (TT_LOGGER_FILE, read when ttnn loads:
+    not when it is loaded already, or set by the caller), and the tracebacks of a crash or a stage that runs long."""
+    files = side_files(report_path)
+    report = {"stages": [], "ok": True, "running": None, "files": {kind: str(path) for kind, path in files.items()},
+              "settings": smoke_settings(config, draft_head)}
+    sets_ttnn_log = "ttnn" not in sys.modules and "TT_LOGGER_FILE" not in os.environ
+    if sets_ttnn_log:
+        os.environ["TT_LOGGER_FILE"] = str(files["ttnn_log"])
+    else:
+        report["files"]["ttnn_log"] = os.environ.get("TT_LOGGER_FILE", "stdout (ttnn was loaded before the smoke)")
+    print(f"tt-smoke: report {report_path}; beside it {', '.join(str(p) for p in files.values())}", flush=True)
     smoke = Smoke(config, None, draft_head)
-    try:
-        with ExitStack() as exits:
-            smoke.exits = exits
-            run_stages(smoke, stages or STAGES, report, report_path)
+    sink = logger.add(files["log"], level="DEBUG")
+    crash_handler_was_on = faulthandler.is_enabled()
+    with open(files["tracebacks"], "a") as tracebacks:
+        faulthandler.enable(file=tracebacks, all_threads=True)  # a hard crash's tracebacks, beside the report
+        try:
+            with ExitStack() as exits:
+                smoke.exits = exits
+                run_stages(smoke, stages or STAGES, report, report_path, tracebacks, watchdog_s)
+                write_report(report, smoke, report_path)
+        except Exception as e:  # noqa: BLE001: the teardown's failure is reported beside the stages'
+            report["ok"] = False
+            report["teardown"] = f"{type(e).__name__}: {e}"
+            logger.error(f"teardown FAILED: {type(e).__name__}: {e}; {SEND_BACK}: {report_path}")
+        finally:
             write_report(report, smoke, report_path)
-    except Exception as e:  # noqa: BLE001: the teardown's failure is reported beside the stages'
-        report["ok"] = False
-        report["teardown"] = f"{type(e).__name__}: {e}"
-        logger.error(f"teardown FAILED: {type(e).__name__}: {e}; {SEND_BACK}: {report_path}")
-    finally:
-        write_report(report, smoke, report_path)
+            faulthandler.disable()
+            if crash_handler_was_on:  # as it was (pytest's, for one)
+                faulthandler.enable(file=sys.__stderr__, all_threads=True)
+            logger.remove(sink)
+            if sets_ttnn_log:  # read once, when ttnn loads: this process's later imports are not ours to redirect
+                os.environ.pop("TT_LOGGER_FILE", None)
     if report["ok"]:
         logger.info(f"all {len(report['stages'])} stages passed: {json.dumps(smoke.facts.get('perf'))}; report "
                     f"{report_path}")
@@ -383,17 +489,29 @@ def run(config: DemoConfig, report_path: Path, stages=None, draft_head=None) -> 
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--report", default="tt_smoke_report.json", help="where the JSON report goes")
     parser.add_argument("--max_seq_len", type=int, default=1024)
     parser.add_argument("--precision", default="performance", choices=PRECISIONS)
     parser.add_argument("--draft_head", help="the EAGLE-3 head the draft-head stage runs (a folder or a hub id in the "
                                              "local cache, as the demo's); default: the one shipped for the model, "
                                              "else a random one")
+    parser.add_argument("--watchdog_s", type=float, default=WATCHDOG_S,
+                        help="seconds: while one stage runs, every thread's traceback goes to <report>.tracebacks.txt "
+                             "this often")
+    parser.add_argument("--tap_gather", default="device", choices=("device", "host"),
+                        help="N300/T3K: where the tapped states a draft head reads are gathered: device (one "
+                             "all-gather inside each tapped trace) or host (read back and written to the tap tile "
+                             "after each replay: no collective of ours in a trace; the first thing to rule out when "
+                             "the tapped-states or draft-head stage hangs)")
+    parser.add_argument("--trace_region_size", type=int, help="bytes of trace region to open the mesh with (default: "
+                                                                "the traces' estimate x 1.5; a run whose traces outgrow "
+                                                                "the region names the size to pass here)")
     args = parser.parse_args(argv)
     config = DemoConfig(backend="ttnn", max_seq_len=args.max_seq_len, precision=args.precision,
-                             draft_mode="suffix", max_generated_tokens=SMOKE_TOKENS)
-    return 0 if run(config, Path(args.report), draft_head=args.draft_head)["ok"] else 1
+                        draft_mode="suffix", max_generated_tokens=SMOKE_TOKENS, tap_gather=args.tap_gather,
+                        trace_region_size=args.trace_region_size)
+    return 0 if run(config, Path(args.report), draft_head=args.draft_head, watchdog_s=args.watchdog_s)["ok"] else 1
 
 
 if __name__ == "__main__":

@@ -5,17 +5,19 @@ nothing compiled while timed, its options beside tt-metal's demo conftest. The b
 tests/test_ttnn_tt_metal_rules.py."""
 import pytest
 
-from models.tt_transformers.demo.speculative_decoding.build import ModelPool, trace_region_size
+from models.tt_transformers.demo.speculative_decoding.build import ModelPool, check_step_rows, trace_region_size
 from models.tt_transformers.demo.speculative_decoding.inputs import DemoInputError, backend_of, check_flags, dtype_of
 from models.tt_transformers.demo.speculative_decoding.options import DemoConfig, add_demo_options
 from models.tt_transformers.demo.speculative_decoding.speculative_demo import run_demo
 from models.tt_transformers.speculative.generator import SpeculativeGenerator
+from models.tt_transformers.torch_backend.checkpoint import resolve_checkpoint
 from models.tt_transformers.ttnn_backend import device as tt_device
+from models.tt_transformers.ttnn_backend.generator import TtnnCausalLM
 from models.tt_transformers.ttnn_backend.trace_plan import pass_ladder
 
 from ..conftest import write_json
 from ..stand_in_backend import STAND_IN_TRACE_REGION
-from ..test_ttnn_tt_metal_rules import build, mesh_of, stand_in  # noqa: F401  (stand_in: a fixture)
+from ..test_ttnn_tt_metal_rules import build, mesh_of, on_a_galaxy, stand_in  # noqa: F401  (stand_in: a fixture)
 from ..tt_stand_in import tt_transformers as stand_in_tt
 from ..tt_stand_in import ttnn as stand_in_ttnn
 
@@ -43,6 +45,10 @@ def test_tt_text_demo_configuration_by_default(stand_in, embedded_checkpoint):
     assert accurate.tt.args.optimizations.__name__ == "accuracy"
     with pytest.raises(DemoInputError, match="--precision"):
         check_flags(DemoConfig(precision="fast"), "ttnn")
+    with pytest.raises(DemoInputError, match="--tap_gather"):  # issue 37 point 7: device or host
+        check_flags(DemoConfig(tap_gather="both"), "ttnn")
+    with pytest.raises(DemoInputError, match="--trace_region_size must be a positive number of bytes"):
+        check_flags(DemoConfig(trace_region_size=0), "ttnn")
 
 
 def demo_config(tmp_path, **overrides):
@@ -95,7 +101,7 @@ def test_traces_are_planned_and_fit_the_region(stand_in, tmp_path):
     pool = ModelPool()
     run_demo(demo_config(tmp_path, draft_mode="suffix", recycle_top_k=0, compare_baseline=0), mesh, pool)
     target = next(iter(pool.models.values()))
-    assert {passes for passes, _, _ in target.traces} == {1, 2, 4, 5}
+    assert {key.passes for key in target.traces} == {1, 2, 4, 5}
     pool.close()
     small, large = (trace_region_size(demo_config(tmp_path, n_draft_tokens=n), (1, 1)) for n in (1, 16))
     assert 0 < small < large
@@ -103,7 +109,7 @@ def test_traces_are_planned_and_fit_the_region(stand_in, tmp_path):
     with tt_device.open_mesh(trace_region_size=trace_region_size(truncated, (1, 1))) as sized:
         run_demo(truncated, sized)  # the plan and the model agree on a truncated target's traces
     with tt_device.open_mesh(trace_region_size=small) as narrow:
-        with pytest.raises(ValueError, match="trace_region_size >= .*lower --n_draft_tokens"):
+        with pytest.raises(ValueError, match="rerun with --trace_region_size [0-9]+ .*lower --n_draft_tokens"):
             run_demo(demo_config(tmp_path, n_draft_tokens=16), narrow)
 
 
@@ -133,7 +139,7 @@ def test_nothing_compiles_while_timed(stand_in, tmp_path, embedded_checkpoint):
         summary = run_demo(demo_config(tmp_path, **overrides), mesh)["summary"]
         first_timed = events.index("timed")
         # review finding 4: every model is planned first, then each trace captured once: none released to be made again
-        assert "release" not in events[:first_timed], overrides
+        assert "release" not in events[:first_timed], (overrides, events)
         assert "capture" in events[:first_timed] and "capture" not in events[first_timed:], overrides
         assert events[:first_timed].count("prefill warm-up") == models  # the target's, and a separate draft's
         assert "prefill warm-up" not in events[first_timed:], overrides
@@ -155,3 +161,23 @@ def test_options_beside_tt_metal_demo_conftest(stand_in, tmp_path):
     stand_in.setenv("MESH_DEVICE", "N150")
     report = run_demo(demo_config(tmp_path, draft_mode="suffix"), mesh_of((1, 1)))
     assert report["environment"]["device"] == "N150 (1 x 1 mesh)"
+
+
+def test_the_demo_refuses_a_galaxy_batch_its_mesh_column_cannot_verify(stand_in, tmp_path):
+    """F1: a --batch_size / --n_draft_tokens pair whose verify steps need more than a mesh column's 8 rows is refused
+    in one line naming the flags and what fits, not run with its drafts cut short (at --batch_size 8, to none)."""
+    from models.tt_transformers.ttnn_backend import model as tt_model
+
+    built = tt_model.build_tt_model
+    stand_in.setattr(tt_model, "build_tt_model", lambda *a, **k: on_a_galaxy(built(*a, **k)))
+    mesh = mesh_of((1, 1))
+    with pytest.raises(DemoInputError, match=r"^--n_draft_tokens 4 with --batch_size 2: on a Galaxy a verify step "
+                                             r"holds 8 rows .* 10 do not fit; use --n_draft_tokens 3 or fewer"):
+        run_demo(demo_config(tmp_path, batch_size=2, n_draft_tokens=4, draft_mode="suffix"), mesh)
+    with pytest.raises(DemoInputError, match=r"use --batch_size 4 or fewer to draft"):
+        run_demo(demo_config(tmp_path, batch_size=8, n_draft_tokens=1, draft_mode="suffix"), mesh)
+    ckpt = resolve_checkpoint(None)
+    target = TtnnCausalLM(tt_model.build_tt_model(mesh, ckpt.folder, ckpt.name, 2, 256, True), 2, 256)
+    for batch, n_draft in ((2, 3), (8, 0), (1, 7)):  # what fits a column's 8 rows runs (the stand-in cannot step a
+        # Galaxy: its positions split over the mesh columns, which a one-device stand-in does not hold)
+        check_step_rows(demo_config(tmp_path, batch_size=batch, n_draft_tokens=n_draft), target)

@@ -5,11 +5,15 @@ N150, and a mock N300 1x2 mesh with FABRIC_1D), eagerly (`--trace 0`: the Mock D
 The backend is built as the demo builds it (device.open_mesh, model.build_tt_model, TtnnCausalLM, TtnnDraftHead)
 over tests/tt_mock/tt_transformers.py (a TEST DOUBLE of TT-Transformers on real ttnn tensors), at the shapes of
 Llama-3.1-8B-Instruct (dim 4096, 32 heads, 8 KV heads, vocabulary 128,256, a random EAGLE-3 head with a 32k draft
-vocabulary; max_seq_len 1024 at batch 32 and 8192 at batch 4) and of the embedded SmolLM2-135M-Instruct, and every
-program a run uses runs: the decode step at each write-pass count with and without the top k and the taps (the tap
-copies, their gather on the mesh, the tap tile), the split-vocabulary argmax, max and top k per device, the inputs'
-host-to-device writes, the prompt taps' reads, and the device draft head's feed and chain (its weights, paged KV
-cache, draft-id embedding and outputs). Readback is all zeros there: the ids are not checked, the calls are.
+vocabulary; max_seq_len 1024 at batch 32 and 8192 at batch 4, the second through the older ttnn_decode_forward
+form) and of the embedded SmolLM2-135M-Instruct, and every program a run uses runs: the decode step at each
+write-pass count with and without the top k and the taps (the tap copies, their gather on the mesh, the tap tile),
+the split-vocabulary argmax, max and top k per device, the inputs' host-to-device writes, TT's prefill (chunked past
+the mock N150's 4k chunk: the warm-up's chunked lengths and a long prompt, through zero-padded page tables), the
+prompt taps' reads, and the device draft head's feed and chain (its weights, paged KV cache, draft-id embedding and
+outputs, a feed-only replay). The double runs TT-Transformers' attention ops (paged SDPA decode over each verify row's
+position, paged_fill_cache, chunked and causal SDPA) on the real ttnn as well. Readback is all zeros there: the ids
+are not checked, the calls are.
 
 Each mesh runs in its own process (the mock cluster is chosen by an environment variable before ttnn loads). A call
 is counted where the project's own code (models/tt_transformers) makes it; the double's calls are reported apart.
@@ -44,9 +48,11 @@ SMOLLM2 = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden
            "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
            "vocab_size": 49152, "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "max_position_embeddings": 8192,
            "tie_word_embeddings": True}
-# (model name, config, max_seq_len, batch size, draft vocabulary of the random head)
-SHAPES = [("Llama-3.1-8B-Instruct", LLAMA_8B, 1024, 32, 32000), ("Llama-3.1-8B-Instruct", LLAMA_8B, 8192, 4, 32000),
-          ("SmolLM2-135M-Instruct", SMOLLM2, 1024, 4, None)]
+# (model name, config, max_seq_len, batch size, draft vocabulary of the random head, the double's ttnn_decode_forward:
+# "C" on_device_logits, "A/B" sampling_on_device + capture_sampling_trace)
+SHAPES = [("Llama-3.1-8B-Instruct", LLAMA_8B, 1024, 32, 32000, "C"),
+          ("Llama-3.1-8B-Instruct", LLAMA_8B, 8192, 4, 32000, "A/B"),
+          ("SmolLM2-135M-Instruct", SMOLLM2, 1024, 4, None, "C")]
 N_DRAFT = 4
 
 
@@ -93,9 +99,11 @@ def checkpoint(folder: Path, name: str, config: dict) -> Path:
     return path
 
 
-def run_shape(mesh, name: str, config: dict, max_seq_len: int, batch: int, draft_vocab, work: Path) -> None:
-    """One model shape: the target through every program the demo plans, a prompt's taps, a verify step of several
-    users, then the device draft head fed the prompt and a verified step, drafting chains."""
+def run_shape(mesh, name: str, config: dict, max_seq_len: int, batch: int, draft_vocab, form: str, work: Path) -> None:
+    """One model shape: the target (its double's ttnn_decode_forward of the given form) through every program the
+    demo plans, TT's prefill, chunked past the device's chunk size (the warm-up's every chunked length and a long
+    prompt), a prompt's taps, a verify step of several users, then the device draft head fed the prompt and a verified
+    step, drafting chains."""
     import torch
 
     from models.tt_transformers.torch_backend.draft_head import random_head
@@ -103,9 +111,15 @@ def run_shape(mesh, name: str, config: dict, max_seq_len: int, batch: int, draft
     from models.tt_transformers.ttnn_backend.draft_head import TtnnDraftHead
     from models.tt_transformers.ttnn_backend.generator import TtnnCausalLM
     from models.tt_transformers.ttnn_backend.model import build_tt_model
+    from tests.tt_mock import tt_transformers
 
     folder = checkpoint(work, name, config)
-    tt = build_tt_model(mesh, folder, name, batch, max_seq_len, True)
+    built = tt_transformers.Transformer
+    tt_transformers.Transformer = {"C": built, "A/B": tt_transformers.TransformerAB}[form]
+    try:
+        tt = build_tt_model(mesh, folder, name, batch, max_seq_len, True)
+    finally:
+        tt_transformers.Transformer = built
     lm = TtnnCausalLM(tt, batch, max_seq_len, trace=False)
     args = ModelArgs.from_hf_config(config)
     head_config, weights = random_head(args, draft_vocab=draft_vocab)
@@ -126,6 +140,10 @@ def exercise(lm, head, taps, dim: int) -> None:
     head.warm_up()
     lm.prepare_traces()  # eager: every planned program of the target and the head runs once
     users = list(range(min(lm.max_batch_size, 3)))
+    chunk = lm.tt.args.max_prefill_chunk_size
+    if chunk < lm.max_seq_len - N_DRAFT - 2:  # a prompt TT prefills in chunks, its taps read back chunk by chunk
+        long = [i % 1000 for i in range(chunk + 100)]
+        assert lm.prefill(users[-1], long, taps=taps).hidden[0].shape == (len(long), len(taps) * dim)
     prompt = list(range(1, 41))
     for user in users:
         out = lm.prefill(user, prompt, taps=taps)
@@ -136,7 +154,9 @@ def exercise(lm, head, taps, dim: int) -> None:
     feeds = [HeadFeed(r.user, r.start_pos, ids[: len(r.tokens)], tile_rows=range(h.first_row, h.first_row + len(r.tokens)))
              for r, ids, h in zip(rows, step.ids, step.hidden)]
     head.draft(feeds, users, N_DRAFT)
-    head.draft(feeds, users[:1], 1)
+    head.draft(feeds, [], 0)  # a feed-only replay (the hybrid's step that drafts nothing from the head)
+    lm.tap_gather = "host"  # --tap_gather host: the same eager program, the tap tile written through the host
+    lm.step(rows, taps=taps)
     lm.step([UserRows(0, [3], len(prompt) + N_DRAFT + 1)])  # a plain decode step
 
 
@@ -186,6 +206,7 @@ def worker(mesh_name: str, out: Path) -> int:
     import ttnn
 
     from models.tt_transformers.ttnn_backend import device
+    from tests.tt_mock import primitives
 
     counter = CallCounter()
     counter.install(ttnn)
@@ -196,19 +217,22 @@ def worker(mesh_name: str, out: Path) -> int:
         os.environ["TT_CACHE_PATH"] = tmp
         with device.open_mesh(mesh_name, trace_region_size=50_000_000) as mesh:
             cases = [(f"{mesh_name} negative control (a refused matmul)", partial(negative_control, mesh)),
-                     (f"{mesh_name} bfloat8_b storage (bfp8_round = ttnn's host conversion)", bfp8_storage)]
-            for name, config, max_seq_len, batch, draft_vocab in SHAPES:
-                cases.append((f"{mesh_name} {name} max_seq_len {max_seq_len} batch {batch}",
-                              partial(run_shape, mesh, name, config, max_seq_len, batch, draft_vocab, Path(tmp))))
+                     (f"{mesh_name} bfloat8_b storage (bfp8_round = ttnn's host conversion)", bfp8_storage),
+                     (f"{mesh_name} speculative primitives (measured, not adopted)",
+                      partial(primitives.measure, mesh))]
+            for name, config, max_seq_len, batch, draft_vocab, form in SHAPES:
+                cases.append((f"{mesh_name} {name} max_seq_len {max_seq_len} batch {batch}, decode form {form}",
+                              partial(run_shape, mesh, name, config, max_seq_len, batch, draft_vocab, form,
+                                      Path(tmp))))
             for case, run in cases:
-                before, start = sum(counter.ours.values()), time.perf_counter()
+                before, start, notes = sum(counter.ours.values()), time.perf_counter(), None
                 try:
-                    run()
+                    notes = run()  # a measurement's findings, one line each (the checks return None)
                     error = None
                 except Exception as e:  # noqa: BLE001: a validation error is the finding
                     error = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
                 results.append({"case": case, "calls": sum(counter.ours.values()) - before, "error": error,
-                                "seconds": round(time.perf_counter() - start, 1)})
+                                "seconds": round(time.perf_counter() - start, 1), "notes": notes or []})
     out.write_text(json.dumps({"mesh": mesh_name, "results": results, "ours": dict(counter.ours),
                                "double": sum(counter.double.values())}))
     return 0
@@ -243,6 +267,8 @@ def main(argv=None) -> int:
             for r in summary["results"]:
                 status = "ok" if r["error"] is None else "FAILED"
                 print(f"  {r['case']}: {r['calls']} calls, {r['seconds']} s, {status}")
+                for note in r["notes"]:
+                    print(f"    {note}")
                 if r["error"]:
                     failures += 1
                     print("    " + r["error"].replace("\n", "\n    "))

@@ -17,18 +17,31 @@ Mirrored from tt-metal's sources (the pinned v0.81.1 is not in the searchable in
 - tt/model.py Transformer (the 2026 version "C"): prepare_decode_inputs_host (uint32 tokens [1, 1, 1, 32],
   int32 positions and page table, replicated), ttnn_decode_forward with on_device_logits (each device's TILE share
   of the logits, positions advanced with ttnn.plus_one) or the gathered, untilized (logits, None), the residual
-  moved to its memory config before every layer, each layer called as a LightweightModule.
+  moved to its memory config before every layer, each layer called as a LightweightModule. TransformerAB: the older
+  ttnn_decode_forward (versions "A"/"B", and tt/generator.py at 87700c07 still calls it) with sampling_on_device and
+  capture_sampling_trace, whose split-sampling branch returns each device's share.
 - tt/decoder.py TransformerBlock.forward: asserts its input's memory config (decode: the residual's; prefill: DRAM).
-- tt/attention.py Attention.forward_decode (5cd1b56c): nlp_create_qkv_heads_decode into L1 height-sharded heads,
-  then ttnn.experimental.paged_update_cache(keys, k, update_idxs_tensor=current_pos, page_table=page_table), looked
-  up at call time (the backend's ordered writes replace it there). use_qk_fused read into an attribute.
+- tt/attention.py Attention (00b769dd, whose calls match 5cd1b56c's): forward_decode: nlp_create_qkv_heads_decode
+  into L1 height-sharded heads, ttnn.experimental.paged_update_cache(keys, k, update_idxs_tensor=current_pos,
+  page_table=page_table), looked up at call time (the backend's ordered writes replace it there), then paged SDPA
+  decode over the paged cache with each row's position (cur_pos_tensor: a verify step's rows at consecutive
+  positions, idle rows at -1; TT's SDPA_DECODE_PROGCFG and its HiFi2 SDPA compute config), to_memory_config onto a
+  user per core and nlp_concat_heads_decode; forward_prefill: nlp_create_qkv_heads, K and V typecast to the cache's
+  bfloat8_b, paged_fill_cache through the chunk's page table (or the prompt's, sliced to the rows it pages), then
+  chunked_scaled_dot_product_attention over the cache at chunk_start_idx (q in bfloat8_b) or causal
+  scaled_dot_product_attention, with TT's SDPA_PROGCFG(seq_len). No weights: q, k and v come from a zero qkv of the
+  right shape. use_qk_fused read into an attribute.
 - tt/ccl.py TT_CCL and tt_all_gather (013eaee3): double-buffered global semaphores per axis slot, all_gather_async
   over the whole mesh (cluster_axis None), the input to DRAM first and deallocated after.
 - tt/common.py copy_host_to_device, PagedAttentionConfig, get_padded_prefill_len (553f842d).
-- tt/generator.py Generator.prefill_forward_text: the prompt padded, the layers run on x [1, 1, S, dim / devices] in
-  DRAM (the taps' prefill reads), the last token's logits to the host.
+- tt/generator.py Generator.prefill_forward_text: the prompt padded, the user's page table cut to its blocks
+  (_get_prefill_user_page_table), prefill_forward_single_user_text: chunks of get_max_prefill_chunk_size rows past
+  max_prefill_chunk_size (tt/model_config.py's table: 4k on N150 for Llama-3.1-8B), the page table padded with zeros
+  and each chunk's slice of it paging the fill, as the stand-in's mirror; the layers run on x [1, 1, S, dim /
+  devices] in DRAM (the taps' prefill reads), the last token's logits to the host.
 One KV-cache pair is shared by every layer (the shapes and configs are what is checked; 32 layers of an 8B cache at
-8,192 positions would not fit the mock device's DRAM), and only the first and last layers issue the cache update
+8,192 positions would not fit the mock device's DRAM). Every layer runs its decode attention (the backend counts each
+layer's ordered cache writes when it compiles a step); in prefill only the first and last layers run attention
 (every layer's calls are the same: 30 more copies of them would only slow the run).
 """
 import json
@@ -44,13 +57,18 @@ import ttnn
 # the stand-in's mirrors of TT-Transformers' ttnn-free pieces (tests/tt_stand_in/tt_transformers.py), shared
 from tests.tt_stand_in import tt_transformers as stand_in
 from tests.tt_stand_in.tt_transformers import (  # noqa: F401: the names TT-Transformers' modules export
+    MAX_PREFILL_CHUNK_SIZES_DIV1024,
     DecodersPrecision,
     LightweightModule,
     Mode,
     PagedAttentionConfig,
     determine_device_name,
     find_grid,
+    get_base_model_name,
+    get_block_size,
+    get_max_prefill_chunk_size,
     get_padded_prefill_len,
+    num_blocks_in_seq,
 )
 
 
@@ -83,6 +101,8 @@ class ModelArgs:
         self.vocab_size = config["vocab_size"]
         self.use_qk_fused = True  # `not self.is_multimodal`
         self.optimizations = optimizations(self) if callable(optimizations) else optimizations
+        div1024 = MAX_PREFILL_CHUNK_SIZES_DIV1024.get(get_base_model_name(self.model_name), {}).get(self.device_name, 4)
+        self.max_prefill_chunk_size = div1024 * 1024  # get_max_prefill_chunk_size (div 1024)
 
     def dram_shard_core_grid_for_k(self, k: int):
         rows, cols = find_grid(k // self.tile_size)
@@ -151,8 +171,20 @@ def tt_all_gather(input_tensor, mesh_device, tt_ccl, cluster_axis, dim, num_link
 SHARED_CACHES: dict = {}  # (mesh, shape) -> [keys, values]: one pair for every layer (module docstring)
 
 
+def replicated(mesh_device, t: torch.Tensor, dtype, layout=ttnn.TILE_LAYOUT, memory_config=ttnn.DRAM_MEMORY_CONFIG):
+    return ttnn.from_torch(t, dtype=dtype, layout=layout, device=mesh_device, memory_config=memory_config,
+                           mesh_mapper=ttnn.ReplicateTensorToMesh(mesh_device))
+
+
+def sdpa_prefill_config(seq_len: int):
+    """tt/model_config.py SDPA_PROGCFG(seqlen): "Chunk values based on what works best empirically"."""
+    return ttnn.SDPAProgramConfig(compute_with_storage_grid_size=(8, 8), exp_approx_mode=False,
+                                  q_chunk_size=256 if seq_len >= 2048 else 64,
+                                  k_chunk_size=256 if seq_len >= 2048 else 64)
+
+
 class Attention(LightweightModule):
-    """tt/attention.py Attention: the decode cache update only (no weights, no attention output)."""
+    """tt/attention.py Attention: its attention ops over zero q, k and v (no weights, module docstring)."""
 
     def __init__(self, mesh_device, tt_ccl, args, state_dict, weight_cache_path, layer_num, dtype,
                  transformation_mats, configuration, paged_attention_config=None, use_paged_kv_cache=False,
@@ -161,23 +193,27 @@ class Attention(LightweightModule):
         self.mesh_device, self.args, self.use_qk_fused = mesh_device, args, configuration.use_qk_fused
         self.n_local_heads = args.n_heads // args.num_devices
         self.n_local_kv_heads = args.n_kv_heads // args.num_devices
+        self.scale = args.head_dim ** -0.5
         shape = (paged_attention_config.max_num_blocks, self.n_local_kv_heads, paged_attention_config.block_size,
                  args.head_dim)
         key = (id(mesh_device), shape)
         if key not in SHARED_CACHES:
-            SHARED_CACHES[key] = [ttnn.as_tensor(torch.zeros(shape), dtype=ttnn.bfloat8_b, layout=ttnn.TILE_LAYOUT,
-                                                 device=mesh_device, memory_config=ttnn.DRAM_MEMORY_CONFIG,
-                                                 mesh_mapper=ttnn.ReplicateTensorToMesh(mesh_device))
-                                  for _ in range(2)]
+            SHARED_CACHES[key] = [replicated(mesh_device, torch.zeros(shape), ttnn.bfloat8_b) for _ in range(2)]
         self.layer_past = SHARED_CACHES[key]
+        # tt/model_config.py SDPA_DECODE_PROGCFG (Wormhole) and the decoders' SDPA decode compute config (HiFi2)
+        self.sdpa_decode_program = ttnn.SDPAProgramConfig(compute_with_storage_grid_size=(8, 8), exp_approx_mode=False,
+                                                          q_chunk_size=256, k_chunk_size=256)
+        self.sdpa_compute = ttnn.WormholeComputeKernelConfig(math_fidelity=ttnn.MathFidelity.HiFi2,
+                                                             math_approx_mode=False, fp32_dest_acc_en=False,
+                                                             packer_l1_acc=False)
+
+    def _qkv(self, rows: int, memory_config):
+        heads = (self.n_local_heads + 2 * self.n_local_kv_heads) * self.args.head_dim
+        return replicated(self.mesh_device, torch.zeros(1, 1, rows, heads), ttnn.bfloat16, memory_config=memory_config)
 
     def forward_decode(self, x, current_pos, rot_mats=None, page_table=None, kv_cache=None):
-        heads = (self.n_local_heads + 2 * self.n_local_kv_heads) * self.args.head_dim
-        xqkv = ttnn.from_torch(torch.zeros(1, 1, 32, heads), dtype=ttnn.bfloat16, layout=ttnn.TILE_LAYOUT,
-                               device=self.mesh_device, memory_config=ttnn.L1_MEMORY_CONFIG,
-                               mesh_mapper=ttnn.ReplicateTensorToMesh(self.mesh_device))
-        _, k, v = ttnn.experimental.nlp_create_qkv_heads_decode(
-            xqkv, num_heads=self.n_local_heads, num_kv_heads=self.n_local_kv_heads,
+        q, k, v = ttnn.experimental.nlp_create_qkv_heads_decode(
+            self._qkv(32, ttnn.L1_MEMORY_CONFIG), num_heads=self.n_local_heads, num_kv_heads=self.n_local_kv_heads,
             memory_config=ttnn.L1_HEIGHT_SHARDED_MEMORY_CONFIG)
         keys, values = kv_cache if kv_cache else self.layer_past
         if self.use_qk_fused:
@@ -186,6 +222,38 @@ class Attention(LightweightModule):
         else:
             ttnn.experimental.paged_update_cache(keys, k, update_idxs_tensor=current_pos, page_table=page_table)
             ttnn.experimental.paged_update_cache(values, v, update_idxs_tensor=current_pos, page_table=page_table)
+        attn = ttnn.transformer.paged_scaled_dot_product_attention_decode(
+            q, keys, values, cur_pos_tensor=current_pos, page_table_tensor=page_table, scale=self.scale,
+            program_config=self.sdpa_decode_program, compute_kernel_config=self.sdpa_compute,
+            memory_config=ttnn.DRAM_MEMORY_CONFIG)
+        # SCORES_BATCHED_MM_OUTPUT_MEMCFG: a user's heads per core, height-sharded
+        users = ttnn.create_sharded_memory_config((32, self.args.head_dim), ttnn.CoreGrid(y=4, x=8),
+                                                  ttnn.ShardStrategy.HEIGHT, use_height_and_width_as_shard_shape=True)
+        ttnn.experimental.nlp_concat_heads_decode(ttnn.to_memory_config(attn, users), num_heads=self.n_local_heads)
+        return x
+
+    def forward_prefill(self, x, rot_mats, user_id=0, page_table=None, chunk_page_table=None, chunk_start_idx=None,
+                        kv_cache=None):
+        seq_len = x.shape[-2]
+        assert seq_len % 128 == 0 and seq_len > 0, "Seqlen must be divisible by 128"
+        q, k, v = ttnn.experimental.nlp_create_qkv_heads(
+            self._qkv(seq_len, ttnn.DRAM_MEMORY_CONFIG), num_heads=self.n_local_heads,
+            num_kv_heads=self.n_local_kv_heads, transpose_k_heads=False, memory_config=ttnn.DRAM_MEMORY_CONFIG)
+        keys, values = kv_cache if kv_cache else self.layer_past
+        k, v = (ttnn.typecast(t, dtype=ttnn.bfloat8_b) for t in (k, v))  # "paged_fill_cache ... requires matching"
+        fill_page_table = chunk_page_table if chunk_page_table is not None else page_table
+        page_len = fill_page_table.shape[1] * keys.shape[2]
+        for cache, t in ((keys, k), (values, v)):
+            fill = t[:, :, :page_len, :] if page_len < t.shape[2] else t
+            ttnn.experimental.paged_fill_cache(cache, fill, fill_page_table, batch_idx=user_id)
+        if chunk_start_idx is not None:
+            ttnn.transformer.chunked_scaled_dot_product_attention(
+                ttnn.typecast(q, dtype=ttnn.bfloat8_b), keys, values, page_table, chunk_start_idx,
+                compute_kernel_config=self.sdpa_compute, program_config=sdpa_prefill_config(seq_len))
+        else:
+            ttnn.transformer.scaled_dot_product_attention(
+                ttnn.typecast(q, dtype=ttnn.bfloat8_b), k, v, is_causal=True, scale=self.scale,
+                compute_kernel_config=self.sdpa_compute, program_config=sdpa_prefill_config(seq_len))
         return x
 
 
@@ -204,10 +272,14 @@ class TransformerBlock(LightweightModule):
                 page_table=None, chunk_page_table=None, chunk_start_idx=None, kv_cache=None, batch_size=1):
         skip_mem_cfg = self.args.get_residual_mem_config(mode, None)
         assert x.memory_config() == skip_mem_cfg, f"decoder input memcfg mismatch: {x.memory_config()} != {skip_mem_cfg}"
-        if mode == Mode.DECODE and self.updates_cache:  # the first and last layers' (the same calls in every layer)
+        if mode == Mode.DECODE:  # every layer, as TT's: the backend checks that each layer's cache writes are ordered
             return self.attention.forward_decode(x, current_pos, rot_mats_global, page_table=page_table,
                                                  kv_cache=kv_cache)
-        return x
+        if not self.updates_cache:  # prefill: the first and last layers' attention (the same calls in every layer)
+            return x
+        return self.attention.forward_prefill(x, rot_mats_global, user_id, page_table=page_table,
+                                              chunk_page_table=chunk_page_table, chunk_start_idx=chunk_start_idx,
+                                              kv_cache=kv_cache)
 
 
 class Transformer(LightweightModule):
@@ -266,24 +338,52 @@ class Transformer(LightweightModule):
 
     def ttnn_decode_forward(self, x, current_pos, rot_mat_idxs=None, page_table=None, kv_cache=None,
                             on_device_logits=False, page_tables_per_layer=None):
+        """Form C: on_device_logits returns each device's share (positions advanced on the device)."""
+        logits = self._decode(current_pos, rot_mat_idxs, page_table, kv_cache)
+        if on_device_logits:
+            return self._device_shares(logits, current_pos, rot_mat_idxs)
+        return self._gathered(logits), None
+
+    def _decode(self, current_pos, rot_mat_idxs, page_table, kv_cache):
+        """The layers over the decode tile, then the LM head's output: each device's share of the columns (bfloat8_b,
+        TILE)."""
         self.forward(self._residual(32, Mode.DECODE), current_pos, rot_mats_global=rot_mat_idxs, mode=Mode.DECODE,
                      page_table=page_table, kv_cache=kv_cache)
-        # the LM head's output, each device's share of the columns (bfloat8_b, TILE)
-        logits = ttnn.from_torch(torch.zeros(1, 1, 32, self.lm_head_width), dtype=ttnn.bfloat8_b,
-                                 layout=ttnn.TILE_LAYOUT, device=self.mesh_device,
-                                 memory_config=ttnn.DRAM_MEMORY_CONFIG, mesh_mapper=self._mapper((None, 3)))
-        if on_device_logits:
-            assert self.sampling is not None
-            ttnn.plus_one(current_pos, skip_negative_entries=True)
-            ttnn.plus_one(rot_mat_idxs)
-            return logits
+        return ttnn.from_torch(torch.zeros(1, 1, 32, self.lm_head_width), dtype=ttnn.bfloat8_b,
+                               layout=ttnn.TILE_LAYOUT, device=self.mesh_device,
+                               memory_config=ttnn.DRAM_MEMORY_CONFIG, mesh_mapper=self._mapper((None, 3)))
+
+    def _device_shares(self, logits, current_pos, rot_mat_idxs):
+        assert self.sampling is not None
+        ttnn.plus_one(current_pos, skip_negative_entries=True)
+        ttnn.plus_one(rot_mat_idxs)
+        return logits
+
+    def _gathered(self, logits):
         if self.args.num_devices > 1:
             logits = tt_all_gather(logits, self.mesh_device, self.tt_ccl, None, 3)
-        return ttnn.untilize(logits, use_multicore=True, memory_config=ttnn.DRAM_MEMORY_CONFIG), None
+        return ttnn.untilize(logits, use_multicore=True, memory_config=ttnn.DRAM_MEMORY_CONFIG)
+
+
+class TransformerAB(Transformer):
+    """tt/model.py Transformer, versions "A" (00a9ba8f) and "B" (5cd1b56c): ttnn_decode_forward takes
+    sampling_on_device and capture_sampling_trace (tt/generator.py at 87700c07 calls it so), and with both returns
+    each device's share as a bare tensor (the split-sampling trace's input); otherwise the gathered logits, (logits,
+    None) as B returns them."""
+
+    def ttnn_decode_forward(self, x, current_pos, rot_mat_idxs=None, page_table=None, kv_cache=None,
+                            sampling_on_device=False, capture_sampling_trace=False):
+        logits = self._decode(current_pos, rot_mat_idxs, page_table, kv_cache)
+        if sampling_on_device and capture_sampling_trace:
+            return self._device_shares(logits, current_pos, rot_mat_idxs)
+        assert not sampling_on_device, "the double samples nothing: TT's own on-device sampling is not modelled"
+        return self._gathered(logits), None
 
 
 class Generator:
-    """tt/generator.py Generator: prefill_forward_text runs the layers on the padded prompt (no warm-up sweep)."""
+    """tt/generator.py Generator: prefill_forward_text pads each prompt, cuts the user's page table to its blocks and
+    runs prefill_forward_single_user_text, in chunks past max_prefill_chunk_size (the stand-in's mirror, on the real
+    ttnn; no warm-up sweep)."""
 
     def __init__(self, model, model_args, mesh_device, processor=None, tokenizer=None):
         self.model, self.model_args, self.mesh_device = model, model_args, mesh_device
@@ -291,8 +391,29 @@ class Generator:
     def prefill_forward_text(self, tokens, page_table=None, kv_cache=None, prompt_lens=None, empty_slots=None,
                              enable_trace=True, model_id_warmup=None, sampling_params=None, start_pos=None,
                              return_hidden_states=False, warmup_prefill=True, **kwargs):
+        block_size = get_block_size(kv_cache[0])
+        for idx, n in enumerate(prompt_lens):
+            page_table_user = page_table[idx : idx + 1, : num_blocks_in_seq(int(n), block_size)]
+            self.prefill_forward_single_user_text(get_padded_prefill_len(int(n)), page_table_user, int(n) - 1,
+                                                  kv_cache[0])
+        return torch.zeros(tokens.shape[0], 1, self.model[0].vocab_size)
+
+    def prefill_forward_single_user_text(self, seq_len: int, page_table, last_token_idx: int, kv_cache):
         model = self.model[0]
-        for n in prompt_lens:
-            x = model._residual(get_padded_prefill_len(int(n)), Mode.PREFILL)
-            model.forward(x, None, mode=Mode.PREFILL, page_table=page_table, kv_cache=kv_cache[0])
-        return torch.zeros(tokens.shape[0], 1, model.vocab_size)
+
+        def on_device(table):
+            return replicated(self.mesh_device, table, ttnn.int32, layout=ttnn.ROW_MAJOR_LAYOUT)
+        if seq_len <= self.model_args[0].max_prefill_chunk_size:
+            model.forward(model._residual(seq_len, Mode.PREFILL), None, mode=Mode.PREFILL,
+                          page_table=on_device(page_table), kv_cache=kv_cache)
+            return
+        chunk_size = get_max_prefill_chunk_size(seq_len, self.model_args[0].max_prefill_chunk_size)
+        block_size = get_block_size(kv_cache)
+        padded = torch.cat([page_table, torch.zeros(1, num_blocks_in_seq(seq_len, block_size) - page_table.shape[1],
+                                                    dtype=torch.int32)], dim=-1)
+        padded_tt = on_device(padded)
+        for chunk_start in range(0, (last_token_idx // chunk_size + 1) * chunk_size, chunk_size):
+            chunk_page_table = padded[:, chunk_start // block_size : (chunk_start + chunk_size) // block_size]
+            model.forward(model._residual(chunk_size, Mode.PREFILL), None, mode=Mode.PREFILL, page_table=padded_tt,
+                          chunk_page_table=on_device(chunk_page_table), chunk_start_idx=chunk_start,
+                          kv_cache=kv_cache)

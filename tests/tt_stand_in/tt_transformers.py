@@ -16,13 +16,16 @@ along dim and width-sharded in L1, in prefill [1, 1, S, dim] split the same way 
 Prefill runs TT's path: Generator.prefill_forward_text -> prefill_forward_single_user_text ->
 Transformer.prepare_inputs_prefill / ttnn_prefill_forward -> Transformer.forward(mode=Mode.PREFILL) -> every layer
 (Attention.forward_prefill: QKV, rotary, paged_fill_cache of the blocks the prompt covers, causal SDPA with the
-sliding window, WO; then the MLP) -> the last token's 32 rows -> norm -> LM head -> process_output_prefill. Not
-modelled: chunked prefill (TT chunks past max_prefill_chunk_size, at least 4,096 tokens here: beyond the stand-in's
-2,048-position rotary tables) and traced prefill. The stand-in keys its compiled programs by the shapes of an op's
-tensors, and its paged_fill_cache keeps the page table out of that key: TT's paged_fill_cache hashes its tensor
-arguments (paged_fill_cache_device_operation.cpp compute_program_hash), so on a device a prompt filling a number of
-blocks not seen before compiles a new fill program -- while a decode trace is live when the backend prefills a
-request after warm_up; the stand-in does not flag that.
+sliding window, WO; then the MLP) -> the last token's 32 rows -> norm -> LM head -> process_output_prefill. A padded
+prompt longer than max_prefill_chunk_size runs TT's chunked prefill: chunks of get_max_prefill_chunk_size rows, the
+user's page table padded with zeros to the padded prompt's blocks (physical block 0), each chunk filling the cache
+through its slice of that padded table (so the padding's K/V go to block 0, as paged_fill_cache skips only -1 entries)
+and attending through chunked SDPA over the cache; the chunks after the last token's are not run. Not modelled:
+traced prefill. The stand-in keys its compiled programs by the shapes of an op's tensors, and for chunked SDPA also by
+its chunk_start_idx (real ttnn 0.81.1 compiles one program per chunk_start_idx and page-table width: counted with
+num_program_cache_entries on the mock device), paged_fill_cache by the fill page table's width and ttnn.slice (the
+prefill's last-token slice among them) by its offsets, as real ttnn does (counted the same way): a prompt whose length,
+last-token tile or blocks no warm-up prefilled compiles programs, flagged when decode traces are live.
 
 The tt-metal tag the backend pins (v0.81.1, d80d9482) is not in the searchable index: the files were read at the
 nearest versions found (model_config.py and generator.py at 87700c07, model.py, attention.py, common.py and ccl.py
@@ -32,6 +35,7 @@ import json
 import math
 import os
 import re
+from collections import defaultdict
 from enum import Enum
 from functools import lru_cache
 from pathlib import Path
@@ -46,6 +50,7 @@ from models.tt_transformers.torch_backend.rope import apply_rope
 from . import ttnn
 
 PADDED_VOCAB_GARBAGE = 1e4  # the padded LM-head columns are not vocabulary: the backend must never pick them
+ROPE_POSITIONS = 8192  # the stand-in's rotary tables (a padded prompt of up to 8,192 rows, chunked prefill's included)
 
 
 COMPUTE_DTYPES = {ttnn.float32: torch.float32, ttnn.bfloat16: torch.bfloat16, ttnn.bfloat8_b: torch.bfloat16}
@@ -54,8 +59,8 @@ COMPUTE_DTYPES = {ttnn.float32: torch.float32, ttnn.bfloat16: torch.bfloat16, tt
 @lru_cache(maxsize=2)
 def torch_model(folder: str, dtype: torch.dtype):
     """The checkpoint as our torch model (torch ops): where the stand-in takes its weights from. Rotary tables
-    reach 2,048 positions: a 128-padded prefill may run past a short max_seq_len."""
-    return load_model(resolve_checkpoint(folder), dtype, 2048, cpu_kernels=False)
+    reach ROPE_POSITIONS: a padded prefill may run past a short max_seq_len."""
+    return load_model(resolve_checkpoint(folder), dtype, ROPE_POSITIONS, cpu_kernels=False)
 
 
 class PagedAttentionConfig:  # tt/common.py
@@ -88,6 +93,15 @@ def get_block_size(kv_cache) -> int:  # tt/common.py
 
 def num_blocks_in_seq(seq_len: int, block_size: int) -> int:  # tt/common.py
     return math.ceil(seq_len / block_size)
+
+
+def get_max_prefill_chunk_size(seq_len: int, max_prefill_seq_len: int) -> int:
+    """tt/common.py get_max_prefill_chunk_size: "the largest multiple of 2048 that divides `seq_len` and is less than
+    or equal to `max_prefill_seq_len`" (both must be multiples of 2048)."""
+    if seq_len % 2048 or max_prefill_seq_len % 2048:
+        raise ValueError(f"seq_len ({seq_len}) and max_prefill_seq_len ({max_prefill_seq_len}) must be multiples of "
+                         "2048")
+    return next(c for c in range(min(max_prefill_seq_len, seq_len), 0, -2048) if seq_len % c == 0)
 
 
 def get_padded_prefill_len(seq_len: int) -> int:
@@ -345,6 +359,11 @@ class Attention:
             (weight_cache_path / f"{layer_name}.wqkv").touch()
         a = args.torch_args
         self.use_qk_fused = configuration.use_qk_fused  # read once, at construction, as TT's Attention
+        # tt/attention.py __init__: on a TG (32 devices) each mesh column's users, else the whole batch
+        self.TG = args.num_devices == 32
+        num_device_groups = args.num_devices // a.n_kv_heads
+        self.batch_size_per_device_group = (max(args.max_batch_size // num_device_groups, 1) if self.TG
+                                            else args.max_batch_size)
         self.args, self.model, self.block = args, state_dict, state_dict.layers[layer_num]
         self.n_heads, self.n_kv_heads, self.head_dim = a.n_heads, a.n_kv_heads, a.head_dim
         self.scale, self.sliding_window = a.head_dim ** -0.5, a.sliding_window
@@ -376,42 +395,63 @@ class Attention:
 
     def forward_prefill(self, x_11SH, rot_mats, user_id=0, page_table=None, chunk_page_table=None,
                         chunk_start_idx=None, kv_cache=None):
+        """The padded prompt (or, chunk_start_idx set, one chunk of it at that position): QKV and rotary, the K/V
+        into the cache through the page table (a chunk through chunk_page_table, its slice of the user's padded
+        table), then causal SDPA: over the prompt's own K/V, or, for a chunk, over the cache through page_table
+        (chunked_scaled_dot_product_attention), positions 0 .. the chunk's end."""
         seq_len = x_11SH.shape[-2]
         assert seq_len % 128 == 0 and seq_len > 0, "Seqlen must be divisible by 128"
-        if chunk_start_idx is not None:
-            raise NotImplementedError("stand-in: chunked prefill")
         H, Hk, D, S = self.n_heads, self.n_kv_heads, self.head_dim, seq_len
 
-        def qkv_rope(x, cos, sin):  # QKV matmul, heads, rotary embeddings (rot_mats: cos/sin of positions 0..S-1)
+        def qkv_rope(x, cos, sin):  # QKV matmul, heads, rotary embeddings (rot_mats: cos/sin of the rows' positions)
             qkv = self.block.attention.wqkv(x.data.view(1, S, -1)).view(1, S, H + 2 * Hk, D)
             qk = apply_rope(qkv[:, :, : H + Hk], cos.data.view(1, S, 1, D), sin.data.view(1, S, 1, D))
             return ((qk[:, :, :H], ttnn.bfloat16, ttnn.TILE_LAYOUT), (qk[:, :, H:], ttnn.bfloat16, ttnn.TILE_LAYOUT),
                     (qkv[:, :, H + Hk :], ttnn.bfloat16, ttnn.TILE_LAYOUT))
         q, k, v = ttnn.run_op("qkv_prefill", qkv_rope, x_11SH, *rot_mats)
         keys, values = kv_cache if kv_cache else self.layer_past
+        block = keys.shape[2]
         if page_table is not None:
             fill_page_table = chunk_page_table if chunk_page_table is not None else page_table
-            page_len = min(fill_page_table.shape[1] * keys.shape[2], S)
+            page_len = min(fill_page_table.shape[1] * block, S)
             positions = torch.arange(page_len)
-            blocks = fill_page_table.data[user_id].long()[positions // keys.shape[2]]
+            blocks = fill_page_table.data[user_id].long()[positions // block]
 
             def fill(cache, new):  # ttnn.experimental.paged_fill_cache(cache, new[:, :, :page_len], page table)
-                cache.data[blocks, :, positions % keys.shape[2]] = ttnn.stored(new.data[0, :page_len],
-                                                                               cache.dtype).to(cache.data.dtype)
-            # (the page table stays out of the stand-in's compile key: see the module docstring)
+                cache.data[blocks, :, positions % block] = ttnn.stored(new.data[0, :page_len],
+                                                                       cache.dtype).to(cache.data.dtype)
+            # the fill page table is an input of the op: its width is part of the program (module docstring)
             for cache, new in ((keys, k), (values, v)):
-                ttnn.run_op("paged_fill_cache", fill, cache, new, inplace=True)
+                ttnn.run_op("paged_fill_cache", lambda c, n, _table: fill(c, n), cache, new, fill_page_table,
+                            inplace=True)
 
-        def sdpa(q, k, v):  # causal, within the sliding window
-            pos = torch.arange(S)
-            visible = pos.view(-1, 1) >= pos.view(1, -1)
+        def causal(queries, keys_at):  # query i (at queries[i]) sees key j (at keys_at[j]) within the sliding window
+            visible = queries.view(-1, 1) >= keys_at.view(1, -1)
             if self.sliding_window is not None:
-                visible &= pos.view(-1, 1) - pos.view(1, -1) < self.sliding_window
-            out = F.scaled_dot_product_attention(
-                q.data.transpose(1, 2), k.data.transpose(1, 2).repeat_interleave(H // Hk, 1),
-                v.data.transpose(1, 2).repeat_interleave(H // Hk, 1), attn_mask=visible)
+                visible &= queries.view(-1, 1) - keys_at.view(1, -1) < self.sliding_window
+            return visible
+
+        def attend(q, k, v, visible):
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2).repeat_interleave(H // Hk, 1),
+                                                 v.transpose(1, 2).repeat_interleave(H // Hk, 1), attn_mask=visible)
             return out.transpose(1, 2).reshape(1, 1, S, H * D), ttnn.bfloat16, ttnn.TILE_LAYOUT
-        attn = ttnn.run_op("sdpa_prefill", sdpa, q, k, v)
+        if chunk_start_idx is None:
+            def sdpa(q, k, v):  # causal over the prompt's own K/V
+                pos = torch.arange(S)
+                return attend(q.data, k.data, v.data, causal(pos, pos))
+            attn = ttnn.run_op("sdpa_prefill", sdpa, q, k, v)
+        else:
+            end = chunk_start_idx + S
+
+            def chunked_sdpa(q, cache_k, cache_v, table):
+                """ttnn.transformer.chunked_scaled_dot_product_attention(q, K cache, V cache, page_table,
+                chunk_start_idx): the keys of positions 0 .. end - 1 read from the cache as stored."""
+                row = table.data[user_id].long()
+                cached = [ttnn.paged_keys(c.data, row, 0, end).transpose(0, 1).float().to(q.data.dtype).unsqueeze(0)
+                          for c in (cache_k, cache_v)]  # [1, end, Hk, D]
+                return attend(q.data, *cached, causal(torch.arange(chunk_start_idx, end), torch.arange(end)))
+            # one program per chunk_start_idx (and page-table width, a shape), as real ttnn 0.81.1 (module docstring)
+            attn = ttnn.run_op(f"chunked_sdpa@{chunk_start_idx}", chunked_sdpa, q, keys, values, page_table)
         # WO, then the all-reduce's reduce-scatter: each device keeps dim / devices columns (as in decode)
         return ttnn.run_op("wo", lambda a: (self.block.attention.wo(a.data), ttnn.bfloat16, ttnn.TILE_LAYOUT), attn,
                            shards=self.args.num_devices)
@@ -515,7 +555,7 @@ class Transformer:
         self.vocab_size, self.n_layers = args.vocab_size, args.n_layers
         self.tt_ccl = TT_CCL(mesh_device)
         self.embd = Embedding(model.tok_embeddings, args)
-        # RotarySetup's cos/sin matrices [1, 1, positions, head_dim] (the stand-in's reach 2,048 positions: where TT
+        # RotarySetup's cos/sin matrices [1, 1, positions, head_dim] (the stand-in's reach ROPE_POSITIONS: where TT
         # pads a prefill running past max_seq_len with zeros, prepare_inputs_prefill, only padded rows differ)
         self.rope_cos, self.rope_sin = (ttnn.Tensor(t.view(1, 1, *t.shape), ttnn.bfloat16, ttnn.TILE_LAYOUT,
                                                     mesh_device) for t in (model.rope_cos, model.rope_sin))
@@ -529,7 +569,7 @@ class Transformer:
         # On-device sampling (and the split-sampling trace hook) where each device's vocabulary share fits 64k
         splits = args.num_devices if list(mesh_device.shape) != [1, 1] else 2
         self._supports_on_device_sampling = prefetcher is None and args.vocab_size // splits <= 64 * 1024
-        self.sampling = object() if self._supports_on_device_sampling else None
+        self.sampling = SamplingGenerator(mesh_device, args.vocab_size) if self._supports_on_device_sampling else None
 
     def prepare_decode_inputs_host(self, tokens, current_pos, page_table=None):
         B = tokens.shape[0]
@@ -644,6 +684,51 @@ class Transformer:
         return torch.cat(parts, dim=-1)[0, 0, last_token_idx, : self.vocab_size]
 
 
+class SamplingGenerator:
+    """models/common/sampling/generator.py SamplingGenerator (read at 00b0fa3f), greedy only (TT's force_argmax): the
+    model's `sampling`, with traces of its own, one per slot of _trace_states, which capture_trace makes (a
+    precompiling run, then the capture), sample replays (its logits must be the tensor it was captured with) and only
+    reset_trace releases: TT's Generator releases neither these nor its decode traces (tt/generator.py's __del__ closes
+    submeshes only). The pick: each row's argmax over the vocabulary (the padded columns sliced off, as its _forward
+    does), written into tt_out_tok, the decode trace's token input."""
+
+    def __init__(self, mesh_device, vocab_size):
+        self.mesh_device, self.vocab_size = mesh_device, vocab_size
+        self.enable_internal_trace = True
+        self._trace_states: dict = {}
+
+    def _run_sampling(self, logits, tt_out_tok):
+        def pick(scores, out):
+            ids = scores.data[0, 0, :, : self.vocab_size].float().argmax(dim=-1)
+            out.data.copy_(ids.reshape(out.data.shape).to(out.data.dtype))
+        ttnn.run_op("sampling", pick, logits, tt_out_tok, inplace=True)
+        return tt_out_tok, None
+
+    def capture_trace(self, logits, *, tt_out_tok=None, skip_precompile=False):
+        if not skip_precompile:
+            self._run_sampling(logits, tt_out_tok)
+        trace_id = ttnn.begin_trace_capture(self.mesh_device, cq_id=0)
+        output = self._run_sampling(logits, tt_out_tok)
+        ttnn.end_trace_capture(self.mesh_device, trace_id, cq_id=0)
+        self._trace_states["force_argmax"] = {"id": trace_id, "input": logits, "output": output}
+        return output
+
+    def sample(self, logits, *, enable_trace=True, tt_out_tok=None, skip_precompile=False):
+        slot = self._trace_states.get("force_argmax")
+        if slot is None:
+            return self.capture_trace(logits, tt_out_tok=tt_out_tok, skip_precompile=skip_precompile)
+        if logits is not slot["input"]:
+            raise ValueError("The provided logits tensor does not match the tensor used during trace capture. Call "
+                             "`reset_trace()` before tracing with new tensors.")
+        ttnn.execute_trace(self.mesh_device, slot["id"], cq_id=0, blocking=False)
+        return slot["output"]
+
+    def reset_trace(self):
+        for slot in self._trace_states.values():
+            ttnn.release_trace(self.mesh_device, slot["id"])
+        self._trace_states.clear()
+
+
 class SamplingParams:  # models/common/sampling (re-exported by tt/generator.py)
     def __init__(self, temperature=0.0, top_k=-1, top_p=1.0):
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
@@ -669,12 +754,14 @@ class Generator:
     prefill_forward_text pads each prompt (get_padded_prefill_len), cuts the user's page table to the blocks the prompt
     fills (_get_prefill_user_page_table) and runs prefill_forward_single_user_text: prepare_inputs_prefill, then
     ttnn_prefill_forward with get_last_token at the last token's tile, whose logits come back through
-    process_output_prefill. TT chunks a prompt longer than max_prefill_chunk_size (at least 4,096 tokens here, past
-    the stand-in's 2,048-position rotary tables): not modelled."""
+    process_output_prefill; a prompt longer than max_prefill_chunk_size in chunks (prefill_forward_single_user_text)."""
 
     def __init__(self, model, model_args, mesh_device, processor=None, tokenizer=None):
         self.model, self.model_args, self.mesh_device = model, model_args, mesh_device
         self.already_warmed_up_prefill = False
+        self.trace_ids_decode = defaultdict(lambda: None)  # {sampling on device: {model: trace id}}
+        self.trace_inputs_decode, self.trace_output_decode = {}, {}
+        self.prev_page_table = None
 
     def warmup_model_prefill(self, kv_cache, enable_trace, can_sample_on_device=False,
                              non_greedy_decoding_on_device=False):
@@ -718,25 +805,76 @@ class Generator:
                        read_from_device=True, sampling_params=None, reset_batch=False, prompt_tokens=None,
                        output_tokens=None, **kwargs):
         """tt/generator.py Generator.decode_forward (2026): (token ids [B], log probs) with sampling_params (TT samples
-        on the device: greedy is an argmax), else (logits [B, 1, V], None). The stand-in runs the step eagerly (TT
-        traces it: not modelled) with the gathered logits and takes the argmax on the host."""
+        on the device: greedy is an argmax), else (logits [B, 1, V], None). Traced with on-device sampling (TT's split
+        sampling, on by default) as _decode_forward_trace_text: the first call captures the decode trace
+        (_capture_decode_trace_text: a compile run, the capture over fresh device inputs with
+        capture_sampling_trace, then the sampling module's own capture_trace over its logits); every call copies the
+        inputs in only on reset_batch or a new page table (the tokens and positions otherwise advance on the device),
+        replays the decode trace and then sampling_module.sample. Otherwise eagerly, the argmax on the host."""
         model = self.model[0]
         host = model.prepare_decode_inputs_host(tokens.view(-1), start_pos.view(-1), page_table)
-        tt_tokens, current_pos, rope_idxs, tt_page_table = copy_host_to_device(host, mesh_device=self.mesh_device)
-        logits, _ = model.ttnn_decode_forward(tt_tokens, current_pos, rot_mat_idxs=rope_idxs, page_table=tt_page_table,
-                                              kv_cache=kv_cache[0])
-        rows = model.process_output_decode(logits, tokens.shape[0])
-        if sampling_params is not None:
-            return rows.argmax(dim=-1).view(-1), None
-        return rows.view(tokens.shape[0], 1, -1), None
+        if not (enable_trace and sampling_params is not None and model.sampling is not None):
+            tt_tokens, current_pos, rope_idxs, tt_page_table = copy_host_to_device(host, mesh_device=self.mesh_device)
+            logits, _ = model.ttnn_decode_forward(tt_tokens, current_pos, rot_mat_idxs=rope_idxs,
+                                                  page_table=tt_page_table, kv_cache=kv_cache[0])
+            rows = model.process_output_decode(logits, tokens.shape[0])
+            if sampling_params is not None:
+                return rows.argmax(dim=-1).view(-1), None
+            return rows.view(tokens.shape[0], 1, -1), None
+        if not self.trace_ids_decode[True]:
+            compile_inputs = copy_host_to_device(host, mesh_device=self.mesh_device)
+            model.sampling._run_sampling(model.ttnn_decode_forward(
+                *compile_inputs, kv_cache=kv_cache[0], sampling_on_device=True, capture_sampling_trace=True),
+                compile_inputs[0])
+            inputs = copy_host_to_device(host, mesh_device=self.mesh_device)
+            trace_id = ttnn.begin_trace_capture(self.mesh_device, cq_id=0)
+            logits = model.ttnn_decode_forward(*inputs, kv_cache=kv_cache[0], sampling_on_device=True,
+                                               capture_sampling_trace=True)
+            ttnn.end_trace_capture(self.mesh_device, trace_id, cq_id=0)
+            model.sampling.capture_trace(logits=logits, tt_out_tok=inputs[0])
+            self.trace_ids_decode[True] = {0: trace_id}
+            self.trace_inputs_decode[True], self.trace_output_decode[True] = inputs, logits
+        if reset_batch or self.prev_page_table is None or not torch.equal(self.prev_page_table, page_table):
+            self.prev_page_table = page_table.clone()
+            copy_host_to_device(host, device_tensors=self.trace_inputs_decode[True])
+        ttnn.execute_trace(self.mesh_device, self.trace_ids_decode[True][0], cq_id=0, blocking=False)
+        out_tok, _ = model.sampling.sample(self.trace_output_decode[True], tt_out_tok=self.trace_inputs_decode[True][0])
+        return ttnn.to_torch(out_tok).view(-1)[: tokens.shape[0]], None
 
     def prefill_forward_single_user_text(self, tokens, page_table, user_id, last_token_idx, kv_cache=None, model_id=-1,
                                          **kwargs):
-        if tokens.shape[-1] > self.model_args[model_id].max_prefill_chunk_size:
-            raise NotImplementedError("stand-in: chunked prefill")
+        """tt/generator.py prefill_forward_single_user_text (the 2026 form, with num_cached_tokens; the index shows no
+        commit for it): a padded prompt longer than max_prefill_chunk_size runs in chunks of
+        get_max_prefill_chunk_size rows. "page_table must also have enough entries in each chunk, so it will be padded
+        with zeros if necessary": page_table_user_padded = cat(page_table_user, zeros) to the padded prompt's blocks,
+        each chunk's fill pages its slice (chunk_page_table), its attention the whole padded table; user_id 0
+        (CHUNK_USER_ID); the chunk holding the last token is the last one run."""
+        seq_len = tokens.shape[-1]
         model = self.model[model_id]
-        prefill_input, rot_mats_global, rot_mats_local, page_table_tt, _ = model.prepare_inputs_prefill(
-            tokens, page_table=page_table)
-        return model.ttnn_prefill_forward(prefill_input, rot_mats_global=rot_mats_global,
-                                          rot_mats_local=rot_mats_local, user_id=user_id, page_table=page_table_tt,
-                                          get_last_token=(last_token_idx // 32) * 32, kv_cache=kv_cache)
+        if seq_len <= self.model_args[model_id].max_prefill_chunk_size:
+            prefill_input, rot_mats_global, rot_mats_local, page_table_tt, _ = model.prepare_inputs_prefill(
+                tokens, page_table=page_table)
+            return model.ttnn_prefill_forward(prefill_input, rot_mats_global=rot_mats_global,
+                                              rot_mats_local=rot_mats_local, user_id=user_id, page_table=page_table_tt,
+                                              get_last_token=(last_token_idx // 32) * 32, kv_cache=kv_cache)
+        assert page_table is not None, "page_table must be provided for chunked prefill"
+        assert kv_cache is not None, "kv_cache must be provided for chunked prefill"
+        chunk_size = get_max_prefill_chunk_size(seq_len, self.model_args[model_id].max_prefill_chunk_size)
+        block_size = get_block_size(kv_cache)
+        last_chunk_start = (last_token_idx // chunk_size) * chunk_size
+        page_table_user = page_table[user_id : user_id + 1, :]
+        num_padding_blocks = num_blocks_in_seq(seq_len, block_size) - page_table_user.shape[1]
+        page_table_user_padded = torch.cat(
+            [page_table_user, torch.zeros(1, num_padding_blocks, dtype=torch.int32)], dim=-1)
+        for chunk_start in range(0, seq_len, chunk_size):
+            chunk_end = chunk_start + chunk_size
+            chunk_page_table = page_table_user_padded[:, chunk_start // block_size : chunk_end // block_size]
+            chunk_input, rot_mats_global, rot_mats_local, page_table_tt, chunk_page_table_tt = \
+                model.prepare_inputs_prefill(tokens[:, chunk_start:chunk_end], start_pos=chunk_start,
+                                             page_table=page_table_user_padded, chunk_page_table=chunk_page_table)
+            tt_logits = model.ttnn_prefill_forward(
+                chunk_input, rot_mats_global=rot_mats_global, rot_mats_local=rot_mats_local, user_id=0,
+                page_table=page_table_tt, chunk_page_table=chunk_page_table_tt, chunk_start_idx=chunk_start,
+                get_last_token=((last_token_idx % chunk_size) // 32) * 32, kv_cache=kv_cache)
+            if chunk_start == last_chunk_start:
+                return tt_logits

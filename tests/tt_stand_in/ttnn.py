@@ -91,8 +91,8 @@ class TensorMemoryLayout:  # ttnn.TensorMemoryLayout (the stand-in's layouts are
                                                                  ShardStrategy.WIDTH, ShardStrategy.BLOCK)
 
 
-class BufferType:  # ttnn.BufferType
-    DRAM, L1 = "DRAM", "L1"
+class BufferType:  # ttnn.BufferType (some members)
+    DRAM, L1, TRACE = "DRAM", "L1", "TRACE"
 
 
 class CoreRange:
@@ -204,6 +204,7 @@ class MeshDevice:
         self.unsafe: list = []
         self.warnings: list = []
         self.corrupted_programs: set = set()  # ops whose binaries a replay overwrote
+        self.live = weakref.WeakSet()  # device tensors (not replay outputs), for get_memory_view's DRAM figure
 
     def allocated_under_trace(self, what) -> None:
         """0.81.1 logs a warning (once) and goes on (allocator.cpp verify_safe_allocation); the buffer is corrupted
@@ -216,6 +217,11 @@ class MeshDevice:
 
     def get_num_devices(self) -> int:
         return self.shape[0] * self.shape[1]
+
+    def num_program_cache_entries(self) -> int:
+        """MeshDevice.num_program_cache_entries (ttnn/cpp/ttnn/distributed/distributed_pybind.cpp: "Number of entries
+        in the program cache for this device"): the stand-in's compiled programs."""
+        return len(self.compiled)
 
     def dram_grid_size(self) -> CoreCoord:
         return CoreCoord(12, 1)  # Wormhole: 12 DRAM channels
@@ -322,6 +328,7 @@ class Tensor:
         self.deallocated = False
         if device is not None and not device.replaying:
             device.allocations += 1
+            device.live.add(self)
             if device.capturing is not None:
                 device.capture_allocations += 1
             elif device.traces:
@@ -519,9 +526,9 @@ def end_trace_capture(mesh_device: MeshDevice, trace_id: int, *, cq_id=None) -> 
         raise RuntimeError("Trace buffer overlaps with buffers allocated during trace capture. Reduce allocations "
                            "during trace capture or set a non-zero trace_region_size.")
     used = sum(mesh_device.trace_sizes.values())
-    if mesh_device.trace_region_size and used + size > mesh_device.trace_region_size:
-        raise RuntimeError(f"Creating trace buffers of size {used + size}B on MeshDevice, but only "
-                           f"{mesh_device.trace_region_size}B is allocated for trace region.")
+    if mesh_device.trace_region_size and used + size > mesh_device.trace_region_size:  # mesh_trace.cpp's TT_FATAL
+        raise RuntimeError(f"TT_FATAL: Creating trace buffers of size {used + size}B on MeshDevice {id(mesh_device)}, "
+                           f"but only {mesh_device.trace_region_size}B is allocated for trace region.")
     mesh_device.traces[trace_id], mesh_device.trace_sizes[trace_id] = ops, size
 
 
@@ -559,10 +566,32 @@ def synchronize_device(device, cq_id=None, sub_device_ids=()) -> None:
     pass
 
 
+@dataclass
+class MemoryView:  # ttnn.device MemoryView (its fields the backend reads)
+    num_banks: int
+    total_bytes_allocated_per_bank: int
+
+
+def get_memory_view(device: MeshDevice, buffer_type) -> MemoryView:
+    """ttnn.get_memory_view(device, buffer_type) (checked on ttnn 0.81.1's mock device: DRAM 12 banks, and TRACE, the
+    trace region, per bank): DRAM as the bytes of the device tensors alive and not deallocated (each buffer once: views
+    share theirs), TRACE as the live traces' sizes (TRACE_OP_BYTES an op)."""
+    if buffer_type == BufferType.TRACE:
+        return MemoryView(12, -(-sum(device.trace_sizes.values()) // 12))
+    if buffer_type != BufferType.DRAM:
+        raise NotImplementedError("stand-in: memory views of DRAM and the trace region only")
+    buffers = {t._data.untyped_storage().data_ptr(): t._data.untyped_storage().nbytes()
+               for t in list(device.live) if not t.deallocated}
+    return MemoryView(12, -(-sum(buffers.values()) // 12))
+
+
 def slice(input_tensor: Tensor, slice_start, slice_end, slice_step=None, *, memory_config=None, **kwargs) -> Tensor:
-    """On a sharded tensor each device slices its own shard (local coordinates)."""
+    """On a sharded tensor each device slices its own shard (local coordinates). A program per offsets, as ttnn
+    0.81.1 keys a slice's program (counted with num_program_cache_entries on the mock device: one entry per offset of
+    the same shape)."""
     index = tuple(builtins.slice(start, end) for start, end in zip(slice_start, slice_end))
-    return run_op("slice", lambda t: (per_shard(t, lambda d: d[index].clone()), t.dtype, t.layout), input_tensor,
+    return run_op(f"slice@{tuple(slice_start)}:{tuple(slice_end)}",
+                  lambda t: (per_shard(t, lambda d: d[index].clone()), t.dtype, t.layout), input_tensor,
                   mem=memory_config)
 
 

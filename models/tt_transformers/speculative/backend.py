@@ -85,10 +85,11 @@ class CausalLM(Protocol):
         """Time of a step computing n_rows tokens over contexts of about context_len tokens, in units of the part
         that does not depend on the rows (streaming the weights once)."""
 
-    def warm_up(self, max_rows_per_user: int, top_k: int, taps: Sequence[int]) -> dict:
+    def warm_up(self, max_rows_per_user: int, top_k: int, taps: Sequence[int], logits: bool = False) -> dict:
         """Compile (on a TT device also capture the traces of) every program that prefills and steps of up to
-        max_rows_per_user rows per user with these outputs will run, before anything is timed; seconds spent, as
-        {"compile_prefill": s, "compile_decode": s} (TT's perf keys). May write user 0's cache."""
+        max_rows_per_user rows per user with these outputs (logits: the steps return them, as sampling asks) will
+        run, before anything is timed; seconds spent, as {"compile_prefill": s, "compile_decode": s} (TT's perf
+        keys). May write user 0's cache."""
 
     def release(self) -> None:
         """Give back device resources (a TT device's traces) before the model is dropped."""

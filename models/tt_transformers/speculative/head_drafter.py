@@ -284,8 +284,8 @@ class ChainDraftHead(Protocol):
 
     def draft(self, feeds: Sequence[HeadFeed], chain_users: Sequence[int], k: int
               ) -> dict[int, tuple[list[int], list[float]]]:
-        """Feed every row of `feeds`, then draft k tokens (1 or chain_len) for each of chain_users from its last fed
-        row: {user: (target ids, the head's probability of each)}."""
+        """Feed every row of `feeds`, then draft k tokens (chain_len, or 0 with no chain_users: feed only) for each of
+        chain_users from its last fed row: {user: (target ids, the head's probability of each)}."""
 
 
 class TracedHeadDrafter(HeadDrafter):
@@ -325,7 +325,7 @@ class TracedHeadDrafter(HeadDrafter):
                         probes.add(u)
         if not feeds:
             return [Draft([], "none") for _ in users]
-        k = self.head.chain_len if wanted else 1
+        k = self.head.chain_len if wanted else 0  # 0: the rows fed, nothing drafted (the device skips the LM head)
         chains = self.head.draft(feeds, list(wanted), k)
         if wanted:  # a chain step's share of the drafting replay (a prompt's feed-only replays are the prefill's)
             self.cost.ran(self.head.last_draft_s / k)

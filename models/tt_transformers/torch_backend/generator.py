@@ -48,14 +48,14 @@ class TorchCausalLM:
         self.device = model.device
         self.device_name = str(model.device)
 
-    def warm_up(self, max_rows_per_user: int, top_k: int, taps: Sequence[int]) -> dict:
+    def warm_up(self, max_rows_per_user: int, top_k: int, taps: Sequence[int], logits: bool = False) -> dict:
         """A prefill and a step of the longest shape on user 0 (its cache is rewritten by the next prefill): the
         kernels and torch's first-call set-up, outside any timed run."""
         start = time.perf_counter()
         self.prefill(0, [0], taps=taps)
         prefill_s = time.perf_counter() - start
         rows = min(max_rows_per_user, EXACT_ATTENTION_MAX_TOKENS, self.max_seq_len - 1)
-        self.step([UserRows(0, [0] * rows, 0)], top_k=top_k, taps=taps)
+        self.step([UserRows(0, [0] * rows, 0)], logits=logits, top_k=top_k, taps=taps)
         return {"compile_prefill": prefill_s, "compile_decode": time.perf_counter() - start - prefill_s}
 
     def release(self) -> None:

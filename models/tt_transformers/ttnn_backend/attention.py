@@ -26,18 +26,29 @@ from .tt_surface import uses_qk_fused
 
 class KVWritePasses:
     """The position tensors (one per pass, device tensors refreshed every step) the current trace writes with;
-    shared by every layer of a model, set by the backend before it compiles and captures a step."""
+    shared by every layer of a model, set by the backend before it compiles and captures a step. `writes` counts the
+    cache writes TT's attention made through the ordered writer and `issued` the update ops that issued, so the
+    backend can check, when it compiles a step, that every layer's K and V writes went through it (TtnnCausalLM
+    ._check_ordered_writes): a TT-Transformers that bound the op another way would write every row at once, racing,
+    with no error."""
 
     def __init__(self):
         self.positions: list[Any] = []
+        self.writes = 0
+        self.issued = 0
+
+    def count_from_zero(self) -> None:
+        self.writes = self.issued = 0
 
 
 def ordered_update(update_op, passes: KVWritePasses):
     """`update_op` (paged_update_cache) issued once per pass, with that pass's positions; as TT issues it (one op over
-    every row) when no passes are set (a decode step not made by this backend)."""
+    every row) when no passes are set (a decode step not made by this backend). Each call is counted in `passes`."""
     def write(cache, input_tensor, *, update_idxs_tensor=None, **kwargs):
+        passes.writes += 1
         for positions in passes.positions or [update_idxs_tensor]:
             update_op(cache, input_tensor, update_idxs_tensor=positions, **kwargs)
+            passes.issued += 1
     return write
 
 

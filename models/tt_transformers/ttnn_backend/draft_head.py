@@ -82,10 +82,15 @@ class HeadKernelConfigs:
     """The compute-kernel and SDPA configs the head's ops run with (issue 31, finding 1: without them each op took
     its defaults, SDPA decode an approximate exp). TT's own decode: RMSNorm in HiFi2 with fp32 accumulation
     (models/common/rmsnorm.py), SDPA decode in HiFi2 with exp_approx_mode False (tt/model_config.py,
-    SDPA_DECODE_PROGCFG and sdpa_decode_compute_kernel_cfg: chunks of 256 over the compute grid); the matmuls in
-    HiFi4 with fp32 accumulation, as tt-metal's own DFlash drafter runs its draft layers (dflash_tt.py: "five serial
-    draft layers amplify projection error enough to change proposal top-1 under HiFi2"). Accepted by ttnn 0.81.1 at
-    both shapes on the mock device (make tt-mock); their effect on the drafts only hardware can measure."""
+    SDPA_DECODE_PROGCFG and sdpa_decode_compute_kernel_cfg: chunks of 256 over the compute grid). The matmuls in HiFi2
+    with fp32 accumulation, as TT's decode runs its DRAM-sharded matmuls (tt/attention.py forward_decode: "Use HiFi2
+    for DRAM-sharded matmuls as they are otherwise flop-bound. Loses 1 bit of activation precision"): HiFi2 multiplies
+    the whole weight by the activation less its last mantissa bit (tt-llk's fidelity phases), and
+    tools/head_precision.py found that it changes nothing HiFi4 kept (issue 37: chains of 8 against the bf16 head's,
+    first drafts 96.9 % the same in HiFi2 and 95.3 % in HiFi4 for the shipped head, 92.9 % both for an 8B-shaped
+    random one; keeping the LM head in HiFi4 changed nothing either), half the matmul passes of HiFi4 (tt-metal's
+    tech_reports/matrix_engine: HiFi2 2 TFLOPS, HiFi4 1 per matrix engine). Accepted by ttnn 0.81.1 at both shapes on
+    the mock device (make tt-mock); their effect on the drafts only hardware can measure."""
 
     norm: Any
     matmul: Any
@@ -100,7 +105,7 @@ class HeadKernelConfigs:
             return ttnn.WormholeComputeKernelConfig(math_fidelity=fidelity, math_approx_mode=False,
                                                     fp32_dest_acc_en=fp32, packer_l1_acc=fp32)
         grid = mesh.compute_with_storage_grid_size()
-        return cls(norm=kernel(ttnn.MathFidelity.HiFi2, True), matmul=kernel(ttnn.MathFidelity.HiFi4, True),
+        return cls(norm=kernel(ttnn.MathFidelity.HiFi2, True), matmul=kernel(ttnn.MathFidelity.HiFi2, True),
                    sdpa=kernel(ttnn.MathFidelity.HiFi2, False),
                    sdpa_program=ttnn.SDPAProgramConfig(compute_with_storage_grid_size=grid, q_chunk_size=256,
                                                        k_chunk_size=256, exp_approx_mode=False))
@@ -197,6 +202,11 @@ def to_meta_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.view(n_heads, 2, w.shape[0] // n_heads // 2, -1).transpose(1, 2).reshape(w.shape)
 
 
+def from_meta_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """to_meta_rows undone: Meta's pairwise rows back to the checkpoint's rotate-half order."""
+    return w.view(n_heads, w.shape[0] // n_heads // 2, 2, -1).transpose(1, 2).reshape(w.shape)
+
+
 def meta_table(table: torch.Tensor) -> torch.Tensor:
     """A rotate-half cos/sin table [positions, head_dim] in Meta's pairwise layout (rope.py gather_cos_sin)."""
     half = table[:, : table.shape[1] // 2]
@@ -224,6 +234,26 @@ def head_weights(config: HeadConfig, weights: dict) -> dict[str, torch.Tensor]:
         if name.endswith("wqkv.weight"):
             w = torch.cat([to_meta_rows(w[: H * D], H), to_meta_rows(w[H * D : (H + Hk) * D], Hk), w[(H + Hk) * D :]])
         out[name] = w.view(1, 1, -1, 32) if w.dim() == 1 else w.t().contiguous()
+    return out
+
+
+def stored_weights(config: HeadConfig, weights: dict) -> dict:
+    """The head's tensors (the file's names, for a host head) with every matmul weight as the device holds it in
+    bfloat8_b: rounded (bfp8.py) in the layout the device stores (head_weights: transposed, q and k rows in Meta's
+    order, q/k/v and gate/up fused), then put back in the file's layout. The host reference a device head's drafts
+    are checked against (make tt-smoke), and tools/head_precision.py's."""
+    from .bfp8 import bfp8_round
+
+    a, out, host = config.layer, dict(weights), head_weights(config, weights)
+    for name, parts in parameter_names(config).items():
+        if host[name].dim() != 2:  # norms: bfloat16 on the device
+            continue
+        w = bfp8_round(host[name]).t()
+        if name.endswith("wqkv.weight"):
+            q, k = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+            w = torch.cat([from_meta_rows(w[:q], a.n_heads), from_meta_rows(w[q : q + k], a.n_kv_heads), w[q + k :]])
+        for part, piece in zip(parts, w.split([weights[p].shape[0] for p in parts])):
+            out[part] = piece.to(weights[part].dtype)
     return out
 
 
@@ -408,6 +438,30 @@ class TtnnDraftHead:
             rope_rows, self.tables[name], layout=ttnn.TILE_LAYOUT)), 1, 2), self._per_user(self.args.head_dim))
             for name in ("rope_cos", "rope_sin")]
 
+    def _cache_rows(self, embeds, state, rope_rows, passes: list):
+        """The layer up to its cache update (TT's attention forward_decode): every row's k and v written into the head's
+        cache in ordered passes (no two rows of one op share a cache block: attention.py). Returns q, rotated, and the
+        residual, for the rest of the layer (_layer)."""
+        import ttnn
+
+        a = self.args
+        x, residual = self._attention_input(embeds, state)
+        # bfloat16 qkv ("bfloat16 is required by nlp_create_qkv_heads_decode"); q, k, v [1, 32, heads, D] per user core
+        # qkv in L1 as TT's (tt/attention.py): on Wormhole the op reads its rows at 16-byte L1 alignment, which DRAM
+        # does not give (its fix for DRAM inputs, tt-metal #43270, is on for Blackhole only)
+        q, k, v = ttnn.experimental.nlp_create_qkv_heads_decode(
+            self._linear(x, "layer.attention.wqkv.weight", ttnn.L1_MEMORY_CONFIG), num_heads=a.n_heads,
+            num_kv_heads=a.n_kv_heads, memory_config=self._per_user(a.head_dim))
+        cos, sin = self._rot_mats(rope_rows)
+        q, k = (ttnn.experimental.rotary_embedding_llama(t, cos, sin, self.tables["trans_mat"], is_decode_mode=True)
+                for t in (q, k))
+        keys, values = self.kv_cache
+        page_table = self.inputs.page_table
+        for pass_positions in passes:
+            ttnn.experimental.paged_update_cache(keys, k, update_idxs_tensor=pass_positions, page_table=page_table)
+            ttnn.experimental.paged_update_cache(values, v, update_idxs_tensor=pass_positions, page_table=page_table)
+        return q, residual
+
     def _layer(self, embeds, state, positions, rope_rows, passes: list):
         """The head's decoder layer over the tile (Eagle3Layer.forward, torch_backend/draft_head.py) with TT's decode
         attention ops (tt/attention.py forward_decode): returns the state fed forward and the draft-vocabulary logits
@@ -415,22 +469,10 @@ class TtnnDraftHead:
         import ttnn
 
         a, c, dram = self.args, self.config, ttnn.DRAM_MEMORY_CONFIG
-        H, Hk, D = a.n_heads, a.n_kv_heads, a.head_dim
-        x, residual = self._attention_input(embeds, state)
-        # bfloat16 qkv ("bfloat16 is required by nlp_create_qkv_heads_decode"); q, k, v [1, 32, heads, D] per user core
-        # qkv in L1 as TT's (tt/attention.py): on Wormhole the op reads its rows at 16-byte L1 alignment, which DRAM
-        # does not give (its fix for DRAM inputs, tt-metal #43270, is on for Blackhole only)
-        q, k, v = ttnn.experimental.nlp_create_qkv_heads_decode(
-            self._linear(x, "layer.attention.wqkv.weight", ttnn.L1_MEMORY_CONFIG), num_heads=H, num_kv_heads=Hk,
-            memory_config=self._per_user(D))
-        cos, sin = self._rot_mats(rope_rows)
-        q, k = (ttnn.experimental.rotary_embedding_llama(t, cos, sin, self.tables["trans_mat"], is_decode_mode=True)
-                for t in (q, k))
+        H, D = a.n_heads, a.head_dim
+        q, residual = self._cache_rows(embeds, state, rope_rows, passes)
         keys, values = self.kv_cache
         page_table = self.inputs.page_table
-        for pass_positions in passes:  # ordered: no two rows of one op share a cache block (attention.py)
-            ttnn.experimental.paged_update_cache(keys, k, update_idxs_tensor=pass_positions, page_table=page_table)
-            ttnn.experimental.paged_update_cache(values, v, update_idxs_tensor=pass_positions, page_table=page_table)
         attn = ttnn.transformer.paged_scaled_dot_product_attention_decode(
             q, keys, values, page_table_tensor=page_table, cur_pos_tensor=positions, scale=D ** -0.5,
             sliding_window_size=a.sliding_window, program_config=self.configs.sdpa_program,
@@ -460,13 +502,19 @@ class TtnnDraftHead:
         return slice_top_k(logits, CONFIDENCE_TOP, len(self.vocab))
 
     def _forward(self, key: HeadKey):
-        """The traced program for (passes, k): the feed over the tile, then k - 1 chain steps."""
+        """The traced program for (passes, k): the feed over the tile, then k - 1 chain steps. k = 0, a feed that drafts
+        nothing (the hybrid took a copied draft for every user): the fed rows' k and v into the cache only, which is
+        all a later replay reads of them (a one-layer head's cache rows depend on each row's own input, as
+        fill_prompt's): no attention, MLP, LM head, argmax or top k."""
         import ttnn
 
         passes, k = key
         i, dram = self.inputs, ttnn.DRAM_MEMORY_CONFIG
-        state, logits = self._layer(i.embeds, self._project(self.target.tap_tile(self.taps)), i.positions,
-                                    i.rope_rows, i.pass_positions[:passes])
+        state = self._project(self.target.tap_tile(self.taps))
+        if k == 0:
+            self._cache_rows(i.embeds, state, i.rope_rows, i.pass_positions[:passes])
+            return HeadTrace(None, [], [])
+        state, logits = self._layer(i.embeds, state, i.positions, i.rope_rows, i.pass_positions[:passes])
         out = HeadTrace(None, [self._choose(logits, i.tokens[0])], [logits])
         for j in range(1, k):
             embeds = ttnn.unsqueeze_to_4D(ttnn.embedding(i.tokens[j - 1], self.tables["draft_embedding"],
@@ -530,7 +578,7 @@ class TtnnDraftHead:
         """Plan the head's traces (trace_plan.head_trace_keys), made with every other model's on the mesh by the
         target's prepare_traces (or the first replay that needs them); seconds spent. The target must have planned
         steps with the head's taps (they write its input)."""
-        if not any(taps == self.taps for *_, taps in self.target.planned):
+        if not any(key.taps == self.taps for key in self.target.planned):
             raise ValueError(f"the target's steps do not write taps {list(self.taps)}: warm it up with them first")
         start = time.perf_counter()
         self.planned |= set(head_trace_keys(self.chain_len))
@@ -557,7 +605,7 @@ class TtnnDraftHead:
         import ttnn
 
         k = len(out.logits)
-        joined = [out.chain_ids if k > 1 else None, out.chain_top if k * len(out.top[0]) > 1 else None]
+        joined = [out.chain_ids if k > 1 else None, out.chain_top if k and k * len(out.top[0]) > 1 else None]
         for tensor in device_tensors([out.top, out.logits, joined]):
             ttnn.deallocate(tensor)
 
@@ -624,8 +672,8 @@ class TtnnDraftHead:
         i = self.inputs
         pairs = [(embeds, i.embeds), (ints(positions), i.positions), (rope_rows(positions), i.rope_rows),
                  (ints(page_table), i.page_table), *((ints(p), d) for p, d in zip(passes[:n_passes], i.pass_positions)),
-                 *((ints(c), d) for c, d in zip(chain[: k - 1], i.chain_positions)),
-                 *((rope_rows(c), d) for c, d in zip(chain[: k - 1], i.chain_rope_rows))]
+                 *((ints(c), d) for c, d in zip(chain[: max(k - 1, 0)], i.chain_positions)),
+                 *((rope_rows(c), d) for c, d in zip(chain[: max(k - 1, 0)], i.chain_rope_rows))]
         for src, dst in pairs:
             ttnn.copy_host_to_device_tensor(src, dst)
 
@@ -633,12 +681,13 @@ class TtnnDraftHead:
 
     def draft(self, feeds: Sequence[HeadFeed], chain_users: Sequence[int], k: int) -> dict[int, tuple[list, list]]:
         """Feed every row in `feeds` (a verified step's rows in the tap tile, or a prompt's states), then draft k
-        tokens (1 or chain_len) for each user in chain_users from its last fed row, in one replay. Returns {user:
-        (target ids, the head's confidence in each)}."""
+        tokens (chain_len, or 0 with no chain_users: a feed-only replay) for each user in chain_users from its last fed
+        row, in one replay. Returns {user: (target ids, the head's confidence in each)}."""
         import ttnn
 
-        if k not in (1, self.chain_len):
-            raise ValueError(f"a device head drafts 1 or {self.chain_len} tokens per replay, not {k}")
+        if k != (self.chain_len if chain_users else 0):
+            raise ValueError(f"a device head drafts {self.chain_len} tokens per replay for the users that draft, or 0 "
+                             f"when none does; not {k} for {len(chain_users)} users")
         tile = [f for f in feeds if f.tile_rows is not None]
         prompt = [f for f in feeds if f.tile_rows is None]
         if tile and prompt:

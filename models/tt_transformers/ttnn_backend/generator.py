@@ -33,6 +33,8 @@
   the pass tensors the trace reads), so the loop allocates nothing on the device.
 """
 import contextlib
+import math
+import re
 import time
 import weakref
 from collections import defaultdict
@@ -44,18 +46,19 @@ from loguru import logger
 
 from ..speculative.backend import DeviceRows, StepOutput, UserRows
 from .device import TRACE_REGIONS
-from .model import TILE_ROWS, TTModel, supported_kwargs
-from .tt_surface import can_keep_shares, decode_forward_kwargs, decode_logits, padded_vocab
+from .model import SINK_BLOCK, TILE_ROWS, TTModel, prefill_warm_prompts, supported_kwargs
+from .tt_surface import can_keep_shares, decode_forward_kwargs, decode_logits, mesh_column_rows, padded_vocab
 from .trace_plan import TraceKey, pass_ladder, passes_for, region_bytes, trace_bytes, trace_keys, vocab_slices
 
 # What a step costs, in units of streaming the weights once (a decode step of the tile, which computes all 32 rows
 # whatever is in them): each cache-write pass adds two paged_update_cache ops per layer, and paged SDPA decode reads
-# each active row's cached keys, so its work grows with rows x context. Estimates (no device here): the hardware
-# perf test records the step time of every traced shape (TtnnCausalLM.step_times) to replace them.
+# each active row's cached K and V, so its work grows with rows x context (model.key_cost, from the model's shapes
+# and dtypes). Estimates (no device here): the hardware perf test records the step time of every traced shape
+# (TtnnCausalLM.step_times) to replace them.
 WRITE_PASS_COST = 0.01
-KEY_COST = 2e-6  # per row per cached position
-# Row counts a sampled step reads its logits in: each traced program also slices the logits' first R rows
-# (row-major, a copy of R x share values on the device), and a step reads the smallest slice holding its rows.
+# Row counts a sampled step reads its logits in: each program a sampled run traces (TraceKey.logits) also slices the
+# logits' first R rows (row-major, a copy of R x share values on the device), and a step reads the smallest slice
+# holding its rows; a greedy run's programs make none.
 LOGIT_READS = (4, 8, 16)
 # The models on each mesh (id(mesh) -> TtnnCausalLMs): traces are prepared for all of them at once.
 MESH_MODELS: defaultdict = defaultdict(weakref.WeakSet)
@@ -91,6 +94,7 @@ class Trace:
     logits: Any  # [1, 1, 32, share] row-major per device
     top: Optional[list]  # per vocabulary slice: (values, indices) [1, 1, 32, k] per device, or None
     first_rows: dict = field(default_factory=dict)  # R -> the logits' first R rows [1, 1, R, share] (LOGIT_READS)
+    tap_parts: Any = None  # tap_gather "host" on a mesh: the tapped layers' copies stacked, [1, 1, 32 * taps, dim / n]
 
 
 def device_tensors(outputs) -> list:
@@ -186,7 +190,62 @@ def prepare_mesh(mesh) -> None:
             lm.compiled.add(key)
     for lm in models:
         for key in sorted(lm.planned if lm.trace else ()):
-            lm.capture(key)
+            try:
+                lm.capture(key)
+            except RuntimeError as e:
+                error = region_error(e, models, lm, key)
+                if error is None:
+                    raise
+                raise error from e
+
+
+# tt-metal's refusal when the trace buffers outgrow the region (mesh_trace.cpp populate_mesh_buffer, TT_FATAL; the
+# text is in the ttnn 0.81.1 wheel's libtt_metal.so): the first number is every live trace's size with the failing one's
+TRACE_REGION_FULL = re.compile(r"Creating trace buffers of size (\d+)B on MeshDevice \S+, but only (\d+)B is allocated "
+                               r"for trace region")
+
+
+def region_error(error: RuntimeError, models: list, failing, failing_key) -> Optional[ValueError]:
+    """tt-metal's trace-region refusal as one line naming the size to open the mesh with, or None for any other
+    error. tt-metal reports what the traces captured so far took on the device; trace_plan's estimate for the same
+    traces says how far off it was, and every planned trace scaled by that, with trace_plan's margin, is the size."""
+    found = TRACE_REGION_FULL.search(str(error))
+    if not found:
+        return None
+    needed, region = int(found.group(1)), int(found.group(2))
+    done = [(lm, key) for lm in models for key in lm.traces] + [(failing, failing_key)]
+    estimated_done = sum(lm._trace_bytes(key) for lm, key in done)
+    planned = [lm._trace_bytes(key) for lm in models if lm.trace for key in lm.planned]
+    size = region_bytes([math.ceil(needed * sum(planned) / max(estimated_done, 1))])
+    return ValueError(f"the decode traces outgrew the trace region: {len(done)} of the {len(planned)} planned traces "
+                      f"took {needed / 1e6:.0f} MB on the device and the mesh was opened with {region / 1e6:.0f} MB "
+                      f"(trace_plan estimated {estimated_done / 1e6:.0f} MB for them); rerun with --trace_region_size "
+                      f"{size} (or device_params' trace_region_size)")
+
+
+def program_cache_entries(mesh) -> Optional[int]:
+    """The mesh's program-cache entries (MeshDevice.num_program_cache_entries, ttnn/cpp/ttnn/distributed/
+    distributed_pybind.cpp: "Number of entries in the program cache for this device"), None where it has none."""
+    count = getattr(mesh, "num_program_cache_entries", None)
+    return int(count()) if callable(count) else None
+
+
+def remake_traces_after(mesh, before: Optional[int], what: str) -> None:
+    """After host work that may compile programs (a prefill: TT's last-token slice and paged_fill_cache compile per
+    last-token tile and page-table width, beyond what the warm-up covers): if programs were added to the cache while
+    decode traces were live, their kernel binaries were allocated under those traces and a replay may overwrite them
+    (allocator.cpp verify_safe_allocation), so every trace on the mesh is released and made again (prepare_mesh)
+    before any replay; the binaries now sit outside every trace's buffers. Logged with what it cost."""
+    after = program_cache_entries(mesh)
+    models = list(MESH_MODELS[id(mesh)])
+    if before is None or after is None or after == before or not any(lm.traces for lm in models):
+        return
+    start = time.perf_counter()
+    for lm in models:
+        lm.release_traces()
+    prepare_mesh(mesh)
+    logger.info(f"{what} compiled {after - before} program(s) while the decode traces were live: every trace on the "
+                f"mesh made again ({time.perf_counter() - start:.1f}s)")
 
 
 def captured(mesh, program):
@@ -224,13 +283,21 @@ class TtnnCausalLM:
     """A TT-Transformers model (or a view of its first layers) behind the CausalLM contract."""
 
     def __init__(self, tt: TTModel, max_batch_size: int, max_seq_len: int, shares_target_cache: bool = False,
-                 inputs: Optional[DeviceInputs] = None, trace: bool = True):
+                 inputs: Optional[DeviceInputs] = None, trace: bool = True, tap_gather: str = "device"):
         if not 1 <= max_batch_size <= TILE_ROWS:
             raise ValueError(f"--batch_size {max_batch_size}: a TT decode step holds at most {TILE_ROWS} users "
                              "(one 32-row tile); use 32 or fewer")
         self.tt, self.max_batch_size, self.max_seq_len = tt, max_batch_size, max_seq_len
         self.n_layers, self.vocab_size = tt.n_layers, tt.args.vocab_size
-        self.max_step_rows = TILE_ROWS
+        # The rows a step may use: the tile, or on a Galaxy one mesh column's users (tt_surface.mesh_column_rows).
+        # A Galaxy column computes its own 8 rows against its own KV caches, and (in some attention.py versions) only
+        # column 0's caches hold the prompts, so a user's rows must stay in column 0's rows at every step: a verify
+        # row in tile rows 8-31 would attend to a cache that was never filled, or one its earlier rows never wrote.
+        self.max_step_rows = mesh_column_rows(tt.model, tt.args, TILE_ROWS)
+        if max_batch_size > self.max_step_rows:
+            raise ValueError(f"--batch_size {max_batch_size}: on a Galaxy a decode step's rows must sit in one mesh "
+                             f"column's {self.max_step_rows} users (TT-Transformers' attention gives each mesh column "
+                             f"its own users and KV caches); use --batch_size {self.max_step_rows} or fewer")
         # Token trees need each row to see its ancestors only, which paged SDPA decode (each row sees every cached
         # position up to its own) does not express without an attention mask per step: chains only (README).
         self.supports_trees = False
@@ -240,6 +307,7 @@ class TtnnCausalLM:
         self.device_name = f"{args.device_name} ({' x '.join(map(str, args.cluster_shape))} mesh)"
         self.num_devices = args.num_devices
         # Each device reduces its own vocabulary share where TT leaves the LM head's output split (see module doc)
+        self.key_cost = tt.key_cost()  # a row reading one cached position, in step costs (step_cost)
         self.split_vocab = (self.num_devices > 1 and not args.is_galaxy and tt.model.sampling is not None
                             and can_keep_shares(tt.model))
         self.share = padded_vocab(args) // self.num_devices if self.split_vocab else self.vocab_size
@@ -247,8 +315,12 @@ class TtnnCausalLM:
         self.planned: set[TraceKey] = set()  # (write passes, top k, taps) of every program a run uses
         self.compiled: set[TraceKey] = set()  # the planned programs already run once (kernels built)
         self.prefilled = False  # TT's prefill warm-up (its first prefill_forward_text) has run
+        self.prefill_warmed = False  # _warm_up_prefill has run (its programs stay in the mesh's program cache)
         # False: every step runs its ops eagerly (TT's demos' enable_trace=False): a failure names the op, not a trace
         self.trace = trace
+        # where a mesh's tapped states are gathered (_write_taps): "device", one all-gather inside each tapped trace,
+        # or "host", read back and written to the tap tile after each replay (no collective of ours in a trace)
+        self.tap_gather = tap_gather
         self.inputs = inputs if inputs is not None else DeviceInputs()
         self.traces: dict[TraceKey, Trace] = {}
         self.step_times: dict[TraceKey, list] = defaultdict(list)  # seconds per replay, per trace
@@ -260,31 +332,57 @@ class TtnnCausalLM:
         if not 1 <= n_layers < self.n_layers:
             raise ValueError(f"a draft view needs 1 to {self.n_layers - 1} layers, got {n_layers}")
         return TtnnCausalLM(self.tt.first_layers(n_layers), self.max_batch_size, self.max_seq_len,
-                            shares_target_cache=True, inputs=self.inputs, trace=self.trace)
+                            shares_target_cache=True, inputs=self.inputs, trace=self.trace, tap_gather=self.tap_gather)
 
     def step_cost(self, n_rows: int, context_len: float) -> float:
         """A step of n_rows rows: the passes are those of one user holding every row beyond the first (an upper
         bound for several users)."""
         passes = passes_for(min(n_rows, self.ladder[-1]), self.ladder)
-        return 1 + WRITE_PASS_COST * passes + KEY_COST * n_rows * context_len
+        return 1 + WRITE_PASS_COST * passes + self.key_cost * n_rows * context_len
 
     # ---- warm-up, traces and the trace region ----------------------------------------------------------------
 
-    def warm_up(self, max_rows_per_user: int, top_k: int, taps: Sequence[int]) -> dict:
+    def warm_up(self, max_rows_per_user: int, top_k: int, taps: Sequence[int], logits: bool = False) -> dict:
         """TT-Transformers' prefill warm-up (its first prefill_forward_text: every supported prefill length), then
-        the programs a run with these settings uses planned and checked against the trace region. They are compiled
+        the programs a run with these settings uses (logits: a sampled run's, whose steps read the logits) planned and
+        checked against the trace region. They are compiled
         and captured, with every other model's on the mesh, by `prepare_traces` (or the first step that needs them):
         planning every model first captures each trace once."""
         taps = self._check_taps(taps)
         start = time.perf_counter()
         if not self.shares_target_cache:  # a draft view never prefills: the target's prefill fills its cache
-            self.prefill(0, [0])
+            self._warm_up_prefill()
         self.ladder = pass_ladder(max_rows_per_user)
         # a run's plan replaces an earlier run's (their traces are released when the mesh's are next made): runs in
         # sequence on one model never hold more traces than the most demanding of them
-        self.planned = set(trace_keys(max_rows_per_user, top_k, taps))
+        self.planned = set(trace_keys(max_rows_per_user, top_k, taps, logits))
         self.check_trace_region()
         return {"compile_prefill": time.perf_counter() - start, "compile_decode": 0.0}
+
+    def _warm_up_prefill(self) -> None:
+        """TT's prefill warm-up (its first prefill_forward_text sweeps the lengths of
+        ModelArgs.get_warmup_prefill_supported_seq_lens, up to capped_warmup_seq_len), then one prefill of every prompt
+        length model.prefill_warm_prompts names: every padded length TT's sweep leaves out (256 and 512, the chunked
+        lengths past the chunk size, ...), and every last-token tile of the prompts up to PER_TILE_WARM_POSITIONS
+        tokens (TT's last-token ttnn.slice and its paged_fill_cache compile per tile and page-table width). So those
+        programs are built before any decode trace is live: compiled under one, their kernel binaries may be
+        overwritten when it replays (allocator.cpp verify_safe_allocation); a prefill that still compiles something
+        later has the traces made again (remake_traces_after). Paged into SINK_BLOCK through a page-table row as wide as a
+        user's (TT cuts it to the prompt's blocks as it cuts theirs), as TT's own warm-up pages its prompts (a page
+        table of zeros)."""
+        if self.prefill_warmed:  # a later run on the same model: its programs are in the program cache
+            return
+        programs = program_cache_entries(self.tt.mesh_device)
+        self.prefill(0, [0])
+        generator = self.tt.generator
+        sink = torch.full((1, self.tt.page_table.shape[1]), SINK_BLOCK, dtype=torch.int32)
+        for n in prefill_warm_prompts(self.tt.args, self.max_seq_len):
+            generator.prefill_forward_text(torch.zeros(1, n, dtype=torch.long), **supported_kwargs(
+                generator.prefill_forward_text, kv_cache=[self.tt.kv_cache], prompt_lens=[n], empty_slots=[0],
+                page_table=sink, enable_trace=False))
+        self.prefill_warmed = True
+        # another model's traces may already be live on the mesh (a pool's earlier run): made again if so
+        remake_traces_after(self.tt.mesh_device, programs, "the prefill warm-up")
 
     def prepare_traces(self) -> float:
         """Compile, and capture where tracing, every program planned on this mesh (prepare_mesh); seconds spent."""
@@ -301,8 +399,9 @@ class TtnnCausalLM:
         needed = sum(lm._trace_bytes(key) for lm in MESH_MODELS[id(mesh)] if lm.trace for key in lm.planned)
         if region and needed > region:
             raise ValueError(f"the planned decode traces take about {needed / 1e6:.0f} MB of trace region and the mesh "
-                             f"was opened with {region / 1e6:.0f} MB: open it with trace_region_size >= "
-                             f"{region_bytes([needed])} (device_params), or plan fewer traces (lower --n_draft_tokens)")
+                             f"was opened with {region / 1e6:.0f} MB: rerun with --trace_region_size "
+                             f"{region_bytes([needed])} (or device_params' trace_region_size), or plan fewer traces "
+                             "(lower --n_draft_tokens)")
 
     def _trace_bytes(self, key: TraceKey) -> int:
         args = self.tt.args
@@ -315,28 +414,43 @@ class TtnnCausalLM:
         import ttnn
 
         self._run_inputs([UserRows(0, [0], 0)], write=False, passes=TILE_ROWS)
-        passes, top_k, taps = key
-        self.tt.passes.positions = self.inputs.step.pass_positions[:passes]
+        self.tt.passes.positions = self.inputs.step.pass_positions[:key.passes]
         # a scratch tile: the tap tile may hold a verified step's states the head has not been fed yet
-        scratch = ttnn.clone(self.tap_tile(taps), memory_config=ttnn.DRAM_MEMORY_CONFIG) if taps else None
-        for tensor in device_tensors(self._forward(top_k, taps, scratch)) + ([scratch] if taps else []):
+        scratch = ttnn.clone(self.tap_tile(key.taps), memory_config=ttnn.DRAM_MEMORY_CONFIG) if key.taps else None
+        self.tt.passes.count_from_zero()
+        outputs = self._forward(key, scratch)
+        self._check_ordered_writes(key.passes)
+        for tensor in device_tensors(outputs) + ([scratch] if key.taps else []):
             ttnn.deallocate(tensor)
+
+    def _check_ordered_writes(self, passes: int) -> None:
+        """Every layer's K and V cache writes went through the ordered writer (attention.py), each as `passes` update
+        ops: otherwise TT-Transformers reached paged_update_cache some other way (bound at import, fused, a renamed
+        forward_decode) and a verify step's rows would race in one op, losing writes with no error. One line naming
+        the counts."""
+        done = self.tt.passes
+        if done.writes != 2 * self.n_layers or done.issued != 2 * self.n_layers * passes:
+            raise RuntimeError(f"the ordered cache writes did not reach TT-Transformers' attention: a {self.n_layers}-"
+                               f"layer decode step made {done.writes} K/V writes through them ({2 * self.n_layers} "
+                               f"expected) and issued {done.issued} update ops ({2 * self.n_layers * passes} expected "
+                               f"for {passes} passes); this tt-metal's tt/attention.py does not call "
+                               "ttnn.experimental.paged_update_cache from Attention.forward_decode (tt_surface probe)")
 
     def capture(self, key: TraceKey) -> None:
         """The program for this key captured as a trace (its outputs are the trace's persistent tensors)."""
         import ttnn
 
-        passes, top_k, taps = key
-        self.tt.passes.positions = self.inputs.step.pass_positions[:passes]
+        self.tt.passes.positions = self.inputs.step.pass_positions[:key.passes]
         trace_id, outputs = captured(self.tt.mesh_device,
-                                     lambda: self._forward(top_k, taps, self.tap_tile(taps) if taps else None))
+                                     lambda: self._forward(key, self.tap_tile(key.taps) if key.taps else None))
         self.traces[key] = Trace(trace_id, *outputs)
 
     def release_traces(self) -> None:
         traces, self.traces = self.traces, {}
         release_all(self.tt.mesh_device, [t.trace_id for t in traces.values()])
 
-    def __del__(self):  # as TT-Transformers' Generator.__del__: a dropped model's traces leave the trace region
+    def __del__(self):  # a dropped model's traces leave the trace region (as the 2026 TT-Transformers'
+        # Generator.__del__ releases its own, tt/generator.py; tt_baseline.py releases TT's)
         with contextlib.suppress(Exception):  # a destructor never raises (the mesh may be closed already)
             self.release_traces()
 
@@ -356,10 +470,12 @@ class TtnnCausalLM:
         if taps and not self.prefilled:  # TT's first prefill runs its warm-up sweep: not under the taps' host reads
             self.prefill(user, list(tokens[:1]))
         self.prefilled = True
+        programs = program_cache_entries(self.tt.mesh_device)
         with TapCapture(self.tt.model.layers, taps, copy=self._to_host) as capture:
             out = generator.prefill_forward_text(torch.tensor([list(tokens)]), **supported_kwargs(
                 generator.prefill_forward_text, page_table=self.tt.page_table[user : user + 1],
                 kv_cache=[self.tt.kv_cache], prompt_lens=[len(tokens)], empty_slots=[user], enable_trace=False))
+        remake_traces_after(self.tt.mesh_device, programs, f"a prefill of {len(tokens)} tokens")
         row = out.reshape(-1)[: self.vocab_size].float().view(1, -1)
         states = [prompt_taps(capture.outputs, taps, len(tokens))] if taps else None
         return StepOutput([row.argmax(dim=-1).tolist()], [row] if logits else None, hidden=states)
@@ -421,8 +537,9 @@ class TtnnCausalLM:
         made again (prepare_mesh). taps: checked (_check_taps)."""
         import ttnn
 
+        self._check_rows(sum(len(r.tokens) for r in rows))  # before anything is planned or compiled for the step
         passes = passes_for(max(len(u.tokens) for u in rows), self.ladder)
-        key = (passes, top_k, taps)
+        key = TraceKey(passes, top_k, taps, logits)
         if key not in (self.traces if self.trace else self.compiled):
             self.planned.add(key)
             self.check_trace_region()
@@ -434,15 +551,18 @@ class TtnnCausalLM:
             ttnn.execute_trace(self.tt.mesh_device, trace.trace_id, cq_id=0, blocking=False)
         else:  # eager: the same program, op by op
             self.tt.passes.positions = self.inputs.step.pass_positions[:passes]
-            trace = Trace(None, *self._forward(top_k, taps, self.tap_tile(taps) if taps else None))
+            trace = Trace(None, *self._forward(key, self.tap_tile(taps) if taps else None))
         # every output is read right after its own trace's replay: a later trace's capture allocated under this one
         # (prepare_mesh) may overwrite its outputs when that trace replays, never before they are read here
         ids = self._argmax(trace, r)
         all_logits = self._read_logits(trace, r) if logits else None
         top = self._top_k(trace, top_k) if top_k else None
+        if trace.tap_parts is not None:
+            self._gather_taps_on_host(trace.tap_parts, taps)
         self.step_times[key].append(time.perf_counter() - start)  # the step as the loop sees it: reads included
         if not self.trace:
-            for tensor in device_tensors([trace.ids, trace.best, trace.logits, trace.top, trace.first_rows]):
+            for tensor in device_tensors([trace.ids, trace.best, trace.logits, trace.top, trace.first_rows,
+                                          trace.tap_parts]):
                 ttnn.deallocate(tensor)
         out_ids, out_logits, out_top, out_hidden, start = [], [], [], [], 0
         for user_rows in rows:
@@ -464,9 +584,7 @@ class TtnnCausalLM:
         import ttnn
         from models.tt_transformers.tt.common import copy_host_to_device
 
-        n_rows = sum(len(r.tokens) for r in rows)
-        if n_rows > TILE_ROWS:
-            raise ValueError(f"a step of {n_rows} rows does not fit the {TILE_ROWS}-row decode tile")
+        n_rows = self._check_rows(sum(len(r.tokens) for r in rows))
         tokens = torch.zeros(TILE_ROWS, dtype=torch.int64)
         positions = torch.full((TILE_ROWS,), -1, dtype=torch.int64)
         page_table = self.tt.page_table[0].repeat(TILE_ROWS, 1)  # idle rows: any valid row, never read
@@ -479,7 +597,12 @@ class TtnnCausalLM:
                 if write:
                     pass_positions[j, r] = positions[r]
                 r += 1
-        host = [*self.tt.model.prepare_decode_inputs_host(tokens, positions, page_table),
+        decode_inputs = self.tt.model.prepare_decode_inputs_host(tokens, positions, page_table)
+        if len(decode_inputs) != 4:
+            raise ValueError(f"TT-Transformers' prepare_decode_inputs_host returned {len(decode_inputs)} inputs where "
+                             "the backend takes 4 (tokens, current_pos, rot_mat_idxs, page_table): this tt-metal's "
+                             "decode interface is not one the backend drives (tt_surface probe)")
+        host = [*decode_inputs,
                 *(ttnn.from_torch(p, dtype=ttnn.int32, mesh_mapper=self._replicated()) for p in pass_positions)]
         if self.inputs.step is None:
             device = copy_host_to_device(host, mesh_device=self.tt.mesh_device)
@@ -490,6 +613,13 @@ class TtnnCausalLM:
             i = self.inputs.step
             copy_host_to_device(host, [i.tokens, i.current_pos, i.rope_idxs, i.page_table, *i.pass_positions])
         return r
+
+    def _check_rows(self, n_rows: int) -> int:
+        """n_rows, or one line when a step of that many rows does not fit (max_step_rows)."""
+        if n_rows > self.max_step_rows:
+            where = "the decode tile" if self.max_step_rows == TILE_ROWS else "one Galaxy mesh column's rows"
+            raise ValueError(f"a step of {n_rows} rows does not fit {where} ({self.max_step_rows})")
+        return n_rows
 
     def _read(self, tensor) -> torch.Tensor:
         """A traced output read back as [32, width]: on a split-vocabulary mesh the devices' parts side by side in
@@ -559,14 +689,15 @@ class TtnnCausalLM:
         return ttnn.from_torch(mask, dtype=ttnn.bfloat16, layout=ttnn.TILE_LAYOUT, device=self.tt.mesh_device,
                                mesh_mapper=mapper)
 
-    def _forward(self, top_k: int, taps: tuple[int, ...], tile=None) -> list:
+    def _forward(self, key: TraceKey, tile=None) -> list:
         """The traced program: the decode forward over the tile, then per device the argmax (and the max, and the
-        top k of each slice) over its vocabulary share; with `taps`, the tapped states written to `tile`. Outputs go
-        to DRAM (a trace keeps them: L1 is for the ops)."""
+        top k of each slice) over its vocabulary share; with key.taps, the tapped states written to `tile`; with
+        key.logits (a sampled run), the logits' first rows sliced for its reads (a greedy trace reads ids only).
+        Outputs go to DRAM (a trace keeps them: L1 is for the ops)."""
         import ttnn
 
         i, model, dram = self.inputs.step, self.tt.model, ttnn.DRAM_MEMORY_CONFIG
-        with TapCapture(model.layers, taps) as capture:
+        with TapCapture(model.layers, key.taps) as capture:
             out = decode_logits(model.ttnn_decode_forward(
                 i.tokens, i.current_pos, rot_mat_idxs=i.rope_idxs, page_table=i.page_table, kv_cache=self.tt.kv_cache,
                 **decode_forward_kwargs(model, self.split_vocab)))
@@ -577,15 +708,14 @@ class TtnnCausalLM:
             rows = ttnn.untilize(tiles, use_multicore=True, memory_config=dram)
         else:  # TT's untilized logits, whole on every device: drop the padded columns
             rows = ttnn.slice(out, [0, 0, 0, 0], [1, 1, TILE_ROWS, self.vocab_size], memory_config=dram)
-            tiles = ttnn.to_layout(rows, ttnn.TILE_LAYOUT, memory_config=dram) if top_k else None
+            tiles = ttnn.to_layout(rows, ttnn.TILE_LAYOUT, memory_config=dram) if key.top_k else None
             best = None
         ids = ttnn.argmax(rows, dim=-1, keepdim=True, memory_config=dram)
-        top = slice_top_k(tiles, top_k, self.share) if top_k else None
-        if taps:
-            self._write_taps(capture.outputs, taps, tile)
+        top = slice_top_k(tiles, key.top_k, self.share) if key.top_k else None
+        tap_parts = self._write_taps(capture.outputs, key.taps, tile) if key.taps else None
         first_rows = {r: ttnn.slice(rows, [0, 0, 0, 0], [1, 1, r, rows.shape[-1]], memory_config=dram)
-                      for r in LOGIT_READS}
-        return [ids, best, rows, top, first_rows]
+                      for r in (LOGIT_READS if key.logits else ())}
+        return [ids, best, rows, top, first_rows, tap_parts]
 
     def _check_share(self, logits) -> None:
         """The logits' width per device against the share the argmax and top k index by (tt_surface.padded_vocab
@@ -596,7 +726,7 @@ class TtnnCausalLM:
                              f"expected {self.share if self.split_vocab else f'at least {self.vocab_size}'}: this "
                              "tt-metal pads the vocabulary another way (tt_surface.padded_vocab)")
 
-    def _write_taps(self, copies: dict, taps: tuple[int, ...], tile) -> None:
+    def _write_taps(self, copies: dict, taps: tuple[int, ...], tile):
         """The tapped layers' inputs, in the order asked, into `tile` ([1, 1, 32, len(taps) * dim], whole rows on every
         device, as the replicated head reads them). On a mesh each copy holds dim / devices columns (TapCapture), so
         the copies are stacked along the rows ([1, 1, 32 * len(taps), dim / devices]) and all-gathered along dim once
@@ -604,22 +734,42 @@ class TtnnCausalLM:
         TT-Transformers' own (tt/ccl.py tt_all_gather: the model's TT_CCL semaphores, persistent as a trace needs),
         cluster_axis None: over the whole 1 x N mesh; not called on one device (some versions' "# N150" guard compares
         a list with a tuple, `list(mesh_device.shape) == (1, 1)`, and would go on to all_gather_async, which needs two
-        devices)."""
+        devices). With tap_gather "host" the stacked copies are returned instead, an output of the program, which
+        the host reads and writes into the tile after the replay (_gather_taps_on_host): the traced program holds no
+        collective of ours. Returns those copies, or None."""
         import ttnn
         from models.tt_transformers.tt.ccl import tt_all_gather
 
         dram, model, dim = ttnn.DRAM_MEMORY_CONFIG, self.tt.model, self.tt.args.dim
         parts = [copies[i][0] for i in taps]
         if self.num_devices > 1:
+            stacked = ttnn.concat(parts, dim=2, memory_config=dram)
+            if self.tap_gather == "host":
+                return stacked
             rows = tt_all_gather(**supported_kwargs(
-                tt_all_gather, input_tensor=ttnn.concat(parts, dim=2, memory_config=dram), mesh_device=model.mesh_device,
-                tt_ccl=model.tt_ccl, cluster_axis=None, dim=3, memory_config=dram))
+                tt_all_gather, input_tensor=stacked, mesh_device=model.mesh_device, tt_ccl=model.tt_ccl,
+                cluster_axis=None, dim=3, memory_config=dram))
             parts = [ttnn.slice(rows, [0, 0, j * TILE_ROWS, 0], [1, 1, (j + 1) * TILE_ROWS, dim], memory_config=dram)
                      for j in range(len(taps))]
         # concat takes no preallocated output in 0.81.1 ("optional output tensor currently unsupported!",
         # data_movement/concat/concat.cpp): copied into the tile (ttnn.copy: input_b modified in place, equal shapes)
         ttnn.copy(ttnn.concat(parts, dim=3, memory_config=dram), tile)
+        return None
 
+    def _gather_taps_on_host(self, stacked, taps: tuple[int, ...]) -> None:
+        """tap_gather "host": the stacked copies [1, 1, 32 * len(taps), dim / devices] per device read back as one
+        [32 * len(taps), dim] (the devices' columns side by side, ConcatMeshToTensor), each tap's 32 rows put side by
+        side, and the result written into the tap tile on every device: a read and a write of 32 x len(taps) x dim
+        bfloat16 values a step, where the device gather moves none through the host."""
+        import ttnn
+
+        mesh = self.tt.mesh_device
+        rows = ttnn.to_torch(stacked, mesh_composer=ttnn.ConcatMeshToTensor(mesh, dim=3)).reshape(
+            len(taps) * TILE_ROWS, -1)
+        tile = torch.cat(rows.split(TILE_ROWS), dim=1).view(1, 1, TILE_ROWS, -1)
+        ttnn.copy_host_to_device_tensor(ttnn.from_torch(tile, dtype=ttnn.bfloat16, layout=ttnn.TILE_LAYOUT,
+                                                        mesh_mapper=ttnn.ReplicateTensorToMesh(mesh)),
+                                        self.tap_tile(taps))
 
 
 def slice_top_k(tiles, k: int, columns: int) -> list:

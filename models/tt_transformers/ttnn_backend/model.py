@@ -5,11 +5,18 @@ the release of the ttnn 0.81.1 wheel; README "On a Tenstorrent machine").
 A model is TT-Transformers' `Transformer` built from `ModelArgs` for HF_MODEL, with a paged KV cache
 (`PagedAttentionConfig`, blocks of 32 positions) and the decode batch of one 32-row tile (`max_batch_size=32`,
 the row budget of a verification step), in tt-metal's text-demo configuration (bfloat8_b weights, the performance
-precision preset). Each user owns a fixed run of cache blocks: its page-table row. The attention is
-TT-Transformers' own through the `attention_class` hook, with ordered cache writes (attention.py).
+precision preset). Each user owns a fixed run of cache blocks: its page-table row. Physical block 0 belongs to no
+user (SINK_BLOCK): TT-Transformers' chunked prefill pads a user's page table with zeros to the padded prompt's blocks
+and fills the cache through it (tt/generator.py prefill_forward_single_user_text: page_table_user_padded), and
+paged_fill_cache skips only -1 entries (writer_fill_cache_interleaved.cpp in the ttnn 0.81.1 wheel:
+SKIP_PAGE_TABLE_ENTRY = (uint32_t)-1), so a long prompt's padding K/V land in block 0; TT's prefill warm-up pages
+everything there too (warmup_model_prefill: a page table of zeros). The attention is TT-Transformers' own through the
+`attention_class` hook, with ordered cache writes (attention.py).
 """
+import dataclasses
 import hashlib
 import inspect
+import json
 import math
 import os
 from contextlib import contextmanager
@@ -21,11 +28,13 @@ import torch
 from loguru import logger
 
 from ..native_build import cache_root
+from ..torch_backend.model_config import ModelArgs as CheckpointArgs
 from .attention import KVWritePasses, ordered_write_attention
 from .tt_surface import full_layers
 
 TILE_ROWS = 32  # rows of the decode batch: one tile; every verify row of every user shares it
 BLOCK_SIZE = 32  # KV-cache positions per page
+SINK_BLOCK = 0  # the physical cache block no user owns: where zero-padded page tables write (module docstring)
 
 
 def blocks_per_user(positions: int) -> int:
@@ -33,6 +42,16 @@ def blocks_per_user(positions: int) -> int:
     as TT pads its own prefill page tables (generator.py _pad_or_create_page_table) and paged_fill_cache requires
     (`page_table_stick_size_B % 32 == 0`)."""
     return math.ceil(math.ceil(positions / BLOCK_SIZE) / 8) * 8
+
+
+def paged_cache(max_users: int, max_seq_len: int) -> tuple[Any, torch.Tensor]:
+    """TT's PagedAttentionConfig for max_users users of max_seq_len positions, and the page table [max_users, blocks]
+    int32 (user u's cache blocks): every block but SINK_BLOCK belongs to one user."""
+    from models.tt_transformers.tt.common import PagedAttentionConfig
+
+    blocks = blocks_per_user(max_seq_len)
+    owned = torch.arange(max_users * blocks, dtype=torch.int32).view(max_users, blocks) + (SINK_BLOCK + 1)
+    return PagedAttentionConfig(block_size=BLOCK_SIZE, max_num_blocks=max_users * blocks + 1), owned
 
 
 def supported_kwargs(fn, **kwargs) -> dict:
@@ -103,6 +122,76 @@ def model_args_seq_len(max_seq_len: int) -> int:
     return 1 << (max_seq_len - 1).bit_length()
 
 
+# Prompts up to this many tokens have every last-token tile warmed (prefill_warm_prompts): one prefill per 32
+# positions, 32 prefills of 32 to 1,024 tokens (22,016 positions in all, about 20 x TT's own sweep at max_seq_len
+# 1024). Past it each tile would cost a prefill as long as the prompt (256 more prefills, 1.2 M positions, at
+# max_seq_len 8192): not warmed, covered by remaking the traces after a prefill that compiled (generator.py
+# remake_traces_after).
+PER_TILE_WARM_POSITIONS = 1024
+
+
+def prefill_warm_prompts(args, max_seq_len: int) -> list[int]:
+    """The prompt lengths the backend's warm-up prefills (TtnnCausalLM._warm_up_prefill) so that no prompt of up to
+    max_seq_len tokens compiles a prefill program while decode traces are live, as far as that is cheap:
+    - one prompt of each padded length (TT's get_padded_prefill_len of 1..max_seq_len) that TT's own warm-up sweep
+      does not run (ModelArgs.get_warmup_prefill_supported_seq_lens, tt/model_config.py: 128 and 1024 x 2^k up to
+      capped_warmup_seq_len, plus the trace-supported lengths): tt/common.py@553f842d pads to "whichever is smaller: a
+      power of 2 or a multiple of 2048", so 256 and 512, and past 4,096 the multiples of 2,048 (6,144, 10,240, ...),
+      which also covers the lengths TT prefills in chunks (past max_prefill_chunk_size: chunked SDPA compiles once
+      per chunk_start_idx and page-table width in real ttnn 0.81.1, counted with num_program_cache_entries on the
+      mock device). A prompt of the padded length runs every chunk a shorter one of that length runs;
+    - one prompt of 32 b tokens for every block count b of the prompts up to PER_TILE_WARM_POSITIONS: TT's
+      Transformer.forward slices the last token's 32 rows, `ttnn.slice(x, (0, 0, get_last_token, 0), (1, 1,
+      get_last_token + 32, x.shape[-1]))` (tt/model.py@00a9ba8f), and ttnn keys a slice's program by its offsets;
+      its attention fills the cache through the user's page table cut to the prompt's blocks
+      (Generator._get_prefill_user_page_table), and paged_fill_cache keys its program by the page table's width: a
+      prompt of 32 b tokens has b blocks and its last token in tile b - 1.
+    A prompt stands for its (padded length, blocks) class; the classes TT's sweep already ran (its lengths as whole
+    prompts) and the one-token prefill that triggers the sweep are left out. Without
+    get_warmup_prefill_supported_seq_lens (older ModelArgs) every padded length is prefilled."""
+    from models.tt_transformers.tt.common import get_padded_prefill_len
+
+    def kind(n: int) -> tuple[int, int]:
+        return get_padded_prefill_len(n), math.ceil(n / BLOCK_SIZE)
+    swept = getattr(args, "get_warmup_prefill_supported_seq_lens", None)
+    done = {kind(n) for n in (swept() if callable(swept) else ())} | {kind(1)}
+    padded = {get_padded_prefill_len(n) for n in range(1, max_seq_len + 1)}
+    candidates = [min(length, max_seq_len) for length in sorted(padded)]  # past max_seq_len: its longest prompt
+    per_tile = min(max_seq_len, PER_TILE_WARM_POSITIONS)
+    candidates += [min(b * BLOCK_SIZE, per_tile) for b in range(1, math.ceil(per_tile / BLOCK_SIZE) + 1)]
+    prompts = {}
+    for n in candidates:
+        if kind(n) not in done:
+            prompts.setdefault(kind(n), n)
+    return sorted(prompts.values())
+
+
+# Bytes per value as TT stores them: a 32 x 32 tile of bfloat8_b is 1,024 mantissa bytes and 64 shared exponents, one
+# of bfloat4_b 512 bytes of 4-bit mantissas and the same 64 exponents (tt-metal's tile_size for Bfp8_b and Bfp4_b)
+VALUE_BYTES = {"bfloat16": 2.0, "bfloat8_b": 1088 / 1024, "bfloat4_b": 576 / 1024, "float32": 4.0}
+
+
+def dtype_name(dtype) -> str:
+    """A ttnn dtype's name as VALUE_BYTES keys it (ttnn.bfloat8_b prints as DataType.BFLOAT8_B)."""
+    return str(dtype).rsplit(".", 1)[-1].lower()
+
+
+def key_cost(config: CheckpointArgs, n_layers: int, weights_dtype: str, optimizations: str, cache_dtype: str) -> float:
+    """What one row reading one cached position adds to a step, in units of streaming the weights once (the step cost's
+    unit, TtnnCausalLM.step_cost): paged SDPA decode reads the K and V of every layer at each position up to each
+    row's own, so its bytes grow with rows x context, against the weights every step streams (each layer's matmuls and
+    the LM head: the embedding is a lookup). Dtypes as TT stores them: the KV cache's own, the weights' with FF1/FF3
+    in bfloat4_b under the performance preset (tt/model_config.py ModelOptimizations.performance: "All models use bfp4
+    in FF1 and FF3 MLPs in this configuration"). Llama-3.1-8B in the text demo's configuration (bfloat8_b weights and
+    cache, performance): about 1.14e-5 a position, 5.7x the fixed 2e-6 it replaces (issue 37)."""
+    a, w = config, VALUE_BYTES[weights_dtype]
+    ff1_ff3 = VALUE_BYTES["bfloat4_b"] if optimizations == "performance" and weights_dtype == "bfloat8_b" else w
+    layer = (a.dim * a.head_dim * (2 * a.n_heads + 2 * a.n_kv_heads) * w  # wqkv and wo
+             + 2 * a.dim * a.hidden_dim * ff1_ff3 + a.dim * a.hidden_dim * w)  # FF1, FF3; FF2
+    kv_per_position = n_layers * 2 * a.n_kv_heads * a.head_dim * VALUE_BYTES[cache_dtype]
+    return kv_per_position / (n_layers * layer + a.dim * a.vocab_size * w)
+
+
 @dataclass
 class TTModel:
     """A TT-Transformers model on a mesh device with its paged cache, page table and write passes."""
@@ -111,14 +200,22 @@ class TTModel:
     args: Any  # its ModelArgs
     mesh_device: Any
     kv_cache: list  # per layer [k_cache, v_cache]
-    page_table: torch.Tensor  # [max_users, blocks per user] int32: user u's cache blocks
+    page_table: torch.Tensor  # [max_users, blocks per user] int32: user u's cache blocks (paged_cache)
     passes: KVWritePasses
     generator: Any  # models.tt_transformers.tt.generator.Generator, for prefill
     full_layers: int  # the checkpoint's layers (a view's args are the target's, truncated or not)
+    config: CheckpointArgs  # the checkpoint's shapes, as the torch backend reads its config.json
+    weights_dtype: str  # dtype_name of the weights
+    optimizations: str  # TT's precision preset: performance or accuracy
 
     @property
     def n_layers(self) -> int:
         return len(self.model.layers)
+
+    def key_cost(self) -> float:
+        """key_cost for these layers, the cache's dtype as allocated."""
+        return key_cost(self.config, self.n_layers, self.weights_dtype, self.optimizations,
+                        dtype_name(self.kv_cache[0][0].dtype))
 
     def first_layers(self, n_layers: int) -> "TTModel":
         """The first n_layers layers with the same embedding, final norm, LM head and cache: the target's weights
@@ -128,8 +225,7 @@ class TTModel:
         view = copy.copy(self.model)
         view.layers = self.model.layers[:n_layers]
         view.n_layers = n_layers
-        return TTModel(view, self.args, self.mesh_device, self.kv_cache[:n_layers], self.page_table, self.passes,
-                       None, self.full_layers)
+        return dataclasses.replace(self, model=view, kv_cache=self.kv_cache[:n_layers], generator=None)
 
 
 def build_tt_model(mesh_device, checkpoint_folder: Path, name: str, max_users: int, max_seq_len: int, instruct: bool,
@@ -139,13 +235,11 @@ def build_tt_model(mesh_device, checkpoint_folder: Path, name: str, max_users: i
     weights_dtype: default bfloat8_b and optimizations "performance", what tt-metal's text demo runs."""
     import ttnn
     from models.tt_transformers.tt.attention import Attention
-    from models.tt_transformers.tt.common import PagedAttentionConfig
     from models.tt_transformers.tt.generator import Generator
     from models.tt_transformers.tt.model import Transformer
     from models.tt_transformers.tt.model_config import ModelArgs
 
     weights_dtype = weights_dtype or ttnn.bfloat8_b
-    blocks = blocks_per_user(max_seq_len)
     with model_env(Path(checkpoint_folder), name):
         args = ModelArgs(mesh_device, instruct=instruct, max_batch_size=TILE_ROWS,
                          max_seq_len=model_args_seq_len(max_seq_len), optimizations=precision(optimizations))
@@ -155,11 +249,12 @@ def build_tt_model(mesh_device, checkpoint_folder: Path, name: str, max_users: i
         args.n_layers = n_layers
     args.use_qk_fused = False  # the cache update is paged_update_cache, which attention.py orders
     passes = KVWritePasses()
-    paged = PagedAttentionConfig(block_size=BLOCK_SIZE, max_num_blocks=max_users * blocks)
+    paged, page_table = paged_cache(max_users, max_seq_len)
     model = Transformer(args=args, dtype=weights_dtype, mesh_device=mesh_device, state_dict=args.load_state_dict(),
                         weight_cache_path=args.weight_cache_path(weights_dtype), paged_attention_config=paged,
                         attention_class=ordered_write_attention(Attention, passes))
     kv_cache = [layer.attention.layer_past for layer in model.layers]
-    page_table = torch.arange(max_users * blocks, dtype=torch.int32).view(max_users, blocks)
     return TTModel(model, args, mesh_device, kv_cache, page_table, passes, Generator([model], [args], mesh_device),
-                   checkpoint_layers)
+                   checkpoint_layers, CheckpointArgs.from_hf_config(json.loads((Path(checkpoint_folder) /
+                                                                                "config.json").read_text())),
+                   dtype_name(weights_dtype), optimizations)

@@ -17,7 +17,7 @@ slice, and the tap tile a stack, a gather, a concat and a copy.
 """
 import math
 import re
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 from .model import TILE_ROWS
 
@@ -58,14 +58,21 @@ def passes_for(rows_per_user: int, ladder: list[int]) -> int:
                      "were planned for (warm_up)")
 
 
-TraceKey = tuple[int, int, tuple[int, ...]]  # (write passes, top k, taps)
+class TraceKey(NamedTuple):
+    """What one traced step program computes beyond the greedy ids."""
+
+    passes: int  # cache-write passes
+    top_k: int  # each row's top k ids (token recycling), 0: none
+    taps: tuple[int, ...]  # the layers whose inputs go to the tap tile (a device draft head's)
+    logits: bool  # the logits' first rows sliced for a sampled step's reads (generator.LOGIT_READS); greedy: none
 
 
-def trace_keys(max_rows_per_user: int, top_k: int, taps: Sequence[int]) -> list[TraceKey]:
+def trace_keys(max_rows_per_user: int, top_k: int, taps: Sequence[int], logits: bool = False) -> list[TraceKey]:
     """Every trace a run uses: its steps at each pass count, and one plain step (a baseline or warm-up run: 1 pass, no
-    top k or taps)."""
+    top k or taps); `logits`: a sampled run's, which read the logits."""
     taps = tuple(taps) if taps else ()  # (None or False from a caller that asks for none)
-    return sorted({(passes, top_k, taps) for passes in pass_ladder(max_rows_per_user)} | {(1, 0, ())})
+    return sorted({TraceKey(passes, top_k, taps, logits) for passes in pass_ladder(max_rows_per_user)}
+                  | {TraceKey(1, 0, (), logits)})
 
 
 def vocab_slices(vocab_size: int) -> tuple[int, int]:
@@ -79,12 +86,11 @@ def vocab_slices(vocab_size: int) -> tuple[int, int]:
 
 
 def trace_ops(n_layers: int, key: TraceKey, vocab_size: int) -> int:
-    passes, top_k, taps = key
-    # + slice off the padded vocab, argmax, the three first-rows slices a sampled step reads (generator.LOGIT_READS)
-    ops = n_layers * (OPS_PER_LAYER + 2 * (passes - 1)) + HEAD_OPS + 5
-    if top_k:
+    # + slice off the padded vocab and argmax, the three first-rows slices a sampled step reads (generator.LOGIT_READS)
+    ops = n_layers * (OPS_PER_LAYER + 2 * (key.passes - 1)) + HEAD_OPS + 2 + (3 if key.logits else 0)
+    if key.top_k:
         ops += 3 * vocab_slices(vocab_size)[1]
-    return ops + (2 * len(taps) + 4 if taps else 0)  # per tap a copy and a slice; stack, gather, concat, copy
+    return ops + (2 * len(key.taps) + 4 if key.taps else 0)  # per tap a copy and a slice; stack, gather, concat, copy
 
 
 HeadKey = tuple[int, int]  # a device draft head's trace: (feed write passes, chain length k)
@@ -93,16 +99,22 @@ HeadKey = tuple[int, int]  # a device draft head's trace: (feed write passes, ch
 # to 32,768), fc included: about 51 at SmolLM2's shapes (tests/test_ttnn_draft_head.py checks it), 61 at Llama-3.1-8B's
 # (more column chunks: the review's count)
 HEAD_LAYER_OPS = 64
+# a feed-only replay (k = 0: draft_head.py _cache_rows after fc): fc (and the config's norms), the embedding's and the
+# state's norms and their concat, the qkv matmul and its reshards, TT's head and rotary ops; the cache writes counted
+# apart (2 per pass)
+HEAD_FEED_OPS = 32
 
 
 def head_trace_keys(chain_len: int) -> list[HeadKey]:
     """Every trace a device draft head uses: feeds of each pass count a verified step's rows can need (up to
-    chain_len + 1 per user), each feed-only (k = 1) and drafting (k = chain_len)."""
-    return sorted({(passes, k) for passes in pass_ladder(chain_len + 1) for k in (1, chain_len)})
+    chain_len + 1 per user), each feed-only (k = 0: no user drafts) and drafting (k = chain_len)."""
+    return sorted({(passes, k) for passes in pass_ladder(chain_len + 1) for k in (0, chain_len)})
 
 
 def head_trace_ops(key: HeadKey) -> int:
     passes, k = key
+    if k == 0:
+        return HEAD_FEED_OPS + 2 * passes
     return k * HEAD_LAYER_OPS + 2 * (passes - 1) + (2 if k > 1 else 0)  # + the chain's ids and probabilities joined
 
 
@@ -129,9 +141,9 @@ def head_trace_bytes(model_name: str, device_name: Optional[str], full_layers: i
     return math.ceil(op_bytes(model_name, device_name, full_layers) * head_trace_ops(key))
 
 
-def region_bytes(traces: list[int]) -> int:
-    """The trace_region_size for traces of these sizes, with the margin, rounded up to a MB."""
-    return math.ceil(sum(traces) * MARGIN / 1e6) * 1_000_000
+def region_bytes(traces: list[int], margin: Optional[float] = None) -> int:
+    """The trace_region_size for traces of these sizes, with the margin (MARGIN unless given), rounded up to a MB."""
+    return math.ceil(sum(traces) * (MARGIN if margin is None else margin) / 1e6) * 1_000_000
 
 
 def device_names_for(shape: tuple[int, int], mesh_name: Optional[str]) -> list[str]:
@@ -146,12 +158,13 @@ def device_names_for(shape: tuple[int, int], mesh_name: Optional[str]) -> list[s
 
 
 def model_trace_bytes(model_name: str, device_names: list[str], n_devices: int, full_layers: int, n_layers: int,
-                      vocab_size: int, max_rows_per_user: int, top_k: int, taps: Sequence[int]) -> list[int]:
+                      vocab_size: int, max_rows_per_user: int, top_k: int, taps: Sequence[int],
+                      logits: bool = False) -> list[int]:
     """Every trace one model of a run captures, before it is built (its vocabulary share per device as TT pads it,
     tt/model_config.py compute_padded_vocab_size), for the largest of the device names it may have."""
     share = math.ceil(vocab_size / (32 * n_devices)) * 32 if n_devices > 1 else vocab_size
     return [max(trace_bytes(model_name, device, full_layers, n_layers, key, share) for device in device_names or [None])
-            for key in trace_keys(max_rows_per_user, top_k, taps)]
+            for key in trace_keys(max_rows_per_user, top_k, taps, logits)]
 
 
 def head_region_bytes(model_name: str, device_names: list[str], full_layers: int, chain_len: int) -> list[int]:

@@ -12,7 +12,7 @@ import inspect
 import math
 import re
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 # ---- what the backend calls -------------------------------------------------------------------------------------
 
@@ -64,6 +64,44 @@ def full_layers(args) -> int:
     return getattr(args, "full_model_n_layers", None) or args.n_layers
 
 
+def mesh_column_rows(model, args, rows: int) -> int:
+    """The decode rows one mesh column of a Galaxy computes, of the `rows` (a 32-row tile) a step carries. TT's
+    Attention on a TG (tt/attention.py, __init__ at 00b769dd and 5cd1b56c: `self.TG = self.num_devices == 32`,
+    `num_device_groups = num_devices // n_kv_heads`, `batch_size_per_device_group = max(max_batch_size //
+    num_device_groups, 1) if self.TG else max_batch_size`) gives mesh column c the users c * 8 .. c * 8 + 7 of the
+    tile (forward_decode's slice_mat: device i takes rows (i % 4) * 8 .. + 8; the 2026 form's batch_offset [0, 8, 16,
+    24]), and prepare_decode_inputs_host splits the positions and page-table rows over the columns the same way
+    (tt/model.py@5cd1b56c: `dims=(None, 0) if (self.args.is_galaxy and B > 1)`); each column's devices hold their own
+    KV caches. Read from ModelArgs where a version sets it, else from the first layer's Attention, else computed as
+    TT computes it. Not a Galaxy: every row."""
+    if not args.is_galaxy:
+        return rows
+    group = getattr(args, "batch_size_per_device_group", None)
+    if not group and model.layers:
+        group = getattr(model.layers[0].attention, "batch_size_per_device_group", None)
+    if not group:
+        group = max(rows // max(args.num_devices // args.n_kv_heads, 1), 1)
+    return min(int(group), rows)
+
+
+def galaxy_mesh() -> bool:
+    """Whether this run opens a Galaxy (8 x 4): MESH_DEVICE TG or BHGLX, or unset on a system of 32 devices (the
+    system mesh, device.open_mesh). For the probe, before any device is open."""
+    import os
+
+    from .device import MESH_SHAPES
+
+    name = os.environ.get("MESH_DEVICE")
+    if name:
+        return MESH_SHAPES.get(name) == (8, 4)
+    try:
+        import ttnn
+
+        return len(ttnn.get_device_ids()) == 32
+    except Exception:  # noqa: BLE001: no ttnn or no device to count: not known to be a Galaxy
+        return False
+
+
 def padded_vocab(args) -> int:
     """The LM head's output width over all devices: ModelArgs.padded_vocab_size where set, else the vocabulary padded
     so that each device's share is whole tiles (tt/lm_head.py splits the columns evenly; checked against the logits'
@@ -83,6 +121,10 @@ class Detail:
     name: str
     where: str  # the file to look at when it is missing
     check: Callable[[], Optional[str]]  # the variant found (a short description), or raises / returns None: missing
+    # True: a signature or method the backend calls (missing: the run would fail there, so the probe stops it); False:
+    # a detail read from TT-Transformers' source text or attributes, which a property, a rename or a refactor can hide
+    # while the run works (missing: a warning, and the later stages tell); a function: which of the two on this mesh
+    called: Union[bool, Callable[[], bool]] = True
 
 
 def _source(obj) -> str:
@@ -163,13 +205,18 @@ def _module_map() -> str:
 
 
 def _model_args_reads() -> str:
-    text = "".join(_source(c) for c in _tt("model_config").ModelArgs.__mro__ if c is not object)  # and its bases
+    """Set in __init__ (`self.<name>` in the source of ModelArgs or a base) or a class attribute (a property)."""
+    model_args = _tt("model_config").ModelArgs
+    text = "".join(_source(c) for c in model_args.__mro__ if c is not object)  # and its bases
+
+    def sets(name: str) -> bool:
+        return f"self.{name}" in text or hasattr(model_args, name)
     needed = ["device_name", "cluster_shape", "num_devices", "is_galaxy", "vocab_size", "dim", "model_name",
-              "model_cache_path", "n_layers"]
-    missing = [a for a in needed if f"self.{a}" not in text]
+              "model_cache_path", "n_layers", "max_prefill_chunk_size"]
+    missing = [a for a in needed if not sets(a)]
     if missing:
         raise LookupError(f"ModelArgs sets no {', '.join(missing)}")
-    optional = [a for a in ("padded_vocab_size", "full_model_n_layers") if f"self.{a}" not in text]
+    optional = [a for a in ("padded_vocab_size", "full_model_n_layers") if not sets(a)]
     return "all read attributes set" + (f" ({', '.join(optional)} derived: padded_vocab, full_layers)" if optional
                                         else "")
 
@@ -183,6 +230,47 @@ def _residual_config() -> str:
     raise LookupError("no decode residual memory config")
 
 
+def _decode_inputs_returned() -> str:
+    """What prepare_decode_inputs_host returns, read from its `return` statements: the backend unpacks four device
+    inputs (tokens, current_pos, rot_mat_idxs, page_table; tt/model.py@00a9ba8f and @5cd1b56c); the version at 000ec121
+    returns five (rot_mat_idxs_global and rot_mat_idxs_local apart), which the backend cannot drive."""
+    import ast
+    import textwrap
+
+    fn = _tt("model").Transformer.prepare_decode_inputs_host
+    tree = ast.parse(textwrap.dedent(_source(fn)))
+    returned = {len(node.value.elts) for node in ast.walk(tree)
+                if isinstance(node, ast.Return) and isinstance(node.value, ast.Tuple)}
+    if not returned:
+        return "returns no tuple literal: counted when the first step runs (TtnnCausalLM._run_inputs)"
+    if returned != {4}:
+        raise LookupError(f"returns {' or '.join(map(str, sorted(returned)))} values where the backend unpacks 4 "
+                          "(tokens, current_pos, rot_mat_idxs, page_table)")
+    return "returns (tokens, current_pos, rot_mat_idxs, page_table)"
+
+
+def _galaxy_columns() -> str:
+    """On a Galaxy the backend keeps a step's rows in mesh column 0's users (mesh_column_rows), which is right when
+    TT's Attention groups the decode users per mesh column (batch_size_per_device_group) and column 0's caches hold
+    each user's prompt: the newer forward_prefill fills every column with a page table (`if self.TG and not
+    page_table:` before prefill_prepare_tensor_for_kv_cache), the older one the column of `user_id //
+    batch_size_per_device_group` (`single_column_tensors = tensors[user_id // self.batch_size_per_device_group ::
+    4]`), column 0 for the users 0..7 the cap allows (and TT's Generator prefills as user 0 with a page table:
+    tt/generator.py `group_user_id = ... if page_table is None else 0`). Not a Galaxy: nothing to check."""
+    if not galaxy_mesh():
+        return "not a Galaxy mesh: not needed"
+    attention = _source(_tt("attention").Attention)
+    if "batch_size_per_device_group" not in attention:
+        raise LookupError("Attention has no batch_size_per_device_group: how this version spreads a decode step's "
+                          "rows over a Galaxy's mesh columns is unknown")
+    if "self.TG and not page_table" in attention:
+        return "users grouped per mesh column; a paged prefill fills every column's cache"
+    if "prefill_prepare_tensor_for_kv_cache" in attention:
+        return "users grouped per mesh column; a prefill fills the column of user_id // batch_size_per_device_group"
+    raise LookupError("Attention's prefill fills the caches of a Galaxy's mesh columns in a way this backend does not "
+                      "know (neither `self.TG and not page_table` nor prefill_prepare_tensor_for_kv_cache)")
+
+
 def _all_gather() -> str:
     fn = _tt("ccl").tt_all_gather
     params = inspect.signature(fn).parameters
@@ -194,26 +282,32 @@ DETAILS = [
     Detail("ModelArgs(mesh_device, instruct, max_batch_size, max_seq_len, optimizations)", "tt/model_config.py",
            lambda: _signature_has(_tt("model_config").ModelArgs, "instruct", "max_batch_size", "max_seq_len",
                                   "optimizations")),
-    Detail("ModelArgs attributes the backend reads", "tt/model_config.py", _model_args_reads),
+    Detail("ModelArgs attributes the backend reads", "tt/model_config.py", _model_args_reads, called=False),
     Detail("ModelArgs.weight_cache_path / load_state_dict", "tt/model_config.py",
            lambda: "both present" if all(hasattr(_tt("model_config").ModelArgs, a)
                                          for a in ("weight_cache_path", "load_state_dict")) else None),
     Detail("DecodersPrecision.performance / accuracy", "tt/model_config.py",
            lambda: "both present" if all(hasattr(_tt("model_config").DecodersPrecision, a)
                                          for a in ("performance", "accuracy")) else None),
-    Detail("get_state_dict_prefix module map", "tt/model_config.py", _module_map),
-    Detail("decode residual memory config", "tt/model_config.py", _residual_config),
+    Detail("get_state_dict_prefix module map", "tt/model_config.py", _module_map, called=False),
+    Detail("decode residual memory config", "tt/model_config.py", _residual_config, called=False),
     Detail("Transformer(..., attention_class=)", "tt/model.py",
            lambda: _signature_has(_tt("model").Transformer, "attention_class", "paged_attention_config")),
-    Detail("ttnn_decode_forward: per-device logits", "tt/model.py", _decode_forward),
-    Detail("ttnn_decode_forward: return convention", "tt/model.py", _decode_return),
+    Detail("ttnn_decode_forward: per-device logits", "tt/model.py", _decode_forward, called=False),
+    Detail("ttnn_decode_forward: return convention", "tt/model.py", _decode_return, called=False),
     Detail("prepare_decode_inputs_host(tokens, current_pos, page_table)", "tt/model.py",
            lambda: _signature_has(_tt("model").Transformer.prepare_decode_inputs_host, "tokens", "current_pos",
                                   "page_table")),
-    Detail("use_qk_fused", "tt/attention.py", _qk_fused),
-    Detail("paged_update_cache looked up at call time", "tt/attention.py", _update_cache_at_call_time),
+    Detail("prepare_decode_inputs_host returns 4 device inputs", "tt/model.py", _decode_inputs_returned),
+    Detail("ttnn_decode_forward(x, current_pos, rot_mat_idxs=, page_table=, kv_cache=)", "tt/model.py",
+           lambda: _signature_has(_tt("model").Transformer.ttnn_decode_forward, "rot_mat_idxs", "page_table",
+                                  "kv_cache")),
+    Detail("Galaxy: decode users grouped per mesh column", "tt/attention.py", _galaxy_columns,
+           called=galaxy_mesh),
+    Detail("use_qk_fused", "tt/attention.py", _qk_fused, called=False),
+    Detail("paged_update_cache looked up at call time", "tt/attention.py", _update_cache_at_call_time, called=False),
     Detail("layers called as LightweightModules (taps)", "models/common/lightweightmodule.py, tt/model.py",
-           _layer_call),
+           _layer_call, called=False),
     Detail("copy_host_to_device(host, device_tensors, mesh_device)", "tt/common.py",
            lambda: _signature_has(_tt("common").copy_host_to_device, "device_tensors", "mesh_device")),
     Detail("PagedAttentionConfig(block_size, max_num_blocks)", "tt/common.py",
@@ -225,9 +319,16 @@ DETAILS = [
 ]
 
 
-def probe() -> list[tuple[str, bool, str]]:
-    """(detail, found, the variant found or what is missing and the file to look at) for every detail, against the
-    installed tt-metal; opens no device."""
+@dataclass
+class ProbeLine:
+    name: str
+    found: bool
+    text: str  # the variant found, or what is missing and the file to look at
+    called: bool  # Detail.called: a missing one stops the run, a missing read detail is a warning
+
+
+def probe() -> list[ProbeLine]:
+    """One line per detail against the installed tt-metal; opens no device."""
     lines = []
     for d in DETAILS:
         try:
@@ -237,5 +338,6 @@ def probe() -> list[tuple[str, bool, str]]:
         else:
             error = "not found"
         where = d.where if d.where.startswith("models/") else f"models/tt_transformers/{d.where}"
-        lines.append((d.name, variant is not None, variant or f"missing ({error}): look at {where}"))
+        text = variant or f"missing ({error}): look at {where}"
+        lines.append(ProbeLine(d.name, variant is not None, text, d.called() if callable(d.called) else d.called))
     return lines

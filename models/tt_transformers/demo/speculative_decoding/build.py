@@ -82,14 +82,18 @@ def ttnn_loader(config: DemoConfig, mesh_device):
         tt = build_tt_model(mesh_device, ckpt.folder, ckpt.name, config.batch_size, config.max_seq_len,
                             bool(config.instruct), n_layers, weights_dtype=getattr(ttnn, dtype_of(config)),
                             optimizations=config.precision)
-        return TtnnCausalLM(tt, config.batch_size, config.max_seq_len, trace=bool(config.enable_trace))
+        return TtnnCausalLM(tt, config.batch_size, config.max_seq_len, trace=bool(config.enable_trace),
+                            tap_gather=config.tap_gather)
     return load
 
 
-def trace_region_size(config: DemoConfig, shape: tuple[int, int]) -> int:
-    """The trace region a ttnn run on a mesh of this shape needs: every decode trace of the target, of the draft model
-    and of a draft head (ttnn_backend/trace_plan.py), for the draft mode's most demanding choice (hybrid: recycling's
-    top k, a head's taps and traces and a draft model's traces all counted)."""
+def trace_region_size(config: DemoConfig, shape: tuple[int, int], margin: float = None) -> int:
+    """The trace region a ttnn run on a mesh of this shape needs: --trace_region_size where given, else every decode
+    trace of the target, of the draft model and of a draft head (ttnn_backend/trace_plan.py), for the draft mode's
+    most demanding choice (hybrid: recycling's top k, a head's taps and traces and a draft model's traces all
+    counted), with trace_plan's margin (or `margin`)."""
+    if config.trace_region_size is not None:
+        return config.trace_region_size
     from models.tt_transformers.torch_backend.checkpoint import resolve_checkpoint
     from models.tt_transformers.torch_backend.model_config import ModelArgs
     from models.tt_transformers.ttnn_backend.model import TILE_ROWS
@@ -108,8 +112,9 @@ def trace_region_size(config: DemoConfig, shape: tuple[int, int]) -> int:
     head = draft_head_folder(config, ckpt.name)
     taps = head_taps(head, args) if head is not None else ()
     target_layers = config.target_layers or args.n_layers
+    sampled = config.temperature > 0
     traces = model_trace_bytes(ckpt.name, device, n_devices, args.n_layers, target_layers, args.vocab_size,
-                               config.n_draft_tokens + 1, top_k, taps)
+                               config.n_draft_tokens + 1, top_k, taps, sampled)
     if taps:
         traces += head_region_bytes(ckpt.name, device, args.n_layers, config.n_draft_tokens)
     if drafting and config.draft_mode in ("model", "hybrid"):  # a draft steps up to a whole tile per user
@@ -117,8 +122,8 @@ def trace_region_size(config: DemoConfig, shape: tuple[int, int]) -> int:
         draft_args = ModelArgs.from_hf_config(draft.config)
         layers = draft_args.n_layers if config.draft_model else draft_layers_for(config, target_layers)
         traces += model_trace_bytes(draft.name, device, n_devices, draft_args.n_layers, layers, draft_args.vocab_size,
-                                    TILE_ROWS, 0, ())
-    return region_bytes(traces)
+                                    TILE_ROWS, 0, (), sampled)
+    return region_bytes(traces, margin)
 
 
 class ModelPool:
@@ -172,12 +177,13 @@ def build(config: DemoConfig, checked: CheckedInputs, mesh_device=None, pool: Op
     pool = pool if pool is not None else ModelPool()
     loader = ttnn_loader(config, mesh_device) if checked.backend == "ttnn" else torch_loader(config, args)
     built_with = (checked.backend, dtype_of(config), config.precision, config.device, config.batch_size,
-                  config.max_seq_len, config.instruct, config.draft_trees)
+                  config.max_seq_len, config.instruct, config.draft_trees, config.tap_gather)
 
     def load(ckpt, n_layers):
         return pool.get(("model", str(ckpt.folder), n_layers, built_with), lambda: loader(ckpt, n_layers))
 
     target = load(ckpt, target_layers)
+    check_step_rows(config, target)
     if not config.draft_trees:
         target.supports_trees = False
     drafter = draft_lm = None
@@ -211,6 +217,22 @@ def build(config: DemoConfig, checked: CheckedInputs, mesh_device=None, pool: Op
                        f"answers that reach it stop there (--max_seq_len {longest + config.max_generated_tokens} "
                        "holds them all)")
     return tokenizer, target, drafter, draft_lm, tokens, eos_token_ids(ckpt, tokenizer)
+
+
+def check_step_rows(config: DemoConfig, target) -> None:
+    """On a Galaxy a step holds one mesh column's users (TtnnCausalLM.max_step_rows: 8 rows, not the tile's 32): a
+    batch whose verify steps would need more rows is refused in one line naming the flags, rather than run with its
+    drafts cut to what fits (at --batch_size 8, none)."""
+    args = getattr(getattr(target, "tt", None), "args", None)
+    rows, wanted = target.max_step_rows, config.batch_size * (config.n_draft_tokens + 1)
+    if not getattr(args, "is_galaxy", False) or config.n_draft_tokens == 0 or wanted <= rows:
+        return
+    most = rows // config.batch_size - 1
+    fix = (f"use --n_draft_tokens {most} or fewer, or a smaller --batch_size" if most >= 1 else
+           f"use --batch_size {rows // 2} or fewer to draft (or --n_draft_tokens 0)")
+    raise DemoInputError(f"--n_draft_tokens {config.n_draft_tokens} with --batch_size {config.batch_size}: on a Galaxy "
+                         f"a verify step holds {rows} rows (one mesh column's users), and {config.batch_size} x "
+                         f"({config.n_draft_tokens} + 1) = {wanted} do not fit; {fix}")
 
 
 def head_drafter(head: tuple, target, ckpt, args, config: DemoConfig, pooled=lambda make: make()):
@@ -262,11 +284,12 @@ def warm_up(target, drafter, draft_lm, config: DemoConfig) -> dict:
     times = {"compile_prefill": 0.0, "compile_decode": 0.0}
     top_k = drafter.top_k if drafter is not None else 0
     taps = drafter.taps if drafter is not None else ()
+    sampled = config.temperature > 0  # the steps return logits (the target's to sample from, a draft model's too)
     work = [(target, config.n_draft_tokens + 1, top_k, taps)]
     if draft_lm is not None:  # a draft model catches up on accepted text in steps of up to its whole row budget
         work.append((draft_lm, draft_lm.max_step_rows, 0, ()))
     for lm, rows, k, h in work:
-        for key, seconds in lm.warm_up(min(rows, lm.max_step_rows), k, h).items():
+        for key, seconds in lm.warm_up(min(rows, lm.max_step_rows), k, h, logits=sampled).items():
             times[key] += seconds
     head = getattr(getattr(drafter, "fallback", drafter), "head", None)
     if hasattr(head, "warm_up"):  # a head on the device: its traces, made with the target's

@@ -38,6 +38,7 @@ DTYPES = {"torch": ("bfloat16", "float32"), "ttnn": ("bfloat8_b", "bfloat16")}
 # tt-metal's text demo runs performance unless told otherwise. (Its demo conftest's own --optimizations takes a
 # decoder-config string, so ours has another name.)
 PRECISIONS = ("performance", "accuracy")
+TAP_GATHERS = ("device", "host")  # where a mesh's tapped states are gathered (ttnn_backend/generator.py, _write_taps)
 
 
 DemoInputError = UserError  # bad demo input: the message names the flag or file and the fix
@@ -117,6 +118,11 @@ def check_flags(config: DemoConfig, backend: str) -> None:
             raise DemoInputError(f"--{name} must be 0 or 1, got {getattr(config, name)}")
     if config.precision not in PRECISIONS:
         raise DemoInputError(f"--precision {config.precision!r} is not one of {', '.join(PRECISIONS)}")
+    if config.tap_gather not in TAP_GATHERS:
+        raise DemoInputError(f"--tap_gather {config.tap_gather!r} is not one of {', '.join(TAP_GATHERS)}")
+    if config.trace_region_size is not None and config.trace_region_size < 1:
+        raise DemoInputError(f"--trace_region_size must be a positive number of bytes, got {config.trace_region_size}; "
+                             "leave it out to size the region for the run")
     if config.dtype is not None and config.dtype not in DTYPES[backend]:
         raise DemoInputError(f"--dtype {config.dtype!r} is not supported on the {backend} backend; use "
                              f"{' or '.join(DTYPES[backend])}")
