@@ -154,6 +154,21 @@ class DecodersPrecision:
     def performance(cls, num_decoders, model_name):
         return cls(num_decoders, model_name, "performance")
 
+    @classmethod
+    def from_string(cls, name):
+        """The preset named "performance" or "accuracy" (generator_vllm.py's initialize_vllm_model takes the plugin's
+        optimizations string through it)."""
+        return {"performance": cls.performance, "accuracy": cls.accuracy}[name]
+
+    def get_tensor_dtype(self, decoder_id, tensor):
+        """The stand-in's presets name no tensor dtypes: None, which generator_vllm.py's allocate_vllm_kv_cache turns
+        into bfloat8_b for the KV cache, as TT does when a preset names none."""
+        return None
+
+
+class TensorGroup(Enum):  # tt/model_config.py TensorGroup (the member generator_vllm.py reads)
+    KV_CACHE = "kv_cache"
+
 
 # tt/model_config.py get_max_prefill_chunk_size (div 1024; an unknown model or device gets 4)
 MAX_PREFILL_CHUNK_SIZES_DIV1024 = {"Llama-3.1-8B": {"N150": 4, "N300": 64, "T3K": 128, "TG": 128},
@@ -348,6 +363,9 @@ class Attention:
         self.args, self.model, self.block = args, state_dict, state_dict.layers[layer_num]
         self.n_heads, self.n_kv_heads, self.head_dim = a.n_heads, a.n_kv_heads, a.head_dim
         self.scale, self.sliding_window = a.head_dim ** -0.5, a.sliding_window
+        if use_paged_kv_cache:  # "vLLM provides its own kv cache": TT's Attention.__init__ calls init_kv_cache only
+            self.layer_past = None  # when not use_paged_kv_cache; every forward gets kv_cache
+            return
         shape = (paged_attention_config.max_num_blocks, a.n_kv_heads, paged_attention_config.block_size, a.head_dim)
         # bfloat8_b as TT's performance preset (its writes rounded so); in the stand-in's float32 mode labelled
         # bfloat16, which the stand-in keeps unrounded (SDPA decode takes no float32 cache)
@@ -662,7 +680,37 @@ def create_tt_model(mesh_device, instruct, max_batch_size, optimizations, max_se
     return args, model, [layer.attention.layer_past for layer in model.layers], state_dict
 
 
-class Generator:
+def create_submeshes(mesh_device, data_parallel):
+    """tt/generator.py create_submeshes: the mesh itself for one data-parallel model (the stand-in has no submeshes)."""
+    if data_parallel != 1:
+        raise NotImplementedError("stand-in: one data-parallel model")
+    return [mesh_device]
+
+
+class WarmupForwardMixin:
+    """models/common/warmup/warmup_utils.py WarmupForwardMixin ("This class is used by vLLM"; read in its 2026 version
+    whose warmup_model_decode takes the plugin's keywords: kv_cache, enable_trace, max_batch_size, num_blocks,
+    can_sample_on_device, the rest defaulted): decode inputs of zeros -- tokens [B, 1], positions [B], a page table
+    [B, num_blocks] of zeros -- through self.decode_forward once per sampling configuration. The stand-in samples
+    greedily only, so its configurations are greedy and None (TT adds non-greedy ones unless greedy_only)."""
+
+    def _create_decode_warmup_inputs(self, max_batch_size, num_blocks):
+        tokens = torch.zeros(max_batch_size, 1, dtype=torch.int32)
+        start_pos = torch.zeros(max_batch_size, dtype=torch.int32)
+        page_table = torch.zeros(max_batch_size, num_blocks, dtype=torch.int32)
+        return tokens, start_pos, page_table
+
+    def warmup_model_decode(self, kv_cache, enable_trace, max_batch_size, num_blocks, can_sample_on_device,
+                            can_sample_device_grammar=False, read_from_device=True, greedy_only=False,
+                            skip_trace_precompile=False, sampling_trace_variants_prepared=False):
+        tokens, start_pos, page_table = self._create_decode_warmup_inputs(max_batch_size, num_blocks)
+        greedy = SamplingParams(temperature=0.0, top_k=1, top_p=1.0)
+        for param in ([greedy, None] if can_sample_on_device else [None]):
+            self.decode_forward(tokens=tokens, start_pos=start_pos, page_table=page_table, kv_cache=kv_cache,
+                                enable_trace=enable_trace, read_from_device=read_from_device, sampling_params=param)
+
+
+class Generator(WarmupForwardMixin):
     """tt/generator.py Generator (read at 87700c07; the prefill path at 000ec121 and 5cd1b56c's model.py): the first
     prefill_forward_text (warmup_prefill=True) runs the prefill warm-up sweep over
     ModelArgs.get_warmup_prefill_supported_seq_lens(), on user 0 with a page table of zeros, once per Generator.
