@@ -208,6 +208,15 @@ def test_declarations_are_tt_transformers_plus_the_contracts(monkeypatch, tmp_pa
     assert cls.spec_plan(None, 4, 8).supported_k == tuple(range(1, 8))
     with pytest.raises(AttributeError):
         ttnn_model.NoSuchClass  # noqa: B018
+    # the runner calls process_decode_output_host only where the model has one: the class has one where TT's has
+    assert not hasattr(cls, "process_decode_output_host")
+    monkeypatch.setattr(stand_in_generator_vllm.LlamaForCausalLM, "process_decode_output_host",
+                        lambda self, out, is_tokens=False: ("TT's", out), raising=False)
+    monkeypatch.setattr(ttnn_model, "_CLASSES", {})
+    model = ttnn_model.SpecLlamaForCausalLM.__new__(ttnn_model.SpecLlamaForCausalLM)
+    model.spec = types.SimpleNamespace(verify_ids=t([[1, 2]]))
+    assert model.process_decode_output_host(model.spec.verify_ids, is_tokens=True) is model.spec.verify_ids
+    assert model.process_decode_output_host("device output", is_tokens=True) == ("TT's", "device output")
 
 
 def test_model_bundles_register_through_the_plugins_hook(tmp_path, monkeypatch):

@@ -12,10 +12,11 @@ What speculating adds (docs/serving.md; the contract: serving/contract.py, pinne
 - `model_capabilities` gains plan.SPEC_CAPABILITIES; `spec_plan` is plan.plan_speculation (the 32-row tile rule).
 - `initialize_vllm_model(..., vllm_config=None)` (the plugin's loader passes vllm_config: vllm-tt-plugin
   src/vllm_tt_plugin/loader.py@0cd06959, TTModelLoader.load_model) reads K from the launch's speculative config and
-  builds TT's model through TT's own `initialize_vllm_model`, with one change: each layer's attention is
+  builds TT's model through TT's own `initialize_vllm_model`, with two changes: each layer's attention is
   TT-Transformers' `Attention` with ordered cache writes (ttnn_backend/attention.py, through `Transformer`'s
-  `attention_class` hook), built with `use_qk_fused = False`. Outside a verify it issues TT's own single cache
-  update, so TT's ordinary decode runs as TT runs it.
+  `attention_class` hook), built with `use_qk_fused = False` (outside a verify it issues TT's own single cache
+  update); and the model is built for the 32-row tile (max_batch_size 32, one of TT's batch sizes), every row of
+  which a verify can fill, so TT's ordinary decode gets the plugin's B rows padded to 32 and its results cut back.
 - `decode_forward` with `spec_mode` is the verify: the [B, 1+K] block becomes rows of ONE decode step of the 32-row
   tile (serving/core.py SpecDecodeCore.verify over ttnn_backend's TtnnCausalLM.step: ordered cache writes, argmax and
   top-k on the device), on vLLM's `kv_cache` and the page table the scheduler sends with this step: row r of the tile
@@ -201,6 +202,7 @@ class SpecState:
     core: SpecDecodeCore
     warming: bool = False  # inside TT's own decode warm-up: its calls carry no request
     tt_inputs_stale: bool = False  # a verify ran since TT's own decode last wrote its resident inputs
+    verify_ids: Any = None  # the last verify's argmax_ids (host), which the runner's read-back may hand back
 
 
 def as_int32(values, shape) -> torch.Tensor:
@@ -343,8 +345,9 @@ class SpecDecodeModel:
             return spec.verify.step(rows, top_k, page_table, kv_cache)
         out = spec.core.verify(kwargs["tokens"], kwargs["start_pos"], kwargs["num_valid_drafts"],
                                kwargs["accepted_counts"], kwargs["spec_mode"], step, kwargs.get("slot_remap"))
-        spec.tt_inputs_stale = True
+        spec.tt_inputs_stale, spec.verify_ids = True, out.argmax_ids
         return to_plugin(out)
+
 
     def tt_decode(self, spec: SpecState, kwargs: dict):
         """TT's own decode, with TT's single cache update (no write passes set). TT's model is built for the 32-row
@@ -443,13 +446,26 @@ class SpecDecodeModel:
         return self.spec.core.counters.as_dict() if self.spec is not None else {}
 
 
+class VerifyReadBack:
+    """Mixed in where TT's class has process_decode_output_host (spec_class): the plugin's runner hands a decode's
+    output to the model's process_decode_output_host after the read-back when the model defines one (vllm-tt-plugin
+    src/vllm_tt_plugin/async_decode.py, TTAsyncDecodeController.finalize_decode, read at dca5656f). A verify's argmax
+    ids are host tensors already and pass through; TT's own decode output goes to TT's."""
+
+    def process_decode_output_host(self, tt_out, *args, **kwargs):
+        if self.spec is not None and tt_out is self.spec.verify_ids:
+            return tt_out
+        return super().process_decode_output_host(tt_out, *args, **kwargs)
+
+
 def spec_class(arch: str) -> type:
     """The speculating subclass of TT-Transformers' class for an HF architecture (SPEC_CLASSES)."""
     name, base_name = SPEC_CLASSES[arch]
     base = getattr(importlib.import_module(TT_GENERATOR_VLLM), base_name)
     capabilities = {**getattr(base, "model_capabilities", {}), **SPEC_CAPABILITIES}
-    return type(name, (SpecDecodeModel, base), {"model_capabilities": capabilities, "__module__": __name__,
-                                                "__qualname__": name})
+    mixins = (SpecDecodeModel, VerifyReadBack) if hasattr(base, "process_decode_output_host") else (SpecDecodeModel,)
+    return type(name, (*mixins, base), {"model_capabilities": capabilities, "__module__": __name__,
+                                        "__qualname__": name})
 
 
 _CLASSES: dict = {}
