@@ -406,3 +406,37 @@ def test_the_plugins_rows_pad_to_tt_transformers_tile_and_back():
     assert tuple(ids.shape) == (4, 1, 8) and probs is None
     device_out = object()
     assert ttnn_model.first_rows(device_out, 4) is device_out
+
+
+@pytest.mark.parametrize("regular", [True, False], ids=["regular-packages", "namespace-packages"])
+def test_bundle_classes_resolve_beside_tt_metal(tmp_path, regular):
+    """As the plugin's lazy registration resolves a bundle's main_class (import the module, getattr the class) in a
+    process with this repository and a tt-metal tree on PYTHONPATH (ours first, tests/test_packaging.py's fake tree,
+    regular or namespace packages, with a generator_vllm.py holding LlamaForCausalLM and MistralForCausalLM): the
+    classes subclass tt-metal's."""
+    from .conftest import REPO_ROOT
+    from .test_packaging import fake_tt_metal, run
+
+    tt_metal = fake_tt_metal(tmp_path / "tt-metal", regular)
+    (tt_metal / "models/tt_transformers/tt/generator_vllm.py").write_text(
+        "class Generator:\n    pass\n\n\nclass LlamaForCausalLM(Generator):\n"
+        "    model_capabilities = {'supports_prefix_caching': True}\n\n\nclass MistralForCausalLM(Generator):\n"
+        "    model_capabilities = {}\n")
+    probe = ("import importlib, json, pathlib, sys; from models.tt_transformers.serving import ttnn_model; "
+             "folder = pathlib.Path(sys.argv[1]); ttnn_model.write_model_bundles(folder); "
+             "out = {}\n"
+             "for meta in sorted(folder.glob('*/vllm_metadata.json')):\n"
+             "    data = json.loads(meta.read_text()); module, name = data['main_class'].split(':')\n"
+             "    cls = getattr(importlib.import_module(module), name)\n"
+             "    out['TT' + data['arch']] = [c.__module__ for c in cls.__mro__[1:3]] + [cls.model_capabilities.get("
+             "'supports_prefix_caching'), cls.model_capabilities['supports_spec_decode']]\n"
+             "print(json.dumps(out))")
+    out = run(["-c", probe, str(tmp_path / "bundles")], [REPO_ROOT, tt_metal])
+    assert out.returncode == 0, out.stderr[-2000:]
+    import json
+
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {
+        "TTLlamaForCausalLM": ["models.tt_transformers.serving.ttnn_model", "models.tt_transformers.tt.generator_vllm",
+                               True, True],
+        "TTMistralForCausalLM": ["models.tt_transformers.serving.ttnn_model",
+                                 "models.tt_transformers.tt.generator_vllm", None, True]}
