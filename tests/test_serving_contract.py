@@ -231,7 +231,7 @@ def test_verify_block_shapes_and_live_rows():
     for args, message in [((tokens.long(), pos, nv, counts), "verify tokens must be int32"),
                           ((tokens, pos[:, :3], nv, counts), r"verify start_pos must be \[4, 4\], got \[4, 3\]"),
                           ((tokens[:, :3], pos[:, :3], nv, counts), "3 columns wide, but the plan's K is 3"),
-                          ((tokens[:, :1], pos[:, :1], nv * 0, counts), r"verify start_pos must be \[4\], got \[4, 1\]"),
+                          ((tokens[:, :1], pos[:, :1], nv * 0, counts), r"start_pos must be \[4\], got \[4, 1\]"),
                           ((tokens[:, :1], pos[:, 0], nv, counts), r"a narrow verify .* carries no drafts"),
                           ((tokens[0], pos, nv, counts), r"\[B, 1\+K\] tensor")]:
         with pytest.raises(ValueError, match=message):

@@ -15,7 +15,12 @@ import pytest
 import torch
 
 from models.tt_transformers.serving import ttnn_model
-from models.tt_transformers.serving.contract import ACCEPT_MODE_ARGMAX_IDS, MODEL_OWNED_DRAFTER, VerifyOutput
+from models.tt_transformers.serving.contract import (
+    ACCEPT_MODE_ARGMAX_IDS,
+    MODEL_OWNED_DRAFTER,
+    VerifyOutput,
+    accept_greedy_drafts,
+)
 from models.tt_transformers.serving.plan import SPEC_CAPABILITIES, plan_speculation
 from models.tt_transformers.serving.reference_runner import ReferenceRunner
 from models.tt_transformers.speculative.backend import UserRows
@@ -87,6 +92,7 @@ class Scheduler:
         self.served, self.free = served, list(range(1, served.num_blocks))
         random.Random(seed).shuffle(self.free)
         self.blocks: dict[int, list[int]] = {}
+        self.layout_changed = True  # model_runner.py@02f45e5f _decode_layout_changed_since_last_decode
 
     def cover(self, slot: int, positions: int) -> None:
         blocks = self.blocks.setdefault(slot, [])
@@ -95,9 +101,11 @@ class Scheduler:
 
     def release(self, slot: int) -> None:
         self.free.extend(self.blocks.pop(slot, []))
+        self.layout_changed = True
 
     def remap(self, slot_remap) -> None:
         if slot_remap is not None:
+            self.layout_changed = True
             old = self.blocks
             self.blocks = {i: old[j] for i, j in enumerate(torch.as_tensor(slot_remap).tolist()) if j in old}
 
@@ -121,9 +129,13 @@ class Scheduler:
             empty_slots=list(slots), enable_trace=False)
         return logits.reshape(len(prompts), -1).argmax(dim=-1).tolist()
 
-    def decode(self, tokens, start_pos, **kwargs):
-        """One decode step (the runner's submit_decode keywords): the slot_remap moves the block tables with their
-        requests, every live row's positions are covered, and the step gets this step's table."""
+    def decode(self, tokens, start_pos, read_from_device=False, **kwargs):
+        """One decode step with the runner's submit_decode keywords (async_decode.py, read at dca5656f): the
+        slot_remap moves the block tables with their requests, every live row's positions are covered, and the step
+        gets this step's table; reset_batch, the legacy reload keyword, when the batch's layout changed since the last
+        decode (a prefill, a departure, a remap). read_from_device False is what the pinned runner's synchronous
+        path passes (model_runner.py@02f45e5f _forward_with_model_input); finalize_decode then hands output that is
+        not on the host to the model's process_decode_output_host (TT's ids over its whole batch)."""
         self.remap(kwargs.get("slot_remap"))
         ends = start_pos.max(dim=1).values if start_pos.dim() == 2 else start_pos
         for slot, end in enumerate(ends.tolist()):
@@ -131,10 +143,14 @@ class Scheduler:
                 self.cover(slot, end + 1)
         spec = kwargs.get("spec_mode") is not None
         greedy = None if spec else stand_in_tt.SamplingParams(temperature=0.0, top_k=1, top_p=1.0)
-        return self.served.model.decode_forward(
+        out = self.served.model.decode_forward(
             tokens=tokens, start_pos=start_pos, page_table=self.table(range(tokens.shape[0])),
-            kv_cache=self.served.kv_cache, enable_trace=True, read_from_device=True, sampling_params=greedy,
-            reset_batch=False, **kwargs)
+            kv_cache=self.served.kv_cache, enable_trace=True, read_from_device=read_from_device,
+            sampling_params=greedy, reset_batch=self.layout_changed, **kwargs)
+        self.layout_changed = False
+        if isinstance(out, list):  # TT's device output
+            return self.served.model.process_decode_output_host(out, is_tokens=greedy is not None)
+        return out
 
 
 class RunnerModel:
@@ -148,8 +164,8 @@ class RunnerModel:
 
     def decode_forward(self, tokens, start_pos, **kwargs):
         out = self.scheduler.decode(tokens, start_pos, **kwargs)
-        if kwargs.get("spec_mode") is None:  # TT's decode sampling on the device: (ids [B], log probs)
-            return out[0].reshape(-1, 1).to(torch.int32)
+        if kwargs.get("spec_mode") is None:  # TT's decode sampling on the device: (ids over TT's batch, log probs)
+            return out[0][: tokens.shape[0]].reshape(-1, 1).to(torch.int32)
         return out
 
     def propose_draft_tokens(self, *args, **kwargs):
@@ -209,7 +225,10 @@ def test_declarations_are_tt_transformers_plus_the_contracts(monkeypatch, tmp_pa
     with pytest.raises(AttributeError):
         ttnn_model.NoSuchClass  # noqa: B018
     # the runner calls process_decode_output_host only where the model has one: the class has one where TT's has
-    assert not hasattr(cls, "process_decode_output_host")
+    assert issubclass(cls, ttnn_model.VerifyReadBack)
+    monkeypatch.delattr(stand_in_tt.Generator, "process_decode_output_host")
+    monkeypatch.setattr(ttnn_model, "_CLASSES", {})
+    assert not hasattr(ttnn_model.SpecLlamaForCausalLM, "process_decode_output_host")
     monkeypatch.setattr(stand_in_generator_vllm.LlamaForCausalLM, "process_decode_output_host",
                         lambda self, out, is_tokens=False: ("TT's", out), raising=False)
     monkeypatch.setattr(ttnn_model, "_CLASSES", {})
@@ -302,9 +321,13 @@ def test_verify_on_vllms_cache_and_page_table_is_the_packages_verify(monkeypatch
 
 def test_plain_steps_are_tt_transformers_decode(monkeypatch, tmp_path, embedded_checkpoint, prompts):
     """Without the speculative arguments decode_forward is TT's own decode (the double's Generator.decode_forward),
-    with TT's single cache update (no write passes set); the drafter is told each live row's token; the first TT decode
-    after a verify reloads TT's resident inputs (reset_batch), later ones pass the runner's command through. Its ids
-    are the package's plain step's."""
+    with TT's single cache update (no write passes set), the drafter told each live row's token. The double keeps
+    TT's resident token and position inputs of a traced decode that samples on the device, which the host's replace
+    only on reset_batch (or a mode switch): the first decode after a prefill gets the runner's reset_batch (the layout
+    changed), the next the runner's False, read back as the pinned runner's synchronous path reads it
+    (read_from_device False, then process_decode_output_host); after a verify the class reloads them (reset_batch
+    forced), else TT would decode the tokens its last decode sampled at stale positions. Every step's ids are the
+    package's own step's on the same rows."""
     served = Served(monkeypatch, tmp_path, embedded_checkpoint, 3)
     calls = []
     tt_decode = stand_in_generator_vllm.LlamaForCausalLM.decode_forward
@@ -315,46 +338,96 @@ def test_plain_steps_are_tt_transformers_decode(monkeypatch, tmp_path, embedded_
     monkeypatch.setattr(stand_in_generator_vllm.LlamaForCausalLM, "decode_forward", recorded)
     scheduler = Scheduler(served)
     chosen = [prompts[0][:40], prompts[1][:35]]
-    n0, n1 = map(len, chosen)
+    n = [len(c) for c in chosen]
     first = scheduler.prefill(chosen, [0, 1])
-    ids, _ = scheduler.decode(t([[first[0]], [first[1]], [0], [0]]), t([n0, n1, -1, -1]))
-    assert tuple(ids.shape) == (BATCH,)  # TT's 32 rows cut back to the plugin's B
     lm = package_backend(monkeypatch, embedded_checkpoint)
     for user, prompt in enumerate(chosen):
         lm.prefill(user, prompt)
-    ref = lm.step([UserRows(0, [first[0]], n0), UserRows(1, [first[1]], n1)]).ids
-    assert ids[:2].tolist() == [ref[0][0], ref[1][0]]
-    assert calls == [(True, [])]  # after warm-up's verify programs: TT reloads its inputs
-    committed = torch.full((BATCH, 4), -1, dtype=torch.int32)  # the runner's padded one-column block (K = 3)
+
+    def plain(last, pos, **kwargs):
+        """One TT decode of rows 0 and 1 (last tokens at positions pos), then the drafter's proposal after it."""
+        out = scheduler.decode(t([[last[0]], [last[1]], [0], [0]]), t(pos + [-1, -1]), **kwargs)
+        ids = out[0][:2].tolist()
+        assert ids == [row[0] for row in lm.step([UserRows(u, [last[u]], pos[u]) for u in (0, 1)]).ids]
+        committed, positions = (torch.full((BATCH, 4), -1, dtype=torch.int32) for _ in range(2))
+        committed[:2, 0], positions[:2, 0] = t(ids), t([p + 1 for p in pos])
+        drafted = served.model.propose_draft_tokens(3, committed, positions, torch.ones(BATCH, dtype=torch.int32))
+        assert drafted.num_valid[2:].tolist() == [0, 0]  # padding rows draft nothing
+        return out, ids
+
+    out, ids = plain(first, n, read_from_device=True)
+    assert tuple(out[0].shape) == (BATCH,)  # TT's 32 rows cut back to the plugin's B
+    assert calls == [(True, [])]  # the runner's reset_batch: the layout changed with the prefill
+    out, ids = plain(ids, [n[0] + 1, n[1] + 1])
+    assert tuple(out[0].shape) == (32,) and calls[-1] == (False, [])  # TT's whole batch read back; steady
+    pos = [n[0] + 2, n[1] + 2]
+    tokens, start, num_valid, counts = verify_block([[ids[0], 7], [ids[1], 7]], pos, 3)
+    verified = scheduler.decode(tokens, start, num_valid_drafts=num_valid, accepted_counts=counts,
+                                spec_mode=ACCEPT_MODE_ARGMAX_IDS)
+    ref = lm.step([UserRows(u, [ids[u], 7], pos[u]) for u in (0, 1)]).ids
+    assert verified.argmax_ids[:2, :2].tolist() == ref
+    committed, kept = accept_greedy_drafts(verified.argmax_ids, tokens[:, 1:], num_valid)
+    ends = [pos[u] + int(kept[u]) for u in (0, 1)]  # each row's last committed token's position
     positions = torch.full((BATCH, 4), -1, dtype=torch.int32)
-    committed[:2, 0], positions[:2, 0] = ids[:2].to(torch.int32), t([n0 + 1, n1 + 1])
-    drafted = served.model.propose_draft_tokens(3, committed, positions, torch.ones(BATCH, dtype=torch.int32))
-    assert drafted.num_valid[2:].tolist() == [0, 0]  # padding rows draft nothing
-    scheduler.decode(t([[int(ids[0])], [int(ids[1])], [0], [0]]), t([n0 + 1, n1 + 1, -1, -1]))
-    assert calls[-1] == (False, [])  # the runner's command, as given
+    for u in (0, 1):
+        positions[u, : int(kept[u])] = torch.arange(pos[u] + 1, ends[u] + 1, dtype=torch.int32)
+    served.model.propose_draft_tokens(3, committed, positions, kept)
+    out, ids = plain([int(committed[u, int(kept[u]) - 1]) for u in (0, 1)], ends)
+    assert calls[-1] == (True, [])  # after the verify: TT's resident inputs reloaded
     contexts = [served.model.spec.core.proposer.request(s, "test").context for s in (0, 1)]
-    assert [c[-2:] for c in contexts] == [[first[0], int(ids[0])], [first[1], int(ids[1])]]
-    assert [len(c) for c in contexts] == [n0 + 2, n1 + 2]
+    assert [c[-1] for c in contexts] == ids and [len(c) for c in contexts] == [end + 2 for end in ends]
 
 
-def test_the_runners_loop_on_the_stand_in_is_plain_greedy(monkeypatch, tmp_path, embedded_checkpoint, prompts):
-    """serving/reference_runner.py's loop (build the block, verify, greedy walk, commit, propose; narrow steps as TT's
-    own decode) drives the class through the scheduler's paged blocks: four prompts at 3 concurrent requests (a
-    padding row, the fourth waits), one preempted and replayed, rows compacted after departures. Every output equals
-    plain greedy decoding through the package's own 32-row step on the stand-in, token for token; nothing is compiled or
-    captured while serving."""
+def test_the_pinned_runners_narrow_verify_is_the_one_pass_program(monkeypatch, tmp_path, embedded_checkpoint,
+                                                                 prompts):
+    """model_runner.py@02f45e5f sends a decode step on which no row carries a draft (the first after a prefill
+    always) as a one-column verify: [B, 1] tokens, [B] positions, spec_mode and both side tensors, read_from_device
+    False. The class answers VerifyOutput(argmax_ids [B, 1] int32) from the verify's one-pass program captured at
+    warm-up: the package's plain step's ids on live rows, -1 on padding rows; nothing is compiled or captured while
+    serving, and TT's own decode is not called."""
+    served = Served(monkeypatch, tmp_path, embedded_checkpoint, 3)
+    verify = served.model.spec.verify
+    traces, compiled = set(served.mesh.traces), set(served.mesh.compiled)
+    tt_calls = []
+    monkeypatch.setattr(stand_in_generator_vllm.LlamaForCausalLM, "decode_forward",
+                        lambda self, *args, **kwargs: tt_calls.append(kwargs))
+    scheduler = Scheduler(served)
+    chosen = [prompts[0][:40], prompts[2][:33]]
+    first = scheduler.prefill(chosen, [0, 2])
+    out = scheduler.decode(t([[first[0]], [0], [first[1]], [0]]), t([len(chosen[0]), -1, len(chosen[1]), -1]),
+                           num_valid_drafts=torch.zeros(BATCH, dtype=torch.int32),
+                           accepted_counts=torch.ones(BATCH, dtype=torch.int32), spec_mode=ACCEPT_MODE_ARGMAX_IDS)
+    assert isinstance(out, VerifyOutput) and out.argmax_ids.dtype == torch.int32
+    assert tuple(out.argmax_ids.shape) == (BATCH, 1)
+    ref = reference_ids(monkeypatch, embedded_checkpoint, chosen, [(u, [first[u]], len(chosen[u])) for u in (0, 1)])
+    assert out.argmax_ids[:, 0].tolist() == [ref[0][0], -1, ref[1][0], -1]
+    assert set(served.mesh.traces) == traces and served.mesh.compiled == compiled and not tt_calls
+    assert verify.lm.compiled == verify.lm.planned
+
+
+@pytest.mark.parametrize("narrow_verify", [True, False], ids=["narrow-verify", "ordinary-decode"])
+def test_the_runners_loop_on_the_stand_in_is_plain_greedy(monkeypatch, tmp_path, embedded_checkpoint, prompts,
+                                                          narrow_verify):
+    """serving/reference_runner.py's loop (build the block, verify, greedy walk, commit, propose; draftless steps as
+    the pinned runner's one-column verifies, or as TT's own decode as the contract document has them) drives the
+    class through the scheduler's paged blocks, read back as the pinned runner's synchronous path reads it: four
+    prompts at 3 concurrent requests (a padding row, the fourth waits), one preempted and replayed, rows compacted
+    after departures. Every output equals plain greedy decoding through the package's own 32-row step on the
+    stand-in, token for token; nothing is compiled or captured while serving."""
     k = 3
     plain = [r.output_tokens for r in SpeculativeGenerator(package_backend(monkeypatch, embedded_checkpoint), None,
                                                            0).generate(prompts, 32)]
     served = Served(monkeypatch, tmp_path, embedded_checkpoint, k)
     traces, compiled = set(served.mesh.traces), set(served.model.spec.verify.lm.compiled)
     plan = plan_speculation(vllm_config(k), 3, k)
-    runner = ReferenceRunner(RunnerModel(Scheduler(served)), plan, BATCH, 3, [], MAX_SEQ_LEN, served.vocab_size)
+    runner = ReferenceRunner(RunnerModel(Scheduler(served)), plan, BATCH, 3, [], MAX_SEQ_LEN, served.vocab_size,
+                             narrow_verify=narrow_verify)
     outputs = runner.run({0: [(f"r{i}", prompts[i], 32) for i in range(4)]}, {3: ["r1"]})
     assert [outputs[f"r{i}"] for i in range(4)] == plain
     s = runner.stats
-    assert s.verify_steps > 0 and s.plain_steps > 0 and s.preemptions == 1 and s.padding_rows > 0
-    assert s.multi_token_commits > 0 and s.slot_moves > 0 and s.resumed == 1
+    assert s.verify_steps > 0 and (s.plain_steps > 0) != narrow_verify and (s.narrow_verifies > 0) == narrow_verify
+    assert s.preemptions == 1 and s.padding_rows > 0
+    assert s.multi_token_commits > 0 and s.resumed == 1 and (s.slot_moves > 0 or narrow_verify)  # schedules differ
     assert set(served.mesh.traces) == traces and served.model.spec.verify.lm.compiled == compiled
     assert served.model.spec_decode_metrics() == runner.counters.as_dict()
 

@@ -723,6 +723,9 @@ class Generator(WarmupForwardMixin):
     def __init__(self, model, model_args, mesh_device, processor=None, tokenizer=None):
         self.model, self.model_args, self.mesh_device = model, model_args, mesh_device
         self.already_warmed_up_prefill = False
+        self.mode = None  # Mode.PREFILL or Mode.DECODE: the first decode after a prefill reloads its inputs
+        self.prev_on_device_sampling = None
+        self.resident = None  # the traced decode's token and position inputs as the device holds them
 
     def warmup_model_prefill(self, kv_cache, enable_trace, can_sample_on_device=False,
                              non_greedy_decoding_on_device=False):
@@ -742,6 +745,7 @@ class Generator(WarmupForwardMixin):
     def prefill_forward_text(self, tokens, page_table=None, kv_cache=None, prompt_lens=None, empty_slots=None,
                              enable_trace=True, model_id_warmup=None, sampling_params=None, start_pos=None,
                              return_hidden_states=False, warmup_prefill=True, **kwargs):
+        self.mode = Mode.PREFILL
         if warmup_prefill:
             self.warmup_model_prefill(kv_cache=kv_cache, enable_trace=enable_trace)
         assert page_table is not None, "stand-in: prefill with a page table"
@@ -765,18 +769,51 @@ class Generator(WarmupForwardMixin):
     def decode_forward(self, tokens, start_pos, page_table=None, kv_cache=None, enable_trace=True,
                        read_from_device=True, sampling_params=None, reset_batch=False, prompt_tokens=None,
                        output_tokens=None, **kwargs):
-        """tt/generator.py Generator.decode_forward (2026): (token ids [B], log probs) with sampling_params (TT samples
-        on the device: greedy is an argmax), else (logits [B, 1, V], None). The stand-in runs the step eagerly (TT
-        traces it: not modelled) with the gathered logits and takes the argmax on the host."""
+        """Mirrors tt/generator.py Generator.decode_forward and _decode_forward_trace_text (the 2026 control flow, as a
+        TT-derived Generator restating it and tt-metal's generator.py with reset_batch show it). The batch is the
+        model's max_batch_size rows (tt/model.py prepare_decode_inputs_host asserts it). A traced step that samples on
+        the device reads the token and position inputs resident on the device: the host's replace them only on
+        reset_batch, on the first decode after a prefill (the mode switch), when the sampling mode changed, or when
+        the host samples (reset_inputs); the step then leaves its sampled tokens at the next positions there
+        (ttnn.plus_one, negative positions skipped). The page table is the host's each step (TT stages it when it
+        changed). read_from_device: read_decode_output, then process_decode_output_host; else the device output
+        (a list of (output, log probs) per data-parallel model) for the runner's read-back. The stand-in runs the
+        step eagerly, and its on-device sampling is greedy: an argmax of the logits, taken when they are read."""
+        mode_switched, self.mode = self.mode != Mode.DECODE, Mode.DECODE
+        on_device_sampling = sampling_params is not None
+        sampling_mode_changed = self.prev_on_device_sampling not in (None, on_device_sampling)
+        self.prev_on_device_sampling = on_device_sampling
+        traced_feedback = enable_trace and on_device_sampling
+        if not traced_feedback or reset_batch or mode_switched or sampling_mode_changed or self.resident is None:
+            self.resident = (tokens.reshape(-1).clone(), start_pos.reshape(-1).clone())
+        fed_tokens, fed_pos = self.resident
         model = self.model[0]
-        host = model.prepare_decode_inputs_host(tokens.view(-1), start_pos.view(-1), page_table)
+        host = model.prepare_decode_inputs_host(fed_tokens, fed_pos, page_table)
         tt_tokens, current_pos, rope_idxs, tt_page_table = copy_host_to_device(host, mesh_device=self.mesh_device)
         logits, _ = model.ttnn_decode_forward(tt_tokens, current_pos, rot_mat_idxs=rope_idxs, page_table=tt_page_table,
                                               kv_cache=kv_cache[0])
-        rows = model.process_output_decode(logits, tokens.shape[0])
-        if sampling_params is not None:
-            return rows.argmax(dim=-1).view(-1), None
-        return rows.view(tokens.shape[0], 1, -1), None
+        out = [(logits, None)]
+        if traced_feedback:
+            sampled = self.process_decode_output_host(out, is_tokens=True)[0]
+            self.resident = (sampled.to(fed_tokens.dtype), torch.where(fed_pos >= 0, fed_pos + 1, fed_pos))
+        if read_from_device:
+            return self.process_decode_output_host(self.read_decode_output(out), is_tokens=on_device_sampling)
+        return out
+
+    def read_decode_output(self, tt_out, async_read=False):
+        """tt/generator.py read_decode_output: each model's (output, log probs) to the host (the stand-in keeps one
+        kind of tensor; no read events)."""
+        return (list(tt_out), []) if async_read else list(tt_out)
+
+    def process_decode_output_host(self, tt_out, is_tokens=False):
+        """tt/generator.py process_decode_output_host: (values, log probs) over all max_batch_size rows: token ids [B]
+        with is_tokens (the stand-in's greedy sampling), else logits [B, 1, V]; log probs of ones where none came."""
+        values = []
+        for model, (out, _) in zip(self.model, tt_out):
+            rows = model.process_output_decode(out, self.model_args[0].max_batch_size)
+            values.append(rows.argmax(dim=-1) if is_tokens else rows.unsqueeze(1))
+        values = torch.cat(values)
+        return values, torch.ones(values.shape)
 
     def prefill_forward_single_user_text(self, tokens, page_table, user_id, last_token_idx, kv_cache=None, model_id=-1,
                                          **kwargs):

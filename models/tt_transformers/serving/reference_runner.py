@@ -6,13 +6,13 @@ Per decode step, as the runner does it: build the [B, 1+K] block (padding rows t
 columns PLACEHOLDER_TOKEN_ID / -1), or, when the plan allows narrow steps, a one-column step: as the pinned runner
 (model_runner.py@02f45e5f, _prepare_model_inputs) sends it, a [B, 1] verify with spec_mode and both side tensors
 whenever no row has a draft; or as the contract document (SPEC_DECODE_CONTRACT.md@00d62588, section 4d) states it,
-the ordinary [B, 1] decode when no row has a draft or a multi-token commit to resolve; call decode_forward; walk greedy acceptance over the argmax ids; commit;
-call propose_draft_tokens with the committed block and keep each request's offered drafts (trimmed to the context)
-for its next step. Around it a scheduler as small as a server's can be: requests arrive at any step and are
-prefilled into free slots (empty_slots), finish at an EOS or max_tokens (committed tokens past the stop are dropped,
-as vLLM's stop check drops them) or at max_model_len, can be preempted (release_request; later they re-prefill
-their whole history, and drafting starts over), and the survivors of a departure are compacted to the lowest rows
-(slot_remap on the next decode, then note_state_slots_moved).
+the ordinary [B, 1] decode when no row has a draft or a multi-token commit to resolve; call decode_forward; walk
+greedy acceptance over the argmax ids; commit; call propose_draft_tokens with the committed block and keep each
+request's offered drafts (trimmed to the context) for its next step. Around it a scheduler as small as a server's
+can be: requests arrive at any step and are prefilled into free slots (empty_slots), finish at an EOS or max_tokens
+(committed tokens past the stop are dropped, as vLLM's stop check drops them) or at max_model_len, can be preempted
+(release_request; later they re-prefill their whole history, and drafting starts over), and the survivors of a
+departure are compacted to the lowest rows (slot_remap on the next decode, then note_state_slots_moved).
 
 It also counts what vLLM's scheduler counts (speculative.metrics), independently of the model's own counters.
 """

@@ -17,11 +17,12 @@ What speculating adds (docs/serving.md; the contract: serving/contract.py, pinne
   `attention_class` hook), built with `use_qk_fused = False` (outside a verify it issues TT's own single cache
   update); and the model is built for the 32-row tile (max_batch_size 32, one of TT's batch sizes), every row of
   which a verify can fill, so TT's ordinary decode gets the plugin's B rows padded to 32 and its results cut back.
-- `decode_forward` with `spec_mode` is the verify: the [B, 1+K] block becomes rows of ONE decode step of the 32-row
-  tile (serving/core.py SpecDecodeCore.verify over ttnn_backend's TtnnCausalLM.step: ordered cache writes, argmax and
-  top-k on the device), on vLLM's `kv_cache` and the page table the scheduler sends with this step: row r of the tile
-  carries its request's page-table row, staged with every other input into the persistent device inputs before the
-  replay (TtnnCausalLM._run_inputs). No page table is built once.
+- `decode_forward` with `spec_mode` is the verify: the [B, 1+K] block (or the [B, 1] one-column verify the runner
+  pinned, model_runner.py@02f45e5f, sends on a step without drafts: the one-pass program) becomes rows of ONE decode
+  step of the 32-row tile (serving/core.py SpecDecodeCore.verify over ttnn_backend's TtnnCausalLM.step: ordered cache
+  writes, argmax and top-k on the device), on vLLM's `kv_cache` and the page table the scheduler sends with this step:
+  row r of the tile carries its request's page-table row, staged with every other input into the persistent device
+  inputs before the replay (TtnnCausalLM._run_inputs). No page table is built once.
 - warm-up: the plugin's runner calls `warmup_model_decode(enable_trace=False, ...)` then `(enable_trace=True, ...)`
   (vllm-tt-plugin src/vllm_tt_plugin/model_runner.py@02f45e5f, TTModelRunner.warmup_model), with no K: TT's own
   decode warm-up runs first, then every verify program the plan's K can reach (a block's longest row needs 1 to 1+K
@@ -323,8 +324,9 @@ class SpecDecodeModel:
         return out
 
     def decode_forward(self, *args, **kwargs):
-        """With num_valid_drafts, accepted_counts and spec_mode: the verify (VerifyOutput, argmax_ids [B, 1+K]).
-        Without them: TT's own decode, after the drafter is told what each live row feeds."""
+        """With num_valid_drafts, accepted_counts and spec_mode: the verify (VerifyOutput, argmax_ids [B, 1+K], or
+        [B, 1] for the one-column verify of model_runner.py@02f45e5f). Without them: TT's own decode, after the
+        drafter is told what each live row feeds."""
         spec = self.spec
         if spec is None:
             return super().decode_forward(*args, **kwargs)
