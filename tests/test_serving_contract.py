@@ -13,6 +13,7 @@ from models.tt_transformers.speculative.backend import StepOutput
 from models.tt_transformers.speculative.metrics import SpecDecodeCounters
 from models.tt_transformers.speculative.verification import verify_chain
 from models.tt_transformers.serving.contract import (
+    MODEL_OWNED_DRAFTER,
     PLACEHOLDER_TOKEN_ID,
     DraftOutput,
     SpecPlan,
@@ -114,6 +115,18 @@ def test_plan_keeps_the_block_within_max_model_len():
     assert plan_speculation(config, 1, 3).effective_k == 3
     reject = plan_speculation(config, 1, 4)
     assert reject.supported_k == (1, 2, 3) and "max_model_len 4" in reject.reason
+
+
+@pytest.mark.parametrize("method,model", [("ngram", None), ("custom_class", "my.drafter"), ("suffix", None)])
+def test_plan_refuses_a_method_the_model_owned_drafter_does_not_serve(method, model):
+    """The drafter learns each request from the blocks propose_draft_tokens brings, which the plugin calls only for
+    custom_class with the sentinel: any other method is a SpecReject naming the launch that works."""
+    config = SimpleNamespace(speculative_config=SimpleNamespace(method=method, model=model, num_speculative_tokens=3))
+    reject = plan_speculation(config, 4, 3)
+    assert isinstance(reject, SpecReject) and reject.reason.startswith(f"speculative method {method!r}")
+    assert f'--speculative-config \'{{"method": "custom_class", "model": "{MODEL_OWNED_DRAFTER}"' in reject.reason
+    config.speculative_config.method, config.speculative_config.model = "custom_class", MODEL_OWNED_DRAFTER
+    assert plan_speculation(config, 4, 3).effective_k == 3
 
 
 def test_plan_constants_are_the_backends():

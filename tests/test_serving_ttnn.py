@@ -8,7 +8,10 @@ page table a scheduler sends each step, gives the package's own verify's greedy 
 The plugin's side is played by a small scheduler written here (Scheduler: vLLM's block pool and per-request block
 tables, block 0 its null block, blocks handed out shuffled) and by serving/reference_runner.py's loop.
 """
+import importlib.util
 import random
+import re
+import sys
 import types
 
 import pytest
@@ -18,6 +21,7 @@ from models.tt_transformers.serving import ttnn_model
 from models.tt_transformers.serving.contract import (
     ACCEPT_MODE_ARGMAX_IDS,
     MODEL_OWNED_DRAFTER,
+    SpecReject,
     VerifyOutput,
     accept_greedy_drafts,
 )
@@ -275,6 +279,55 @@ def test_without_a_speculative_config_it_is_tt_transformers_class(monkeypatch, t
         ttnn_model.SpecLlamaForCausalLM.initialize_vllm_model(
             types.SimpleNamespace(_name_or_path=str(folder)), mesh, BATCH, MAX_SEQ_LEN, tt_data_parallel=2,
             vllm_config=vllm_config(3))
+
+
+def test_the_launch_config_refusals_and_vllms_current_config(monkeypatch, tmp_path, embedded_checkpoint):
+    """A speculative method other than custom_class with the model-owned-drafter sentinel (ngram: the plugin admits it
+    for a device_propose model but never calls propose_draft_tokens, which this drafter learns from) is refused in one
+    line naming the fix: by spec_plan (a SpecReject the plugin quotes) and by initialize_vllm_model (its plan checked
+    again) before anything is built. Without the loader's vllm_config the class reads vLLM's current config (vllm.config); with none there it is
+    TT's class, and speculative arguments reaching it are refused in one line."""
+    install(monkeypatch)
+    monkeypatch.setattr(ttnn_model, "_CLASSES", {})
+    folder = named_checkpoint(embedded_checkpoint.folder, embedded_checkpoint.name)
+    monkeypatch.setenv("HF_MODEL", str(folder))
+    monkeypatch.setenv("TT_CACHE_PATH", str(tmp_path))
+    mesh = stand_in_ttnn.open_mesh_device(stand_in_ttnn.MeshShape(1, 1), trace_region_size=STAND_IN_TRACE_REGION)
+    cls, hf_config = ttnn_model.SpecLlamaForCausalLM, types.SimpleNamespace(_name_or_path=str(folder))
+    built, build = [], stand_in_generator_vllm.initialize_vllm_text_transformer
+    monkeypatch.setattr(stand_in_generator_vllm, "initialize_vllm_text_transformer",
+                        lambda *args, **kwargs: built.append(1) or build(*args, **kwargs))
+    fix = re.escape(f'launch with --speculative-config \'{{"method": "custom_class", "model": "{MODEL_OWNED_DRAFTER}"')
+    for method, model in [("ngram", None), ("custom_class", "my.drafter")]:
+        config = vllm_config(3)
+        config.speculative_config.method, config.speculative_config.model = method, model
+        reject = cls.spec_plan(config, BATCH, 3)
+        assert isinstance(reject, SpecReject) and re.search(f"speculative method '{method}' .*{fix}", reject.reason)
+        with pytest.raises(ValueError, match=f"speculative method '{method}' .*{fix}"):
+            cls.initialize_vllm_model(hf_config, mesh, BATCH, MAX_SEQ_LEN, n_layers=N_LAYERS, vllm_config=config)
+    assert not built
+    vllm, current = types.ModuleType("vllm"), types.ModuleType("vllm.config")
+    vllm.config, current.get_current_vllm_config = current, lambda: vllm_config(3)
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    monkeypatch.setitem(sys.modules, "vllm.config", current)
+    model = cls.initialize_vllm_model(hf_config, mesh, BATCH, MAX_SEQ_LEN, n_layers=N_LAYERS)
+    assert model.spec is not None and model.spec.num_drafts == 3
+    current.get_current_vllm_config_or_none = lambda: None  # newer vLLM; none set
+    model = cls.initialize_vllm_model(hf_config, mesh, BATCH, MAX_SEQ_LEN, n_layers=N_LAYERS)
+    assert model.spec is None
+    with pytest.raises(RuntimeError, match="built without a speculative config: pass the launch's vllm_config"):
+        model.decode_forward(t([[1, 2]] * BATCH), t([[3, 4]] * BATCH), num_valid_drafts=t([1] * BATCH),
+                             accepted_counts=t([1] * BATCH), spec_mode=ACCEPT_MODE_ARGMAX_IDS)
+    del current.get_current_vllm_config_or_none
+
+    def unset():
+        raise AssertionError("Current vLLM config is not set.")
+    current.get_current_vllm_config = unset
+    assert ttnn_model.launch_config(None) is None
+    monkeypatch.delitem(sys.modules, "vllm")
+    monkeypatch.delitem(sys.modules, "vllm.config")
+    if importlib.util.find_spec("vllm") is None:  # without vLLM the loader's vllm_config is the only source
+        assert ttnn_model.launch_config(None) is None
 
 
 @pytest.mark.parametrize("k", [1, 3, 7])

@@ -62,6 +62,25 @@ SPEC_CLASSES = {"LlamaForCausalLM": ("SpecLlamaForCausalLM", "LlamaForCausalLM")
 SPEC_ARGUMENTS = ("num_valid_drafts", "accepted_counts", "spec_mode")  # they come together or not at all
 
 
+def launch_config(vllm_config):
+    """The launch's vLLM config: the loader's (loader.py@0cd06959 passes it; the plugin's main @e3fc8494 does not),
+    else the one vLLM holds as current while it builds a model (vllm.config: get_current_vllm_config_or_none where
+    it exists, else get_current_vllm_config, which newer vLLMs make raise when none is set); None without vLLM."""
+    if vllm_config is not None:
+        return vllm_config
+    try:
+        from vllm import config
+    except ImportError:
+        return None
+    current = getattr(config, "get_current_vllm_config_or_none", None)
+    if current is not None:
+        return current()
+    try:
+        return config.get_current_vllm_config()
+    except AssertionError:
+        return None
+
+
 def speculative_k(vllm_config) -> Optional[int]:
     """The launch's draft length (speculative_config.num_speculative_tokens, which the plugin sets to the admitted
     plan's effective_k), or None for a launch without speculation."""
@@ -269,10 +288,11 @@ class SpecDecodeModel:
                               **kwargs):
         """TT's initialize_vllm_model (its arguments passed on as given), with ordered cache writes and the verify's
         state when the launch speculates; TT's class as it is otherwise. The plugin's loader passes vllm_config
-        (loader.py@0cd06959); TT's own signature (generator_vllm.py: hf_config, mesh_device, max_batch_size,
-        max_seq_len, n_layers, tt_data_parallel, optimizations) has no such parameter, so it is passed on only to a
-        version that has one."""
+        (loader.py@0cd06959), else vLLM's current config stands in (launch_config); TT's own signature
+        (generator_vllm.py: hf_config, mesh_device, max_batch_size, max_seq_len, n_layers, tt_data_parallel,
+        optimizations) has no such parameter, so it is passed on only to a version that has one."""
         base = super().initialize_vllm_model
+        vllm_config = launch_config(vllm_config)
         if "vllm_config" in inspect.signature(base).parameters:
             kwargs["vllm_config"] = vllm_config  # a TT version that reads it gets it
         k = speculative_k(vllm_config)
@@ -329,6 +349,10 @@ class SpecDecodeModel:
         drafter is told what each live row feeds."""
         spec = self.spec
         if spec is None:
+            given = [name for name in SPEC_ARGUMENTS if kwargs.get(name) is not None]
+            if given:
+                raise RuntimeError(f"decode_forward got {given}, but {type(self).__name__} was built without a "
+                                   "speculative config: pass the launch's vllm_config to initialize_vllm_model")
             return super().decode_forward(*args, **kwargs)
         if len(args) > 2:
             raise TypeError("decode_forward takes tokens and start_pos positionally, everything else by keyword")
