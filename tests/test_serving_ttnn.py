@@ -285,8 +285,8 @@ def test_the_launch_config_refusals_and_vllms_current_config(monkeypatch, tmp_pa
     """A speculative method other than custom_class with the model-owned-drafter sentinel (ngram: the plugin admits it
     for a device_propose model but never calls propose_draft_tokens, which this drafter learns from) is refused in one
     line naming the fix: by spec_plan (a SpecReject the plugin quotes) and by initialize_vllm_model (its plan checked
-    again) before anything is built. Without the loader's vllm_config the class reads vLLM's current config (vllm.config); with none there it is
-    TT's class, and speculative arguments reaching it are refused in one line."""
+    again) before anything is built. Without the loader's vllm_config the class reads vLLM's current config
+    (vllm.config); with none there it is TT's class, and speculative arguments reaching it are refused in one line."""
     install(monkeypatch)
     monkeypatch.setattr(ttnn_model, "_CLASSES", {})
     folder = named_checkpoint(embedded_checkpoint.folder, embedded_checkpoint.name)
@@ -380,7 +380,8 @@ def test_plain_steps_are_tt_transformers_decode(monkeypatch, tmp_path, embedded_
     changed), the next the runner's False, read back as the pinned runner's synchronous path reads it
     (read_from_device False, then process_decode_output_host); after a verify the class reloads them (reset_batch
     forced), else TT would decode the tokens its last decode sampled at stale positions. Every step's ids are the
-    package's own step's on the same rows."""
+    package's own step's on the same rows. TT's decode takes its model's whole 32-row batch only (tt/model.py
+    prepare_decode_inputs_host), which is why the class pads the plugin's rows."""
     served = Served(monkeypatch, tmp_path, embedded_checkpoint, 3)
     calls = []
     tt_decode = stand_in_generator_vllm.LlamaForCausalLM.decode_forward
@@ -429,6 +430,9 @@ def test_plain_steps_are_tt_transformers_decode(monkeypatch, tmp_path, embedded_
     assert calls[-1] == (True, [])  # after the verify: TT's resident inputs reloaded
     contexts = [served.model.spec.core.proposer.request(s, "test").context for s in (0, 1)]
     assert [c[-1] for c in contexts] == ids and [len(c) for c in contexts] == [end + 2 for end in ends]
+    with pytest.raises(AssertionError, match="Batch size 4 must be equal to max_batch_size 32"):  # TT's own rule
+        tt_decode(served.model, t([[0]] * BATCH), t([-1] * BATCH), page_table=scheduler.table(range(BATCH)),
+                  kv_cache=served.kv_cache, enable_trace=False)
 
 
 def test_the_pinned_runners_narrow_verify_is_the_one_pass_program(monkeypatch, tmp_path, embedded_checkpoint,
