@@ -287,7 +287,10 @@ def check_plain_decode(tokens, start_pos, vocab_size: int) -> list[tuple[int, in
 
 def check_committed_block(num_drafts: int, committed_tokens, committed_positions, accepted_counts) -> None:
     """A propose call's inputs: the [B, 1+K] committed block (the first accepted_counts[i] columns are row i's
-    committed tokens at consecutive positions; padding rows have negative positions) and the counts."""
+    committed tokens at consecutive positions; padding rows have negative positions) and the counts. int32 as the
+    contract states them (section 4b) and the pinned runner builds them (accept_greedy_drafts' ids, narrow steps
+    included): another dtype is refused rather than cast, as check_spec_side_tensors refuses one, since it means the
+    caller built something else."""
     if not isinstance(num_drafts, int) or num_drafts < 1:
         raise ValueError(f"propose num_drafts must be an int >= 1, got {num_drafts!r}")
     if not isinstance(committed_tokens, torch.Tensor) or committed_tokens.dim() != 2:
