@@ -13,6 +13,7 @@ from models.tt_transformers.speculative.backend import StepOutput
 from models.tt_transformers.speculative.metrics import SpecDecodeCounters
 from models.tt_transformers.speculative.verification import verify_chain
 from models.tt_transformers.serving.contract import (
+    MODEL_OWNED_DRAFTER,
     PLACEHOLDER_TOKEN_ID,
     DraftOutput,
     SpecPlan,
@@ -114,6 +115,18 @@ def test_plan_keeps_the_block_within_max_model_len():
     assert plan_speculation(config, 1, 3).effective_k == 3
     reject = plan_speculation(config, 1, 4)
     assert reject.supported_k == (1, 2, 3) and "max_model_len 4" in reject.reason
+
+
+@pytest.mark.parametrize("method,model", [("ngram", None), ("custom_class", "my.drafter"), ("suffix", None)])
+def test_plan_refuses_a_method_the_model_owned_drafter_does_not_serve(method, model):
+    """The drafter learns each request from the blocks propose_draft_tokens brings, which the plugin calls only for
+    custom_class with the sentinel: any other method is a SpecReject naming the launch that works."""
+    config = SimpleNamespace(speculative_config=SimpleNamespace(method=method, model=model, num_speculative_tokens=3))
+    reject = plan_speculation(config, 4, 3)
+    assert isinstance(reject, SpecReject) and reject.reason.startswith(f"speculative method {method!r}")
+    assert f'--speculative-config \'{{"method": "custom_class", "model": "{MODEL_OWNED_DRAFTER}"' in reject.reason
+    config.speculative_config.method, config.speculative_config.model = "custom_class", MODEL_OWNED_DRAFTER
+    assert plan_speculation(config, 4, 3).effective_k == 3
 
 
 def test_plan_constants_are_the_backends():
@@ -220,20 +233,22 @@ def mutated(where, value):
 ])
 def test_verify_block_rules_each_named(where, value, message):
     with pytest.raises(ValueError, match=message):
-        check_verify_block(*mutated(where, value), vocab_size=97)
+        check_verify_block(*mutated(where, value), num_drafts=3, vocab_size=97)
 
 
 def test_verify_block_shapes_and_live_rows():
-    live = check_verify_block(*valid_block(), vocab_size=97)
+    live = check_verify_block(*valid_block(), num_drafts=3, vocab_size=97)
     assert [(r.row, r.n_drafts, r.start_pos, r.tokens) for r in live] == [
         (0, 2, 10, [5, 6, 7]), (2, 0, 3, [9]), (3, 3, 20, [1, 2, 3, 4])]
     tokens, pos, nv, counts = valid_block()
     for args, message in [((tokens.long(), pos, nv, counts), "verify tokens must be int32"),
                           ((tokens, pos[:, :3], nv, counts), r"verify start_pos must be \[4, 4\], got \[4, 3\]"),
-                          ((tokens[:, :1], pos[:, :1], nv, counts), "with K >= 1"),
+                          ((tokens[:, :3], pos[:, :3], nv, counts), "3 columns wide, but the plan's K is 3"),
+                          ((tokens[:, :1], pos[:, :1], nv * 0, counts), r"start_pos must be \[4\], got \[4, 1\]"),
+                          ((tokens[:, :1], pos[:, 0], nv, counts), r"a narrow verify .* carries no drafts"),
                           ((tokens[0], pos, nv, counts), r"\[B, 1\+K\] tensor")]:
         with pytest.raises(ValueError, match=message):
-            check_verify_block(*args, vocab_size=97)
+            check_verify_block(*args, num_drafts=3, vocab_size=97)
 
 
 # --- the verify mapping ------------------------------------------------------------------------------------------
@@ -253,6 +268,38 @@ def test_verify_maps_each_row_onto_one_step_in_upstreams_column_layout():
     committed, n = accept_greedy_drafts(out.argmax_ids, tokens[:, 1:], nv)
     assert n.tolist() == [1, 1, 1, 1]  # the rule agrees with none of these drafts: each row commits its correction
     assert committed[:, 0].tolist() == [rule(5, 10), -1, rule(9, 3), rule(1, 20)]
+
+
+def narrow_block(rows, counts=(1, 1, 1, 1)):
+    """The one-column verify model_runner.py@02f45e5f sends on a step where no row carries a draft (plan with
+    supports_narrow_decode): [4, 1] tokens, [4] positions, spec_mode and both side tensors; {row: (last token,
+    position)}, other rows padding (token 0, position -1)."""
+    tokens, pos = torch.zeros(4, 1, dtype=I32), torch.full((4,), -1, dtype=I32)
+    for i, (last, p) in rows.items():
+        tokens[i, 0], pos[i] = last, p
+    return tokens, pos, torch.zeros(4, dtype=I32), t(list(counts))
+
+
+def test_narrow_verify_of_the_pinned_runner_answers_one_column():
+    """The runner pinned (model_runner.py@02f45e5f, _prepare_model_inputs) widens a step to [B, 1+K] only when some
+    row carries a draft; otherwise, for a plan with supports_narrow_decode, it sends [B, 1] tokens and [B] positions
+    with spec_mode and the side tensors, and walks argmax_ids [B, 1]. Each live row is fed its one token (a plain
+    step's rows); a count above 1 (a multi-token commit, then no drafts) is in range; the commit is column 0."""
+    target, core, step = core_with({0: list(range(10)), 2: list(range(3)), 3: list(range(20))})
+    tokens, pos, nv, counts = narrow_block({0: (5, 10), 2: (9, 3), 3: (1, 20)}, counts=(2, 1, 1, 4))
+    out = core.verify(tokens, pos, nv, counts, "argmax_ids", step)
+    assert target.steps == [[(0, [5], 10), (2, [9], 3), (3, [1], 20)]]
+    rule = RuleTarget.rule
+    assert isinstance(out, VerifyOutput) and out.argmax_ids.dtype == I32
+    assert out.argmax_ids.tolist() == [[rule(5, 10)], [-1], [rule(9, 3)], [rule(1, 20)]]
+    committed, n = accept_greedy_drafts(out.argmax_ids, torch.zeros(4, 0, dtype=I32), nv)
+    assert n.tolist() == [1, 1, 1, 1] and committed[:, 0].tolist() == out.argmax_ids[:, 0].tolist()
+    drafted = propose_after(core, {0: (11, [rule(5, 10)]), 2: (4, [rule(9, 3)]), 3: (21, [rule(1, 20)])})
+    assert drafted.num_valid[1] == 0  # the padding row; the live rows' contexts followed the narrow verify
+    with pytest.raises(ValueError, match="a narrow verify .* carries no drafts"):
+        core.verify(tokens, pos, t([1, 0, 0, 0]), counts, "argmax_ids", step)
+    with pytest.raises(ValueError, match=r"accepted_counts entries must lie in \[1, 4\]"):
+        core.verify(tokens, pos, nv, t([5, 1, 1, 1]), "argmax_ids", step)
 
 
 def test_accepted_drafts_commit_with_the_bonus_at_column_n():
@@ -307,6 +354,11 @@ def test_torch_model_call_shapes():
     out = served.decode_forward(committed, t([[3, -1, -1, -1], [4, -1, -1, -1]]), num_valid_drafts=t([0, 0]),
                                 accepted_counts=t([1, 1]), spec_mode="argmax_ids")
     assert out.argmax_ids.shape == (2, 4) and out.argmax_ids[:, 1:].eq(-1).all()
+    committed = torch.cat([out.argmax_ids[:, :1], torch.full((2, 3), -1, dtype=I32)], dim=1)
+    served.propose_draft_tokens(3, committed, t([[4, -1, -1, -1], [5, -1, -1, -1]]), t([1, 1]))
+    narrow = served.decode_forward(committed[:, :1].contiguous(), t([4, 5]), num_valid_drafts=t([0, 0]),
+                                   accepted_counts=t([1, 1]), spec_mode="argmax_ids")  # model_runner.py@02f45e5f
+    assert isinstance(narrow, VerifyOutput) and narrow.argmax_ids.shape == (2, 1)
 
 
 # --- the drafter's slots -----------------------------------------------------------------------------------------

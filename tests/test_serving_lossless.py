@@ -40,34 +40,37 @@ def plain(embedded_bf16, embedded_tokenizer, prompts):
     return [SpeculativeGenerator(lm, None, 0, eos).generate([p], MAX_TOKENS)[0].output_tokens for p in prompts]
 
 
-def serve(target: TorchCausalLM, plan: SpecPlan, concurrency: int, arrivals, preemptions, eos):
+def serve(target: TorchCausalLM, plan: SpecPlan, concurrency: int, arrivals, preemptions, eos, narrow_verify=True):
     model = TorchSpecDecodeModel(target, plan.effective_k)
     runner = ReferenceRunner(model, plan, target.max_batch_size, concurrency, eos, target.max_seq_len,
-                             target.vocab_size)
+                             target.vocab_size, narrow_verify=narrow_verify)
     return runner.run(arrivals, preemptions), runner, model
 
 
-@pytest.mark.parametrize("concurrency,rows,k,narrow", [(1, 1, 8, True), (3, 4, 9, True), (3, 4, 7, False),
-                                                       (8, 8, 3, True)])
+@pytest.mark.parametrize("concurrency,rows,k,narrow", [(1, 1, 8, "verify"), (3, 4, 9, "ordinary"), (3, 4, 9, "verify"),
+                                                       (3, 4, 7, None), (8, 8, 3, "ordinary")])
 def test_served_output_is_plain_greedy(embedded_bf16, embedded_tokenizer, prompts, plain, concurrency, rows, k,
                                        narrow):
     """Five requests at step 0, three more at step 4, r0's question again at step 12 (its first answer is then in
     the draft memory, EOS included), r1 preempted at step 6 (or once it runs) and replayed; `rows` decode rows (4 for
-    3 requests: a padding row always). narrow: draftless steps are ordinary [B, 1] decodes, else every step is a
-    verify. At 8 the last requests to finish leave holes below running ones: rows are compacted (at 3, waiting
-    requests fill them)."""
+    3 requests: a padding row always). narrow: draftless steps are one-column verifies as model_runner.py@02f45e5f
+    sends them ("verify"), ordinary [B, 1] decodes as SPEC_DECODE_CONTRACT.md@00d62588 states them ("ordinary"), or
+    full-width verifies (None: no supports_narrow_decode). At 8 the last requests to finish leave holes below running
+    ones: rows are compacted (at 3, waiting requests fill them)."""
     plan = plan_speculation(None, concurrency, k)
-    plan = dataclasses.replace(plan, supports_narrow_decode=narrow)
+    plan = dataclasses.replace(plan, supports_narrow_decode=narrow is not None)
     arrivals = {0: [(f"r{i}", prompts[i], MAX_TOKENS) for i in range(5)],
                 4: [(f"r{i}", prompts[i], MAX_TOKENS) for i in range(5, 8)],
                 12: [("again", prompts[0], MAX_TOKENS)]}
     target = TorchCausalLM(embedded_bf16, embedded_bf16.args.n_layers, rows)
-    outputs, runner, model = serve(target, plan, concurrency, arrivals, {6: ["r1"]}, [embedded_tokenizer.eos_token_id])
+    outputs, runner, model = serve(target, plan, concurrency, arrivals, {6: ["r1"]}, [embedded_tokenizer.eos_token_id],
+                                   narrow_verify=narrow == "verify")
     assert {req: out for req, out in outputs.items()} == {**{f"r{i}": plain[i] for i in range(8)}, "again": plain[0]}
     s = runner.stats
     assert s.preemptions == 1 and s.resumed == 1 and s.max_running == concurrency
     assert s.eos_in_multi_token_commits >= 1 and s.dropped_after_stop >= 1 and s.multi_token_commits >= 1
-    assert s.verify_steps > 0 and (s.plain_steps > 0) == narrow
+    assert s.verify_steps > s.narrow_verifies and (s.plain_steps > 0) == (narrow == "ordinary")
+    assert (s.narrow_verifies > 0) == (narrow == "verify")
     assert (s.padding_rows > 0) == (concurrency > 1) and (s.slot_moves > 0) == (concurrency == 8)
     counters = model.spec_decode_metrics()
     assert counters == runner.counters.as_dict() and counters["vllm:spec_decode_num_accepted_tokens_total"] > 0
@@ -76,15 +79,17 @@ def test_served_output_is_plain_greedy(embedded_bf16, embedded_tokenizer, prompt
 
 @pytest.mark.parametrize("seed", range(8))
 def test_random_schedules_on_a_small_model(seed):
-    """Random arrivals, preemptions, EOS token, K and concurrency on a small random model with a 40-token cache (so
-    requests also stop at its end): outputs equal plain greedy decoding. Repetitive prompts make copied drafts that
+    """Random arrivals, preemptions, EOS token, K, concurrency and narrow steps (none, the pinned runner's one-column
+    verifies, the document's ordinary decodes) on a small random model with a 40-token cache (so requests also stop
+    at its end): outputs equal plain greedy decoding. Repetitive prompts make copied drafts that
     are accepted (counted)."""
     rng = random.Random(seed)
     model = random_model(torch.float32, max_seq_len=40, seed=seed)
     concurrency = rng.choice([1, 2, 3, 5])
     rows = concurrency + rng.choice([0, 1])
     plan = plan_speculation(None, concurrency, rng.randint(1, min(6, 32 // concurrency - 1)))
-    plan = dataclasses.replace(plan, supports_narrow_decode=rng.random() < 0.5)
+    narrow = rng.choice([None, "verify", "ordinary"])
+    plan = dataclasses.replace(plan, supports_narrow_decode=narrow is not None)
     eos = [rng.randrange(64)]
     prompts = []
     for _ in range(7):
@@ -96,7 +101,7 @@ def test_random_schedules_on_a_small_model(seed):
         arrivals.setdefault(rng.randint(0, 12), []).append((f"r{i}", p, n))
     preemptions = {rng.randint(1, 15): [f"r{rng.randrange(7)}"] for _ in range(3)}
     target = TorchCausalLM(model, model.args.n_layers, rows)
-    outputs, runner, served = serve(target, plan, concurrency, arrivals, preemptions, eos)
+    outputs, runner, served = serve(target, plan, concurrency, arrivals, preemptions, eos, narrow == "verify")
     lm = TorchCausalLM(model, model.args.n_layers, 1)
     for i, (p, n) in enumerate(zip(prompts, max_tokens)):
         assert outputs[f"r{i}"] == SpeculativeGenerator(lm, None, 0, eos).generate([p], n)[0].output_tokens, i

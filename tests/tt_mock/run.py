@@ -11,8 +11,10 @@ write-pass count with and without the top k and the taps (the tap copies, their 
 the split-vocabulary argmax, max and top k per device, the inputs' host-to-device writes, TT's prefill (chunked past
 the mock N150's 4k chunk: the warm-up's chunked lengths and a long prompt, through zero-padded page tables), the
 prompt taps' reads, and the device draft head's feed and chain (its weights, paged KV cache, draft-id embedding and
-outputs, a feed-only replay). The double runs TT-Transformers' attention ops (paged SDPA decode over each verify row's
-position, paged_fill_cache, chunked and causal SDPA) on the real ttnn as well. Readback is all zeros there: the ids
+outputs, a feed-only replay), and the serving class's verify (serving/ttnn_model.py) on a KV cache allocated as
+TT-Transformers' vLLM adapter allocates vLLM's, with a scheduler's page table staged each step. The double runs
+TT-Transformers' attention ops (paged SDPA decode over each verify row's position, paged_fill_cache, chunked and causal
+SDPA) on the real ttnn as well. Readback is all zeros there: the ids
 are not checked, the calls are.
 
 Each mesh runs in its own process (the mock cluster is chosen by an environment variable before ttnn loads). A call
@@ -54,6 +56,8 @@ SHAPES = [("Llama-3.1-8B-Instruct", LLAMA_8B, 1024, 32, 32000, "C"),
           ("Llama-3.1-8B-Instruct", LLAMA_8B, 8192, 4, 32000, "A/B"),
           ("SmolLM2-135M-Instruct", SMOLLM2, 1024, 4, None, "C")]
 N_DRAFT = 4
+# (model name, config, max_model_len, K) of the serving class's verify cases (serving_verify)
+SERVING = [("Llama-3.1-8B-Instruct", LLAMA_8B, 1024, 7), ("SmolLM2-135M-Instruct", SMOLLM2, 1024, 3)]
 
 
 class CallCounter:
@@ -160,6 +164,53 @@ def exercise(lm, head, taps, dim: int) -> None:
     lm.step([UserRows(0, [3], len(prompt) + N_DRAFT + 1)])  # a plain decode step
 
 
+VLLM_BLOCK = 64  # vLLM's KV block size on TT (the plugin's default --block_size)
+
+
+def serving_verify(mesh, name: str, config: dict, max_seq_len: int, k: int, work: Path) -> None:
+    """The serving class's verify (serving/ttnn_model.py PagedVerify) on a KV cache allocated as TT-Transformers'
+    generator_vllm.allocate_vllm_kv_cache allocates vLLM's ([blocks, kv heads / devices, 64, head_dim] bfloat8_b
+    per layer, replicated), warmed for K (every write-pass count of pass_ladder(1 + K) compiled), then two verify steps
+    of 32 // (1 + K) requests, each with the page table a scheduler would send (shuffled blocks, grown between the
+    steps; max_model_len / 64 blocks a row, as the runner's warm-up passes num_blocks), staged into the persistent
+    page-table input, the rows' chains from 1 to 1 + K long across a block boundary. Eager (trace False)."""
+    import random
+
+    import torch
+
+    from models.tt_transformers.serving.ttnn_model import PagedVerify
+    from models.tt_transformers.speculative.backend import UserRows
+    from models.tt_transformers.ttnn_backend.model import build_tt_model
+    from tests.tt_mock.tt_transformers import allocate_vllm_kv_cache
+
+    tt = build_tt_model(mesh, checkpoint(work, name, config), name, 32, max_seq_len, True)
+    users, width = 32 // (1 + k), -(-max_seq_len // VLLM_BLOCK)
+    heads = config["num_key_value_heads"] // mesh.get_num_devices()
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    blocks = users * width + 1  # block 0: vLLM's null block
+    (work / "vllm_cache" / name).mkdir(parents=True, exist_ok=True)
+    kv_cache = allocate_vllm_kv_cache((blocks, heads, VLLM_BLOCK, head_dim), torch.bfloat16, tt.args.n_layers,
+                                      [tt.model], work / "vllm_cache" / name)
+    verify = PagedVerify(tt.model, tt.args, mesh, tt.passes, max_seq_len, k)
+    try:
+        verify.warm(kv_cache, width, 4, trace=False)
+        free = list(range(1, blocks))
+        random.Random(0).shuffle(free)
+        tables = {u: [free.pop()] for u in range(users)}
+        for start in (VLLM_BLOCK - 2, VLLM_BLOCK + 3):  # the first step's longer chains cross into a second block
+            rows = [UserRows(u, [7] * (1 + (u + k) % (1 + k)), start) for u in range(users)]
+            for r in rows:
+                while len(tables[r.user]) * VLLM_BLOCK < r.start_pos + len(r.tokens):
+                    tables[r.user].append(free.pop())
+            table = torch.zeros(users, width, dtype=torch.int32)
+            for u, owned in tables.items():
+                table[u, : len(owned)] = torch.tensor(owned, dtype=torch.int32)
+            out = verify.step(rows, 4, table, kv_cache)
+            assert [len(ids) for ids in out.ids] == [len(r.tokens) for r in rows]
+    finally:
+        verify.release()
+
+
 def negative_control(mesh) -> None:
     """A call ttnn must refuse (a matmul whose inner dims differ): if it passes, the mock device is not validating and
     nothing else this run reports means anything."""
@@ -224,6 +275,9 @@ def worker(mesh_name: str, out: Path) -> int:
                 cases.append((f"{mesh_name} {name} max_seq_len {max_seq_len} batch {batch}, decode form {form}",
                               partial(run_shape, mesh, name, config, max_seq_len, batch, draft_vocab, form,
                                       Path(tmp))))
+            for name, config, max_seq_len, k in SERVING:
+                cases.append((f"{mesh_name} {name} serving verify on vLLM's cache (blocks of {VLLM_BLOCK}), K={k}",
+                              partial(serving_verify, mesh, name, config, max_seq_len, k, Path(tmp))))
             for case, run in cases:
                 before, start, notes = sum(counter.ours.values()), time.perf_counter(), None
                 try:

@@ -4,7 +4,7 @@ backend's host-side logic where no Tenstorrent device exists. It models the devi
 not ttnn and never counts as evidence that the device path works: only the `tt_hardware` tests can show that."""
 import sys
 
-from . import tt_transformers
+from . import generator_vllm, tt_transformers
 from . import ttnn as stand_in_ttnn
 
 TT_TRANSFORMERS_MODULES = ("models.tt_transformers.tt", "models.tt_transformers.tt.common",
@@ -18,3 +18,4 @@ def install(monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "ttnn", stand_in_ttnn)
     for name in TT_TRANSFORMERS_MODULES:
         monkeypatch.setitem(sys.modules, name, tt_transformers)
+    monkeypatch.setitem(sys.modules, "models.tt_transformers.tt.generator_vllm", generator_vllm)

@@ -168,6 +168,21 @@ class DecodersPrecision:
     def performance(cls, num_decoders, model_name):
         return cls(num_decoders, model_name, "performance")
 
+    @classmethod
+    def from_string(cls, name):
+        """The preset named "performance" or "accuracy" (generator_vllm.py's initialize_vllm_model takes the plugin's
+        optimizations string through it)."""
+        return {"performance": cls.performance, "accuracy": cls.accuracy}[name]
+
+    def get_tensor_dtype(self, decoder_id, tensor):
+        """The stand-in's presets name no tensor dtypes: None, which generator_vllm.py's allocate_vllm_kv_cache turns
+        into bfloat8_b for the KV cache, as TT does when a preset names none."""
+        return None
+
+
+class TensorGroup(Enum):  # tt/model_config.py TensorGroup (the member generator_vllm.py reads)
+    KV_CACHE = "kv_cache"
+
 
 # tt/model_config.py get_max_prefill_chunk_size (div 1024; an unknown model or device gets 4)
 MAX_PREFILL_CHUNK_SIZES_DIV1024 = {"Llama-3.1-8B": {"N150": 4, "N300": 64, "T3K": 128, "TG": 128},
@@ -367,6 +382,9 @@ class Attention:
         self.args, self.model, self.block = args, state_dict, state_dict.layers[layer_num]
         self.n_heads, self.n_kv_heads, self.head_dim = a.n_heads, a.n_kv_heads, a.head_dim
         self.scale, self.sliding_window = a.head_dim ** -0.5, a.sliding_window
+        if use_paged_kv_cache:  # "vLLM provides its own kv cache": TT's Attention.__init__ calls init_kv_cache only
+            self.layer_past = None  # when not use_paged_kv_cache; every forward gets kv_cache
+            return
         shape = (paged_attention_config.max_num_blocks, a.n_kv_heads, paged_attention_config.block_size, a.head_dim)
         # bfloat8_b as TT's performance preset (its writes rounded so); in the stand-in's float32 mode labelled
         # bfloat16, which the stand-in keeps unrounded (SDPA decode takes no float32 cache)
@@ -747,7 +765,37 @@ def create_tt_model(mesh_device, instruct, max_batch_size, optimizations, max_se
     return args, model, [layer.attention.layer_past for layer in model.layers], state_dict
 
 
-class Generator:
+def create_submeshes(mesh_device, data_parallel):
+    """tt/generator.py create_submeshes: the mesh itself for one data-parallel model (the stand-in has no submeshes)."""
+    if data_parallel != 1:
+        raise NotImplementedError("stand-in: one data-parallel model")
+    return [mesh_device]
+
+
+class WarmupForwardMixin:
+    """models/common/warmup/warmup_utils.py WarmupForwardMixin ("This class is used by vLLM"; read in its 2026 version
+    whose warmup_model_decode takes the plugin's keywords: kv_cache, enable_trace, max_batch_size, num_blocks,
+    can_sample_on_device, the rest defaulted): decode inputs of zeros -- tokens [B, 1], positions [B], a page table
+    [B, num_blocks] of zeros -- through self.decode_forward once per sampling configuration. The stand-in samples
+    greedily only, so its configurations are greedy and None (TT adds non-greedy ones unless greedy_only)."""
+
+    def _create_decode_warmup_inputs(self, max_batch_size, num_blocks):
+        tokens = torch.zeros(max_batch_size, 1, dtype=torch.int32)
+        start_pos = torch.zeros(max_batch_size, dtype=torch.int32)
+        page_table = torch.zeros(max_batch_size, num_blocks, dtype=torch.int32)
+        return tokens, start_pos, page_table
+
+    def warmup_model_decode(self, kv_cache, enable_trace, max_batch_size, num_blocks, can_sample_on_device,
+                            can_sample_device_grammar=False, read_from_device=True, greedy_only=False,
+                            skip_trace_precompile=False, sampling_trace_variants_prepared=False):
+        tokens, start_pos, page_table = self._create_decode_warmup_inputs(max_batch_size, num_blocks)
+        greedy = SamplingParams(temperature=0.0, top_k=1, top_p=1.0)
+        for param in ([greedy, None] if can_sample_on_device else [None]):
+            self.decode_forward(tokens=tokens, start_pos=start_pos, page_table=page_table, kv_cache=kv_cache,
+                                enable_trace=enable_trace, read_from_device=read_from_device, sampling_params=param)
+
+
+class Generator(WarmupForwardMixin):
     """tt/generator.py Generator (read at 87700c07; the prefill path at 000ec121 and 5cd1b56c's model.py): the first
     prefill_forward_text (warmup_prefill=True) runs the prefill warm-up sweep over
     ModelArgs.get_warmup_prefill_supported_seq_lens(), on user 0 with a page table of zeros, once per Generator.
@@ -759,9 +807,11 @@ class Generator:
     def __init__(self, model, model_args, mesh_device, processor=None, tokenizer=None):
         self.model, self.model_args, self.mesh_device = model, model_args, mesh_device
         self.already_warmed_up_prefill = False
+        self.mode = None  # Mode.PREFILL or Mode.DECODE: the first decode after a prefill reloads its inputs
+        self.prev_on_device_sampling = None
+        self.resident = None  # the traced decode's token and position inputs as the device holds them
         self.trace_ids_decode = defaultdict(lambda: None)  # {sampling on device: {model: trace id}}
         self.trace_inputs_decode, self.trace_output_decode = {}, {}
-        self.prev_page_table = None
 
     def warmup_model_prefill(self, kv_cache, enable_trace, can_sample_on_device=False,
                              non_greedy_decoding_on_device=False):
@@ -781,6 +831,7 @@ class Generator:
     def prefill_forward_text(self, tokens, page_table=None, kv_cache=None, prompt_lens=None, empty_slots=None,
                              enable_trace=True, model_id_warmup=None, sampling_params=None, start_pos=None,
                              return_hidden_states=False, warmup_prefill=True, **kwargs):
+        self.mode = Mode.PREFILL
         if warmup_prefill:
             self.warmup_model_prefill(kv_cache=kv_cache, enable_trace=enable_trace)
         assert page_table is not None, "stand-in: prefill with a page table"
@@ -804,23 +855,49 @@ class Generator:
     def decode_forward(self, tokens, start_pos, page_table=None, kv_cache=None, enable_trace=True,
                        read_from_device=True, sampling_params=None, reset_batch=False, prompt_tokens=None,
                        output_tokens=None, **kwargs):
-        """tt/generator.py Generator.decode_forward (2026): (token ids [B], log probs) with sampling_params (TT samples
-        on the device: greedy is an argmax), else (logits [B, 1, V], None). Traced with on-device sampling (TT's split
-        sampling, on by default) as _decode_forward_trace_text: the first call captures the decode trace
-        (_capture_decode_trace_text: a compile run, the capture over fresh device inputs with
-        capture_sampling_trace, then the sampling module's own capture_trace over its logits); every call copies the
-        inputs in only on reset_batch or a new page table (the tokens and positions otherwise advance on the device),
-        replays the decode trace and then sampling_module.sample. Otherwise eagerly, the argmax on the host."""
+        """Mirrors tt/generator.py Generator.decode_forward and _decode_forward_trace_text (the 2026 control flow, as a
+        TT-derived Generator restating it and tt-metal's generator.py with reset_batch show it). The batch is the
+        model's max_batch_size rows (tt/model.py prepare_decode_inputs_host asserts it). A traced step that samples on
+        the device reads the token and position inputs resident on the device: the host's replace them only on
+        reset_batch, on the first decode after a prefill (the mode switch), when the sampling mode changed, or when
+        the host samples (reset_inputs); the step then leaves its sampled tokens at the next positions there
+        (ttnn.plus_one, negative positions skipped). The page table is the host's each step (TT stages it when it
+        changed). read_from_device: read_decode_output, then process_decode_output_host; else the device output
+        (a list of (output, log probs) per data-parallel model) for the runner's read-back. A traced step that samples
+        on the device runs as _decode_forward_trace_text (_decode_trace), its output the sampled ids; otherwise the
+        step runs eagerly, and on-device sampling there is greedy: an argmax of the logits, taken when they are read.
+        (The stand-in keeps the resident inputs on the host and writes them into the trace's inputs every step.)"""
+        mode_switched, self.mode = self.mode != Mode.DECODE, Mode.DECODE
+        on_device_sampling = sampling_params is not None
+        sampling_mode_changed = self.prev_on_device_sampling not in (None, on_device_sampling)
+        self.prev_on_device_sampling = on_device_sampling
+        traced_feedback = enable_trace and on_device_sampling
+        if not traced_feedback or reset_batch or mode_switched or sampling_mode_changed or self.resident is None:
+            self.resident = (tokens.reshape(-1).clone(), start_pos.reshape(-1).clone())
+        fed_tokens, fed_pos = self.resident
         model = self.model[0]
-        host = model.prepare_decode_inputs_host(tokens.view(-1), start_pos.view(-1), page_table)
-        if not (enable_trace and sampling_params is not None and model.sampling is not None):
+        host = model.prepare_decode_inputs_host(fed_tokens, fed_pos, page_table)
+        if traced_feedback and model.sampling is not None:
+            out = [(self._decode_trace(host, kv_cache), None)]
+        else:
             tt_tokens, current_pos, rope_idxs, tt_page_table = copy_host_to_device(host, mesh_device=self.mesh_device)
             logits, _ = model.ttnn_decode_forward(tt_tokens, current_pos, rot_mat_idxs=rope_idxs,
                                                   page_table=tt_page_table, kv_cache=kv_cache[0])
-            rows = model.process_output_decode(logits, tokens.shape[0])
-            if sampling_params is not None:
-                return rows.argmax(dim=-1).view(-1), None
-            return rows.view(tokens.shape[0], 1, -1), None
+            out = [(logits, None)]
+        if traced_feedback:
+            sampled = self.process_decode_output_host(out, is_tokens=True)[0]
+            self.resident = (sampled.to(fed_tokens.dtype), torch.where(fed_pos >= 0, fed_pos + 1, fed_pos))
+        if read_from_device:
+            return self.process_decode_output_host(self.read_decode_output(out), is_tokens=on_device_sampling)
+        return out
+
+    def _decode_trace(self, host, kv_cache):
+        """tt/generator.py _decode_forward_trace_text with TT's split sampling (on by default): the first call captures
+        the decode trace (_capture_decode_trace_text: a compile run, the capture over fresh device inputs with
+        capture_sampling_trace, then the sampling module's own capture_trace over its logits); every call writes the
+        inputs into the trace's, replays it and runs sampling_module.sample, which leaves the ids in the trace's token
+        input: the step's output."""
+        model = self.model[0]
         if not self.trace_ids_decode[True]:
             compile_inputs = copy_host_to_device(host, mesh_device=self.mesh_device)
             model.sampling._run_sampling(model.ttnn_decode_forward(
@@ -834,12 +911,29 @@ class Generator:
             model.sampling.capture_trace(logits=logits, tt_out_tok=inputs[0])
             self.trace_ids_decode[True] = {0: trace_id}
             self.trace_inputs_decode[True], self.trace_output_decode[True] = inputs, logits
-        if reset_batch or self.prev_page_table is None or not torch.equal(self.prev_page_table, page_table):
-            self.prev_page_table = page_table.clone()
-            copy_host_to_device(host, device_tensors=self.trace_inputs_decode[True])
+        copy_host_to_device(host, device_tensors=self.trace_inputs_decode[True])
         ttnn.execute_trace(self.mesh_device, self.trace_ids_decode[True][0], cq_id=0, blocking=False)
         out_tok, _ = model.sampling.sample(self.trace_output_decode[True], tt_out_tok=self.trace_inputs_decode[True][0])
-        return ttnn.to_torch(out_tok).view(-1)[: tokens.shape[0]], None
+        return out_tok
+
+    def read_decode_output(self, tt_out, async_read=False):
+        """tt/generator.py read_decode_output: each model's (output, log probs) to the host (the stand-in keeps one
+        kind of tensor; no read events)."""
+        return (list(tt_out), []) if async_read else list(tt_out)
+
+    def process_decode_output_host(self, tt_out, is_tokens=False):
+        """tt/generator.py process_decode_output_host: (values, log probs) over all max_batch_size rows: token ids [B]
+        with is_tokens (ids the device sampled: an integer tensor; logits: the stand-in's greedy sampling), else logits
+        [B, 1, V]; log probs of ones where none came."""
+        values, batch = [], self.model_args[0].max_batch_size
+        for model, (out, _) in zip(self.model, tt_out):
+            if is_tokens and out.dtype in (ttnn.uint32, ttnn.int32):
+                values.append(ttnn.to_torch(out).reshape(-1)[:batch].long())
+                continue
+            rows = model.process_output_decode(out, batch)
+            values.append(rows.argmax(dim=-1) if is_tokens else rows.unsqueeze(1))
+        values = torch.cat(values)
+        return values, torch.ones(values.shape)
 
     def prefill_forward_single_user_text(self, tokens, page_table, user_id, last_token_idx, kv_cache=None, model_id=-1,
                                          **kwargs):

@@ -1206,9 +1206,11 @@ def _sdpa_decode(q: Tensor, k: Tensor, v: Tensor, page_table: Tensor, positions:
         if pos == -1:
             continue  # "If a position is given as (-1), compute for the corresponding index in the batch is skipped."
         first = 0 if window is None else builtins.max(0, pos + 1 - window)
-        keys = paged_keys(k.data, page_table.data[b], first, pos + 1)
-        values = paged_keys(v.data, page_table.data[b], first, pos + 1)
         query = q.data[0, b].view(kv_heads, heads // kv_heads, -1)
+        # the cache's values in q's compute format: a cache made by from_torch/as_tensor (vLLM's, generator_vllm.py
+        # allocate_vllm_kv_cache) holds bfloat8_b values in a float32 container, exact in bfloat16
+        keys = paged_keys(k.data, page_table.data[b], first, pos + 1).to(query.dtype)
+        values = paged_keys(v.data, page_table.data[b], first, pos + 1).to(query.dtype)
         out[0, b] = F.scaled_dot_product_attention(query, keys, values, scale=scale).reshape(heads, -1)
     return out, q.dtype, q.layout
 

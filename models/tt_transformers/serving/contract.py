@@ -3,10 +3,16 @@
 it, and be tested, where the plugin cannot be installed: the values that cross between the plugin's runner and a
 model, the checks the runner and the model make on them, and the runner's greedy accept walk.
 
-Pinned (tenstorrent/vllm-tt-plugin, PR branches of issue #110; the branches differ, see docs/serving.md):
-the specification `docs/SPEC_DECODE_CONTRACT.md` at CONTRACT_DOC_COMMIT and the value types
-`src/vllm_tt_plugin/spec_decode.py` at CONTRACT_TYPES_COMMIT. `SpecPlan.k_by_rows` comes from a later branch version;
-it is optional and this package's plans leave it empty.
+Pinned (tenstorrent/vllm-tt-plugin, PR branches of issue #110; the branches differ, see docs/serving.md): the
+specification `docs/SPEC_DECODE_CONTRACT.md` at CONTRACT_DOC_COMMIT, the value types `src/vllm_tt_plugin/spec_decode.py`
+at CONTRACT_TYPES_COMMIT and the runner `src/vllm_tt_plugin/model_runner.py` at RUNNER_COMMIT. They differ on one call:
+on a decode step where no row carries a draft, a model declaring supports_narrow_decode gets from that runner
+(_prepare_model_inputs) a one-column verify, [B, 1] tokens and [B] positions with spec_mode and both side tensors,
+whose argmax_ids [B, 1] its accept walk reads (spec_decode.py's accept_greedy_drafts has the case); the document
+(section 4, "The two call shapes") sends the same step as the ordinary decode, without spec_mode or side tensors. A
+model here serves both (check_verify_block, check_plain_decode): the runner pinned sends the first, a runner written
+to the document the second. `SpecPlan.k_by_rows` comes from a later branch version; it is optional and this package's
+plans leave it empty.
 
 Where the plugin is installed its runner checks `isinstance` against its own classes, so a model hands it
 `to_plugin(value)`; these classes are what the package uses everywhere else.
@@ -18,6 +24,7 @@ import torch
 
 CONTRACT_DOC_COMMIT = "00d62588904fe6b0a7c6763b97ffe6a3b4e850c5"
 CONTRACT_TYPES_COMMIT = "02f45e5f087fdccd1bb4fb63547dab340cef7ee8"
+RUNNER_COMMIT = "02f45e5f087fdccd1bb4fb63547dab340cef7ee8"
 
 # The sentinel `model` of a `custom_class` speculative config: the model's own propose_draft_tokens drafts (nothing is
 # imported from this path).
@@ -214,17 +221,29 @@ class LiveRow:
     tokens: list[int]  # columns 0..n: the last committed token and the drafts
 
 
-def check_verify_block(tokens, start_pos, num_valid_drafts, accepted_counts, vocab_size: int) -> list[LiveRow]:
+def check_verify_block(tokens, start_pos, num_valid_drafts, accepted_counts, *, num_drafts: int, vocab_size: int
+                       ) -> list[LiveRow]:
     """Every value of a verify call as the contract states it, and its live rows. A padding row holds token 0 and
     position -1 in every column, 0 valid drafts and count 1; a live row holds its tokens at consecutive positions
-    from column 0 through its last valid draft, and PLACEHOLDER_TOKEN_ID at position -1 after it."""
-    if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.shape[1] < 2:
-        raise ValueError(f"verify tokens must be a [B, 1+K] tensor with K >= 1, got "
+    from column 0 through its last valid draft, and PLACEHOLDER_TOKEN_ID at position -1 after it. Two widths come:
+    the block [B, 1 + num_drafts] with [B, 1 + num_drafts] positions, and the narrow verify of model_runner.py at
+    RUNNER_COMMIT on a step where no row carries a draft, [B, 1] tokens with [B] positions (num_valid_drafts all 0;
+    accepted_counts still in [1, 1 + K]: that runner goes narrow after a multi-token commit too)."""
+    if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
+        raise ValueError(f"verify tokens must be a [B, 1+K] tensor (or [B, 1] on a narrow step), got "
                          f"{list(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__}")
     rows, width = tokens.shape
+    narrow = width == 1
+    if not narrow and width != 1 + num_drafts:
+        raise ValueError(f"verify tokens is {width} columns wide, but the plan's K is {num_drafts} (a block of "
+                         f"{1 + num_drafts}, or 1 on a narrow step)")
     check_int32("verify", "tokens", tokens, (rows, width))
-    check_int32("verify", "start_pos", start_pos, (rows, width))
-    check_spec_side_tensors(num_valid_drafts, accepted_counts, rows, width - 1)
+    check_int32("verify", "start_pos", start_pos, (rows,) if narrow else (rows, width))
+    check_spec_side_tensors(num_valid_drafts, accepted_counts, rows, num_drafts)
+    if narrow and bool(num_valid_drafts.any()):
+        raise ValueError(f"a narrow verify ([B, 1] tokens) carries no drafts, but num_valid_drafts is "
+                         f"{num_valid_drafts.tolist()}")
+    start_pos = start_pos.reshape(rows, width)
     live = []
     for i, (toks, pos, n, count) in enumerate(zip(tokens.tolist(), start_pos.tolist(), num_valid_drafts.tolist(),
                                                   accepted_counts.tolist())):
@@ -268,7 +287,10 @@ def check_plain_decode(tokens, start_pos, vocab_size: int) -> list[tuple[int, in
 
 def check_committed_block(num_drafts: int, committed_tokens, committed_positions, accepted_counts) -> None:
     """A propose call's inputs: the [B, 1+K] committed block (the first accepted_counts[i] columns are row i's
-    committed tokens at consecutive positions; padding rows have negative positions) and the counts."""
+    committed tokens at consecutive positions; padding rows have negative positions) and the counts. int32 as the
+    contract states them (section 4b) and the pinned runner builds them (accept_greedy_drafts' ids, narrow steps
+    included): another dtype is refused rather than cast, as check_spec_side_tensors refuses one, since it means the
+    caller built something else."""
     if not isinstance(num_drafts, int) or num_drafts < 1:
         raise ValueError(f"propose num_drafts must be an int >= 1, got {num_drafts!r}")
     if not isinstance(committed_tokens, torch.Tensor) or committed_tokens.dim() != 2:

@@ -75,14 +75,13 @@ class SpecDecodeCore:
     def verify(self, tokens, start_pos, num_valid_drafts, accepted_counts, spec_mode, step: Step, slot_remap=None,
                gather: Optional[Callable[[list[int]], None]] = None) -> VerifyOutput:
         """The verify call: the block checked, slot_remap applied, its live rows fed to one step, the greedy ids in
-        upstream's layout."""
+        upstream's layout: [B, 1+K], or [B, 1] for the narrow verify (contract.check_verify_block), whose rows are
+        one token each, as a plain step's."""
         if spec_mode != ACCEPT_MODE_ARGMAX_IDS:
             raise ValueError(f"verify spec_mode {spec_mode!r}: this model returns only {ACCEPT_MODE_ARGMAX_IDS!r} "
                              "(its plan's accept_modes)")
-        live = check_verify_block(tokens, start_pos, num_valid_drafts, accepted_counts, self.target.vocab_size)
-        if tokens.shape[1] != 1 + self.num_drafts:
-            raise ValueError(f"verify tokens is {tokens.shape[1]} columns wide, but the plan's K is {self.num_drafts} "
-                             f"(a block of {1 + self.num_drafts})")
+        live = check_verify_block(tokens, start_pos, num_valid_drafts, accepted_counts, num_drafts=self.num_drafts,
+                                  vocab_size=self.target.vocab_size)
         self.apply_slot_remap(slot_remap, tokens.shape[0], gather)
         for r in live:
             self.proposer.fed(r.row, r.tokens, r.start_pos)

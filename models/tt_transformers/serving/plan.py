@@ -6,9 +6,12 @@ batch's one 32-row tile (ttnn_backend.model.TILE_ROWS): a plan fits max_num_seqs
 32-way concurrency exclude each other. Past the tile the answer is a SpecReject naming the K that fit, not a
 silently smaller K: the operator sees what was asked for and what can be served.
 """
+from typing import Optional
+
 from .contract import (
     ACCEPT_MODE_ARGMAX_IDS,
     DRAFTER_STATE_INTERNAL,
+    MODEL_OWNED_DRAFTER,
     SPEC_REQUIREMENT_DEVICE_PROPOSE,
     SpecPlan,
     SpecReject,
@@ -28,13 +31,34 @@ SPEC_CAPABILITIES = {
 }
 
 
+def drafter_refusal(vllm_config) -> Optional[str]:
+    """Why the launch's speculative method cannot run on this model's drafter, in one line naming the fix; None when
+    it can (or the launch does not speculate). The drafter learns each request's tokens from the committed blocks
+    propose_draft_tokens brings, and the plugin calls it only for custom_class with the model-owned-drafter sentinel:
+    under ngram (which the plugin also admits for a device_propose model) it never does, and the first decode after
+    a prefill leaves the drafter's requests behind."""
+    spec_config = getattr(vllm_config, "speculative_config", None)
+    if spec_config is None:
+        return None
+    method, model = getattr(spec_config, "method", None), getattr(spec_config, "model", None)
+    if str(method) == "custom_class" and model == MODEL_OWNED_DRAFTER:
+        return None
+    return (f"speculative method {method!r} (model {model!r}) is not served by this model, whose drafter is its own: "
+            f"launch with --speculative-config '{{\"method\": \"custom_class\", \"model\": \"{MODEL_OWNED_DRAFTER}\", "
+            f"\"num_speculative_tokens\": K}}'")
+
+
 def is_count(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
 def plan_speculation(vllm_config, max_num_seqs, requested_k, tile_rows: int = VERIFY_TILE_ROWS):
     """The contract's spec_plan: a SpecPlan for (max_num_seqs, requested_k), or a SpecReject with the K that fit.
-    Never raises. vllm_config is read only for max_model_len (it carries no TT platform state at this point)."""
+    Never raises. vllm_config is read for the speculative method (drafter_refusal) and max_model_len (it carries no TT
+    platform state at this point)."""
+    refusal = drafter_refusal(vllm_config)
+    if refusal is not None:
+        return SpecReject(refusal)
     if not is_count(max_num_seqs) or max_num_seqs < 1:
         return SpecReject(f"max_num_seqs must be a positive integer, got {max_num_seqs!r}")
     k_max = min(tile_rows // max_num_seqs - 1, MAX_PLAN_K)

@@ -3,14 +3,16 @@
 cannot run (it needs vLLM and a TT device): the proof that a model meets the contract without one.
 
 Per decode step, as the runner does it: build the [B, 1+K] block (padding rows token 0 / position -1, padded draft
-columns PLACEHOLDER_TOKEN_ID / -1), or the ordinary [B, 1] decode when the plan allows narrow steps and no row has a
-draft or a multi-token commit to resolve; call decode_forward; walk greedy acceptance over the argmax ids; commit;
-call propose_draft_tokens with the committed block and keep each request's offered drafts (trimmed to the context)
-for its next step. Around it a scheduler as small as a server's can be: requests arrive at any step and are
-prefilled into free slots (empty_slots), finish at an EOS or max_tokens (committed tokens past the stop are dropped,
-as vLLM's stop check drops them) or at max_model_len, can be preempted (release_request; later they re-prefill
-their whole history, and drafting starts over), and the survivors of a departure are compacted to the lowest rows
-(slot_remap on the next decode, then note_state_slots_moved).
+columns PLACEHOLDER_TOKEN_ID / -1), or, when the plan allows narrow steps, a one-column step: as the pinned runner
+(model_runner.py@02f45e5f, _prepare_model_inputs) sends it, a [B, 1] verify with spec_mode and both side tensors
+whenever no row has a draft; or as the contract document (SPEC_DECODE_CONTRACT.md@00d62588, section 4d) states it,
+the ordinary [B, 1] decode when no row has a draft or a multi-token commit to resolve; call decode_forward; walk
+greedy acceptance over the argmax ids; commit; call propose_draft_tokens with the committed block and keep each
+request's offered drafts (trimmed to the context) for its next step. Around it a scheduler as small as a server's
+can be: requests arrive at any step and are prefilled into free slots (empty_slots), finish at an EOS or max_tokens
+(committed tokens past the stop are dropped, as vLLM's stop check drops them) or at max_model_len, can be preempted
+(release_request; later they re-prefill their whole history, and drafting starts over), and the survivors of a
+departure are compacted to the lowest rows (slot_remap on the next decode, then note_state_slots_moved).
 
 It also counts what vLLM's scheduler counts (speculative.metrics), independently of the model's own counters.
 """
@@ -46,7 +48,8 @@ class RunStats:
 
     prefill_steps: int = 0
     verify_steps: int = 0
-    plain_steps: int = 0
+    narrow_verifies: int = 0  # of the verify steps, one column wide (model_runner.py@02f45e5f)
+    plain_steps: int = 0  # ordinary decodes (SPEC_DECODE_CONTRACT.md@00d62588)
     padding_rows: int = 0  # padding rows sent, over all decode steps
     drafted_rows: int = 0  # rows that carried drafts
     multi_token_commits: int = 0
@@ -60,15 +63,16 @@ class RunStats:
 
 class ReferenceRunner:
     def __init__(self, model, plan: SpecPlan, batch_rows: int, max_num_seqs: int, eos_ids: Sequence[int],
-                 max_model_len: int, vocab_size: int, compact: bool = True):
+                 max_model_len: int, vocab_size: int, compact: bool = True, narrow_verify: bool = True):
         """model: the contract's model side (prefill_forward, decode_forward, propose_draft_tokens, release_request,
-        note_state_slots_moved); batch_rows: the padded decode batch B; max_num_seqs: most requests running."""
+        note_state_slots_moved); batch_rows: the padded decode batch B; max_num_seqs: most requests running;
+        narrow_verify: a plan's narrow steps are the pinned runner's one-column verifies (else ordinary decodes)."""
         if not 1 <= max_num_seqs <= batch_rows:
             raise ValueError(f"max_num_seqs {max_num_seqs} must be in [1, batch_rows {batch_rows}]")
         self.model, self.plan, self.rows, self.max_num_seqs = model, plan, batch_rows, max_num_seqs
         self.k = plan.effective_k
         self.eos_ids, self.max_model_len, self.vocab_size = set(eos_ids), max_model_len, vocab_size
-        self.compact = compact
+        self.compact, self.narrow_verify = compact, narrow_verify
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.done: dict[str, Request] = {}
@@ -165,7 +169,12 @@ class ReferenceRunner:
         remap = self.compaction()
         running = sorted(self.running, key=lambda r: r.slot)
         self.stats.padding_rows += self.rows - len(running)
-        narrow = self.plan.supports_narrow_decode and not any(r.drafts or r.accepted_count > 1 for r in running)
+        if not self.plan.supports_narrow_decode:
+            narrow = False
+        elif self.narrow_verify:  # model_runner.py@02f45e5f widens only for drafts
+            narrow = not any(r.drafts for r in running)
+        else:  # SPEC_DECODE_CONTRACT.md@00d62588 section 4d: a multi-token commit is resolved by a verify
+            narrow = not any(r.drafts or r.accepted_count > 1 for r in running)
         width = 1 if narrow else 1 + self.k
         tokens = torch.full((self.rows, width), 0, dtype=torch.int32)
         start_pos = torch.full((self.rows, width), -1, dtype=torch.int32)
@@ -179,7 +188,9 @@ class ReferenceRunner:
             start_pos[r.slot, : n + 1] = torch.arange(p, p + n + 1, dtype=torch.int32)
             num_valid[r.slot], counts[r.slot] = n, r.accepted_count
         if narrow:
-            ids = self.model.decode_forward(tokens, start_pos[:, 0].contiguous(), slot_remap=remap)
+            start_pos = start_pos[:, 0].contiguous()  # one-column steps carry [B] positions
+        if narrow and not self.narrow_verify:
+            ids = self.model.decode_forward(tokens, start_pos, slot_remap=remap)
             if not isinstance(ids, torch.Tensor) or tuple(ids.shape) != (self.rows, 1):
                 raise ValueError(f"an ordinary decode must return [B, 1] ids, got {type(ids).__name__}")
             committed, step_counts = ids.to(torch.int32), torch.ones(self.rows, dtype=torch.int32)
@@ -189,11 +200,12 @@ class ReferenceRunner:
                                             spec_mode=ACCEPT_MODE_ARGMAX_IDS, slot_remap=remap)
             argmax = getattr(out, "argmax_ids", None)
             if getattr(out, "spec_mode", None) != ACCEPT_MODE_ARGMAX_IDS or not isinstance(argmax, torch.Tensor) \
-                    or argmax.dtype != torch.int32 or tuple(argmax.shape) != (self.rows, 1 + self.k):
-                raise ValueError(f"a verify must return VerifyOutput(spec_mode='argmax_ids', argmax_ids [B, 1+K] "
+                    or argmax.dtype != torch.int32 or tuple(argmax.shape) != (self.rows, width):
+                raise ValueError(f"a verify must return VerifyOutput(spec_mode='argmax_ids', argmax_ids [B, {width}] "
                                  f"int32), got {out!r:.200}")
             committed, step_counts = accept_greedy_drafts(argmax, tokens[:, 1:], num_valid)
             self.stats.verify_steps += 1
+            self.stats.narrow_verifies += narrow
             for r in running:
                 if r.drafts:
                     self.stats.drafted_rows += 1

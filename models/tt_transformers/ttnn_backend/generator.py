@@ -307,7 +307,9 @@ class TtnnCausalLM:
         self.device_name = f"{args.device_name} ({' x '.join(map(str, args.cluster_shape))} mesh)"
         self.num_devices = args.num_devices
         # Each device reduces its own vocabulary share where TT leaves the LM head's output split (see module doc)
-        self.key_cost = tt.key_cost()  # a row reading one cached position, in step costs (step_cost)
+        # a row reading one cached position, in step costs (step_cost); a server's model gets its cache, and this,
+        # at warm-up (serving/ttnn_model.py PagedVerify.warm)
+        self.key_cost = tt.key_cost() if tt.kv_cache is not None else None
         self.split_vocab = (self.num_devices > 1 and not args.is_galaxy and tt.model.sampling is not None
                             and can_keep_shares(tt.model))
         self.share = padded_vocab(args) // self.num_devices if self.split_vocab else self.vocab_size
@@ -493,11 +495,14 @@ class TtnnCausalLM:
     def commit_path(self, user: int, start_pos: int, path: Sequence[int]) -> None:
         raise NotImplementedError("the ttnn backend verifies chains only (supports_trees is False)")
 
-    def step(self, rows: Sequence[UserRows], logits: bool = False, top_k: int = 0, taps: Sequence[int] = ()
-             ) -> StepOutput:
+    def step(self, rows: Sequence[UserRows], logits: bool = False, top_k: int = 0, taps: Sequence[int] = (),
+             page_table: Optional[torch.Tensor] = None) -> StepOutput:
+        """page_table: this step's [users, blocks] int32 page table (user u's blocks: row u), staged into the
+        persistent page-table input like every other input; None: the model's own (TTModel.page_table). A server
+        passes its scheduler's table, which changes every step (serving/ttnn_model.py)."""
         if any(r.parents is not None for r in rows):
             raise ValueError("the ttnn backend verifies chains only (supports_trees is False)")
-        return self._run(rows, logits, top_k, self._check_taps(taps))
+        return self._run(rows, logits, top_k, self._check_taps(taps), page_table)
 
     def tap_tile(self, taps: tuple[int, ...]):
         """The persistent tap tile for these taps [1, 1, 32, len(taps) * dim], bfloat16 on every device: allocated by
@@ -532,7 +537,8 @@ class TtnnCausalLM:
 
     # ---- one traced step -------------------------------------------------------------------------------------
 
-    def _run(self, rows: Sequence[UserRows], logits: bool, top_k: int, taps: tuple[int, ...]) -> StepOutput:
+    def _run(self, rows: Sequence[UserRows], logits: bool, top_k: int, taps: tuple[int, ...],
+             page_table: Optional[torch.Tensor] = None) -> StepOutput:
         """One replay of the decode trace over `rows`. A shape no warm-up planned is planned now and the mesh's traces
         made again (prepare_mesh). taps: checked (_check_taps)."""
         import ttnn
@@ -544,7 +550,7 @@ class TtnnCausalLM:
             self.planned.add(key)
             self.check_trace_region()
             prepare_mesh(self.tt.mesh_device)
-        r = self._run_inputs(rows, True, passes)
+        r = self._run_inputs(rows, True, passes, page_table)
         start = time.perf_counter()
         if self.trace:
             trace = self.traces[key]
@@ -578,7 +584,8 @@ class TtnnCausalLM:
         return StepOutput(out_ids, out_logits if logits else None, out_top if top_k else None,
                           out_hidden if taps else None)
 
-    def _run_inputs(self, rows: Sequence[UserRows], write: bool, passes: int) -> int:
+    def _run_inputs(self, rows: Sequence[UserRows], write: bool, passes: int,
+                    table: Optional[torch.Tensor] = None) -> int:
         """The step's inputs on the device (the first call allocates them, with every pass tensor; later calls copy
         into them, the pass tensors the trace reads only); the number of rows used."""
         import ttnn
@@ -587,13 +594,14 @@ class TtnnCausalLM:
         n_rows = self._check_rows(sum(len(r.tokens) for r in rows))
         tokens = torch.zeros(TILE_ROWS, dtype=torch.int64)
         positions = torch.full((TILE_ROWS,), -1, dtype=torch.int64)
-        page_table = self.tt.page_table[0].repeat(TILE_ROWS, 1)  # idle rows: any valid row, never read
+        table = self.tt.page_table if table is None else table  # user u's blocks: row u
+        page_table = table[0].repeat(TILE_ROWS, 1)  # idle rows: any valid row, never read
         pass_positions = torch.full((passes, TILE_ROWS), -1, dtype=torch.int32)
         r = 0
         for user_rows in rows:
             for j, token in enumerate(user_rows.tokens):
                 tokens[r], positions[r] = token, user_rows.start_pos + j
-                page_table[r] = self.tt.page_table[user_rows.user]
+                page_table[r] = table[user_rows.user]
                 if write:
                     pass_positions[j, r] = positions[r]
                 r += 1

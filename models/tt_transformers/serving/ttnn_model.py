@@ -1,0 +1,577 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The ttnn side of serving: TT-Transformers' own vLLM Llama and Mistral classes, speculating.
+
+`SpecLlamaForCausalLM` and `SpecMistralForCausalLM` subclass TT-Transformers' `generator_vllm.LlamaForCausalLM` and
+`generator_vllm.MistralForCausalLM` (tt-metal's models/tt_transformers/tt/generator_vllm.py), imported when first
+asked for: tt-metal is not installed where this package is tested, so the classes are made by this module's
+`__getattr__`, which the plugin's lazy "module:Class" registration reaches (vLLM imports the module and getattr's the
+class). Everything this file does not override is TT-Transformers' own: prefill, the ordinary decode and its traces,
+KV-cache allocation, prefill warm-up. Launched without a speculative config the class is TT's, unchanged.
+
+What speculating adds (docs/serving.md; the contract: serving/contract.py, pinned there):
+- `model_capabilities` gains plan.SPEC_CAPABILITIES; `spec_plan` is plan.plan_speculation (the 32-row tile rule).
+- `initialize_vllm_model(..., vllm_config=None)` (the plugin's loader passes vllm_config: vllm-tt-plugin
+  src/vllm_tt_plugin/loader.py@0cd06959, TTModelLoader.load_model) reads K from the launch's speculative config and
+  builds TT's model through TT's own `initialize_vllm_model`, with two changes: each layer's attention is
+  TT-Transformers' `Attention` with ordered cache writes (ttnn_backend/attention.py, through `Transformer`'s
+  `attention_class` hook), built with `use_qk_fused = False` (outside a verify it issues TT's own single cache
+  update); and the model is built for the 32-row tile (max_batch_size 32, one of TT's batch sizes), every row of
+  which a verify can fill, so TT's ordinary decode gets the plugin's B rows padded to 32 and its results cut back.
+- `decode_forward` with `spec_mode` is the verify: the [B, 1+K] block (or the [B, 1] one-column verify the runner
+  pinned, model_runner.py@02f45e5f, sends on a step without drafts: the one-pass program) becomes rows of ONE decode
+  step of the 32-row tile (serving/core.py SpecDecodeCore.verify over ttnn_backend's TtnnCausalLM.step: ordered cache
+  writes, argmax and top-k on the device), on vLLM's `kv_cache` and the page table the scheduler sends with this step:
+  row r of the tile carries its request's page-table row, staged with every other input into the persistent device
+  inputs before the replay (TtnnCausalLM._run_inputs). No page table is built once.
+- warm-up: the plugin's runner calls `warmup_model_decode(enable_trace=False, ...)` then `(enable_trace=True, ...)`
+  (vllm-tt-plugin src/vllm_tt_plugin/model_runner.py@02f45e5f, TTModelRunner.warmup_model), with no K: TT's own
+  decode warm-up runs first, then every verify program the plan's K can reach (a block's longest row needs 1 to 1+K
+  ordered write passes: trace_plan.pass_ladder(1 + K)) is compiled in the first call and each captured once in the
+  second. A verify step whose program was not prepared at warm-up raises: nothing is compiled or captured while
+  serving.
+- `propose_draft_tokens` is serving/proposer.py's CopiedDraftProposer (copied drafts, num_valid from the package's
+  draft-length policy); `release_request`, `note_state_slots_moved` and `release_persistent_capture` are the
+  contract's lifecycle hooks.
+- registration: `write_model_bundles(folder)` writes the EXTRA_MODELS_DIR bundles the plugin registers before its
+  built-in map (vllm-tt-plugin src/vllm_tt_plugin/platform.py, _iter_extra_model_bundles and
+  _register_models_from_extra_dir: each folder's vllm_metadata.json names `arch` and `main_class`; the arch is
+  registered as "TT" + arch, first registration wins).
+"""
+import contextlib
+import copy
+import dataclasses
+import importlib
+import inspect
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from loguru import logger
+
+from .contract import MODEL_OWNED_DRAFTER, SpecReject, to_plugin
+from .core import SpecDecodeCore
+from .plan import SPEC_CAPABILITIES, plan_speculation
+
+TT_GENERATOR_VLLM = "models.tt_transformers.tt.generator_vllm"
+# HF architecture -> (this module's class, TT-Transformers' class it subclasses in generator_vllm.py)
+SPEC_CLASSES = {"LlamaForCausalLM": ("SpecLlamaForCausalLM", "LlamaForCausalLM"),
+                "MistralForCausalLM": ("SpecMistralForCausalLM", "MistralForCausalLM")}
+SPEC_ARGUMENTS = ("num_valid_drafts", "accepted_counts", "spec_mode")  # they come together or not at all
+
+
+def launch_config(vllm_config):
+    """The launch's vLLM config: the loader's (loader.py@0cd06959 passes it; the plugin's main @e3fc8494 does not),
+    else the one vLLM holds as current while it builds a model (vllm.config: get_current_vllm_config_or_none where
+    it exists, else get_current_vllm_config, which newer vLLMs make raise when none is set); None without vLLM."""
+    if vllm_config is not None:
+        return vllm_config
+    try:
+        from vllm import config
+    except ImportError:
+        return None
+    current = getattr(config, "get_current_vllm_config_or_none", None)
+    if current is not None:
+        return current()
+    try:
+        return config.get_current_vllm_config()
+    except AssertionError:
+        return None
+
+
+def speculative_k(vllm_config) -> Optional[int]:
+    """The launch's draft length (speculative_config.num_speculative_tokens, which the plugin sets to the admitted
+    plan's effective_k), or None for a launch without speculation."""
+    spec_config = getattr(vllm_config, "speculative_config", None)
+    if spec_config is None:
+        return None
+    k = getattr(spec_config, "num_speculative_tokens", None)
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise ValueError(f"speculative_config.num_speculative_tokens must be a positive integer, got {k!r}")
+    return k
+
+
+@contextlib.contextmanager
+def ordered_write_models(generator_vllm, passes):
+    """While TT-Transformers' generator_vllm builds its models, each `Transformer` is built with ordered cache writes:
+    TT's initialize_vllm_text_transformer (generator_vllm.py) calls the module's `Transformer(args=..., mesh_device=...,
+    dtype=..., state_dict=..., weight_cache_path=..., use_paged_kv_cache=True)` by keyword for each data-parallel
+    submesh; here that name builds the same Transformer with `attention_class` set (tt/model.py Transformer takes it)
+    after `args.use_qk_fused = False` (read once by TT's Attention.__init__: the fused update cannot be split into
+    ordered passes). Yields the list of models built so, to check that TT's path went through it."""
+    from models.tt_transformers.tt.attention import Attention
+
+    from ..ttnn_backend.attention import ordered_write_attention
+
+    original, built = generator_vllm.Transformer, []
+
+    def transformer(*args, **kwargs):
+        if args or "args" not in kwargs:
+            raise TypeError("generator_vllm built a Transformer other than by keyword (args=...): this tt-metal's "
+                            "initialize_vllm_text_transformer differs from the version read (ordered_write_models)")
+        kwargs["args"].use_qk_fused = False
+        model = original(**kwargs, attention_class=ordered_write_attention(Attention, passes))
+        built.append(model)
+        return model
+
+    generator_vllm.Transformer = transformer
+    try:
+        yield built
+    finally:
+        generator_vllm.Transformer = original
+
+
+def checkpoint_shapes(hf_config):
+    """The checkpoint's shapes as the torch backend reads config.json: from vLLM's hf_config (a transformers config),
+    or the config.json of the folder it names."""
+    from ..torch_backend.model_config import ModelArgs as CheckpointArgs
+
+    config = (hf_config.to_dict() if hasattr(hf_config, "to_dict") else
+              json.loads((Path(hf_config._name_or_path) / "config.json").read_text()))
+    return CheckpointArgs.from_hf_config(config)
+
+
+class PagedVerify:
+    """The verify on the device: ttnn_backend's TtnnCausalLM (one traced decode step of the 32-row tile, ordered
+    cache writes, argmax and top-k on the device) over TT-Transformers' model, reading vLLM's KV cache and the page
+    table each step brings. Built before vLLM allocates the cache; `warm` binds the cache and the page-table width
+    the scheduler sends (max_num_blocks_per_req: the runner's warm-up passes it as num_blocks), plans the programs of
+    the plan's K, and compiles (warm-up phase 1) or captures (phase 2) them; `step` runs one verify."""
+
+    def __init__(self, model, args, mesh_device, passes, max_seq_len: int, num_drafts: int, config,
+                 optimizations: str):
+        """config: the checkpoint's shapes (checkpoint_shapes), for the step cost (TTModel.key_cost); the weights are
+        bfloat8_b, initialize_vllm_text_transformer's default dtype."""
+        from ..ttnn_backend.generator import TtnnCausalLM
+        from ..ttnn_backend.model import TILE_ROWS, TTModel
+        from ..ttnn_backend.tt_surface import full_layers
+
+        self.tt = TTModel(model=model, args=args, mesh_device=mesh_device, kv_cache=None, page_table=None,
+                          passes=passes, generator=None, full_layers=full_layers(args), config=config,
+                          weights_dtype="bfloat8_b", optimizations=optimizations)
+        self.lm = TtnnCausalLM(self.tt, TILE_ROWS, max_seq_len, trace=False)
+        self.num_drafts = num_drafts
+        self.width: Optional[int] = None  # the page table's blocks per row, fixed at warm-up
+
+    def warm(self, kv_cache, num_blocks: int, top_k: int, trace: bool) -> None:
+        """Warm-up: the first call binds vLLM's cache (kv_cache[0]: the one data-parallel model's per-layer [k, v])
+        and the page-table width, and plans every verify program of the plan's K: the write-pass counts
+        trace_plan.pass_ladder(1 + K), each with the proposer's top k (trace_plan.trace_keys; its plain baseline key,
+        which a verify never uses, is left out). trace False compiles them (each run once, writing nothing to the
+        cache); trace True captures each once (ttnn_backend.generator.prepare_mesh). Until a step brings the
+        scheduler's page table the inputs hold a table of zeros, as TT's own decode warm-up pages every row into
+        block 0 (models/common/warmup/warmup_utils.py, WarmupForwardMixin._create_decode_warmup_inputs)."""
+        from ..ttnn_backend.generator import prepare_mesh
+        from ..ttnn_backend.trace_plan import pass_ladder, trace_keys
+
+        if self.tt.kv_cache is None:
+            self.tt.kv_cache, self.width = kv_cache[0], int(num_blocks)
+            self.lm.key_cost = self.tt.key_cost()  # the cache's dtype as vLLM's preset allocated it
+            self.tt.page_table = torch.zeros(self.lm.max_batch_size, self.width, dtype=torch.int32)
+            self.lm.ladder = pass_ladder(1 + self.num_drafts)
+            self.lm.planned = {key for key in trace_keys(1 + self.num_drafts, top_k, ()) if key[1] == top_k}
+        elif kv_cache[0] is not self.tt.kv_cache or int(num_blocks) != self.width:
+            raise ValueError(f"warm-up with another KV cache or page-table width ({num_blocks}, first {self.width}): "
+                             "the verify programs are bound to the first")
+        self.lm.trace = bool(trace)
+        try:
+            prepare_mesh(self.tt.mesh_device)
+        finally:
+            self.tt.passes.positions = []  # TT's own decode issues its single cache update again
+        if trace:
+            logger.info(f"speculative verify, K={self.num_drafts}: {len(self.lm.traces)} traces captured (write passes "
+                        f"{sorted(key[0] for key in self.lm.traces)}), about {self.trace_bytes() / 1e6:.0f} MB of "
+                        "trace region beyond TT-Transformers' own decode trace")
+
+    def trace_bytes(self) -> int:
+        """The planned traces' estimated trace-region bytes (trace_plan.trace_bytes, scaled from TT's own figures)."""
+        from ..ttnn_backend.trace_plan import trace_bytes
+
+        args = self.tt.args
+        return sum(trace_bytes(args.model_name, args.device_name, self.tt.full_layers, self.lm.n_layers, key,
+                               self.lm.share) for key in self.lm.planned)
+
+    def step(self, rows, top_k: int, page_table, kv_cache):
+        """One verify over `rows` (UserRows: user = decode row = page-table row) with this step's page table,
+        replaying the program warm-up prepared for the rows' longest chain; refuses what would compile or capture."""
+        from ..ttnn_backend.trace_plan import passes_for
+
+        if self.width is None:
+            raise RuntimeError("a verify before warmup_model_decode: its programs are compiled and captured there")
+        if kv_cache is not None and kv_cache[0] is not self.tt.kv_cache:
+            raise ValueError("decode_forward's kv_cache is not the one the verify was warmed up on")
+        if not isinstance(page_table, torch.Tensor) or page_table.dim() != 2 or page_table.shape[1] != self.width:
+            shape = list(page_table.shape) if isinstance(page_table, torch.Tensor) else type(page_table).__name__
+            raise ValueError(f"verify page_table must be [B, {self.width}] (the width warm-up was given as "
+                             f"num_blocks), got {shape}")
+        longest = max(len(r.tokens) for r in rows)
+        if longest > self.lm.ladder[-1]:
+            raise ValueError(f"a verify row chain of {longest} tokens is longer than 1 + K = {self.lm.ladder[-1]}")
+        passes = passes_for(longest, self.lm.ladder)
+        ready = self.lm.traces if self.lm.trace else self.lm.compiled
+        if not any(key[0] == passes and key[1] == top_k and not key[2] for key in ready):
+            raise RuntimeError(f"no verify program for {passes} write passes and top {top_k} was "
+                               f"{'captured' if self.lm.trace else 'compiled'} at warm-up: nothing is compiled or "
+                               "captured while serving")
+        try:
+            return self.lm.step(rows, top_k=top_k, page_table=page_table)
+        finally:
+            self.tt.passes.positions = []  # an eager step leaves its pass positions set: TT's decode must not see them
+
+    def release(self) -> None:
+        self.lm.release()
+
+
+@dataclass
+class SpecState:
+    """A speculating model's additions: the plan's K, the plugin's decode batch B (TT's model is built for the 32-row
+    tile), the write passes its attention reads, the device verify, the contract's shared core (checks, verify
+    mapping, drafter, counters)."""
+
+    num_drafts: int
+    batch: int
+    passes: Any  # ttnn_backend.attention.KVWritePasses
+    verify: PagedVerify
+    core: SpecDecodeCore
+    warming: bool = False  # inside TT's own decode warm-up: its calls carry no request
+    prefill_warmed: bool = False  # warmup_model_prefill's added prompt lengths have run
+    tt_inputs_stale: bool = False  # a verify ran since TT's own decode last wrote its resident inputs
+    verify_ids: Any = None  # the last verify's argmax_ids (host), which the runner's read-back may hand back
+
+
+def as_int32(values, shape) -> torch.Tensor:
+    return torch.as_tensor(values).to(torch.int32).reshape(shape)
+
+
+def pad_rows(value, rows: int, fill):
+    """A per-row value of B rows (a tensor's first dim, or a list) padded to `rows`: with `fill`, or with its last
+    row's value where fill is None."""
+    if isinstance(value, torch.Tensor) and value.dim() > 0:
+        extra = rows - value.shape[0]
+        if extra <= 0:
+            return value
+        tail = value[-1:].expand(extra, *value.shape[1:]) if fill is None else \
+            torch.full((extra, *value.shape[1:]), fill, dtype=value.dtype)
+        return torch.cat([value, tail.to(value.dtype)])
+    if isinstance(value, list) and len(value) < rows:
+        return value + [value[-1] if fill is None else fill] * (rows - len(value))
+    return value
+
+
+def pad_sampling_params(params, batch: int, rows: int):
+    """TT's SamplingParams with every per-row field of `batch` entries padded to `rows` by its last row (a padding
+    row's outputs are never read); scalar fields as they are."""
+    if params is None:
+        return None
+    values = ({f.name: getattr(params, f.name) for f in dataclasses.fields(params)} if dataclasses.is_dataclass(params)
+              else dict(vars(params)))
+    per_row = {name: value for name, value in values.items() if (isinstance(value, list) or (
+        isinstance(value, torch.Tensor) and value.dim() > 0)) and len(value) == batch}
+    if not per_row:
+        return params
+    padded = {name: pad_rows(value, rows, None) for name, value in per_row.items()}
+    if dataclasses.is_dataclass(params):
+        return dataclasses.replace(params, **padded)
+    params = copy.copy(params)
+    for name, value in padded.items():
+        setattr(params, name, value)
+    return params
+
+
+def first_rows(out, batch: int):
+    """TT's decode output (host tensors, or a tuple of them and None) cut to the plugin's B rows."""
+    if isinstance(out, torch.Tensor):
+        return out[:batch]
+    if isinstance(out, tuple) and all(o is None or isinstance(o, torch.Tensor) for o in out):
+        return tuple(None if o is None else o[:batch] for o in out)
+    return out  # device tensors (read_from_device False): the runner reads its rows out of TT's read-back
+
+
+class SpecDecodeModel:
+    """Mixed in before TT-Transformers' vLLM class (spec_class): the contract's model side."""
+
+    spec: Optional[SpecState] = None  # None: launched without speculation (TT's class as it is)
+
+    @classmethod
+    def spec_plan(cls, vllm_config, max_num_seqs, requested_k):
+        """The contract's classmethod: plan.plan_speculation (never raises), as the installed plugin's own classes."""
+        return to_plugin(plan_speculation(vllm_config, max_num_seqs, requested_k))
+
+    @classmethod
+    def initialize_vllm_model(cls, hf_config, mesh_device, max_batch_size, max_seq_len, *args, vllm_config=None,
+                              **kwargs):
+        """TT's initialize_vllm_model (its arguments passed on as given), with ordered cache writes and the verify's
+        state when the launch speculates; TT's class as it is otherwise. The plugin's loader passes vllm_config
+        (loader.py@0cd06959), else vLLM's current config stands in (launch_config); TT's own signature
+        (generator_vllm.py: hf_config, mesh_device, max_batch_size, max_seq_len, n_layers, tt_data_parallel,
+        optimizations) has no such parameter, so it is passed on only to a version that has one."""
+        base = super().initialize_vllm_model
+        vllm_config = launch_config(vllm_config)
+        if "vllm_config" in inspect.signature(base).parameters:
+            kwargs["vllm_config"] = vllm_config  # a TT version that reads it gets it
+        k = speculative_k(vllm_config)
+        if k is None:
+            return base(hf_config, mesh_device, max_batch_size, max_seq_len, *args, **kwargs)
+        from ..ttnn_backend.attention import KVWritePasses
+        from ..ttnn_backend.model import TILE_ROWS
+
+        bound = inspect.signature(base).bind(hf_config, mesh_device, max_batch_size, max_seq_len, *args, **kwargs)
+        bound.apply_defaults()
+        if max_batch_size > TILE_ROWS:
+            raise ValueError(f"a decode batch of {max_batch_size} rows is more than the {TILE_ROWS}-row tile")
+        # every row of the 32-row tile carries a verify row: TT's model is built for it (ModelArgs max_batch_size 32,
+        # one of TT's supported batch sizes, as ttnn_backend/model.py builds it); its own decode gets B rows padded
+        bound.arguments["max_batch_size"] = TILE_ROWS
+        if bound.arguments.get("tt_data_parallel", 1) != 1:
+            raise ValueError(f"speculative decoding serves one TT-Transformers model per engine: tt_data_parallel "
+                             f"{bound.arguments['tt_data_parallel']} is not supported with a speculative config")
+        max_num_seqs = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", max_batch_size)
+        plan = plan_speculation(vllm_config, max_num_seqs, k)
+        if isinstance(plan, SpecReject):
+            raise ValueError(f"speculative config refused: {plan.reason}")
+        passes = KVWritePasses()
+        with ordered_write_models(importlib.import_module(TT_GENERATOR_VLLM), passes) as built:
+            model = base(*bound.args, **bound.kwargs)
+        if len(built) != 1 or model.model[0] is not built[0]:
+            raise RuntimeError(f"TT-Transformers' initialize_vllm_model built {len(built)} models through "
+                               "initialize_vllm_text_transformer's Transformer: the verify needs the one it serves")
+        tt_model = model.model[0]
+        optimizations = bound.arguments.get("optimizations")
+        verify = PagedVerify(tt_model, model.model_args[0], tt_model.mesh_device, passes, max_seq_len, k,
+                             checkpoint_shapes(hf_config),
+                             optimizations if isinstance(optimizations, str) else "performance")
+        model.spec = SpecState(k, max_batch_size, passes, verify, SpecDecodeCore(verify.lm, k))
+        logger.info(f"{cls.__name__}: speculative decoding with K={k} (copied drafts, verify rows of one 32-row "
+                    f"decode step; max_num_seqs {max_num_seqs})")
+        return model
+
+    # ---- prefill and decode ---------------------------------------------------------------------------------
+
+    def warmup_model_prefill(self, *args, **kwargs):
+        """TT's prefill warm-up, then one prefill of each prompt length ttnn_backend's warm-up adds
+        (model.prefill_warm_prompts: the padded lengths TT's sweep leaves out and every last-token tile of the short
+        prompts) into vLLM's null block 0, as TT's own warm-up pages its prompts (a page table of zeros): TT's prefill
+        compiles per padded length, last-token tile and page-table width, and a program compiled while the verify
+        traces are live may be overwritten when they replay (allocator.cpp verify_safe_allocation). A prefill that
+        still compiles one has the traces made again (prefill_forward)."""
+        out = super().warmup_model_prefill(*args, **kwargs)
+        if self.spec is not None and not self.spec.prefill_warmed:  # TT's prefill_forward_text calls this again
+            self.spec.prefill_warmed = True
+            from models.tt_transformers.tt.common import get_block_size
+
+            from ..ttnn_backend.model import prefill_warm_prompts
+
+            kv_cache = inspect.signature(super().warmup_model_prefill).bind(*args, **kwargs).arguments["kv_cache"]
+            max_seq_len = self.spec.verify.lm.max_seq_len
+            sink = torch.zeros(1, -(-max_seq_len // get_block_size(kv_cache[0])), dtype=torch.int32)
+            # with a one-token prompt, which the backend's own warm-up runs first (TtnnCausalLM._warm_up_prefill)
+            for n in [1] + prefill_warm_prompts(self.model_args[0], max_seq_len):
+                self.prefill_forward_text(torch.zeros(1, n, dtype=torch.long), page_table=sink, kv_cache=kv_cache,
+                                          prompt_lens=[n], empty_slots=[0], enable_trace=False)
+        return out
+
+    def prefill_forward(self, *args, **kwargs):
+        """TT's prefill; then each prefilled row's request starts drafting over tokens[r, :prompt_lens[r]] (its whole
+        history: a resumed request brings it all) in decode slot empty_slots[r] (default range(B), as TT's
+        prefill_forward_text). A prefill that compiled a program (a prompt length the warm-up did not cover) has the
+        verify traces made again before their next replay (ttnn_backend.generator.remake_traces_after)."""
+        from ..ttnn_backend.generator import program_cache_entries, remake_traces_after
+
+        programs = program_cache_entries(self.mesh_device)
+        out = super().prefill_forward(*args, **kwargs)
+        remake_traces_after(self.mesh_device, programs, "a prefill")
+        if self.spec is not None:
+            call = inspect.signature(self.prefill_forward_text).bind(*args, **kwargs).arguments
+            tokens, lengths = torch.as_tensor(call["tokens"]), [int(n) for n in call["prompt_lens"]]
+            slots = call.get("empty_slots")
+            slots = list(range(tokens.shape[0])) if slots is None else [int(s) for s in slots]
+            self.spec.core.prefilled(slots, [tokens[r, :n].tolist() for r, n in enumerate(lengths)])
+        return out
+
+    def decode_forward(self, *args, **kwargs):
+        """With num_valid_drafts, accepted_counts and spec_mode: the verify (VerifyOutput, argmax_ids [B, 1+K], or
+        [B, 1] for the one-column verify of model_runner.py@02f45e5f). Without them: TT's own decode, after the
+        drafter is told what each live row feeds."""
+        spec = self.spec
+        if spec is None:
+            given = [name for name in SPEC_ARGUMENTS if kwargs.get(name) is not None]
+            if given:
+                raise RuntimeError(f"decode_forward got {given}, but {type(self).__name__} was built without a "
+                                   "speculative config: pass the launch's vllm_config to initialize_vllm_model")
+            return super().decode_forward(*args, **kwargs)
+        if len(args) > 2:
+            raise TypeError("decode_forward takes tokens and start_pos positionally, everything else by keyword")
+        kwargs = {**dict(zip(("tokens", "start_pos"), args)), **kwargs}
+        given = [name for name in SPEC_ARGUMENTS if kwargs.get(name) is not None]
+        if given and len(given) != len(SPEC_ARGUMENTS):
+            raise ValueError(f"decode_forward got {given} alone: {', '.join(SPEC_ARGUMENTS)} come together (a verify) "
+                             "or not at all (an ordinary decode)")
+        if not given:
+            return self.tt_decode(spec, kwargs)
+        if spec.warming:
+            raise RuntimeError("a verify inside TT's decode warm-up")
+        page_table, kv_cache = kwargs.get("page_table"), kwargs.get("kv_cache")
+
+        def step(rows, top_k):
+            return spec.verify.step(rows, top_k, page_table, kv_cache)
+        out = spec.core.verify(kwargs["tokens"], kwargs["start_pos"], kwargs["num_valid_drafts"],
+                               kwargs["accepted_counts"], kwargs["spec_mode"], step, kwargs.get("slot_remap"))
+        spec.tt_inputs_stale, spec.verify_ids = True, out.argmax_ids
+        return to_plugin(out)
+
+
+    def tt_decode(self, spec: SpecState, kwargs: dict):
+        """TT's own decode, with TT's single cache update (no write passes set). TT's model is built for the 32-row
+        tile, so the plugin's B rows are padded to it as TT pads a short batch's idle users: token 0, position -1
+        (skipped by TT's cache update and attention), page-table row 0, -1 penalty history, each sampling parameter
+        list by its last row, slot_remap by the identity; host results are cut back to B rows.
+
+        Outside warm-up the drafter is told each live row's token first (the slot_remap applied to its slots; TT's
+        own per-slot state gets the same remap with its call). After a verify, TT's resident decode inputs (the token
+        and position buffers its traced decode keeps when it samples on the device) were not written by the verify, so
+        this decode reloads them: under the reload contract's commands (vllm-tt-plugin
+        docs/DECODE_RELOAD_CONTRACT.md@1f10755a) reload_inputs is set; with the legacy keyword, reset_batch (TT's
+        Generator reloads its trace inputs on it); neither present, TT reloads every step (host sampling)."""
+        from ..ttnn_backend.model import TILE_ROWS
+
+        spec.passes.positions = []
+        tokens = torch.as_tensor(kwargs["tokens"])
+        batch = tokens.shape[0]
+        if not spec.warming:
+            spec.core.plain_decode_rows(as_int32(tokens, (batch, 1)), as_int32(kwargs["start_pos"], (batch,)),
+                                        kwargs.get("slot_remap"))
+            if spec.tt_inputs_stale:
+                if "reload_inputs" in kwargs:
+                    kwargs["reload_inputs"], kwargs["reload_page_table"] = True, False
+                elif "reset_batch" in kwargs:
+                    kwargs["reset_batch"] = True
+        if batch < TILE_ROWS:
+            fills = {"tokens": 0, "start_pos": -1, "page_table": 0, "prompt_tokens": -1, "output_tokens": -1}
+            for name, fill in fills.items():
+                if kwargs.get(name) is not None:
+                    kwargs[name] = pad_rows(torch.as_tensor(kwargs[name]), TILE_ROWS, fill)
+            if kwargs.get("slot_remap") is not None:
+                remap = torch.as_tensor(kwargs["slot_remap"])
+                kwargs["slot_remap"] = torch.cat([remap, torch.arange(len(remap), TILE_ROWS, dtype=remap.dtype)])
+            kwargs["sampling_params"] = pad_sampling_params(kwargs.get("sampling_params"), batch, TILE_ROWS)
+        out = super().decode_forward(**kwargs)
+        if not spec.warming:
+            spec.tt_inputs_stale = False
+        return first_rows(out, batch) if kwargs.get("read_from_device", True) else out
+
+    def warmup_model_decode(self, *args, **kwargs):
+        """TT's own decode warm-up at the 32-row batch its model was built for (the plugin calls it with enable_trace
+        False, then True), then the verify's: every program the plan's K reaches compiled on the first call, captured
+        once on the second (PagedVerify.warm), on the kv_cache and page-table width (num_blocks) the runner passes."""
+        from ..ttnn_backend.model import TILE_ROWS
+
+        spec = self.spec
+        if spec is None:
+            return super().warmup_model_decode(*args, **kwargs)
+        call = inspect.signature(super().warmup_model_decode).bind(*args, **kwargs)
+        call.arguments["max_batch_size"] = TILE_ROWS
+        spec.warming = True
+        try:
+            result = super().warmup_model_decode(*call.args, **call.kwargs)
+        finally:
+            spec.warming = False
+            spec.passes.positions = []
+        arguments = call.arguments
+        spec.verify.warm(arguments["kv_cache"], arguments["num_blocks"], spec.core.proposer.top_k,
+                         bool(arguments["enable_trace"]))
+        spec.tt_inputs_stale = True  # TT's warm-up inputs are no request's
+        return result
+
+    # ---- the drafter and the lifecycle hooks ----------------------------------------------------------------
+
+    def propose_draft_tokens(self, num_drafts, committed_tokens, committed_positions, accepted_counts, hidden=None):
+        """The copied drafts for the next step (hidden: not read; this drafter reads the committed block only)."""
+        if self.spec is None:
+            raise RuntimeError("propose_draft_tokens on a model launched without a speculative config")
+        return to_plugin(self.spec.core.propose(num_drafts, committed_tokens, committed_positions, accepted_counts))
+
+    def release_request(self, slot):
+        if self.spec is not None:
+            self.spec.core.release(slot)
+        parent = getattr(super(), "release_request", None)
+        if parent is not None:
+            parent(slot)
+
+    def note_state_slots_moved(self, old_to_new):
+        if self.spec is not None:
+            self.spec.core.slots_moved(old_to_new)
+        parent = getattr(super(), "note_state_slots_moved", None)
+        if parent is not None:
+            parent(old_to_new)
+
+    def release_persistent_capture(self):
+        """The plugin's shutdown hook (before the mesh closes): the verify traces go, then TT's own if it has one."""
+        if self.spec is not None:
+            self.spec.verify.release()
+        parent = getattr(super(), "release_persistent_capture", None)
+        if parent is not None:
+            parent()
+
+    def spec_decode_metrics(self) -> dict:
+        """vLLM's four spec-decode counters as this model counted them (a cross-check against the server's)."""
+        return self.spec.core.counters.as_dict() if self.spec is not None else {}
+
+
+class VerifyReadBack:
+    """Mixed in where TT's class has process_decode_output_host (spec_class): the plugin's runner hands a decode's
+    output to the model's process_decode_output_host after the read-back when the model defines one (vllm-tt-plugin
+    src/vllm_tt_plugin/async_decode.py, TTAsyncDecodeController.finalize_decode, read at dca5656f). A verify's argmax
+    ids are host tensors already and pass through; TT's own decode output goes to TT's."""
+
+    def process_decode_output_host(self, tt_out, *args, **kwargs):
+        if self.spec is not None and tt_out is self.spec.verify_ids:
+            return tt_out
+        return super().process_decode_output_host(tt_out, *args, **kwargs)
+
+
+def spec_class(arch: str) -> type:
+    """The speculating subclass of TT-Transformers' class for an HF architecture (SPEC_CLASSES)."""
+    name, base_name = SPEC_CLASSES[arch]
+    base = getattr(importlib.import_module(TT_GENERATOR_VLLM), base_name)
+    capabilities = {**getattr(base, "model_capabilities", {}), **SPEC_CAPABILITIES}
+    mixins = (SpecDecodeModel, VerifyReadBack) if hasattr(base, "process_decode_output_host") else (SpecDecodeModel,)
+    return type(name, (*mixins, base), {"model_capabilities": capabilities, "__module__": __name__,
+                                        "__qualname__": name})
+
+
+_CLASSES: dict = {}
+
+
+def __getattr__(name: str):
+    """SpecLlamaForCausalLM and SpecMistralForCausalLM, made from TT-Transformers' classes on first use."""
+    for arch, (class_name, _) in SPEC_CLASSES.items():
+        if name == class_name:
+            if name not in _CLASSES:
+                _CLASSES[name] = spec_class(arch)
+            return _CLASSES[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def write_model_bundles(folder, archs=tuple(SPEC_CLASSES)) -> list[Path]:
+    """The plugin's EXTRA_MODELS_DIR bundles for these architectures: folder/<name>/vllm_metadata.json each, with
+    `arch` (the HF architecture; the plugin registers "TT" + arch) and `main_class` ("module:Class"). Point
+    EXTRA_MODELS_DIR at `folder`; this repository must come before tt-metal on PYTHONPATH (models/__init__.py)."""
+    written = []
+    for arch in archs:
+        class_name = SPEC_CLASSES[arch][0]
+        path = Path(folder) / f"tt_speculative_{arch}" / "vllm_metadata.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"arch": arch, "main_class": f"{__name__}:{class_name}",
+                                    "note": f"speculative decoding with copied drafts ({MODEL_OWNED_DRAFTER})"},
+                                   indent=2) + "\n")
+        written.append(path)
+    return written
+
+
+if __name__ == "__main__":  # python -m models.tt_transformers.serving.ttnn_model FOLDER
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m models.tt_transformers.serving.ttnn_model EXTRA_MODELS_DIR")
+    for written_path in write_model_bundles(sys.argv[1]):
+        print(written_path)
