@@ -191,7 +191,7 @@ def serving_verify(mesh, name: str, config: dict, max_seq_len: int, k: int, work
     (work / "vllm_cache" / name).mkdir(parents=True, exist_ok=True)
     kv_cache = allocate_vllm_kv_cache((blocks, heads, VLLM_BLOCK, head_dim), torch.bfloat16, tt.args.n_layers,
                                       [tt.model], work / "vllm_cache" / name)
-    verify = PagedVerify(tt.model, tt.args, mesh, tt.passes, max_seq_len, k)
+    verify = PagedVerify(tt.model, tt.args, mesh, tt.passes, max_seq_len, k, tt.config, tt.optimizations)
     try:
         verify.warm(kv_cache, width, 4, trace=False)
         free = list(range(1, blocks))
