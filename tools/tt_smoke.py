@@ -35,9 +35,8 @@ from loguru import logger  # noqa: E402
 from models.tt_transformers.demo.speculative_decoding.build import (  # noqa: E402
     ModelPool,
     build,
-    head_drafter,
+    draft_head,
     trace_region_size,
-    warm_up,
 )
 from models.tt_transformers.demo.speculative_decoding.inputs import (  # noqa: E402
     PRECISIONS,
@@ -48,6 +47,7 @@ from models.tt_transformers.demo.speculative_decoding.options import DemoConfig 
 from models.tt_transformers.demo.speculative_decoding.speculative_demo import run_demo  # noqa: E402
 from models.tt_transformers.prompts import encode  # noqa: E402
 from models.tt_transformers.records import environment, write_json_atomic  # noqa: E402
+from models.tt_transformers.speculative import SpeculativeConfig, SpeculativeGenerator, make_drafter  # noqa: E402
 
 SMOKE_TOKENS = 32
 PROMPT = "Repeat this list exactly: apples, pears, plums, figs, dates, limes, apples, pears, plums, figs, dates, limes."
@@ -176,7 +176,7 @@ def eager_steps(s: Smoke) -> None:
 
 
 def compile_and_capture(s: Smoke) -> None:
-    s.facts.update(warm_up(s.lm, s.drafter, None, s.config))
+    s.facts.update(SpeculativeGenerator(s.lm, s.drafter, s.config.n_draft_tokens).warm_up())
 
 
 def prefill(s: Smoke) -> None:
@@ -249,9 +249,9 @@ def device_head(s: Smoke) -> None:
         random_head(args, draft_vocab=min(RANDOM_DRAFT_VOCAB, args.vocab_size))
     k = max(1, s.config.n_draft_tokens)
     config = DemoConfig(**{**vars(s.config), "n_draft_tokens": k})
-    drafter = head_drafter(head, s.lm, ckpt, args, config, lambda make: s.pool.get(("smoke head",), make))
-    dev = drafter.head
-    warm_up(s.lm, drafter, None, config)
+    dev = draft_head(head, s.lm, ckpt, args, config, lambda make: s.pool.get(("smoke head",), make))["device_head"]
+    drafter = make_drafter(SpeculativeConfig(draft_mode="head", n_draft_tokens=k), s.lm, device_head=dev)
+    SpeculativeGenerator(s.lm, drafter, k).warm_up()
     out = s.lm.prefill(0, s.tokens, taps=head[0].taps)
     context = s.tokens + out.ids[0]
     ids, probs = dev.draft([HeadFeed(0, 0, context[1:], states=out.hidden[0])], [0], k)[0]

@@ -20,8 +20,7 @@ import pytest
 from models.tt_transformers.demo.speculative_decoding.build import ModelPool, trace_region_size
 from models.tt_transformers.demo.speculative_decoding.options import DemoConfig
 from models.tt_transformers.demo.speculative_decoding.speculative_demo import run_demo
-from models.tt_transformers.speculative.generator import SpeculativeGenerator
-from models.tt_transformers.speculative.drafters import HybridDrafter, ModelDrafter, SuffixDrafter
+from models.tt_transformers.speculative import SpeculativeConfig, SpeculativeGenerator, make_drafter
 from models.tt_transformers.torch_backend.checkpoint import resolve_checkpoint
 from models.tt_transformers.ttnn_backend.device import mesh_shape
 from models.tt_transformers.ttnn_backend.draft_head import TtnnDraftHead
@@ -90,14 +89,16 @@ def test_lossless_on_device(mesh_device, checkpoint, batch):
                           1024)
     plain = [r.output_tokens for r in SpeculativeGenerator(target, None, 0).generate(prompts, 64)]
     view = target.draft_view(max(1, target.n_layers // 4))
-    for drafter in (SuffixDrafter(), ModelDrafter(view), HybridDrafter(SuffixDrafter(), ModelDrafter(view, 0.25))):
+    for mode in ("suffix", "model", "hybrid"):  # copies from the request alone; the first quarter of the layers
+        config = SpeculativeConfig(draft_mode=mode, draft_memory=0, recycle_top_k=0)
+        drafter = make_drafter(config, target, draft_lm=view, draft_cost=0.25)
         assert [r.output_tokens for r in SpeculativeGenerator(target, drafter, 8).generate(prompts, 64)] == plain
 
 
 def device_head_drafter(target, checkpoint, n_draft_tokens: int):
     """DRAFT_HEAD, else the head shipped for the model, else a random EAGLE-3 head of its shape (lossless all the
-    same: its drafts fail), on the device beside `target` (build.head_drafter), traced with it."""
-    from models.tt_transformers.demo.speculative_decoding.build import head_drafter, warm_up
+    same: its drafts fail), on the device beside `target` (build.draft_head, make_drafter), traced with it."""
+    from models.tt_transformers.demo.speculative_decoding.build import draft_head
     from models.tt_transformers.demo.speculative_decoding.inputs import draft_head_folder
     from models.tt_transformers.torch_backend.draft_head import random_head, read_draft_head
     from models.tt_transformers.torch_backend.model_config import ModelArgs
@@ -106,8 +107,9 @@ def device_head_drafter(target, checkpoint, n_draft_tokens: int):
     args = ModelArgs.from_hf_config(checkpoint.config)
     folder = draft_head_folder(DemoConfig(**{**vars(config), "draft_mode": "hybrid"}), checkpoint.name)
     head = read_draft_head(folder, args) if folder is not None else random_head(args)
-    drafter = head_drafter(head, target, checkpoint, args, config)
-    warm_up(target, drafter, None, config)
+    drafter = make_drafter(SpeculativeConfig(draft_mode="head", n_draft_tokens=n_draft_tokens), target,
+                           **draft_head(head, target, checkpoint, args, config))
+    SpeculativeGenerator(target, drafter, n_draft_tokens).warm_up()
     return drafter
 
 
@@ -124,7 +126,8 @@ def test_device_head_lossless_on_device(mesh_device, checkpoint, batch):
                           1024)
     plain = [r.output_tokens for r in SpeculativeGenerator(target, None, 0).generate(prompts, 64)]
     head = device_head_drafter(target, checkpoint, 4)
-    for drafter in (head, HybridDrafter(SuffixDrafter(), head)):
+    hybrid = make_drafter(SpeculativeConfig(draft_memory=0, recycle_top_k=0), target, device_head=head.head)
+    for drafter in (head, hybrid):
         assert [r.output_tokens for r in SpeculativeGenerator(target, drafter, 4).generate(prompts, 64)] == plain
 
 

@@ -6,14 +6,14 @@ from typing import Optional, Protocol, Sequence
 
 import torch
 
+from ..errors import UserError
 from .backend import CausalLM, UserRows
+from .config import DEFAULT_SA_THRESHOLD, MAX_TREE_NODES
 from .draft_length import LENGTH_BUCKETS, DraftLengthPolicy, ExtraCost, MatchAcceptance, best_length
 from .draft_memory import DraftMemory
 from .sampling import KeyedSampler, SamplingParams, probabilities
 from .suffix_automaton import SuffixAutomaton
 from .token_tree import RecycledTokens, build_tree
-
-DEFAULT_SA_THRESHOLD = 1  # shortest match a copied draft may start from; its score decides whether it drafts
 
 
 @dataclass
@@ -23,7 +23,7 @@ class Draft:
     before their children)."""
 
     tokens: list[int]
-    source: str  # "model", "suffix", "memory", "corpus", "recycle", "tree" or "none"
+    source: str  # "suffix", "memory", "corpus", "copy", "recycle", "tree" (copied), "model", "head" or "none"
     match_len: int = 0  # length of the match behind a copied draft
     parents: Optional[list[int]] = None
     expected: float = 0.0  # accepted tokens the drafter expects from it (its own estimate; the hybrid compares them)
@@ -71,6 +71,19 @@ class Drafter(Protocol):
     def accept(self, user: int, verified: Verified) -> None:
         """After verification of the user's draft (see Verified)."""
 
+    def warm_up(self) -> dict[str, float]:
+        """Compile (on a TT device also plan the traces of) the drafter's own programs, after its target's warm-up and
+        before anything is timed: a draft model's, a draft head's on the device. Seconds spent, by TT's perf keys
+        ({"compile_prefill": s, "compile_decode": s}; empty for a drafter with none). Learns nothing."""
+
+
+class FallbackDrafter(Drafter, Protocol):
+    """A drafter the hybrid weighs against copied drafts: what its draft would bring."""
+
+    def draft_value(self, user: int, n: int, extra_cost: ExtraCost) -> float:
+        """Expected tokens per unit of work (its making and its verification) of a draft of up to n tokens, from its
+        recent acceptance; the hybrid lets it draft where this beats the copied draft's."""
+
 
 class ModelDrafter:
     """Autoregressive drafting with a (smaller) model.
@@ -92,7 +105,7 @@ class ModelDrafter:
 
     def __init__(self, lm: CausalLM, draft_cost: Optional[float] = None):
         self.lm, self.draft_cost = lm, draft_cost
-        self.shares_cache = getattr(lm, "shares_target_cache", False)
+        self.shares_cache = lm.shares_target_cache
         self.cache_len: dict[int, int] = {}
         self.fed: dict[int, tuple[int, int]] = {}  # user -> (context length at proposal, drafts fed)
         self.policies: dict[int, DraftLengthPolicy] = {}
@@ -108,6 +121,10 @@ class ModelDrafter:
             learned = DraftLengthPolicy.learned_from(self.policies.values(), self.draft_cost)
             self.policies = {u: copy.copy(learned) for u in users}
         self.sampler = sampler
+
+    def warm_up(self) -> dict[str, float]:
+        # it catches up on accepted text in steps of up to its whole row budget
+        return self.lm.warm_up(self.lm.max_step_rows, 0, ())
 
     def draft_value(self, user: int, n: int, extra_cost: ExtraCost) -> float:
         """Expected tokens per unit of work of a draft of up to n tokens (DraftLengthPolicy.value; 0 when its
@@ -221,12 +238,12 @@ class SuffixDrafter:
     """
 
     ANCHORS = 2  # the longest match and one shorter: more anchors measured no better
-    MAX_TREE_NODES = 32
+    MAX_TREE_NODES = MAX_TREE_NODES
 
     def __init__(self, threshold: int = DEFAULT_SA_THRESHOLD, memory: Optional[DraftMemory] = None,
                  recycle: int = 0):
         if threshold < 1:
-            raise ValueError(f"sa_threshold must be >= 1, got {threshold}")
+            raise UserError(f"sa_threshold must be >= 1, got {threshold}", "sa_threshold")
         self.threshold, self.memory = threshold, memory
         self.recycled = RecycledTokens(recycle) if recycle else None
         self.top_k, self.taps = recycle, ()
@@ -250,6 +267,9 @@ class SuffixDrafter:
         self.policies = {u: DraftLengthPolicy(0.0) for u in users}
         self.cursors = {u: CopyCursor() for u in users}
         self.pending = {}
+
+    def warm_up(self) -> dict[str, float]:
+        return {}  # host only
 
     def _candidates(self, user: int, context: Sequence[int], n: int, floor: float) -> list[Candidate]:
         sam = self.automata[user]
@@ -395,7 +415,7 @@ class HybridDrafter:
     Copied drafts cost nothing to make, so they are proposed first and the fallback runs only for the users it wins
     or that have no copied draft (where it still decides for itself whether drafting pays)."""
 
-    def __init__(self, suffix: SuffixDrafter, fallback):
+    def __init__(self, suffix: SuffixDrafter, fallback: FallbackDrafter):
         self.suffix, self.fallback = suffix, fallback
         self.top_k, self.taps = suffix.top_k, fallback.taps
 
@@ -421,3 +441,6 @@ class HybridDrafter:
     def accept(self, user, verified):
         self.suffix.accept(user, verified)  # each source learns only from its own drafts
         self.fallback.accept(user, verified)
+
+    def warm_up(self) -> dict[str, float]:
+        return self.fallback.warm_up()  # copied drafts are made on the host: nothing to compile

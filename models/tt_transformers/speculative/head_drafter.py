@@ -17,6 +17,7 @@ from typing import Optional, Protocol, Sequence
 import torch
 from loguru import logger
 
+from .config import MAX_TREE_NODES
 from .draft_length import LENGTH_BUCKETS, DraftLengthPolicy, ExtraCost, MatchAcceptance
 from .drafters import Draft, Verified
 from .sampling import KeyedSampler, SamplingParams, probabilities
@@ -28,6 +29,7 @@ class DraftHeadModel(Protocol):
     taps: tuple[int, ...]  # the target layers whose input the head reads
     draft_cost: float  # estimated cost of one head run, in units of a plain decode step of the target (until measured)
     max_rows: int  # rows one run may carry per user (longer catch-ups go in chunks)
+    max_tree_nodes: int  # nodes of one user's draft tree the head can hold (its cache slots past max_seq_len)
 
     def run(self, users: Sequence[int], start_pos: Sequence[int], hidden: Sequence[torch.Tensor],
             next_tokens: Sequence[Sequence[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -93,6 +95,9 @@ class HeadDrafter:
     @property
     def draft_cost(self) -> float:
         return self.cost.value
+
+    def warm_up(self) -> dict[str, float]:
+        return {}  # a head beside the target runs eagerly
 
     def draft_value(self, user: int, n: int, extra_cost: ExtraCost) -> float:
         """Expected tokens per unit of work of a head draft of up to n tokens, from its recent acceptance: k tokens
@@ -282,6 +287,9 @@ class ChainDraftHead(Protocol):
     chain_len: int  # tokens one drafting replay gives (fixed per trace)
     last_draft_s: float  # seconds of the last replay of draft() (the prompt's feed-only replays before it excluded)
 
+    def warm_up(self) -> float:
+        """Plan its traces beside the target's (captured with them by the target's prepare_traces); seconds spent."""
+
     def draft(self, feeds: Sequence[HeadFeed], chain_users: Sequence[int], k: int
               ) -> dict[int, tuple[list[int], list[float]]]:
         """Feed every row of `feeds`, then draft k tokens (1 or chain_len) for each of chain_users from its last fed
@@ -341,6 +349,9 @@ class TracedHeadDrafter(HeadDrafter):
                 drafts[u] = Draft(chain.tokens[:k], "head", expected=sum(chain.path_probs[:k]))
         return [drafts.get(u, Draft([], "none")) for u in users]
 
+    def warm_up(self) -> dict[str, float]:
+        return {"compile_decode": self.head.warm_up()}  # its traces, made with the target's
+
     def accept(self, user, verified: Verified):
         rows = verified.hidden  # DeviceRows: where the step left the user's tapped states
         true = verified.true_rows
@@ -362,7 +373,7 @@ class TreeNode:
 class HeadTree:
     """An EAGLE-2 draft tree being grown: nodes in the order they were made (parents first)."""
 
-    MAX_NODES = 32  # verified per user and step, as the suffix drafter's trees
+    MAX_NODES = MAX_TREE_NODES  # verified per user and step, as the suffix drafter's trees
 
     def __init__(self):
         self.nodes: list[TreeNode] = []

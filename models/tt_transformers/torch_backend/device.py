@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import UserError
 from .model_config import ModelArgs
 
 CPU_GB_S = {"kernels": 25.0, "torch_bf16": 9.4, "torch_fp32": 5.2}  # weight bytes streamed per second, 2-core CPU
@@ -38,9 +39,9 @@ def choose_device(requested: str, args: ModelArgs, dtype: torch.dtype, cpu_kerne
                   cuda_available: bool) -> DeviceChoice:
     """`requested` is --device; cpu_kernels: whether the bf16 CPU kernels would run this model here."""
     if requested not in DEVICES:
-        raise ValueError(f"--device {requested!r} is not one of {', '.join(DEVICES)}")
+        raise UserError(f"--device {requested!r} is not one of {', '.join(DEVICES)}")
     if requested == "cuda" and not cuda_available:
-        raise ValueError(f"--device cuda: torch {torch.__version__} sees no CUDA device here; use --device cpu "
+        raise UserError(f"--device cuda: torch {torch.__version__} sees no CUDA device here; use --device cpu "
                          "(or auto)")
     if requested != "auto":
         return DeviceChoice(requested, "--device " + requested)

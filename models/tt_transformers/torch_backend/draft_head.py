@@ -25,6 +25,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
+from ..errors import UserError
 from .attention import Attention, ExactToken, StepInputs
 from .mlp import MLP
 from .model import KernelLinear, KVCache, RMSNorm, Transformer
@@ -37,7 +38,7 @@ TREE_SLOTS = 64  # cache slots past max_seq_len for the nodes of a draft tree (e
 DRAFT_HEADS = Path(__file__).resolve().parents[1] / "draft_heads"  # shipped heads, one folder per target name
 
 
-class DraftHeadError(ValueError):
+class DraftHeadError(UserError):
     """A draft head cannot be used with this target; the message names the flag and the fix."""
 
 

@@ -3,10 +3,12 @@
 from dataclasses import dataclass
 from typing import Optional
 
+from ..errors import UserError
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral")
 
 
-class ModelConfigError(ValueError):
+class ModelConfigError(UserError):
     """A checkpoint's config.json describes a model this backend cannot run."""
 
 
