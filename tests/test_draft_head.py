@@ -16,7 +16,8 @@ from models.tt_transformers.speculative.generator import SpeculativeGenerator
 from models.tt_transformers.speculative.backend import UserRows
 from models.tt_transformers.speculative.draft_length import linear_cost
 from models.tt_transformers.speculative.drafters import Draft, HybridDrafter, SuffixDrafter, Verified
-from models.tt_transformers.speculative.head_drafter import HeadDrafter, RunCost
+from models.tt_transformers.speculative.drafters.eagle3 import HeadDrafter
+from models.tt_transformers.speculative.drafters.eagle3_base import RunCost
 from models.tt_transformers.speculative.sampling import KeyedSampler, SamplingParams
 from models.tt_transformers.torch_backend import checkpoint
 from models.tt_transformers.torch_backend.draft_head import DRAFT_HEADS, HeadRunner, load_draft_head, read_draft_head
@@ -359,17 +360,17 @@ def test_a_head_slower_than_the_target_step_is_reported_once(monkeypatch):
     step, one warning names both times (the head still drafts only when its acceptance covers that)."""
     from loguru import logger
 
-    from models.tt_transformers.speculative import head_drafter
+    from models.tt_transformers.speculative.drafters import eagle3_base
 
     clock = iter(range(0, 10_000, 1))
-    monkeypatch.setattr(head_drafter.time, "perf_counter", lambda: next(clock) * 1e-3)  # 1 ms a tick
+    monkeypatch.setattr(eagle3_base.time, "perf_counter", lambda: next(clock) * 1e-3)  # 1 ms a tick
     messages = []
     sink = logger.add(lambda m: messages.append(m.record["message"]), level="WARNING")
     try:
         cost = RunCost(0.05)
         for _ in range(2 * RunCost.WARN_AFTER):
             cost.ran(0.004)  # a head run: 4 ms
-            cost.proposed_at = head_drafter.time.perf_counter()
+            cost.proposed_at = eagle3_base.time.perf_counter()
             cost.verified()  # the target's step: 1 ms
     finally:
         logger.remove(sink)

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 from models.tt_transformers.speculative import SpeculativeConfig, make_drafter
 from models.tt_transformers.speculative.draft_length import LENGTH_BUCKETS, MatchAcceptance
 from models.tt_transformers.speculative.drafters import ModelDrafter, SuffixDrafter
-from models.tt_transformers.speculative.head_drafter import HeadDrafter, RunCost
+from models.tt_transformers.speculative.drafters.eagle3 import HeadDrafter
+from models.tt_transformers.speculative.drafters.eagle3_base import RunCost
 from models.tt_transformers.speculative.sampling import probabilities
 from models.tt_transformers.torch_backend.draft_head import HeadRunner
 from models.tt_transformers.speculative.verification import verify_chain

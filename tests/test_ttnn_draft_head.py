@@ -9,7 +9,8 @@ import torch
 from models.tt_transformers.speculative.generator import SpeculativeGenerator
 from models.tt_transformers.speculative.backend import DeviceRows, UserRows
 from models.tt_transformers.speculative.drafters import HybridDrafter, SuffixDrafter
-from models.tt_transformers.speculative.head_drafter import HeadFeed, RunCost, TracedHeadDrafter
+from models.tt_transformers.speculative.drafters.eagle3_base import RunCost
+from models.tt_transformers.speculative.drafters.eagle3_device import HeadFeed, TracedHeadDrafter
 from models.tt_transformers.torch_backend.checkpoint import read_embedding
 from models.tt_transformers.torch_backend.draft_head import HeadRunner, build_draft_head, read_draft_head
 from models.tt_transformers.torch_backend.model import Transformer

@@ -132,7 +132,7 @@ def test_taps_and_the_device_head_on_a_two_device_mesh_equal_one_devices(stand_i
     splits the embedding's columns): a prefill's taps are read back concatenated in device order, a step's are
     all-gathered into the tap tile (whole rows on every device), and the head, replicated, drafts what it drafts on one
     device."""
-    from models.tt_transformers.speculative.head_drafter import HeadFeed
+    from models.tt_transformers.speculative.drafters.eagle3_device import HeadFeed
     from models.tt_transformers.torch_backend.checkpoint import read_embedding
     from models.tt_transformers.torch_backend.model_config import ModelArgs
     from models.tt_transformers.ttnn_backend.draft_head import TtnnDraftHead

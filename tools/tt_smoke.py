@@ -232,7 +232,7 @@ def device_head(s: Smoke) -> None:
     draft that is not among the torch head's top 5."""
     import torch
 
-    from models.tt_transformers.speculative.head_drafter import HeadFeed
+    from models.tt_transformers.speculative.drafters.eagle3_device import HeadFeed
     from models.tt_transformers.torch_backend.checkpoint import load_model, resolve_checkpoint
     from models.tt_transformers.torch_backend.draft_head import (
         HeadRunner,
@@ -283,7 +283,7 @@ def chain_agreement(dev, runner, states, context: list[int], k: int) -> dict:
     """The device head and the host head fed the same prompt prefixes (evenly spaced, enough for MIN_CHAIN_STEPS
     chain steps), each drafting a chain of k from there: the share of first drafts and whole chains that agree and
     the mean agreed prefix."""
-    from models.tt_transformers.speculative.head_drafter import HeadFeed
+    from models.tt_transformers.speculative.drafters.eagle3_device import HeadFeed
 
     n = len(states)
     count = min(n, -(-MIN_CHAIN_STEPS // k))

@@ -12,7 +12,7 @@ from models.tt_transformers.demo.speculative_decoding import inputs
 from models.tt_transformers.demo.speculative_decoding.inputs import DemoInputError
 from models.tt_transformers.demo.speculative_decoding.options import DemoConfig
 from models.tt_transformers.demo.speculative_decoding.speculative_demo import run_demo
-from models.tt_transformers.speculative.head_drafter import RunCost
+from models.tt_transformers.speculative.drafters.eagle3_base import RunCost
 from models.tt_transformers.torch_backend import checkpoint
 from models.tt_transformers.torch_backend.model_config import ModelArgs
 

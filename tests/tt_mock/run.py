@@ -121,7 +121,7 @@ def run_shape(mesh, name: str, config: dict, max_seq_len: int, batch: int, draft
 
 def exercise(lm, head, taps, dim: int) -> None:
     from models.tt_transformers.speculative.backend import UserRows
-    from models.tt_transformers.speculative.head_drafter import HeadFeed
+    from models.tt_transformers.speculative.drafters.eagle3_device import HeadFeed
 
     head.warm_up()
     lm.prepare_traces()  # eager: every planned program of the target and the head runs once

@@ -11,9 +11,10 @@ from typing import Optional, Sequence
 from ..errors import UserError
 from .backend import CausalLM
 from .config import SpeculativeConfig, default_draft_layers
-from .draft_memory import DraftMemory
-from .drafters import Drafter, HybridDrafter, ModelDrafter, SuffixDrafter
-from .head_drafter import ChainDraftHead, DraftHeadModel, HeadDrafter, TracedHeadDrafter
+from .copy_sources.draft_memory import DraftMemory
+from .drafters import Drafter, HeadDrafter, HybridDrafter, ModelDrafter, SuffixDrafter, TracedHeadDrafter
+from .drafters.eagle3 import DraftHeadModel
+from .drafters.eagle3_device import ChainDraftHead
 
 
 def make_drafter(config: SpeculativeConfig, target: CausalLM, *, draft_lm: Optional[CausalLM] = None,

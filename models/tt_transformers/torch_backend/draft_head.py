@@ -427,7 +427,7 @@ class HeadRunner:
     """The head with a KV cache of its own per user (one layer), run in packed steps like the target's: every row
     attends through its own call, so its results do not depend on what else shares the run. Rows are chains (a
     user's consecutive positions) or tree nodes (each in its own slot past max_seq_len, seeing the user's cache
-    before the tree and its ancestors). The `DraftHeadModel` of speculative/head_drafter.py.
+    before the tree and its ancestors). The `DraftHeadModel` of speculative/drafters/eagle3.py.
 
     draft_cost: one run relative to a target decode step (estimated_run_cost) until the drafter measures it."""
 

@@ -41,7 +41,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from ..native_build import cache_root
-from ..speculative.head_drafter import HeadFeed
+from ..speculative.drafters.eagle3_device import HeadFeed
 from ..torch_backend.draft_head import HeadConfig, estimated_run_cost, parameter_names
 from ..torch_backend.model_config import ModelArgs
 from ..torch_backend.rope import rope_tables

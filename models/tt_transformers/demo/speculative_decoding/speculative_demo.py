@@ -56,7 +56,7 @@ try:  # torch and the models import here, for seconds: Ctrl-C meanwhile gets the
     from models.tt_transformers.records import environment
     from models.tt_transformers.speculative.drafters import HybridDrafter
     from models.tt_transformers.speculative.generator import SpeculativeGenerator
-    from models.tt_transformers.speculative.head_drafter import HeadDrafter
+    from models.tt_transformers.speculative.drafters.eagle3 import HeadDrafter
     from models.tt_transformers.speculative.results import UserResult, summarize
 except KeyboardInterrupt:
     if __name__ != "__main__":

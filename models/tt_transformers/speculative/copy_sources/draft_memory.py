@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 
 from loguru import logger
 
-from .suffix_automaton import SuffixAutomaton
+from . import implementations
 
 MATCH_WINDOW = 64  # context tokens a new match starts from (a longer match is not needed)
 
@@ -24,7 +24,7 @@ class TokenStore:
         self.max_tokens = max_tokens
         self.docs: deque[list[int]] = deque()
         self.n_tokens = 0
-        self.sam = SuffixAutomaton()
+        self.sam = implementations().SuffixAutomaton()
         self.matches: dict[int, tuple[int, int, int]] = {}  # user -> (state, length, context tokens consumed)
 
     def add(self, tokens: Sequence[int]) -> None:
@@ -35,7 +35,7 @@ class TokenStore:
         if self.max_tokens is not None and self.n_tokens > self.max_tokens:
             while self.docs and self.n_tokens > 3 * self.max_tokens // 4:
                 self.n_tokens -= len(self.docs.popleft())
-            self.sam = SuffixAutomaton()
+            self.sam = implementations().SuffixAutomaton()
             for doc in self.docs:
                 self._append(doc)
             self.matches = {}
