@@ -21,8 +21,9 @@ from models.tt_transformers.prompts import encode, load_prompts, split_batches
 from models.tt_transformers.records import write_json_atomic
 from models.tt_transformers.speculative.results import summarize
 from models.tt_transformers.speculative import SamplingParams, SpeculativeConfig, SpeculativeGenerator, make_drafter
-from models.tt_transformers.torch_backend.checkpoint import load_model, load_tokenizer, resolve_checkpoint
-from models.tt_transformers.torch_backend.generator import TorchCausalLM
+from models.tt_transformers.checkpoints.checkpoint import load_tokenizer, resolve_checkpoint
+from models.tt_transformers.torch_backend.load import load_model
+from models.tt_transformers.torch_backend.causal_lm import TorchCausalLM
 
 PROMPT_SETS = REPO / "benchmarks" / "prompt_sets"
 PROMPTS = [("code_edit", 3), ("summarization", 3), ("chat", 2)]

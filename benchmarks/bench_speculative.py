@@ -20,8 +20,9 @@ import torch
 from models.tt_transformers.prompts import encode, load_prompts
 from models.tt_transformers.records import write_json_atomic
 from models.tt_transformers.speculative import SpeculativeConfig, SpeculativeGenerator, make_drafter
-from models.tt_transformers.torch_backend.checkpoint import load_model, load_tokenizer, resolve_checkpoint
-from models.tt_transformers.torch_backend.generator import TorchCausalLM
+from models.tt_transformers.checkpoints.checkpoint import load_tokenizer, resolve_checkpoint
+from models.tt_transformers.torch_backend.load import load_model
+from models.tt_transformers.torch_backend.causal_lm import TorchCausalLM
 
 
 def read_bandwidth_gb_s() -> float:

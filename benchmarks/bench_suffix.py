@@ -37,14 +37,22 @@ import torch
 
 from models.tt_transformers.prompts import encode, eos_token_ids, load_prompts
 from models.tt_transformers.records import write_json_atomic
-from models.tt_transformers.speculative import (Draft, SamplingParams, SpeculativeConfig, SpeculativeGenerator, Verified,
-                                                make_drafter)
+from models.tt_transformers.speculative import (
+    Draft,
+    SamplingParams,
+    SpeculativeConfig,
+    SpeculativeGenerator,
+    Verified,
+    make_drafter,
+)
 from models.tt_transformers.speculative.draft_length import linear_cost
 from models.tt_transformers.speculative.drafters import SuffixDrafter
 from models.tt_transformers.speculative.sampling import KeyedSampler
-from models.tt_transformers.torch_backend.checkpoint import load_model, load_tokenizer, resolve_checkpoint
-from models.tt_transformers.torch_backend.draft_head import DRAFT_HEADS, HeadRunner, load_draft_head
-from models.tt_transformers.torch_backend.generator import TorchCausalLM
+from models.tt_transformers.checkpoints.checkpoint import load_tokenizer, resolve_checkpoint
+from models.tt_transformers.torch_backend.load import load_model
+from models.tt_transformers.checkpoints.eagle3_format import DRAFT_HEADS
+from models.tt_transformers.torch_backend.eagle3_head import HeadRunner, load_draft_head
+from models.tt_transformers.torch_backend.causal_lm import TorchCausalLM
 
 PROMPT_SETS = REPO / "benchmarks" / "prompt_sets"
 CATEGORIES = {"code_edit": "repetitive", "json": "repetitive", "summarization": "repetitive",

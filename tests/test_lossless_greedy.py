@@ -13,10 +13,10 @@ from models.tt_transformers.speculative.drafters import ModelDrafter, SuffixDraf
 from models.tt_transformers.speculative.drafters.eagle3 import HeadDrafter
 from models.tt_transformers.speculative.drafters.eagle3_base import RunCost
 from models.tt_transformers.speculative.sampling import probabilities
-from models.tt_transformers.torch_backend.draft_head import HeadRunner
+from models.tt_transformers.torch_backend.eagle3_head import HeadRunner
 from models.tt_transformers.speculative.verification import verify_chain
 from models.tt_transformers.speculative.backend import UserRows
-from models.tt_transformers.torch_backend.generator import TorchCausalLM
+from models.tt_transformers.torch_backend.causal_lm import TorchCausalLM
 from models.tt_transformers.prompts import encode
 from models.tt_transformers.speculative.generator import SpeculativeGenerator
 
@@ -63,7 +63,8 @@ def run_results(model, prompts, n_draft, draft_layers, max_tokens=N_TOKENS, eos=
                 sa_threshold=4, shared_cache=True, memory=False, recycle=0, trees=True):
     batch = batch or len(prompts)
     target = TorchCausalLM(model, model.args.n_layers, batch)
-    drafter = drafter_for_mode(target, mode, draft_layers, sa_threshold, shared_cache, memory, recycle) if n_draft else None
+    drafter = (drafter_for_mode(target, mode, draft_layers, sa_threshold, shared_cache, memory, recycle)
+               if n_draft else None)
     return SpeculativeGenerator(target, drafter, n_draft, eos, trees=trees).generate(prompts, max_tokens)
 
 
@@ -255,7 +256,7 @@ def test_every_cpu_path_at_the_embedded_shapes(embedded_checkpoint, embedded_tok
                                                cpu_path):
     """The real model on each CPU path this machine runs (what an AVX2, AVX-512 or older CPU runs): model, suffix and
     hybrid drafts for three users at once give each user's batch-1 plain decode on that path, with drafts accepted."""
-    from models.tt_transformers.torch_backend.checkpoint import load_model
+    from models.tt_transformers.torch_backend.load import load_model
 
     eos = [embedded_tokenizer.eos_token_id]
     prompts = sample_prompt_tokens[1:4]
@@ -271,7 +272,7 @@ def test_every_cpu_path_at_the_embedded_shapes(embedded_checkpoint, embedded_tok
 def test_torch_ops_path_at_the_embedded_shapes(embedded_checkpoint, embedded_tokenizer, sample_prompt_tokens):
     """The fallback without a C compiler (and TT_CPU_KERNELS=0), bf16 and float32, on the real model: decode and
     verification steps of three users at once equal each user's batch-1 plain decode."""
-    from models.tt_transformers.torch_backend.checkpoint import load_model
+    from models.tt_transformers.torch_backend.load import load_model
 
     eos = [embedded_tokenizer.eos_token_id]
     prompts = sample_prompt_tokens[1:4]
@@ -378,7 +379,7 @@ def test_independent_reference_and_exact_end_of_cache(embedded_bf16, embedded_ch
     for drafter in (None, ModelDrafter(lm.draft_view(29)), SuffixDrafter(1)):
         results = SpeculativeGenerator(lm, drafter, 8 if drafter else 0, eos).generate(prompts, N_TOKENS)
         assert [r.output_tokens for r in results] == reference
-    from models.tt_transformers.torch_backend.checkpoint import load_model
+    from models.tt_transformers.torch_backend.load import load_model
 
     short = load_model(embedded_checkpoint, torch.bfloat16, len(prompts[0]) + 20)  # a cache that ends mid-answer
     lm = TorchCausalLM(short, short.args.n_layers, 1)

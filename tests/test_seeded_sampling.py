@@ -7,12 +7,12 @@ from collections import Counter
 import pytest
 
 from models.tt_transformers.prompts import encode
-from models.tt_transformers.torch_backend.draft_head import DRAFT_HEADS
+from models.tt_transformers.checkpoints.eagle3_format import DRAFT_HEADS
 from models.tt_transformers.speculative import SpeculativeConfig, make_drafter
 from models.tt_transformers.speculative.generator import SpeculativeGenerator
 from models.tt_transformers.speculative.sampling import KeyedSampler, SamplingParams
-from models.tt_transformers.torch_backend.draft_head import load_draft_head
-from models.tt_transformers.torch_backend.generator import TorchCausalLM
+from models.tt_transformers.torch_backend.eagle3_head import load_draft_head
+from models.tt_transformers.torch_backend.causal_lm import TorchCausalLM
 
 from .test_lossless_greedy import head_drafter, head_runner, reference_decode
 

@@ -18,7 +18,7 @@ from models.tt_transformers.speculative.draft_length import (
 from models.tt_transformers.speculative.drafters import ModelDrafter
 from models.tt_transformers.speculative.copy_sources import implementations
 from models.tt_transformers.speculative.copy_sources.suffix_automaton import ReferenceSuffixAutomaton
-from models.tt_transformers.torch_backend.generator import TorchCausalLM
+from models.tt_transformers.torch_backend.causal_lm import TorchCausalLM
 
 from .conftest import random_model
 

@@ -6,7 +6,7 @@ import torch
 
 from models.tt_transformers.speculative.copy_sources import implementations
 from models.tt_transformers.speculative.copy_sources.token_tree import reference_build_tree
-from models.tt_transformers.torch_backend.generator import TorchCausalLM
+from models.tt_transformers.torch_backend.causal_lm import TorchCausalLM
 
 from .conftest import every_cpu_path_and_torch_ops, kernels_of, random_model
 

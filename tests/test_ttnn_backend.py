@@ -12,8 +12,9 @@ from models.tt_transformers.speculative.generator import SpeculativeGenerator
 from models.tt_transformers.speculative.backend import UserRows
 from models.tt_transformers.speculative import SpeculativeConfig, make_drafter
 from models.tt_transformers.speculative.drafters import ModelDrafter, SuffixDrafter
-from models.tt_transformers.torch_backend.checkpoint import load_model, resolve_checkpoint
-from models.tt_transformers.torch_backend.generator import TorchCausalLM
+from models.tt_transformers.checkpoints.checkpoint import resolve_checkpoint
+from models.tt_transformers.torch_backend.load import load_model
+from models.tt_transformers.torch_backend.causal_lm import TorchCausalLM
 from models.tt_transformers.ttnn_backend import attention as ordered_attention
 
 from .stand_in_backend import MAX_SEQ_LEN, backend_builder, outputs

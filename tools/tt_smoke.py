@@ -118,8 +118,8 @@ MIN_CHAIN_STEPS = 32  # chain steps compared, over as many prompt prefixes as th
 def stages_region(config: DemoConfig, shape, draft_head=None) -> int:
     """Trace region for the traces the stages add to the run's: the taps stage's (1 write pass, smoke_taps), and the
     head stage's (the target's steps with the head's taps and the head's own traces), with the margin."""
-    from models.tt_transformers.torch_backend.checkpoint import resolve_checkpoint
-    from models.tt_transformers.torch_backend.model_config import ModelArgs
+    from models.tt_transformers.checkpoints.checkpoint import resolve_checkpoint
+    from models.tt_transformers.checkpoints.model_shape import ModelShape
     from models.tt_transformers.ttnn_backend.trace_plan import (
         device_names_for,
         head_region_bytes,
@@ -128,9 +128,9 @@ def stages_region(config: DemoConfig, shape, draft_head=None) -> int:
     )
 
     ckpt = resolve_checkpoint(config.model, "--model" if config.model else "HF_MODEL")
-    args = ModelArgs.from_hf_config(ckpt.config)
+    args = ModelShape.from_hf_config(ckpt.config)
     devices, n = device_names_for(shape, os.environ.get("MESH_DEVICE")), shape[0] * shape[1]
-    from models.tt_transformers.torch_backend.draft_head import default_taps, read_head_config
+    from models.tt_transformers.checkpoints.eagle3_format import default_taps, read_head_config
 
     k = max(1, config.n_draft_tokens)
     folder = smoke_head_folder(config, ckpt, draft_head)
@@ -233,17 +233,14 @@ def device_head(s: Smoke) -> None:
     import torch
 
     from models.tt_transformers.speculative.drafters.eagle3_device import HeadFeed
-    from models.tt_transformers.torch_backend.checkpoint import load_model, resolve_checkpoint
-    from models.tt_transformers.torch_backend.draft_head import (
-        HeadRunner,
-        build_draft_head,
-        random_head,
-        read_draft_head,
-    )
-    from models.tt_transformers.torch_backend.model_config import ModelArgs
+    from models.tt_transformers.checkpoints.checkpoint import resolve_checkpoint
+    from models.tt_transformers.torch_backend.load import load_model
+    from models.tt_transformers.checkpoints.eagle3_format import random_head, read_draft_head
+    from models.tt_transformers.torch_backend.eagle3_head import HeadRunner, build_draft_head
+    from models.tt_transformers.checkpoints.model_shape import ModelShape
 
     ckpt = resolve_checkpoint(s.config.model, "--model" if s.config.model else "HF_MODEL")
-    args = ModelArgs.from_hf_config(ckpt.config)
+    args = ModelShape.from_hf_config(ckpt.config)
     folder = smoke_head_folder(s.config, ckpt, s.draft_head)
     head = read_draft_head(folder, args) if folder is not None else \
         random_head(args, draft_vocab=min(RANDOM_DRAFT_VOCAB, args.vocab_size))

@@ -21,7 +21,7 @@ from models.tt_transformers.demo.speculative_decoding.build import ModelPool, tr
 from models.tt_transformers.demo.speculative_decoding.options import DemoConfig
 from models.tt_transformers.demo.speculative_decoding.speculative_demo import run_demo
 from models.tt_transformers.speculative import SpeculativeConfig, SpeculativeGenerator, make_drafter
-from models.tt_transformers.torch_backend.checkpoint import resolve_checkpoint
+from models.tt_transformers.checkpoints.checkpoint import resolve_checkpoint
 from models.tt_transformers.ttnn_backend.device import mesh_shape
 from models.tt_transformers.ttnn_backend.draft_head import TtnnDraftHead
 from models.tt_transformers.ttnn_backend.generator import TtnnCausalLM
@@ -81,7 +81,7 @@ def test_demo_on_device(mesh_device, checkpoint):
 def test_lossless_on_device(mesh_device, checkpoint, batch):
     """Every draft mode equals plain greedy decoding through the same traced 32-row step on the device."""
     from models.tt_transformers.prompts import encode, load_prompts
-    from models.tt_transformers.torch_backend.checkpoint import load_tokenizer
+    from models.tt_transformers.checkpoints.checkpoint import load_tokenizer
 
     tokenizer = load_tokenizer(checkpoint)
     prompts = [encode(tokenizer, p, True) for p in load_prompts(CODE_EDITS)][:batch]
@@ -100,11 +100,11 @@ def device_head_drafter(target, checkpoint, n_draft_tokens: int):
     same: its drafts fail), on the device beside `target` (build.draft_head, make_drafter), traced with it."""
     from models.tt_transformers.demo.speculative_decoding.build import draft_head
     from models.tt_transformers.demo.speculative_decoding.inputs import draft_head_folder
-    from models.tt_transformers.torch_backend.draft_head import random_head, read_draft_head
-    from models.tt_transformers.torch_backend.model_config import ModelArgs
+    from models.tt_transformers.checkpoints.eagle3_format import random_head, read_draft_head
+    from models.tt_transformers.checkpoints.model_shape import ModelShape
 
     config = DemoConfig(backend="ttnn", n_draft_tokens=n_draft_tokens, draft_head=os.environ.get("DRAFT_HEAD"))
-    args = ModelArgs.from_hf_config(checkpoint.config)
+    args = ModelShape.from_hf_config(checkpoint.config)
     folder = draft_head_folder(DemoConfig(**{**vars(config), "draft_mode": "hybrid"}), checkpoint.name)
     head = read_draft_head(folder, args) if folder is not None else random_head(args)
     drafter = make_drafter(SpeculativeConfig(draft_mode="head", n_draft_tokens=n_draft_tokens), target,
@@ -118,7 +118,7 @@ def test_device_head_lossless_on_device(mesh_device, checkpoint, batch):
     """The draft head on the device (DRAFT_HEAD, the shipped one, or a random one), in head and hybrid modes, equals
     plain greedy decoding through the same traced 32-row step."""
     from models.tt_transformers.prompts import encode, load_prompts
-    from models.tt_transformers.torch_backend.checkpoint import load_tokenizer
+    from models.tt_transformers.checkpoints.checkpoint import load_tokenizer
 
     tokenizer = load_tokenizer(checkpoint)
     prompts = [encode(tokenizer, p, True) for p in load_prompts(CHAT)][:batch]
@@ -198,7 +198,7 @@ def tt_baseline(mesh_device, checkpoint, config: DemoConfig) -> dict:
     """TT-Transformers' own traced decode (tt_baseline.py) on the perf prompts' first batch, built and dropped before
     our models are built (two 8B models do not fit an N150 together): what a TT user runs without us."""
     from models.tt_transformers.prompts import encode, load_prompts
-    from models.tt_transformers.torch_backend.checkpoint import load_tokenizer
+    from models.tt_transformers.checkpoints.checkpoint import load_tokenizer
     from models.tt_transformers.ttnn_backend.tt_baseline import tt_decode_baseline
 
     tokenizer = load_tokenizer(checkpoint)

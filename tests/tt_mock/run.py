@@ -98,8 +98,8 @@ def run_shape(mesh, name: str, config: dict, max_seq_len: int, batch: int, draft
     users, then the device draft head fed the prompt and a verified step, drafting chains."""
     import torch
 
-    from models.tt_transformers.torch_backend.draft_head import random_head
-    from models.tt_transformers.torch_backend.model_config import ModelArgs
+    from models.tt_transformers.checkpoints.eagle3_format import random_head
+    from models.tt_transformers.checkpoints.model_shape import ModelShape
     from models.tt_transformers.ttnn_backend.draft_head import TtnnDraftHead
     from models.tt_transformers.ttnn_backend.generator import TtnnCausalLM
     from models.tt_transformers.ttnn_backend.model import build_tt_model
@@ -107,7 +107,7 @@ def run_shape(mesh, name: str, config: dict, max_seq_len: int, batch: int, draft
     folder = checkpoint(work, name, config)
     tt = build_tt_model(mesh, folder, name, batch, max_seq_len, True)
     lm = TtnnCausalLM(tt, batch, max_seq_len, trace=False)
-    args = ModelArgs.from_hf_config(config)
+    args = ModelShape.from_hf_config(config)
     head_config, weights = random_head(args, draft_vocab=draft_vocab)
     lm.warm_up(N_DRAFT + 1, 4, head_config.taps)  # the steps a hybrid run plans: recycling's top k, the head's taps
     embedding = torch.zeros(config["vocab_size"], config["hidden_size"], dtype=torch.bfloat16)

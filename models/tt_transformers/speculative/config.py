@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """Every setting of speculative decoding and its default, in one place: what `make_drafter` builds and what
-`SpeculativeGenerator` verifies. The demo's flags take their defaults from here.
+`SpeculativeGenerator` verifies. The command line's flags take their defaults from here.
 
     config = SpeculativeConfig(draft_mode="suffix", n_draft_tokens=16)
     config.check()  # UserError naming the parameter and the fix
@@ -47,12 +47,14 @@ class SpeculativeConfig:
         if self.draft_mode not in DRAFT_MODES:
             raise UserError(f"draft_mode {self.draft_mode!r} is not one of {', '.join(DRAFT_MODES)}", "draft_mode")
         if self.sa_threshold < 1:
-            raise UserError(f"sa_threshold must be >= 1 (tokens of matched suffix), got {self.sa_threshold}", "sa_threshold")
+            raise UserError(f"sa_threshold must be >= 1 (tokens of matched suffix), got {self.sa_threshold}",
+                            "sa_threshold")
         for name, value in (("draft_memory", self.draft_memory), ("recycle_top_k", self.recycle_top_k)):
             if value < 0:
                 raise UserError(f"{name} must be >= 0 (0 turns it off), got {value}", name)
         if self.recycle_top_k > MAX_RECYCLE_TOP_K:
-            raise UserError(f"recycle_top_k {self.recycle_top_k} is more than {MAX_RECYCLE_TOP_K}; lower it", "recycle_top_k")
+            raise UserError(f"recycle_top_k {self.recycle_top_k} is more than {MAX_RECYCLE_TOP_K}; lower it",
+                            "recycle_top_k")
 
     @property
     def copies(self) -> bool:
@@ -62,7 +64,8 @@ class SpeculativeConfig:
 
 def check_n_draft_tokens(n_draft_tokens: int) -> None:
     if not 0 <= n_draft_tokens <= MAX_DRAFT_TOKENS:
-        raise UserError(f"n_draft_tokens must be between 0 and {MAX_DRAFT_TOKENS}, got {n_draft_tokens}", "n_draft_tokens")
+        raise UserError(f"n_draft_tokens must be between 0 and {MAX_DRAFT_TOKENS}, got {n_draft_tokens}",
+                        "n_draft_tokens")
 
 
 def default_draft_layers(target_layers: int) -> int:

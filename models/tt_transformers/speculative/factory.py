@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The one place a drafter is assembled from a SpeculativeConfig: the demo, the tests, the benchmarks and the tools
-all build theirs here.
+"""The one place a drafter is assembled from a SpeculativeConfig: every front end (the command line and pytest form,
+the tests, the benchmarks, the tools) builds its drafters here.
 
     target = TorchCausalLM(model, model.args.n_layers, max_batch_size=1)
     drafter = make_drafter(SpeculativeConfig(draft_mode="suffix"), target)

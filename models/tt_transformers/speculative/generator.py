@@ -41,8 +41,8 @@ def describe_sources(drafts: Sequence[Draft]) -> str:
 
 
 class IterationLog:
-    """The `Iteration` lines of one generate() call: the first `limit` logged (None: every one, as TT's demo logs
-    them), the rest counted into one line at the end."""
+    """The `Iteration` lines of one generate() call: the first `limit` logged (None: every one, as TT's text
+    generation logs them), the rest counted into one line at the end."""
 
     def __init__(self, limit: Optional[int]):
         self.limit, self.iteration = limit, 0
@@ -100,8 +100,8 @@ class SpeculativeGenerator:
     forward, as token trees where `trees` and the target allow (CausalLM.supports_trees); plain decoding on the same
     target with n_draft_tokens 0 (no drafter needed). Sampling follows `sampling_params` (default greedy), each draw
     keyed on (seed, request, position): lossless and batch-invariant either way. `log_iterations`: the `Iteration`
-    lines logged per generate() call, the rest counted in one line (None: every one, as TT's demo logs them); each
-    iteration is in the results either way.
+    lines logged per generate() call, the rest counted in one line (None: every one, as TT's text generation logs
+    them); each iteration is in the results either way.
 
     Raises:
         UserError: n_draft_tokens out of range (check_prompts and generate: prompts the target cannot take).
@@ -126,7 +126,8 @@ class SpeculativeGenerator:
             raise UserError("no prompts to generate from")
         if len(prompts) > self.target.max_batch_size:
             raise UserError(f"{len(prompts)} prompts but the target was built for max_batch_size "
-                            f"{self.target.max_batch_size}; raise max_batch_size or pass fewer prompts", "max_batch_size")
+                            f"{self.target.max_batch_size}; raise max_batch_size or pass fewer prompts",
+                            "max_batch_size")
         for i, p in enumerate(prompts):
             if len(p) == 0:
                 raise UserError(f"prompt {i} is empty")

@@ -40,11 +40,11 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from ..native_build import cache_root
+from ..checkpoints.cache import cache_root
 from ..speculative.drafters.eagle3_device import HeadFeed
-from ..torch_backend.draft_head import HeadConfig, estimated_run_cost, parameter_names
-from ..torch_backend.model_config import ModelArgs
-from ..torch_backend.rope import rope_tables
+from ..checkpoints.eagle3_format import HeadConfig, estimated_run_cost, parameter_names
+from ..checkpoints.model_shape import ModelShape
+from ..checkpoints.rope import rope_tables
 from .generator import MESH_MODELS, TtnnCausalLM, captured, device_tensors, prepare_mesh, release_all, slice_top_k
 from .model import BLOCK_SIZE, TILE_ROWS, blocks_per_user
 from .trace_plan import HeadKey, head_trace_bytes, head_trace_keys, pass_ladder, passes_for
@@ -233,7 +233,7 @@ class TtnnDraftHead:
     on the mesh (generator.prepare_mesh), as the target's are."""
 
     def __init__(self, target: TtnnCausalLM, config: HeadConfig, weights: dict, embedding: torch.Tensor,
-                 chain_len: int, target_args: ModelArgs, weights_dtype=None, cache_dir: Optional[Path] = None):
+                 chain_len: int, target_args: ModelShape, weights_dtype=None, cache_dir: Optional[Path] = None):
         import ttnn
 
         if not 1 <= chain_len <= TILE_ROWS:

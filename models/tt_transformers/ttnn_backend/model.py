@@ -20,7 +20,7 @@ from typing import Any, Optional
 import torch
 from loguru import logger
 
-from ..native_build import cache_root
+from ..checkpoints.cache import cache_root
 from .attention import KVWritePasses, ordered_write_attention
 from .tt_surface import full_layers
 

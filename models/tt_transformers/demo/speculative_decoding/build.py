@@ -45,10 +45,11 @@ def torch_loader(config: DemoConfig, args):
     """(checkpoint, layers) -> a TorchCausalLM, on the device --device picks for this model."""
     import torch
 
-    from models.tt_transformers.torch_backend.checkpoint import cache_root, load_model
+    from models.tt_transformers.checkpoints.cache import cache_root
+    from models.tt_transformers.torch_backend.load import load_model
     from models.tt_transformers.torch_backend.cpu_kernels import kernels_fit, load_cpu_kernels
     from models.tt_transformers.torch_backend.device import choose_device
-    from models.tt_transformers.torch_backend.generator import TorchCausalLM
+    from models.tt_transformers.torch_backend.causal_lm import TorchCausalLM
 
     dtype = getattr(torch, dtype_of(config))
     choice = choose_device(config.device, args, dtype,
@@ -88,8 +89,8 @@ def trace_region_size(config: DemoConfig, shape: tuple[int, int]) -> int:
     """The trace region a ttnn run on a mesh of this shape needs: every decode trace of the target, of the draft model
     and of a draft head (ttnn_backend/trace_plan.py), for the draft mode's most demanding choice (hybrid: recycling's
     top k, a head's taps and traces and a draft model's traces all counted)."""
-    from models.tt_transformers.torch_backend.checkpoint import resolve_checkpoint
-    from models.tt_transformers.torch_backend.model_config import ModelArgs
+    from models.tt_transformers.checkpoints.checkpoint import resolve_checkpoint
+    from models.tt_transformers.checkpoints.model_shape import ModelShape
     from models.tt_transformers.ttnn_backend.model import TILE_ROWS
     from models.tt_transformers.ttnn_backend.trace_plan import (
         device_names_for,
@@ -99,7 +100,7 @@ def trace_region_size(config: DemoConfig, shape: tuple[int, int]) -> int:
     )
 
     ckpt = resolve_checkpoint(config.model, model_flag(config))
-    args = ModelArgs.from_hf_config(ckpt.config)
+    args = ModelShape.from_hf_config(ckpt.config)
     device, n_devices = device_names_for(shape, os.environ.get("MESH_DEVICE")), shape[0] * shape[1]
     drafting = config.n_draft_tokens > 0
     top_k = config.recycle_top_k if drafting and config.draft_mode in ("suffix", "hybrid") else 0
@@ -112,7 +113,7 @@ def trace_region_size(config: DemoConfig, shape: tuple[int, int]) -> int:
         traces += head_region_bytes(ckpt.name, device, args.n_layers, config.n_draft_tokens)
     if drafting and config.draft_mode in ("model", "hybrid"):  # a draft steps up to a whole tile per user
         draft = resolve_checkpoint(config.draft_model, "--draft_model") if config.draft_model else ckpt
-        draft_args = ModelArgs.from_hf_config(draft.config)
+        draft_args = ModelShape.from_hf_config(draft.config)
         layers = draft_args.n_layers if config.draft_model else draft_layers_for(config, target_layers)
         traces += model_trace_bytes(draft.name, device, n_devices, draft_args.n_layers, layers, draft_args.vocab_size,
                                     TILE_ROWS, 0, ())
@@ -146,9 +147,9 @@ def build(config: DemoConfig, checked: CheckedInputs, mesh_device=None, pool: Op
     them, the drafter assembled by the library's make_drafter; models come from `pool` when an earlier run built them
     with the same settings. Returns the tokenizer, target, drafter, draft model (None without one), the prompts' tokens
     and the EOS ids."""
-    from models.tt_transformers.torch_backend.checkpoint import load_tokenizer
-    from models.tt_transformers.torch_backend.draft_head import read_draft_head
-    from models.tt_transformers.torch_backend.model_config import ModelArgs
+    from models.tt_transformers.checkpoints.checkpoint import load_tokenizer
+    from models.tt_transformers.checkpoints.eagle3_format import read_draft_head
+    from models.tt_transformers.checkpoints.model_shape import ModelShape
 
     for note in checked.notes:
         logger.info(note)
@@ -178,13 +179,14 @@ def build(config: DemoConfig, checked: CheckedInputs, mesh_device=None, pool: Op
                                                   built_with), make))
     elif spec.n_draft_tokens > 0 and spec.draft_mode in ("model", "hybrid"):
         if checked.draft_ckpt is not None:
-            draft_lm, draft_args = load(checked.draft_ckpt, None), ModelArgs.from_hf_config(checked.draft_ckpt.config)
+            draft_lm, draft_args = load(checked.draft_ckpt, None), ModelShape.from_hf_config(checked.draft_ckpt.config)
         else:  # the target's first layers, reading and writing the target's cache for them
             draft_lm = pool.get(("view", str(ckpt.folder), target_layers, checked.draft_layers, built_with),
                                 lambda: target.draft_view(checked.draft_layers))
             draft_args = args
         # a hybrid's draft model drafts only while its acceptance pays for its cost: the weights it reads per token
-        draft_cost = draft_args.weight_bytes_per_token(draft_lm.n_layers, 2) / args.weight_bytes_per_token(target_layers, 2)
+        draft_cost = (draft_args.weight_bytes_per_token(draft_lm.n_layers, 2)
+                      / args.weight_bytes_per_token(target_layers, 2))
     drafter = make_drafter(spec, target, draft_lm=draft_lm, draft_cost=draft_cost, documents=documents, **heads)
     if heads:
         head = drafter.fallback if isinstance(drafter, HybridDrafter) else drafter
@@ -206,8 +208,8 @@ def draft_head(head: tuple, target, ckpt, args, config: DemoConfig, pooled=lambd
     tokens it is fed are looked up on the host in the checkpoint's embedding, or the head's own; built through
     `pooled`, so runs share it and the pool releases its traces); on torch `head`, a HeadRunner beside the target, on
     its embedding."""
-    from models.tt_transformers.torch_backend.checkpoint import read_embedding
-    from models.tt_transformers.torch_backend.draft_head import HeadRunner, build_draft_head
+    from models.tt_transformers.checkpoints.safetensors_index import read_embedding
+    from models.tt_transformers.torch_backend.eagle3_head import HeadRunner, build_draft_head
 
     if backend_of(config) == "ttnn":
         import ttnn

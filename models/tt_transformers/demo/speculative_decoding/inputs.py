@@ -22,11 +22,11 @@ from models.tt_transformers.prompts import split_batches as fill_batches
 from models.tt_transformers.records import PACKAGE_ROOT
 from models.tt_transformers.speculative.config import default_draft_layers
 from models.tt_transformers.speculative.sampling import SamplingParams
-from models.tt_transformers.torch_backend.checkpoint import Checkpoint, resolve_checkpoint
+from models.tt_transformers.checkpoints.checkpoint import Checkpoint, resolve_checkpoint
 from models.tt_transformers.torch_backend.cpu_isa import check_cpu_isa
 from models.tt_transformers.torch_backend.device import DEVICES
-from models.tt_transformers.torch_backend.draft_head import DRAFT_HEADS
-from models.tt_transformers.torch_backend.model_config import ModelArgs
+from models.tt_transformers.checkpoints.eagle3_format import DRAFT_HEADS
+from models.tt_transformers.checkpoints.model_shape import ModelShape
 
 SUPPORTED_BATCH_SIZES = (1, 2, 4, 8, 16, 32)  # as TT-Transformers demos
 BACKENDS = ("auto", "torch", "ttnn")
@@ -164,7 +164,7 @@ def available_memory_bytes() -> Optional[int]:
     return None
 
 
-def kv_cache_bytes(config: DemoConfig, args: ModelArgs, layers: int) -> int:
+def kv_cache_bytes(config: DemoConfig, args: ModelShape, layers: int) -> int:
     """The torch backend's KV cache: K and V for every layer, user and position, plus one scratch position."""
     element_bytes = 4 if dtype_of(config) == "float32" else 2
     return 2 * layers * config.batch_size * args.n_kv_heads * (config.max_seq_len + 1) * args.head_dim * element_bytes
@@ -189,7 +189,7 @@ def check_cache_fits(config: DemoConfig, args, target_layers: int, backend: str)
 def draft_head_folder(config: DemoConfig, model_name: str) -> Optional[Path]:
     """The draft head the run uses: --draft_head (a folder or a hub id in the local cache), else the one shipped for
     the target, else None (--draft_mode head then fails with the fix)."""
-    from models.tt_transformers.torch_backend.draft_head import DraftHeadError, resolve_head_folder
+    from models.tt_transformers.checkpoints.eagle3_format import DraftHeadError, resolve_head_folder
 
     if config.n_draft_tokens == 0 or config.draft_mode not in ("head", "hybrid"):
         return None
@@ -210,7 +210,7 @@ def draft_head_folder(config: DemoConfig, model_name: str) -> Optional[Path]:
 
 def head_taps(folder: Path, args) -> tuple[int, ...]:
     """The target layers a draft head reads (its config.json), or the flag's one-line error."""
-    from models.tt_transformers.torch_backend.draft_head import DraftHeadError, read_head_config
+    from models.tt_transformers.checkpoints.eagle3_format import DraftHeadError, read_head_config
 
     try:
         return read_head_config(folder, args).taps
@@ -231,7 +231,7 @@ class CheckedInputs:
     batches: list[list[int]]  # prompt indices per batch
     corpus: Optional[str]  # --draft_corpus's text
     ckpt: Checkpoint  # the target's
-    args: ModelArgs  # the target's
+    args: ModelShape  # the target's
     target_layers: int
     head_folder: Optional[Path]  # the draft head the run drafts with, if any
     draft_ckpt: Optional[Checkpoint]  # --draft_model's, where the run drafts with it
@@ -251,7 +251,7 @@ def check_inputs(config: DemoConfig) -> CheckedInputs:
     batches = split_batches(len(prompts), config.batch_size)
     corpus = read_corpus(config.draft_corpus) if config.draft_corpus is not None else None
     ckpt = resolve_checkpoint(config.model, model_flag(config))
-    args = ModelArgs.from_hf_config(ckpt.config)
+    args = ModelShape.from_hf_config(ckpt.config)
     target_layers = config.target_layers or args.n_layers
     if not 1 <= target_layers <= args.n_layers:
         raise DemoInputError(f"--target_layers {target_layers} is out of range: {ckpt.name} has {args.n_layers} "

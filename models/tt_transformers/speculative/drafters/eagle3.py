@@ -1,11 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Drafting with an EAGLE-3 draft head beside the target, on its tapped hidden states (arXiv 2503.01840), in chains
-or in EAGLE-2's dynamic trees (arXiv 2406.16858).
+"""Drafting with an EAGLE-3 draft head beside the target, on its tapped hidden states (arXiv 2503.01840), in chains or
+in EAGLE-2's dynamic trees (arXiv 2406.16858).
 
-The head (torch_backend/draft_head.py) reads, at position t, the residual streams entering the layers it taps at t
-and token t+1, and gives the token at t+2 and a state the next draft step reads. The target returns the tapped
-states for the rows it verifies (and for the prompt at prefill), so a draft always starts from true states: the
-last step's accepted rows are fed first (one run, with everything else the head has not seen), then the head drafts
+The head (a DraftHeadModel: the torch backend's HeadRunner) reads, at position t, the residual streams entering the
+layers it taps at t and token t+1, and gives the token at t+2 and a state the next draft step reads. The target returns
+the tapped states for the rows it verifies (and for the prompt at prefill), so a draft always starts from true states:
+the last step's accepted rows are fed first (one run, with everything else the head has not seen), then the head drafts
 on its own states, one run per token (per tree depth). Its KV cache (one layer) is rolled back by position as the
 target's is. On a TT device the head runs on the device instead (eagle3_device.py)."""
 import time

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""What a draft head's drafter does wherever the head runs (beside the target, eagle3.py; on the device, eagle3_device.py):
-acceptance learned per depth against the head's confidence, length policies that gate users whose drafts do not pay,
-chains cut where one more token no longer pays, and what a head run costs, measured."""
+"""What a draft head's drafter does wherever the head runs (beside the target, eagle3.py; on the device,
+eagle3_device.py): acceptance learned per depth against the head's confidence, length policies that gate users whose
+drafts do not pay, chains cut where one more token no longer pays, and what a head run costs, measured."""
 import time
 from dataclasses import dataclass, field
 from typing import Optional

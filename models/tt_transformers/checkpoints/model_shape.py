@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Model hyper-parameters read from a Hugging Face `config.json` (Llama and Mistral families)."""
+"""The model's shape (hyper-parameters) read from a Hugging Face `config.json` (Llama and Mistral families):
+ModelShape, which both backends read; TT-Transformers' own ModelArgs is another thing (ttnn_backend/model.py)."""
 from dataclasses import dataclass
 from typing import Optional
 
@@ -13,7 +14,7 @@ class ModelConfigError(UserError):
 
 
 @dataclass(frozen=True)
-class ModelArgs:
+class ModelShape:
     dim: int
     n_layers: int
     n_heads: int
@@ -30,7 +31,7 @@ class ModelArgs:
     model_type: str
 
     @classmethod
-    def from_hf_config(cls, cfg: dict) -> "ModelArgs":
+    def from_hf_config(cls, cfg: dict) -> "ModelShape":
         model_type = cfg.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ModelConfigError(
