@@ -15,6 +15,7 @@ DEFAULT_SA_THRESHOLD = 1  # shortest match a copied draft may start from; its sc
 DEFAULT_DRAFT_LAYERS = 8  # the draft model's depth when draft_layers is not given, on targets deeper than that
 MAX_RECYCLE_TOP_K = 32  # ttnn.topk's default k; more is never worth a tree row
 MAX_TREE_NODES = 32  # nodes of a token tree verified per user and step (copied drafts' trees and a head's)
+DEFAULT_DRAFT_MEMORY = 65536  # tokens of earlier responses copied drafts may draw on
 
 
 @dataclass
@@ -36,7 +37,7 @@ class SpeculativeConfig:
     n_draft_tokens: int = 4
     draft_mode: str = "hybrid"
     sa_threshold: int = DEFAULT_SA_THRESHOLD
-    draft_memory: int = 65536
+    draft_memory: int = DEFAULT_DRAFT_MEMORY
     recycle_top_k: int = 4
     trees: bool = True
     draft_layers: Optional[int] = None

@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 
 from loguru import logger
 
+from ..config import DEFAULT_DRAFT_MEMORY
 from . import implementations
 
 MATCH_WINDOW = 64  # context tokens a new match starts from (a longer match is not needed)
@@ -62,7 +63,7 @@ class TokenStore:
 class DraftMemory:
     """Earlier responses (bounded, oldest evicted) and an optional static corpus."""
 
-    def __init__(self, max_tokens: int = 65536, corpus: Sequence[Sequence[int]] = ()):
+    def __init__(self, max_tokens: int = DEFAULT_DRAFT_MEMORY, corpus: Sequence[Sequence[int]] = ()):
         self.responses = TokenStore(max_tokens)
         self.corpus = TokenStore()
         for doc in corpus:
