@@ -20,26 +20,24 @@ from models.tt_transformers.prompts import eos_token_ids
 from models.tt_transformers.prompts import encode, load_prompts, split_batches
 from models.tt_transformers.records import write_json_atomic
 from models.tt_transformers.speculative.results import summarize
-from models.tt_transformers.speculative.generator import SpeculativeGenerator
-from models.tt_transformers.speculative.draft_memory import DraftMemory
-from models.tt_transformers.speculative.drafters import DEFAULT_SA_THRESHOLD, SuffixDrafter
-from models.tt_transformers.speculative.sampling import SamplingParams
-from models.tt_transformers.torch_backend.checkpoint import load_model, load_tokenizer, resolve_checkpoint
-from models.tt_transformers.torch_backend.generator import TorchCausalLM
+from models.tt_transformers.speculative import SamplingParams, SpeculativeConfig, SpeculativeGenerator, make_drafter
+from models.tt_transformers.checkpoints.checkpoint import load_tokenizer, resolve_checkpoint
+from models.tt_transformers.torch_backend.load import load_model
+from models.tt_transformers.torch_backend.causal_lm import TorchCausalLM
 
 PROMPT_SETS = REPO / "benchmarks" / "prompt_sets"
 PROMPTS = [("code_edit", 3), ("summarization", 3), ("chat", 2)]
 
 
-def demo_drafter() -> SuffixDrafter:
-    """`--draft_mode suffix` as the demo builds it (memory of earlier responses, recycling; trees where the target
-    verifies them), fresh for each run so that no run learns from an earlier one."""
-    return SuffixDrafter(DEFAULT_SA_THRESHOLD, DraftMemory(65536), 4)
+def suffix_drafter(target):
+    """`--draft_mode suffix` at the library's defaults, as the demo builds it (memory of earlier responses,
+    recycling; trees where the target verifies them), fresh for each run so that no run learns from an earlier one."""
+    return make_drafter(SpeculativeConfig(draft_mode="suffix"), target)
 
 
-def run_batched(target, make_drafter, n_draft, prompts, batch_size, n_tokens, sampling, eos):
+def run_batched(target, new_drafter, n_draft, prompts, batch_size, n_tokens, sampling, eos):
     SpeculativeGenerator(target, None, 0, eos, sampling).generate(prompts[:1], 4)  # warm-up, plain
-    gen = SpeculativeGenerator(target, make_drafter() if make_drafter else None, n_draft, eos, sampling)
+    gen = SpeculativeGenerator(target, new_drafter(target) if new_drafter else None, n_draft, eos, sampling)
     batches = split_batches(len(prompts), batch_size)
     results = [gen.generate([prompts[i] for i in b], n_tokens) for b in batches]
     return summarize(results), [r.output_tokens for rb in results for r in rb]
@@ -69,7 +67,7 @@ def main():
             sampling = SamplingParams(temperature, seed=0)
             runs = median_of_interleaved(
                 {"plain": partial(run_batched, target, None, 0, prompts, b, n, sampling, eos),
-                 "suffix": partial(run_batched, target, demo_drafter, args.n_draft_tokens, prompts, b, n, sampling,
+                 "suffix": partial(run_batched, target, suffix_drafter, args.n_draft_tokens, prompts, b, n, sampling,
                                    eos)}, args.repeats, key=lambda run: -run[0]["decode_tok_s"])
             (plain, plain_out), (spec, spec_out) = runs["plain"], runs["suffix"]
             if temperature == 0 and batch1_plain is None:

@@ -29,10 +29,10 @@ from common import REPO, cli_figures, hf_ms_per_token, load_hf, machine_info, qu
 
 from models.tt_transformers.prompts import eos_token_ids
 from models.tt_transformers.prompts import encode, load_prompts
-from models.tt_transformers.torch_backend.checkpoint import embedded_gguf, load_tokenizer, resolve_checkpoint
+from models.tt_transformers.checkpoints.checkpoint import embedded_gguf, load_tokenizer, resolve_checkpoint
 from models.tt_transformers.torch_backend.cpu_isa import cpu_flags, runnable_paths
 from models.tt_transformers.torch_backend.cpu_threads import fit_threads
-from models.tt_transformers.torch_backend.model_config import ModelArgs
+from models.tt_transformers.checkpoints.model_shape import ModelShape
 
 
 def read_floor(weight_bytes: int, passes: int = 7) -> dict:
@@ -98,8 +98,8 @@ def main():
     n = args.max_generated_tokens
     result = {"environment": machine_info(), "cpu_flags": sorted(cpu_flags()), "max_generated_tokens": n,
               "prompts": len(prompts), "ours": {}, "peers": {}}
-    result["floor"] = read_floor(ModelArgs.from_hf_config(ckpt.config).weight_bytes_per_token(
-        ModelArgs.from_hf_config(ckpt.config).n_layers, 2))
+    result["floor"] = read_floor(ModelShape.from_hf_config(ckpt.config).weight_bytes_per_token(
+        ModelShape.from_hf_config(ckpt.config).n_layers, 2))
     print(f"memory floor: {result['floor']}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         for path in paths:

@@ -19,10 +19,10 @@ import torch
 
 from models.tt_transformers.prompts import encode, load_prompts
 from models.tt_transformers.records import write_json_atomic
-from models.tt_transformers.speculative.generator import SpeculativeGenerator
-from models.tt_transformers.speculative.drafters import ModelDrafter
-from models.tt_transformers.torch_backend.checkpoint import load_model, load_tokenizer, resolve_checkpoint
-from models.tt_transformers.torch_backend.generator import TorchCausalLM
+from models.tt_transformers.speculative import SpeculativeConfig, SpeculativeGenerator, make_drafter
+from models.tt_transformers.checkpoints.checkpoint import load_tokenizer, resolve_checkpoint
+from models.tt_transformers.torch_backend.load import load_model
+from models.tt_transformers.torch_backend.causal_lm import TorchCausalLM
 
 
 def read_bandwidth_gb_s() -> float:
@@ -39,7 +39,8 @@ def read_bandwidth_gb_s() -> float:
 
 def layer_draft_generator(model, n_draft, draft_layers):
     target = TorchCausalLM(model, model.args.n_layers, 1)
-    drafter = ModelDrafter(target.draft_view(draft_layers)) if n_draft else None  # as the demo builds it
+    config = SpeculativeConfig(draft_mode="model", n_draft_tokens=n_draft, draft_layers=draft_layers)
+    drafter = make_drafter(config, target)  # the first draft_layers layers, as the demo builds them (None: plain)
     return SpeculativeGenerator(target, drafter, n_draft)
 
 

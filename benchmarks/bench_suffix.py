@@ -27,6 +27,7 @@ import math
 import random
 import statistics
 import time
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -34,19 +35,24 @@ from common import REPO, hf_ms_per_token, load_hf, machine_info, print_table, qu
 
 import torch
 
-from models.tt_transformers.prompts import eos_token_ids
-from models.tt_transformers.prompts import encode, load_prompts
-from models.tt_transformers.torch_backend.draft_head import DRAFT_HEADS
+from models.tt_transformers.prompts import encode, eos_token_ids, load_prompts
 from models.tt_transformers.records import write_json_atomic
-from models.tt_transformers.speculative.generator import SpeculativeGenerator
+from models.tt_transformers.speculative import (
+    Draft,
+    SamplingParams,
+    SpeculativeConfig,
+    SpeculativeGenerator,
+    Verified,
+    make_drafter,
+)
 from models.tt_transformers.speculative.draft_length import linear_cost
-from models.tt_transformers.speculative.draft_memory import DraftMemory
-from models.tt_transformers.speculative.drafters import DEFAULT_SA_THRESHOLD, Draft, HybridDrafter, SuffixDrafter, Verified
-from models.tt_transformers.speculative.head_drafter import HeadDrafter
-from models.tt_transformers.speculative.sampling import KeyedSampler, SamplingParams
-from models.tt_transformers.torch_backend.checkpoint import load_model, load_tokenizer, resolve_checkpoint
-from models.tt_transformers.torch_backend.draft_head import HeadRunner, load_draft_head
-from models.tt_transformers.torch_backend.generator import TorchCausalLM
+from models.tt_transformers.speculative.drafters import SuffixDrafter
+from models.tt_transformers.speculative.sampling import KeyedSampler
+from models.tt_transformers.checkpoints.checkpoint import load_tokenizer, resolve_checkpoint
+from models.tt_transformers.torch_backend.load import load_model
+from models.tt_transformers.checkpoints.eagle3_format import DRAFT_HEADS
+from models.tt_transformers.torch_backend.eagle3_head import HeadRunner, load_draft_head
+from models.tt_transformers.torch_backend.causal_lm import TorchCausalLM
 
 PROMPT_SETS = REPO / "benchmarks" / "prompt_sets"
 CATEGORIES = {"code_edit": "repetitive", "json": "repetitive", "summarization": "repetitive",
@@ -56,7 +62,7 @@ METHODS = ("plain", "suffix", "suffix (request only)", "head", "hybrid", "arctic
 GOALS = {"code_edit": 2.5, "summarization": 2.0, "json": 2.0, "chat": 1.4, "qa": 1.4, "translation": 1.4,
          "related_requests": 2.5}
 CHAT_LIKE = ("chat", "qa", "translation")  # issue 14: head >= 2.5 tokens per forward, >= 1.5x (hybrid) on each
-RECYCLE_TOP_K, MEMORY_TOKENS = 4, 65536  # the demo's defaults
+DEFAULTS = SpeculativeConfig()  # the library's, which the demo's flags default to
 
 
 class ArcticDrafter:
@@ -97,30 +103,28 @@ class ArcticDrafter:
 
 
 def generator_factories(model, model_name, eos, args) -> dict:
-    """Method -> a function building a fresh generator (nothing learned from an earlier run)."""
-    def make(drafter_factory, n_draft):
-        target = TorchCausalLM(model, model.args.n_layers, 1)
-        return SpeculativeGenerator(target, drafter_factory(target), n_draft, eos)
-
-    k, threshold = args.n_draft_tokens, args.sa_threshold
+    """Method -> a function building a fresh generator (nothing learned from an earlier run), each drafter from the
+    library's make_drafter at its defaults, as the demo builds it (but for the request-only copies)."""
     head = load_draft_head(DRAFT_HEADS / model_name, model)
+    defaults = SpeculativeConfig(n_draft_tokens=args.n_draft_tokens, sa_threshold=args.sa_threshold)
 
-    def suffix(target):  # as the demo builds it
-        return SuffixDrafter(threshold, DraftMemory(MEMORY_TOKENS), RECYCLE_TOP_K)
+    def make(config, with_head=False, trees=True):
+        target = TorchCausalLM(model, model.args.n_layers, 1)
+        runner = HeadRunner(head, 1, target.max_seq_len, model.args) if with_head else None  # a fresh head cache
+        return SpeculativeGenerator(target, make_drafter(config, target, head=runner), config.n_draft_tokens, eos,
+                                    trees=trees)
 
-    def request_only(target):
-        target.supports_trees = False
-        return SuffixDrafter(threshold)
-
-    def runner(target):  # a fresh head cache per generator
-        return HeadRunner(head, 1, target.max_seq_len, model.args)
+    def arctic():
+        return SpeculativeGenerator(TorchCausalLM(model, model.args.n_layers, 1), ArcticDrafter(), args.n_draft_tokens,
+                                    eos)
     return {
-        "plain": partial(make, lambda target: None, 0),
-        "suffix": partial(make, suffix, k),
-        "suffix (request only)": partial(make, request_only, k),
-        "head": partial(make, lambda target: HeadDrafter(runner(target)), k),
-        "hybrid": partial(make, lambda target: HybridDrafter(suffix(target), HeadDrafter(runner(target))), k),
-        "arctic": partial(make, lambda target: ArcticDrafter(), k),
+        "plain": partial(make, replace(defaults, n_draft_tokens=0)),
+        "suffix": partial(make, replace(defaults, draft_mode="suffix")),
+        "suffix (request only)": partial(make, replace(defaults, draft_mode="suffix", draft_memory=0, recycle_top_k=0),
+                                         trees=False),
+        "head": partial(make, replace(defaults, draft_mode="head"), with_head=True),
+        "hybrid": partial(make, replace(defaults, draft_mode="hybrid"), with_head=True),
+        "arctic": arctic,
     }
 
 
@@ -136,8 +140,8 @@ def host_cost_us(context: list[int], n_draft: int, n_iterations: int = 400) -> d
     prefix_len = len(context) - sum(steps)
     vocab = sorted(set(context))
     out = {"context_tokens": len(context)}
-    for name, trees, recycle in (("ours_chain", False, 0), ("ours_tree_recycle", True, RECYCLE_TOP_K)):
-        drafter = SuffixDrafter(DEFAULT_SA_THRESHOLD, recycle=recycle)
+    for name, trees, recycle in (("ours_chain", False, 0), ("ours_tree_recycle", True, DEFAULTS.recycle_top_k)):
+        drafter = SuffixDrafter(DEFAULTS.sa_threshold, recycle=recycle)
         drafter.start([0], [context[:prefix_len]], KeyedSampler(SamplingParams()))
         times, pos = [], prefix_len
         for k in steps:
@@ -210,7 +214,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--max_generated_tokens", type=int, default=128)
     ap.add_argument("--n_draft_tokens", type=int, default=16)
-    ap.add_argument("--sa_threshold", type=int, default=DEFAULT_SA_THRESHOLD)
+    ap.add_argument("--sa_threshold", type=int, default=DEFAULTS.sa_threshold)
     ap.add_argument("--categories", nargs="+", default=list(CATEGORIES))
     ap.add_argument("--repeats", type=int, default=3, help="runs of each of our methods; the median is reported")
     ap.add_argument("--skip_hf", action="store_true", help="leave out the Hugging Face rows (they take longest)")

@@ -7,7 +7,7 @@ On the embedded model (bf16, on the CPU kernels' path this CPU or TT_CPU_ISA pic
 times target steps of 1 user x 1-17 tokens and 8 users x 1-3 tokens (the shapes of decoding and verifying a draft),
 then fits step ms = W + n_tokens (a + b context_len) by least squares, W being the part of a step that does not
 depend on how many tokens it computes (streaming the weights). a / W and b / W are the per-token and per-cached-key
-costs that torch_backend/generator.py keeps per CPU path (STEP_COSTS); the table shows measured and fitted times side
+costs that torch_backend/causal_lm.py keeps per CPU path (STEP_COSTS); the table shows measured and fitted times side
 by side. Prints a table and writes JSON.
 """
 import argparse
@@ -19,8 +19,9 @@ from common import REPO, machine_info, print_table, quiet_logs
 import torch
 
 from models.tt_transformers.records import write_json_atomic
-from models.tt_transformers.torch_backend.checkpoint import load_model, resolve_checkpoint
-from models.tt_transformers.torch_backend.generator import TorchCausalLM
+from models.tt_transformers.checkpoints.checkpoint import resolve_checkpoint
+from models.tt_transformers.torch_backend.load import load_model
+from models.tt_transformers.torch_backend.causal_lm import TorchCausalLM
 
 SHAPES = [(1, 1), (1, 2), (1, 5), (1, 9), (1, 17), (8, 1), (8, 2), (8, 3)]  # (users, tokens per user)
 
@@ -70,7 +71,7 @@ def main():
     token_cost, key_cost = token_ms / weights_ms, key_ms / weights_ms
     print(f"\nFit: step = {weights_ms:.2f} ms + tokens x ({token_ms:.3f} ms + {1e3 * key_ms:.3f} ms per 1,000 cached)"
           f"\ntoken cost {token_cost:.3f}, key cost {key_cost:.1e} on {path} "
-          f"(torch_backend/generator.py uses {lm.token_cost}, {lm.key_cost:.0e})")
+          f"(torch_backend/causal_lm.py uses {lm.token_cost}, {lm.key_cost:.0e})")
     write_json_atomic(Path(args.output_json), {
         "machine": machine_info(), "cpu_path": path,
         "steps": [{"context_len": c, "users": u, "tokens_per_user": k, "ms": measured[c, u, k], "fitted_ms": f}

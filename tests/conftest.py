@@ -6,11 +6,13 @@ from typing import Optional
 import pytest
 import torch
 
-from models.tt_transformers.torch_backend.checkpoint import cache_root, load_model, load_tokenizer, resolve_checkpoint
+from models.tt_transformers.checkpoints.cache import cache_root
+from models.tt_transformers.checkpoints.checkpoint import load_tokenizer, resolve_checkpoint
+from models.tt_transformers.torch_backend.load import load_model
 from models.tt_transformers.torch_backend.cpu_isa import this_process_paths
 from models.tt_transformers.torch_backend.cpu_kernels import load_cpu_kernels
 from models.tt_transformers.torch_backend.model import Transformer
-from models.tt_transformers.torch_backend.model_config import ModelArgs
+from models.tt_transformers.checkpoints.model_shape import ModelShape
 
 from .stand_in_backend import plain_outputs, prompts, tt  # noqa: F401  (fixtures of the ttnn tests)
 
@@ -72,18 +74,18 @@ def random_model(dtype=torch.float32, max_seq_len: int = 64, seed: int = 0, std:
                   sliding_window=None, max_position_embeddings=128, model_type="llama")
     fields.update(overrides)
     torch.manual_seed(seed)
-    model = Transformer(ModelArgs(**fields), dtype, max_seq_len=max_seq_len).eval()
+    model = Transformer(ModelShape(**fields), dtype, max_seq_len=max_seq_len).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, std)
     return model
 
 
-def random_head_tensors(target: ModelArgs, seed: int = 0, std: float = 0.3, draft_vocab: Optional[int] = None,
+def random_head_tensors(target: ModelShape, seed: int = 0, std: float = 0.3, draft_vocab: Optional[int] = None,
                         taps=None, embed: bool = False, layout: str = "speculators", **layer):
     """A random EAGLE-3 head for `target` (draft_head.random_head) with the tests' defaults: normal(0, std) weights,
     taps (0, N/2, N-1)."""
-    from models.tt_transformers.torch_backend.draft_head import random_head
+    from models.tt_transformers.checkpoints.eagle3_format import random_head
 
     taps = tuple(taps or (0, target.n_layers // 2, target.n_layers - 1))
     return random_head(target, seed, std, draft_vocab, taps, embed, layout, **layer)
@@ -92,16 +94,16 @@ def random_head_tensors(target: ModelArgs, seed: int = 0, std: float = 0.3, draf
 def random_head(model: Transformer, seed: int = 0, std: float = 0.3, vocab_share: float = 0.75, **kwargs):
     """A random EAGLE-3 head on `model` over a random share of its vocabulary (so some target tokens are outside the
     draft vocabulary), run the way the model runs (CPU kernels or torch ops)."""
-    from models.tt_transformers.torch_backend.draft_head import build_draft_head
+    from models.tt_transformers.torch_backend.eagle3_head import build_draft_head
 
     draft_vocab = max(1, int(model.args.vocab_size * vocab_share))
     return build_draft_head(*random_head_tensors(model.args, seed, std, draft_vocab, **kwargs), model)
 
 
-def write_eagle3_head(folder: Path, target: ModelArgs, layout: str = "speculators", **kwargs) -> Path:
+def write_eagle3_head(folder: Path, target: ModelShape, layout: str = "speculators", **kwargs) -> Path:
     """A random EAGLE-3 head for `target` written as published heads are (draft_head.write_head: speculators' layout
     or the EAGLE authors'); kwargs as random_head_tensors."""
-    from models.tt_transformers.torch_backend.draft_head import write_head
+    from models.tt_transformers.checkpoints.eagle3_format import write_head
 
     write_head(folder, *random_head_tensors(target, layout=layout, **kwargs), layout)
     return folder

@@ -67,7 +67,9 @@ MEASURE = """
 import json, re, sys, torch
 from loguru import logger
 logger.remove()
-from models.tt_transformers.torch_backend.checkpoint import cache_root, load_model, resolve_checkpoint
+from models.tt_transformers.checkpoints.cache import cache_root
+from models.tt_transformers.checkpoints.checkpoint import resolve_checkpoint
+from models.tt_transformers.torch_backend.load import load_model
 from models.tt_transformers.torch_backend.cpu_kernels import load_cpu_kernels
 load_cpu_kernels(cache_root() / "kernels")  # built or loaded before the measurement
 # A tiny model first: the runtime's one-time set-up (thread pools, allocator arenas, ~75 MB) is not loading.

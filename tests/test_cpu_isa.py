@@ -97,7 +97,7 @@ def test_tt_cpu_isa_caps_torch_and_the_kernels_alike():
 EMULATED_AVX2_CPU = """
 import sys, numpy as np, torch
 from models.tt_transformers.torch_backend import cpu_isa
-from models.tt_transformers.torch_backend.checkpoint import cache_root
+from models.tt_transformers.checkpoints.cache import cache_root
 from models.tt_transformers.torch_backend.cpu_kernels import load_cpu_kernels
 from models.tt_transformers.torch_backend.model import can_prepack
 kernels = load_cpu_kernels(cache_root() / "kernels")

@@ -12,7 +12,7 @@ from models.tt_transformers.torch_backend import cpu_kernels
 from models.tt_transformers.speculative.backend import UserRows
 from models.tt_transformers.torch_backend.attention import ExactToken
 from models.tt_transformers.torch_backend.cpu_kernels import StepTable
-from models.tt_transformers.torch_backend.generator import TorchCausalLM
+from models.tt_transformers.torch_backend.causal_lm import TorchCausalLM
 from models.tt_transformers.torch_backend.model import Transformer
 
 from . import cpu_kernels_reference as reference

@@ -5,12 +5,12 @@ import pytest
 import torch
 
 from models.tt_transformers.torch_backend.device import choose_device, estimated_ms_per_token
-from models.tt_transformers.torch_backend.model_config import ModelArgs
+from models.tt_transformers.checkpoints.model_shape import ModelShape
 
-SMOLLM2_135M = ModelArgs(dim=576, n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64, hidden_dim=1536,
+SMOLLM2_135M = ModelShape(dim=576, n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64, hidden_dim=1536,
                          vocab_size=49152, norm_eps=1e-5, rope_theta=1e5, rope_scaling=None, tie_word_embeddings=True,
                          sliding_window=None, max_position_embeddings=8192, model_type="llama")
-LLAMA_3_1_8B = ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128, hidden_dim=14336,
+LLAMA_3_1_8B = ModelShape(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128, hidden_dim=14336,
                          vocab_size=128256, norm_eps=1e-5, rope_theta=5e5, rope_scaling=None,
                          tie_word_embeddings=False, sliding_window=None, max_position_embeddings=131072,
                          model_type="llama")

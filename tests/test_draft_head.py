@@ -16,12 +16,14 @@ from models.tt_transformers.speculative.generator import SpeculativeGenerator
 from models.tt_transformers.speculative.backend import UserRows
 from models.tt_transformers.speculative.draft_length import linear_cost
 from models.tt_transformers.speculative.drafters import Draft, HybridDrafter, SuffixDrafter, Verified
-from models.tt_transformers.speculative.head_drafter import HeadDrafter, RunCost
+from models.tt_transformers.speculative.drafters.eagle3 import HeadDrafter
+from models.tt_transformers.speculative.drafters.eagle3_base import RunCost
 from models.tt_transformers.speculative.sampling import KeyedSampler, SamplingParams
-from models.tt_transformers.torch_backend import checkpoint
-from models.tt_transformers.torch_backend.draft_head import DRAFT_HEADS, HeadRunner, load_draft_head, read_draft_head
-from models.tt_transformers.torch_backend.generator import TorchCausalLM
-from models.tt_transformers.torch_backend.model_config import ModelArgs
+from models.tt_transformers.torch_backend import load
+from models.tt_transformers.checkpoints.eagle3_format import DRAFT_HEADS, read_draft_head
+from models.tt_transformers.torch_backend.eagle3_head import HeadRunner, load_draft_head
+from models.tt_transformers.torch_backend.causal_lm import TorchCausalLM
+from models.tt_transformers.checkpoints.model_shape import ModelShape
 
 from .conftest import (REPO_ROOT, every_cpu_path_and_torch_ops, kernels_of, needs_cpu_kernels, random_head,
                        random_model, write_eagle3_head)
@@ -51,7 +53,7 @@ def test_taps_are_the_inputs_of_the_named_layers(embedded_checkpoint, embedded_b
     output of the model's first 12 layers (a separate forward); tap N, the last layer's output, gives the LM head's
     logits through the final norm; the blocks come in the order asked; a verification step's rows equal the same
     positions decoded one at a time."""
-    model = embedded_bf16 if kernels else checkpoint.load_model(embedded_checkpoint, torch.bfloat16, 256,
+    model = embedded_bf16 if kernels else load.load_model(embedded_checkpoint, torch.bfloat16, 256,
                                                                 cpu_kernels=False)
     n, dim = model.args.n_layers, model.args.dim
     lm = TorchCausalLM(model, n, 1)
@@ -341,7 +343,7 @@ def test_shipped_head_matches_its_card(embedded_checkpoint):
     """The head in the repository is the one its card describes (hash, draft vocabulary, parameter count, taps), an
     EAGLE-3 head in speculators' layout for the embedded model, with the acceptance the training command measured."""
     card = json.loads((SHIPPED / "card.json").read_text())
-    config, weights = read_draft_head(SHIPPED, ModelArgs.from_hf_config(embedded_checkpoint.config))
+    config, weights = read_draft_head(SHIPPED, ModelShape.from_hf_config(embedded_checkpoint.config))
     assert config.layout == "speculators" and list(config.taps) == card["taps"] == [2, 15, 27]
     assert card["weights_sha256"] == hashlib.sha256((SHIPPED / "model.safetensors").read_bytes()).hexdigest()
     assert card["draft_vocabulary"]["size"] == config.draft_vocab_size
@@ -359,17 +361,17 @@ def test_a_head_slower_than_the_target_step_is_reported_once(monkeypatch):
     step, one warning names both times (the head still drafts only when its acceptance covers that)."""
     from loguru import logger
 
-    from models.tt_transformers.speculative import head_drafter
+    from models.tt_transformers.speculative.drafters import eagle3_base
 
     clock = iter(range(0, 10_000, 1))
-    monkeypatch.setattr(head_drafter.time, "perf_counter", lambda: next(clock) * 1e-3)  # 1 ms a tick
+    monkeypatch.setattr(eagle3_base.time, "perf_counter", lambda: next(clock) * 1e-3)  # 1 ms a tick
     messages = []
     sink = logger.add(lambda m: messages.append(m.record["message"]), level="WARNING")
     try:
         cost = RunCost(0.05)
         for _ in range(2 * RunCost.WARN_AFTER):
             cost.ran(0.004)  # a head run: 4 ms
-            cost.proposed_at = head_drafter.time.perf_counter()
+            cost.proposed_at = eagle3_base.time.perf_counter()
             cost.verified()  # the target's step: 1 ms
     finally:
         logger.remove(sink)

@@ -7,15 +7,16 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from models.tt_transformers.speculative import SpeculativeConfig, make_drafter
 from models.tt_transformers.speculative.draft_length import LENGTH_BUCKETS, MatchAcceptance
-from models.tt_transformers.speculative.draft_memory import DraftMemory
-from models.tt_transformers.speculative.drafters import HybridDrafter, ModelDrafter, SuffixDrafter
-from models.tt_transformers.speculative.head_drafter import HeadDrafter, RunCost
+from models.tt_transformers.speculative.drafters import ModelDrafter, SuffixDrafter
+from models.tt_transformers.speculative.drafters.eagle3 import HeadDrafter
+from models.tt_transformers.speculative.drafters.eagle3_base import RunCost
 from models.tt_transformers.speculative.sampling import probabilities
-from models.tt_transformers.torch_backend.draft_head import HeadRunner
+from models.tt_transformers.torch_backend.eagle3_head import HeadRunner
 from models.tt_transformers.speculative.verification import verify_chain
 from models.tt_transformers.speculative.backend import UserRows
-from models.tt_transformers.torch_backend.generator import TorchCausalLM
+from models.tt_transformers.torch_backend.causal_lm import TorchCausalLM
 from models.tt_transformers.prompts import encode
 from models.tt_transformers.speculative.generator import SpeculativeGenerator
 
@@ -24,41 +25,47 @@ from .conftest import CPU_PATHS, every_cpu_path, kernels_of, random_head, random
 N_TOKENS = 32
 
 
-def head_drafter(target, head=None, eager=True):
-    """A draft head's drafter (a random head unless given). eager: every chain runs while its tokens have any
-    chance (no price per head run, acceptance trusted): tests verification, not the length policy."""
-    head = head or random_head(target.model)
-    drafter = HeadDrafter(HeadRunner(head, target.max_batch_size, target.max_seq_len, target.model.args))
-    if eager:
-        drafter.cost = RunCost(0.0, measure=False)
-        drafter.acceptance = MatchAcceptance(prior=[0.99] * len(LENGTH_BUCKETS), decay=1.0, prior_weight=1e9)
+def make_eager(drafter: HeadDrafter) -> HeadDrafter:
+    """Every chain runs while its tokens have any chance (no price per head run, acceptance trusted): tests
+    verification, not the length policy."""
+    drafter.cost = RunCost(0.0, measure=False)
+    drafter.acceptance = MatchAcceptance(prior=[0.99] * len(LENGTH_BUCKETS), decay=1.0, prior_weight=1e9)
     return drafter
 
 
-def make_drafter(target, mode, draft_layers, sa_threshold=4, shared_cache=True, memory=False, recycle=0):
-    """The drafter the demo builds for --draft_mode (hybrid: with an adaptive model draft; head / hybrid-head: a
-    random draft head alone / with the copied drafts). shared_cache: the draft is a view of the target's first
-    layers and cache (as the demo builds it), else it has a cache of its own; memory / recycle: the copied drafts
-    also come from earlier responses / the target's top `recycle` tokens."""
-    suffix = SuffixDrafter(sa_threshold, DraftMemory(4096) if memory else None, recycle)
-    if mode == "suffix":
-        return suffix
+def head_runner(target, head=None) -> HeadRunner:
+    """A draft head beside the target (a random head unless given)."""
+    return HeadRunner(head or random_head(target.model), target.max_batch_size, target.max_seq_len, target.model.args)
+
+
+def head_drafter(target, head=None, eager=True):
+    """A draft head's drafter (a random head unless given), eager (make_eager) unless told otherwise."""
+    drafter = make_drafter(SpeculativeConfig(draft_mode="head"), target, head=head_runner(target, head))
+    return make_eager(drafter) if eager else drafter
+
+
+def drafter_for_mode(target, mode, draft_layers, sa_threshold=4, shared_cache=True, memory=False, recycle=0):
+    """The drafter the demo builds for --draft_mode, through the library's make_drafter (hybrid: with an adaptive
+    model draft; head / hybrid-head: a random draft head, eager, alone / with the copied drafts). shared_cache: the
+    draft is a view of the target's first layers and cache (as the demo builds it), else it has a cache of its own;
+    memory / recycle: the copied drafts also come from earlier responses / the target's top `recycle` tokens."""
+    config = SpeculativeConfig(draft_mode="hybrid" if mode == "hybrid-head" else mode, sa_threshold=sa_threshold,
+                               draft_memory=4096 if memory else 0, recycle_top_k=recycle, draft_layers=draft_layers)
     if mode in ("head", "hybrid-head"):
-        return head_drafter(target) if mode == "head" else HybridDrafter(suffix, head_drafter(target))
-    lm = (target.draft_view(draft_layers) if shared_cache else
-          TorchCausalLM(target.model, draft_layers, target.max_batch_size))
-    if mode == "model":
-        return ModelDrafter(lm)
-    return HybridDrafter(suffix, ModelDrafter(lm, draft_cost=draft_layers / target.n_layers))
+        drafter = make_drafter(config, target, head=head_runner(target))
+        make_eager(drafter.fallback if mode == "hybrid-head" else drafter)
+        return drafter
+    lm = None if shared_cache else TorchCausalLM(target.model, draft_layers, target.max_batch_size)
+    return make_drafter(config, target, draft_lm=lm, draft_cost=draft_layers / target.n_layers)
 
 
 def run_results(model, prompts, n_draft, draft_layers, max_tokens=N_TOKENS, eos=(), batch=None, mode="model",
                 sa_threshold=4, shared_cache=True, memory=False, recycle=0, trees=True):
     batch = batch or len(prompts)
     target = TorchCausalLM(model, model.args.n_layers, batch)
-    target.supports_trees = trees
-    drafter = make_drafter(target, mode, draft_layers, sa_threshold, shared_cache, memory, recycle) if n_draft else None
-    return SpeculativeGenerator(target, drafter, n_draft, eos).generate(prompts, max_tokens)
+    drafter = (drafter_for_mode(target, mode, draft_layers, sa_threshold, shared_cache, memory, recycle)
+               if n_draft else None)
+    return SpeculativeGenerator(target, drafter, n_draft, eos, trees=trees).generate(prompts, max_tokens)
 
 
 def run(*args, **kwargs):
@@ -159,7 +166,7 @@ def test_generated_cases_identical_to_plain():
     # Pinned: drafts from the memory of earlier responses need a second request through the same drafter
     model = random_model(torch.float32, seed=5)
     target = TorchCausalLM(model, model.args.n_layers, 1)
-    drafter = make_drafter(target, "suffix", 1, sa_threshold=2, memory=True)
+    drafter = drafter_for_mode(target, "suffix", 1, sa_threshold=2, memory=True)
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     plain = reference_decode(TorchCausalLM(model, model.args.n_layers, 1), [prompt], 40)
     for _ in range(2):
@@ -236,8 +243,8 @@ def test_longest_drafts_are_lossless(embedded_bf16, embedded_tokenizer):
     prompt = encode(embedded_tokenizer, f"Repeat exactly, twice: {text} {text}", True)
     plain = run(embedded_bf16, [prompt], 0, 0, 96, eos=eos)[0]
     target = TorchCausalLM(embedded_bf16, embedded_bf16.args.n_layers, 1)
-    target.step_cost, target.supports_trees = (lambda n_rows, context_len: 1.0), False
-    suffix = SpeculativeGenerator(target, SuffixDrafter(1), 64, eos).generate([prompt], 96)[0]
+    target.step_cost = lambda n_rows, context_len: 1.0
+    suffix = SpeculativeGenerator(target, SuffixDrafter(1), 64, eos, trees=False).generate([prompt], 96)[0]
     model = run_results(embedded_bf16, [prompt], 64, 28, 96, eos=eos, mode="model")[0]
     for result, longest in ((suffix, 32), (model, 64)):
         assert result.output_tokens == plain
@@ -251,10 +258,10 @@ def test_every_cpu_path_at_the_embedded_shapes(embedded_checkpoint, embedded_tok
     hybrid drafts for three users at once give each user's batch-1 plain decode on that path, with drafts accepted
     (priced at avx512bf16's step costs on every path: where verified rows cost more, the policy drafts too little in
     24 tokens for the check to see drafts)."""
-    from models.tt_transformers.torch_backend import generator
-    from models.tt_transformers.torch_backend.checkpoint import load_model
+    from models.tt_transformers.torch_backend import causal_lm
+    from models.tt_transformers.torch_backend.load import load_model
 
-    monkeypatch.setitem(generator.STEP_COSTS, cpu_path, generator.STEP_COSTS["avx512bf16"])
+    monkeypatch.setitem(causal_lm.STEP_COSTS, cpu_path, causal_lm.STEP_COSTS["avx512bf16"])
 
     eos = [embedded_tokenizer.eos_token_id]
     prompts = sample_prompt_tokens[1:4]
@@ -270,7 +277,7 @@ def test_every_cpu_path_at_the_embedded_shapes(embedded_checkpoint, embedded_tok
 def test_torch_ops_path_at_the_embedded_shapes(embedded_checkpoint, embedded_tokenizer, sample_prompt_tokens):
     """The fallback without a C compiler (and TT_CPU_KERNELS=0), bf16 and float32, on the real model: decode and
     verification steps of three users at once equal each user's batch-1 plain decode."""
-    from models.tt_transformers.torch_backend.checkpoint import load_model
+    from models.tt_transformers.torch_backend.load import load_model
 
     eos = [embedded_tokenizer.eos_token_id]
     prompts = sample_prompt_tokens[1:4]
@@ -377,7 +384,7 @@ def test_independent_reference_and_exact_end_of_cache(embedded_bf16, embedded_ch
     for drafter in (None, ModelDrafter(lm.draft_view(29)), SuffixDrafter(1)):
         results = SpeculativeGenerator(lm, drafter, 8 if drafter else 0, eos).generate(prompts, N_TOKENS)
         assert [r.output_tokens for r in results] == reference
-    from models.tt_transformers.torch_backend.checkpoint import load_model
+    from models.tt_transformers.torch_backend.load import load_model
 
     short = load_model(embedded_checkpoint, torch.bfloat16, len(prompts[0]) + 20)  # a cache that ends mid-answer
     lm = TorchCausalLM(short, short.args.n_layers, 1)

@@ -17,7 +17,7 @@ from models.tt_transformers.speculative.draft_length import LENGTH_BUCKETS, Matc
 from models.tt_transformers.speculative.drafters import HybridDrafter, ModelDrafter, SuffixDrafter
 from models.tt_transformers.speculative.sampling import KeyedSampler, SamplingParams, TargetSamples, probabilities
 from models.tt_transformers.speculative.verification import verify_chain
-from models.tt_transformers.torch_backend.generator import TorchCausalLM
+from models.tt_transformers.torch_backend.causal_lm import TorchCausalLM
 
 from .conftest import random_model
 

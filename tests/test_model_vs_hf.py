@@ -4,8 +4,9 @@ greedy decoding in bf16 with an EOS."""
 import pytest
 import torch
 
-from models.tt_transformers.torch_backend.checkpoint import load_model, resolve_checkpoint
-from models.tt_transformers.torch_backend.generator import TorchCausalLM
+from models.tt_transformers.checkpoints.checkpoint import resolve_checkpoint
+from models.tt_transformers.torch_backend.load import load_model
+from models.tt_transformers.torch_backend.causal_lm import TorchCausalLM
 from models.tt_transformers.speculative.generator import SpeculativeGenerator
 
 from .conftest import save_tiny_hf_checkpoint

@@ -48,7 +48,7 @@ def test_exact_attention_takes_non_contiguous_queries_and_outputs(monkeypatch):
     unchanged."""
     from models.tt_transformers.speculative.backend import UserRows
     from models.tt_transformers.torch_backend import attention
-    from models.tt_transformers.torch_backend.generator import TorchCausalLM
+    from models.tt_transformers.torch_backend.causal_lm import TorchCausalLM
 
     from .conftest import random_model
 
@@ -75,8 +75,8 @@ def test_verification_logits_equal_one_token_steps_on_the_embedded_model(embedde
     shares its step: three users' chains of 5 in one step, and a token tree beside two chains, give each row the logits
     of the same position decoded alone, one token per step, bit for bit."""
     from models.tt_transformers.speculative.backend import UserRows
-    from models.tt_transformers.torch_backend.checkpoint import load_model
-    from models.tt_transformers.torch_backend.generator import TorchCausalLM
+    from models.tt_transformers.torch_backend.load import load_model
+    from models.tt_transformers.torch_backend.causal_lm import TorchCausalLM
 
     model = load_model(embedded_checkpoint, torch.bfloat16, 256, cpu_kernels=cpu_path or False)
     assert (model.kernels.path.name if model.kernels else None) == cpu_path

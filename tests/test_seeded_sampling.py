@@ -7,16 +7,14 @@ from collections import Counter
 import pytest
 
 from models.tt_transformers.prompts import encode
-from models.tt_transformers.torch_backend.draft_head import DRAFT_HEADS
+from models.tt_transformers.checkpoints.eagle3_format import DRAFT_HEADS
+from models.tt_transformers.speculative import SpeculativeConfig, make_drafter
 from models.tt_transformers.speculative.generator import SpeculativeGenerator
-from models.tt_transformers.speculative.draft_memory import DraftMemory
-from models.tt_transformers.speculative.drafters import HybridDrafter, ModelDrafter, SuffixDrafter
-from models.tt_transformers.speculative.head_drafter import HeadDrafter
 from models.tt_transformers.speculative.sampling import KeyedSampler, SamplingParams
-from models.tt_transformers.torch_backend.draft_head import HeadRunner, load_draft_head
-from models.tt_transformers.torch_backend.generator import TorchCausalLM
+from models.tt_transformers.torch_backend.eagle3_head import load_draft_head
+from models.tt_transformers.torch_backend.causal_lm import TorchCausalLM
 
-from .test_lossless_greedy import head_drafter, reference_decode
+from .test_lossless_greedy import head_drafter, head_runner, reference_decode
 
 SETTINGS = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=7)  # issue 32's flags
 N_TOKENS = 32
@@ -51,16 +49,13 @@ def drafter(mode, target, head):
     head alone, trusted so it drafts at every step (chains: drawn from q with the target's keys; trees: its top
     tokens); hybrid with the head priced by measured time (choices that vary from run to run); a draft model (the
     first 20 layers), alone or in the hybrid."""
-    suffix = SuffixDrafter(1, DraftMemory(4096), recycle=4)
-    if mode == "suffix":
-        return suffix
     if mode in ("head-chains", "head-trees"):
         return head_drafter(target, head)
+    config = SpeculativeConfig(draft_mode={"hybrid-chains": "hybrid", "hybrid-model": "hybrid"}.get(mode, mode),
+                               sa_threshold=1, draft_memory=4096, recycle_top_k=4, draft_layers=20)
     if mode in ("hybrid", "hybrid-chains"):
-        return HybridDrafter(suffix, HeadDrafter(HeadRunner(head, target.max_batch_size, target.max_seq_len,
-                                                            target.model.args)))
-    model = target.draft_view(20)
-    return ModelDrafter(model) if mode == "model" else HybridDrafter(suffix, ModelDrafter(model, draft_cost=20 / target.n_layers))
+        return make_drafter(config, target, head=head_runner(target, head))
+    return make_drafter(config, target)
 
 
 @pytest.mark.parametrize("batch", [1, 4])
@@ -71,8 +66,8 @@ def test_seeded_speculative_sampling_equals_plain(embedded_bf16, prompts, eos, p
     batch 1 and with all four prompts in one batch (request ids key the draws, not cache rows), and drafts were
     accepted (the mode's own, where it has one source)."""
     target = TorchCausalLM(embedded_bf16, embedded_bf16.args.n_layers, batch)
-    target.supports_trees = not mode.endswith("chains")
-    gen = SpeculativeGenerator(target, drafter(mode, target, shipped), 4, eos, SETTINGS)
+    gen = SpeculativeGenerator(target, drafter(mode, target, shipped), 4, eos, SETTINGS,
+                               trees=not mode.endswith("chains"))
     results = [r for start in range(0, len(prompts), batch)
                for r in gen.generate(prompts[start : start + batch], N_TOKENS, requests=range(start, start + batch))]
     assert [r.output_tokens for r in results] == plain

@@ -28,7 +28,7 @@ from models.tt_transformers.serving.contract import (
 from models.tt_transformers.serving.core import SpecDecodeCore
 from models.tt_transformers.serving.plan import SPEC_CAPABILITIES, VERIFY_TILE_ROWS, plan_speculation
 from models.tt_transformers.serving.torch_model import TorchSpecDecodeModel
-from models.tt_transformers.torch_backend.generator import TorchCausalLM
+from models.tt_transformers.torch_backend.causal_lm import TorchCausalLM
 
 from .conftest import random_model
 

@@ -16,7 +16,7 @@ from models.tt_transformers.serving.contract import SpecPlan
 from models.tt_transformers.serving.plan import plan_speculation
 from models.tt_transformers.serving.reference_runner import ReferenceRunner
 from models.tt_transformers.serving.torch_model import TorchSpecDecodeModel
-from models.tt_transformers.torch_backend.generator import TorchCausalLM
+from models.tt_transformers.torch_backend.causal_lm import TorchCausalLM
 
 from .conftest import random_model
 

@@ -16,10 +16,13 @@ from models.tt_transformers.speculative.draft_length import (
     linear_cost,
 )
 from models.tt_transformers.speculative.drafters import ModelDrafter
-from models.tt_transformers.speculative.suffix_automaton import ReferenceSuffixAutomaton, SuffixAutomaton
-from models.tt_transformers.torch_backend.generator import TorchCausalLM
+from models.tt_transformers.speculative.copy_sources import implementations
+from models.tt_transformers.speculative.copy_sources.suffix_automaton import ReferenceSuffixAutomaton
+from models.tt_transformers.torch_backend.causal_lm import TorchCausalLM
 
 from .conftest import random_model
+
+SuffixAutomaton = implementations().SuffixAutomaton  # the C port where it builds, else the reference
 
 
 def longest_earlier_suffix(seq: list[int]) -> tuple[int, list[int]]:

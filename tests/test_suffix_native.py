@@ -13,13 +13,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from models.tt_transformers.speculative import draft_memory, drafters, native
+from models.tt_transformers.speculative import drafters
+from models.tt_transformers.speculative.copy_sources import draft_memory, implementations, native
 from models.tt_transformers.speculative.draft_length import LENGTH_BUCKETS, linear_cost
 from models.tt_transformers.speculative.sampling import KeyedSampler, SamplingParams
-from models.tt_transformers.speculative.suffix_automaton import ReferenceSuffixAutomaton
-from models.tt_transformers.speculative.token_tree import ReferenceRecycledTokens, reference_build_tree
+from models.tt_transformers.speculative.copy_sources.suffix_automaton import ReferenceSuffixAutomaton
+from models.tt_transformers.speculative.copy_sources.token_tree import ReferenceRecycledTokens, reference_build_tree
 
-NATIVE = native.suffix_native
+NATIVE = native.suffix_native()  # built here, on first use
 needs_native = pytest.mark.skipif(NATIVE is None, reason="the drafting extension was not built (no C compiler or "
                                   "Python headers, or TT_NATIVE_DRAFTING=0): drafting runs the Python references")
 
@@ -31,7 +32,8 @@ def test_extension_builds_where_a_compiler_and_headers_are():
     if not buildable or os.environ.get("TT_NATIVE_DRAFTING") == "0":
         pytest.skip("no C compiler or Python headers here (or TT_NATIVE_DRAFTING=0)")
     assert NATIVE is not None
-    assert drafters.SuffixAutomaton is NATIVE.SuffixAutomaton and drafters.build_tree is NATIVE.build_tree
+    running = implementations()
+    assert running.SuffixAutomaton is NATIVE.SuffixAutomaton and running.build_tree is NATIVE.build_tree
 
 
 def test_failed_build_falls_back_and_leaves_nothing(tmp_path, monkeypatch):
@@ -161,10 +163,8 @@ def test_suffix_drafter_drafts_the_same_either_way(monkeypatch):
         return out + [tuple(a.rates()) for a in drafter.acceptance.values()]
 
     fast = run()
-    monkeypatch.setattr(drafters, "SuffixAutomaton", ReferenceSuffixAutomaton)
-    monkeypatch.setattr(draft_memory, "SuffixAutomaton", ReferenceSuffixAutomaton)
-    monkeypatch.setattr(drafters, "RecycledTokens", ReferenceRecycledTokens)
-    monkeypatch.setattr(drafters, "build_tree", reference_build_tree)
+    monkeypatch.setattr(native, "suffix_native", lambda: None)  # the Python references throughout
+    assert implementations() == (ReferenceSuffixAutomaton, ReferenceRecycledTokens, reference_build_tree)
     reference = run()
     assert sum(len(d[0]) for d in fast[:-5]) > 100  # it drafted
     assert fast == reference

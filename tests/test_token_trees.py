@@ -4,8 +4,9 @@ greedy and cross-request drafting with trees, recycling and memory stays token-i
 import pytest
 import torch
 
-from models.tt_transformers.speculative.token_tree import build_tree, reference_build_tree
-from models.tt_transformers.torch_backend.generator import TorchCausalLM
+from models.tt_transformers.speculative.copy_sources import implementations
+from models.tt_transformers.speculative.copy_sources.token_tree import reference_build_tree
+from models.tt_transformers.torch_backend.causal_lm import TorchCausalLM
 
 from .conftest import every_cpu_path_and_torch_ops, kernels_of, random_model
 
@@ -62,7 +63,7 @@ def test_verify_tree():
 
 
 def test_memory_store_is_bounded_and_never_matches_across_documents():
-    from models.tt_transformers.speculative.draft_memory import TokenStore
+    from models.tt_transformers.speculative.copy_sources.draft_memory import TokenStore
 
     store = TokenStore(max_tokens=100)
     for i in range(30):
@@ -107,7 +108,7 @@ def test_related_requests_draft_from_memory_losslessly(embedded_bf16, embedded_t
     """Tool calls with one schema, in sequence: later requests draft from earlier responses (memory), as token
     trees with recycled predictions, and every output equals plain decoding."""
     from models.tt_transformers.prompts import encode, load_prompts
-    from models.tt_transformers.speculative.draft_memory import DraftMemory
+    from models.tt_transformers.speculative.copy_sources.draft_memory import DraftMemory
     from models.tt_transformers.speculative.drafters import SuffixDrafter
 
     from .conftest import REPO_ROOT
@@ -122,7 +123,7 @@ def test_related_requests_draft_from_memory_losslessly(embedded_bf16, embedded_t
 def test_corpus_store_drafts_what_the_request_lacks():
     """A context that matches the corpus but not its own text gets the corpus's continuation."""
     from models.tt_transformers.speculative.draft_length import linear_cost
-    from models.tt_transformers.speculative.draft_memory import DraftMemory
+    from models.tt_transformers.speculative.copy_sources.draft_memory import DraftMemory
     from models.tt_transformers.speculative.drafters import SuffixDrafter
     from models.tt_transformers.speculative.sampling import KeyedSampler, SamplingParams
 
@@ -175,7 +176,7 @@ def test_tree_never_exceeds_the_draft_cap(cap):
     assert all(p < i for i, p in enumerate(draft.parents or [])), draft.parents
 
 
-@pytest.mark.parametrize("build", [reference_build_tree, build_tree], ids=["reference", "running"])
+@pytest.mark.parametrize("build", [reference_build_tree, implementations().build_tree], ids=["reference", "running"])
 def test_sibling_probabilities_never_exceed_their_parents(build):
     """Siblings are exclusive (the target accepts one next token): two sources proposing different next tokens with
     0.6 each must not count 1.2 expected tokens, and every node's children together stay within its probability."""
@@ -192,7 +193,7 @@ def test_sibling_probabilities_never_exceed_their_parents(build):
     assert (origins[at[10]], offsets[at[10]]) == (2, 1) and (origins[at[9]], offsets[at[9]]) == (1, 1)  # where from
 
 
-@pytest.mark.parametrize("build", [reference_build_tree, build_tree], ids=["reference", "running"])
+@pytest.mark.parametrize("build", [reference_build_tree, implementations().build_tree], ids=["reference", "running"])
 def test_capped_tree_keeps_the_most_probable_nodes(build):
     """A tree cut to n nodes keeps the n most probable nodes of the uncut tree (a child is never more probable than
     its parent, so they form a tree), in order of probability."""

@@ -91,13 +91,13 @@ def test_a_published_head_given_by_flag(monkeypatch, tmp_path):
     """`make tt-smoke ARGS='--draft_head FOLDER'` runs the draft-head stage on that head (issue 31's finding 9), its
     drafts compared with the host head's over at least 32 chain steps; a folder that is not there stops the run at
     its first stage that needs the head (device open: the trace region is sized for it), in the report."""
-    from models.tt_transformers.torch_backend.checkpoint import resolve_checkpoint
-    from models.tt_transformers.torch_backend.model_config import ModelArgs
+    from models.tt_transformers.checkpoints.checkpoint import resolve_checkpoint
+    from models.tt_transformers.checkpoints.model_shape import ModelShape
 
     from .conftest import write_eagle3_head
 
     stand_in_machine(monkeypatch, tmp_path)
-    args = ModelArgs.from_hf_config(resolve_checkpoint(None).config)
+    args = ModelShape.from_hf_config(resolve_checkpoint(None).config)
     folder = write_eagle3_head(tmp_path / "published", args, draft_vocab=20000, std=0.3)
     stages = [("device open", tt_smoke.open_device), ("model build", tt_smoke.build_model),
               ("draft head on the device", tt_smoke.device_head)]

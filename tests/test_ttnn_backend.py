@@ -10,9 +10,11 @@ import torch
 
 from models.tt_transformers.speculative.generator import SpeculativeGenerator
 from models.tt_transformers.speculative.backend import UserRows
-from models.tt_transformers.speculative.drafters import HybridDrafter, ModelDrafter, SuffixDrafter
-from models.tt_transformers.torch_backend.checkpoint import load_model, resolve_checkpoint
-from models.tt_transformers.torch_backend.generator import TorchCausalLM
+from models.tt_transformers.speculative import SpeculativeConfig, make_drafter
+from models.tt_transformers.speculative.drafters import ModelDrafter, SuffixDrafter
+from models.tt_transformers.checkpoints.checkpoint import resolve_checkpoint
+from models.tt_transformers.torch_backend.load import load_model
+from models.tt_transformers.torch_backend.causal_lm import TorchCausalLM
 from models.tt_transformers.ttnn_backend import attention as ordered_attention
 from models.tt_transformers.ttnn_backend.generator import TtnnCausalLM
 
@@ -20,11 +22,10 @@ from .stand_in_backend import MAX_SEQ_LEN, backend_builder, outputs
 from .tt_stand_in import ttnn as stand_in_ttnn
 
 def drafter_for(lm, mode):
-    if mode == "suffix":
-        return SuffixDrafter(1)  # drafts from 1-token matches too: some pass whole, some fail at once
-    if mode == "model":
-        return ModelDrafter(lm.draft_view(8))
-    return HybridDrafter(SuffixDrafter(1), ModelDrafter(lm.draft_view(8), draft_cost=0.3))
+    """Copied drafts from the request alone, from 1-token matches too (some pass whole, some fail at once); a view of
+    the first 8 layers; both in the hybrid, the view priced at 0.3 of a step."""
+    config = SpeculativeConfig(draft_mode=mode, sa_threshold=1, draft_memory=0, recycle_top_k=0, draft_layers=8)
+    return make_drafter(config, lm, draft_cost=0.3)
 
 
 def test_logits_match_the_torch_backend_in_float32(tt, embedded_checkpoint, prompts):

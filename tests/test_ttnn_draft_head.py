@@ -9,11 +9,13 @@ import torch
 from models.tt_transformers.speculative.generator import SpeculativeGenerator
 from models.tt_transformers.speculative.backend import DeviceRows, UserRows
 from models.tt_transformers.speculative.drafters import HybridDrafter, SuffixDrafter
-from models.tt_transformers.speculative.head_drafter import HeadFeed, RunCost, TracedHeadDrafter
-from models.tt_transformers.torch_backend.checkpoint import read_embedding
-from models.tt_transformers.torch_backend.draft_head import HeadRunner, build_draft_head, read_draft_head
+from models.tt_transformers.speculative.drafters.eagle3_base import RunCost
+from models.tt_transformers.speculative.drafters.eagle3_device import HeadFeed, TracedHeadDrafter
+from models.tt_transformers.checkpoints.safetensors_index import read_embedding
+from models.tt_transformers.checkpoints.eagle3_format import read_draft_head
+from models.tt_transformers.torch_backend.eagle3_head import HeadRunner, build_draft_head
 from models.tt_transformers.torch_backend.model import Transformer
-from models.tt_transformers.torch_backend.model_config import ModelArgs
+from models.tt_transformers.checkpoints.model_shape import ModelShape
 from models.tt_transformers.ttnn_backend.draft_head import CONFIDENCE_TOP, FILL_ROWS, TtnnDraftHead
 from models.tt_transformers.ttnn_backend.model import TILE_ROWS
 from models.tt_transformers.ttnn_backend.trace_plan import head_trace_keys, head_trace_ops
@@ -29,7 +31,7 @@ def device_head(lm, checkpoint, head, tmp_path, chain=CHAIN, weights_dtype=None)
     """A TtnnDraftHead beside a stand-in target as the demo builds it (the checkpoint's embedding, unless the head
     ships one), the target's traces for the head's taps planned and made first."""
     config, weights = head
-    args = ModelArgs.from_hf_config(checkpoint.config)
+    args = ModelShape.from_hf_config(checkpoint.config)
     embedding = weights.get("embed_tokens.weight", None)
     embedding = read_embedding(checkpoint) if embedding is None else embedding
     lm.warm_up(chain + 1, 0, config.taps)
@@ -40,7 +42,7 @@ def device_head(lm, checkpoint, head, tmp_path, chain=CHAIN, weights_dtype=None)
 
 
 def random_head(checkpoint, std=0.05, **kw):
-    return random_head_tensors(ModelArgs.from_hf_config(checkpoint.config), seed=3, std=std, **kw)
+    return random_head_tensors(ModelShape.from_hf_config(checkpoint.config), seed=3, std=std, **kw)
 
 
 def test_device_head_logits_match_the_torch_head_in_float32(tt, embedded_checkpoint, prompts, tmp_path):
@@ -55,7 +57,7 @@ def test_device_head_logits_match_the_torch_head_in_float32(tt, embedded_checkpo
     context = prompt + out.ids[0]
     drafted = dev.draft([HeadFeed(1, 0, context[1:], states=out.hidden[0])], [1], CHAIN)[1]
 
-    target = Transformer(ModelArgs.from_hf_config(embedded_checkpoint.config), torch.float32, MAX_SEQ_LEN)
+    target = Transformer(ModelShape.from_hf_config(embedded_checkpoint.config), torch.float32, MAX_SEQ_LEN)
     target.tok_embeddings.weight.data = read_embedding(embedded_checkpoint, torch.float32)
     runner = HeadRunner(build_draft_head(*head, target), 2, MAX_SEQ_LEN, target.args)
     state, logits = runner.run([1], [0], [out.hidden[0].float()], [context[1:]])[0]
@@ -78,10 +80,10 @@ def test_device_head_identical_to_plain_through_the_verify_step(tt, embedded_che
     """A random EAGLE-3 head (24k-token draft vocabulary) in head and hybrid modes at batches of 1 and 4, and the shipped
     head as the demo runs it (hybrid, 4 users): the same tokens as plain decoding through the same step (what the head
     drafts is the torch head's: test_device_head_logits_match_the_torch_head_in_float32)."""
-    from models.tt_transformers.torch_backend.draft_head import DRAFT_HEADS
+    from models.tt_transformers.checkpoints.eagle3_format import DRAFT_HEADS
 
     lm = tt(batch)
-    args = ModelArgs.from_hf_config(embedded_checkpoint.config)
+    args = ModelShape.from_hf_config(embedded_checkpoint.config)
     head = read_draft_head(DRAFT_HEADS / embedded_checkpoint.name, args) if which == "shipped" else \
         random_head(embedded_checkpoint, std=0.3, draft_vocab=24000)  # confident enough to draft
     drafter = TracedHeadDrafter(device_head(lm, embedded_checkpoint, head, tmp_path))
@@ -199,7 +201,7 @@ def test_a_prompt_goes_in_by_prefill_shaped_fills_then_one_replay(tt, embedded_c
     fills = -(-(600 - (CHAIN + 1)) // FILL_ROWS)
     assert (len(replays), names.count("paged_fill_cache"), names.count("nlp_create_qkv_heads")) == (1, 2 * fills, fills)
 
-    target = Transformer(ModelArgs.from_hf_config(embedded_checkpoint.config), torch.float32, 640)
+    target = Transformer(ModelShape.from_hf_config(embedded_checkpoint.config), torch.float32, 640)
     target.tok_embeddings.weight.data = read_embedding(embedded_checkpoint, torch.float32)
     runner = HeadRunner(build_draft_head(*head, target), 1, 640, target.args)
     state, logits = runner.run([0], [0], [out.hidden[0].float()], [prompt[1:] + out.ids[0]])[0]
@@ -244,7 +246,7 @@ def test_head_traces_are_planned_and_counted(tt, embedded_checkpoint, tmp_path):
     assert head_trace_keys(CHAIN) == [(1, 0), (1, 4), (2, 0), (2, 4), (4, 0), (4, 4), (5, 0), (5, 4)]
     assert set(dev.traces) == set(head_trace_keys(CHAIN)) == dev.planned
     assert all(key in lm.traces for key in lm.planned)
-    args = ModelArgs.from_hf_config(embedded_checkpoint.config)
+    args = ModelShape.from_hf_config(embedded_checkpoint.config)
     with pytest.raises(ValueError, match="taps"):
         TtnnDraftHead(tt(1), *random_head(embedded_checkpoint, taps=(1, 2, 3)), read_embedding(embedded_checkpoint),
                       CHAIN, args, cache_dir=tmp_path / "b").warm_up()

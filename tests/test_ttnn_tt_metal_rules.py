@@ -11,7 +11,7 @@ import torch
 from models.tt_transformers.speculative.generator import SpeculativeGenerator
 from models.tt_transformers.speculative.backend import UserRows
 from models.tt_transformers.speculative.drafters import SuffixDrafter
-from models.tt_transformers.torch_backend.checkpoint import resolve_checkpoint
+from models.tt_transformers.checkpoints.checkpoint import resolve_checkpoint
 from models.tt_transformers.ttnn_backend import device as tt_device
 from models.tt_transformers.ttnn_backend import generator as tt_generator
 from models.tt_transformers.ttnn_backend.generator import TtnnCausalLM
@@ -136,15 +136,15 @@ def test_taps_and_the_device_head_on_a_two_device_mesh_equal_one_devices(stand_i
     all-gathered into the tap tile (whole rows on every device), and the head, replicated, drafts what it drafts on one
     device. Issue 37 point 7: with --tap_gather host the step's copies are read back and written into the tile by the
     host instead, the same states, with no collective of ours in the traced step."""
-    from models.tt_transformers.speculative.head_drafter import HeadFeed
-    from models.tt_transformers.torch_backend.checkpoint import read_embedding
-    from models.tt_transformers.torch_backend.model_config import ModelArgs
+    from models.tt_transformers.speculative.drafters.eagle3_device import HeadFeed
+    from models.tt_transformers.checkpoints.safetensors_index import read_embedding
+    from models.tt_transformers.checkpoints.model_shape import ModelShape
     from models.tt_transformers.ttnn_backend.draft_head import TtnnDraftHead
 
     from .conftest import random_head_tensors
 
     prompt, rows, taps = [5, 9, 17, 5, 9, 17, 5, 9], [UserRows(0, [3, 7, 11], 8)], (1, 0, 3)
-    args = ModelArgs.from_hf_config(tiny.config)
+    args = ModelShape.from_hf_config(tiny.config)
     # a 32-wide head_dim (the tiny target's is 16): TT's rotary_embedding_llama rotates whole tiles
     config, weights = random_head_tensors(args, seed=1, taps=taps, n_heads=2, n_kv_heads=2, head_dim=32)
 

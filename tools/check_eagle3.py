@@ -26,18 +26,13 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # a tool over the library, run by its path
 
-from models.tt_transformers.torch_backend.checkpoint import load_model, load_tokenizer, resolve_checkpoint  # noqa: E402
-from models.tt_transformers.torch_backend.draft_head import (  # noqa: E402
-    HeadConfig,
-    HeadRunner,
-    default_taps,
-    load_draft_head,
-    random_head,
-    write_head,
-)
-from models.tt_transformers.torch_backend.generator import TorchCausalLM  # noqa: E402
+from models.tt_transformers.checkpoints.checkpoint import load_tokenizer, resolve_checkpoint  # noqa: E402
+from models.tt_transformers.torch_backend.load import load_model  # noqa: E402
+from models.tt_transformers.checkpoints.eagle3_format import HeadConfig, default_taps, random_head, write_head  # noqa: E402
+from models.tt_transformers.torch_backend.eagle3_head import HeadRunner, load_draft_head  # noqa: E402
+from models.tt_transformers.torch_backend.causal_lm import TorchCausalLM  # noqa: E402
 from models.tt_transformers.torch_backend.model import Transformer  # noqa: E402
-from models.tt_transformers.torch_backend.model_config import ModelArgs  # noqa: E402
+from models.tt_transformers.checkpoints.model_shape import ModelShape  # noqa: E402
 
 # float32 against float32: the same arithmetic in another order. bf16 (weights and activations rounded to 8 bits of
 # mantissa) against float32: a few percent of the logits' spread, and the same greedy draft.
@@ -46,8 +41,8 @@ BF16_TOL = 5e-2
 K = 4  # draft steps after the last true row
 
 
-def llama8b_shaped() -> ModelArgs:
-    return ModelArgs(dim=256, n_layers=32, n_heads=8, n_kv_heads=2, head_dim=32, hidden_dim=512, vocab_size=4096,
+def llama8b_shaped() -> ModelShape:
+    return ModelShape(dim=256, n_layers=32, n_heads=8, n_kv_heads=2, head_dim=32, hidden_dim=512, vocab_size=4096,
                      norm_eps=1e-5, rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0,
                      "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
                      tie_word_embeddings=False, sliding_window=None, max_position_embeddings=131072,

@@ -35,8 +35,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from models.tt_transformers.torch_backend.draft_head import HeadRunner, build_draft_head  # noqa: E402
 from models.tt_transformers.ttnn_backend.bfp8 import bfp8_round  # noqa: E402
+from models.tt_transformers.torch_backend.eagle3_head import HeadRunner, build_draft_head  # noqa: E402
 from models.tt_transformers.ttnn_backend.draft_head import stored_weights  # noqa: E402
 
 # the head's matmuls: its parameter -> its module (draft_head.PARAMETERS)
@@ -115,15 +115,16 @@ def agreement(reference: list[list[int]], other: list[list[int]]) -> dict:
 
 def shipped_head_case(stride: int) -> tuple[tuple, list]:
     from models.tt_transformers.prompts import encode, load_prompts
-    from models.tt_transformers.torch_backend.draft_head import DRAFT_HEADS
+    from models.tt_transformers.checkpoints.eagle3_format import DRAFT_HEADS
     from models.tt_transformers.speculative.generator import SpeculativeGenerator
-    from models.tt_transformers.torch_backend.checkpoint import load_model, load_tokenizer, resolve_checkpoint
-    from models.tt_transformers.torch_backend.draft_head import read_draft_head
-    from models.tt_transformers.torch_backend.generator import TorchCausalLM
-    from models.tt_transformers.torch_backend.model_config import ModelArgs
+    from models.tt_transformers.checkpoints.checkpoint import load_tokenizer, resolve_checkpoint
+    from models.tt_transformers.torch_backend.load import load_model
+    from models.tt_transformers.checkpoints.eagle3_format import read_draft_head
+    from models.tt_transformers.torch_backend.causal_lm import TorchCausalLM
+    from models.tt_transformers.checkpoints.model_shape import ModelShape
 
     ckpt = resolve_checkpoint(None)
-    args = ModelArgs.from_hf_config(ckpt.config)
+    args = ModelShape.from_hf_config(ckpt.config)
     target = load_model(ckpt, torch.bfloat16, 1024, "cpu")
     lm = TorchCausalLM(target, args.n_layers, 1)
     head = read_draft_head(DRAFT_HEADS / ckpt.name, args)
@@ -159,16 +160,16 @@ def with_outlier_channels(states: torch.Tensor, taps: int) -> torch.Tensor:
 
 
 def llama8b_case(outliers: bool = False) -> tuple[tuple, list]:
-    from models.tt_transformers.torch_backend.draft_head import random_head
+    from models.tt_transformers.checkpoints.eagle3_format import random_head
     from models.tt_transformers.torch_backend.model import Transformer
-    from models.tt_transformers.torch_backend.model_config import ModelArgs
+    from models.tt_transformers.checkpoints.model_shape import ModelShape
 
     from tests.tt_mock.run import LLAMA_8B  # the 8B shapes make tt-mock runs at
 
-    args = ModelArgs.from_hf_config(LLAMA_8B)
+    args = ModelShape.from_hf_config(LLAMA_8B)
     config, weights = random_head(args, draft_vocab=32000)
     weights = {name: w.to(torch.bfloat16) for name, w in weights.items()}
-    target = Transformer(ModelArgs(**{**vars(args), "n_layers": 0}), torch.bfloat16, 128)
+    target = Transformer(ModelShape(**{**vars(args), "n_layers": 0}), torch.bfloat16, 128)
     torch.manual_seed(1)
     target.tok_embeddings.weight.data.normal_(0, 0.02)
     n = 64

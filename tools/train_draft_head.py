@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Train an EAGLE-3 draft head (torch_backend/draft_head.py) for a target on its own greedy responses, written in
+"""Train an EAGLE-3 draft head (torch_backend/eagle3_head.py) for a target on its own greedy responses, written in
 speculators' layout (vLLM and SGLang load it too): `make train-draft-head`.
 
     python tools/train_draft_head.py --out models/tt_transformers/draft_heads/<name>
@@ -37,24 +37,21 @@ sys.path.insert(0, str(REPO))  # a tool over the library, run by its path (make 
 
 from models.tt_transformers.prompts import encode, load_prompts
 from models.tt_transformers.speculative.generator import SpeculativeGenerator  # noqa: E402
-from models.tt_transformers.torch_backend.checkpoint import (  # noqa: E402
-    cache_root,
-    load_model,
-    load_tokenizer,
-    resolve_checkpoint,
-)
-from models.tt_transformers.torch_backend.draft_head import (  # noqa: E402
+from models.tt_transformers.checkpoints.cache import cache_root  # noqa: E402
+from models.tt_transformers.checkpoints.checkpoint import load_tokenizer, resolve_checkpoint  # noqa: E402
+from models.tt_transformers.checkpoints.eagle3_format import HeadConfig, default_taps  # noqa: E402
+from models.tt_transformers.checkpoints.model_shape import ModelShape  # noqa: E402
+from models.tt_transformers.checkpoints.rope import rope_tables  # noqa: E402
+from models.tt_transformers.torch_backend.attention import apply_rope  # noqa: E402
+from models.tt_transformers.torch_backend.causal_lm import TorchCausalLM  # noqa: E402
+from models.tt_transformers.torch_backend.eagle3_head import (  # noqa: E402
     Eagle3Head,
-    HeadConfig,
     HeadRunner,
     build_draft_head,
-    default_taps,
     head_tensors,
     save_draft_head,
 )
-from models.tt_transformers.torch_backend.generator import TorchCausalLM  # noqa: E402
-from models.tt_transformers.torch_backend.model_config import ModelArgs  # noqa: E402
-from models.tt_transformers.torch_backend.rope import apply_rope, rope_tables  # noqa: E402
+from models.tt_transformers.torch_backend.load import load_model  # noqa: E402
 
 TOPICS = """volcanoes|the water cycle|personal budgeting|photosynthesis|the Roman Empire|machine learning|coffee brewing
 |sleep hygiene|electric cars|the human heart|climate change|chess openings|bread baking|the stock market|honeybees
@@ -328,7 +325,7 @@ def initial_head(trainer, vocab: torch.Tensor, taps: tuple[int, ...]) -> Eagle3H
     """A float32 head whose layer starts from the target's last layer (its q/k/v reading the state's half; the
     embedding's half small), fc passing the last tap through, and the target's final norm and LM-head rows."""
     a = trainer.args
-    layer_args = ModelArgs(**{**{f: getattr(a, f) for f in ModelArgs.__dataclass_fields__}, "n_layers": 1})
+    layer_args = ModelShape(**{**{f: getattr(a, f) for f in ModelShape.__dataclass_fields__}, "n_layers": 1})
     config = HeadConfig("speculators", layer_args, len(vocab), taps, a.dim, False)
     d2t = vocab - torch.arange(len(vocab))
     head = Eagle3Head(config, trainer.tok_embeddings, torch.float32, d2t)

@@ -43,9 +43,8 @@ from loguru import logger  # noqa: E402
 from models.tt_transformers.demo.speculative_decoding.build import (  # noqa: E402
     ModelPool,
     build,
-    head_drafter,
+    draft_head,
     trace_region_size,
-    warm_up,
 )
 from models.tt_transformers.demo.speculative_decoding.inputs import (  # noqa: E402
     PRECISIONS,
@@ -56,6 +55,7 @@ from models.tt_transformers.demo.speculative_decoding.options import DemoConfig,
 from models.tt_transformers.demo.speculative_decoding.speculative_demo import run_demo  # noqa: E402
 from models.tt_transformers.prompts import encode  # noqa: E402
 from models.tt_transformers.records import environment, write_json_atomic  # noqa: E402
+from models.tt_transformers.speculative import SpeculativeConfig, SpeculativeGenerator, make_drafter  # noqa: E402
 
 SMOKE_TOKENS = 32
 PROMPT = "Repeat this list exactly: apples, pears, plums, figs, dates, limes, apples, pears, plums, figs, dates, limes."
@@ -161,8 +161,8 @@ SMOKE_REGION_MARGIN = 1.5
 def stages_region(config: DemoConfig, shape, draft_head=None, margin: float = SMOKE_REGION_MARGIN) -> int:
     """Trace region for the traces the stages add to the run's: the taps stage's (1 write pass, smoke_taps), and the
     head stage's (the target's steps with the head's taps and the head's own traces), with the margin."""
-    from models.tt_transformers.torch_backend.checkpoint import resolve_checkpoint
-    from models.tt_transformers.torch_backend.model_config import ModelArgs
+    from models.tt_transformers.checkpoints.checkpoint import resolve_checkpoint
+    from models.tt_transformers.checkpoints.model_shape import ModelShape
     from models.tt_transformers.ttnn_backend.trace_plan import (
         device_names_for,
         head_region_bytes,
@@ -171,9 +171,9 @@ def stages_region(config: DemoConfig, shape, draft_head=None, margin: float = SM
     )
 
     ckpt = resolve_checkpoint(config.model, "--model" if config.model else "HF_MODEL")
-    args = ModelArgs.from_hf_config(ckpt.config)
+    args = ModelShape.from_hf_config(ckpt.config)
     devices, n = device_names_for(shape, os.environ.get("MESH_DEVICE")), shape[0] * shape[1]
-    from models.tt_transformers.torch_backend.draft_head import default_taps, read_head_config
+    from models.tt_transformers.checkpoints.eagle3_format import default_taps, read_head_config
 
     k = max(1, config.n_draft_tokens)
     folder = smoke_head_folder(config, ckpt, draft_head)
@@ -222,7 +222,7 @@ def eager_steps(s: Smoke) -> None:
 
 
 def compile_and_capture(s: Smoke) -> None:
-    s.facts.update(warm_up(s.lm, s.drafter, None, s.config))
+    s.facts.update(SpeculativeGenerator(s.lm, s.drafter, s.config.n_draft_tokens).warm_up())
 
 
 def prefill(s: Smoke) -> None:
@@ -279,27 +279,24 @@ def device_head(s: Smoke) -> None:
     import torch
     import ttnn
 
-    from models.tt_transformers.speculative.head_drafter import HeadFeed
-    from models.tt_transformers.torch_backend.checkpoint import load_model, resolve_checkpoint
-    from models.tt_transformers.torch_backend.draft_head import (
-        HeadRunner,
-        build_draft_head,
-        random_head,
-        read_draft_head,
-    )
-    from models.tt_transformers.torch_backend.model_config import ModelArgs
+    from models.tt_transformers.speculative.drafters.eagle3_device import HeadFeed
+    from models.tt_transformers.checkpoints.checkpoint import resolve_checkpoint
+    from models.tt_transformers.torch_backend.load import load_model
+    from models.tt_transformers.checkpoints.eagle3_format import random_head, read_draft_head
+    from models.tt_transformers.torch_backend.eagle3_head import HeadRunner, build_draft_head
+    from models.tt_transformers.checkpoints.model_shape import ModelShape
     from models.tt_transformers.ttnn_backend.draft_head import stored_weights
 
     ckpt = resolve_checkpoint(s.config.model, "--model" if s.config.model else "HF_MODEL")
-    args = ModelArgs.from_hf_config(ckpt.config)
+    args = ModelShape.from_hf_config(ckpt.config)
     folder = smoke_head_folder(s.config, ckpt, s.draft_head)
     head = read_draft_head(folder, args) if folder is not None else \
         random_head(args, draft_vocab=min(RANDOM_DRAFT_VOCAB, args.vocab_size))
     k = max(1, s.config.n_draft_tokens)
     config = DemoConfig(**{**vars(s.config), "n_draft_tokens": k})
-    drafter = head_drafter(head, s.lm, ckpt, args, config, lambda make: s.pool.get(("smoke head",), make))
-    dev = drafter.head
-    warm_up(s.lm, drafter, None, config)
+    dev = draft_head(head, s.lm, ckpt, args, config, lambda make: s.pool.get(("smoke head",), make))["device_head"]
+    drafter = make_drafter(SpeculativeConfig(draft_mode="head", n_draft_tokens=k), s.lm, device_head=dev)
+    SpeculativeGenerator(s.lm, drafter, k).warm_up()
     out = s.lm.prefill(0, s.tokens, taps=head[0].taps)
     context = s.tokens + out.ids[0]
     ids, probs = dev.draft([HeadFeed(0, 0, context[1:], states=out.hidden[0])], [0], k)[0]
@@ -336,7 +333,7 @@ def chain_agreement(dev, runner, states, context: list[int], k: int) -> dict:
     """The device head and the host head fed the same prompt prefixes (evenly spaced, enough for MIN_CHAIN_STEPS
     chain steps), each drafting a chain of k from there: the share of first drafts and whole chains that agree and
     the mean agreed prefix."""
-    from models.tt_transformers.speculative.head_drafter import HeadFeed
+    from models.tt_transformers.speculative.drafters.eagle3_device import HeadFeed
 
     n = len(states)
     count = min(n, -(-MIN_CHAIN_STEPS // k))

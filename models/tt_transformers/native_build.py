@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Builds the C sources this package ships (the bf16 CPU kernels, the drafting extension) with the system C compiler
-(`CC`, default `cc`) on first use, into TT_CACHE_PATH, keyed by the source, the compiler and whatever else the build
-depends on: every later start loads the cached library."""
+(`CC`, default `cc`) on first use, into the cache root (checkpoints/cache.py), keyed by the source, the compiler and
+whatever else the build depends on: every later start loads the cached library."""
 import hashlib
 import os
 import shutil
@@ -10,10 +10,6 @@ from pathlib import Path
 from typing import Optional
 
 from loguru import logger
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("TT_CACHE_PATH") or Path.home() / ".cache" / "tt_speculative")
 
 
 def build_library(source: Path, build_dir: Path, flags: list[str], libs: tuple[str, ...] = (), depends_on: str = "",

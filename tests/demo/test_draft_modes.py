@@ -12,9 +12,9 @@ from models.tt_transformers.demo.speculative_decoding import inputs
 from models.tt_transformers.demo.speculative_decoding.inputs import DemoInputError
 from models.tt_transformers.demo.speculative_decoding.options import DemoConfig
 from models.tt_transformers.demo.speculative_decoding.speculative_demo import run_demo
-from models.tt_transformers.speculative.head_drafter import RunCost
-from models.tt_transformers.torch_backend import checkpoint
-from models.tt_transformers.torch_backend.model_config import ModelArgs
+from models.tt_transformers.speculative.drafters.eagle3_base import RunCost
+from models.tt_transformers.torch_backend import load
+from models.tt_transformers.checkpoints.model_shape import ModelShape
 
 from ..conftest import REPO_ROOT, write_eagle3_head, write_json
 
@@ -57,8 +57,8 @@ def bad_head(case, tmp_path, args):
         (tmp_path / "llama").mkdir()
         write_json(tmp_path / "llama" / "config.json", {"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
         return tmp_path / "llama"
-    small = ModelArgs(**{**args.__dict__, "dim": 64, "n_heads": 4, "n_kv_heads": 2, "head_dim": 16, "hidden_dim": 96})
-    target = {"other-width": small, "other-tokenizer": ModelArgs(**{**args.__dict__, "vocab_size": 32000})}.get(case, args)
+    small = ModelShape(**{**args.__dict__, "dim": 64, "n_heads": 4, "n_kv_heads": 2, "head_dim": 16, "hidden_dim": 96})
+    target = {"other-width": small, "other-tokenizer": ModelShape(**{**args.__dict__, "vocab_size": 32000})}.get(case, args)
     folder = write_eagle3_head(tmp_path / "head", target, "speculators", std=0.01, draft_vocab=256,
                                taps={"taps-out-of-range": (2, 15, 40)}.get(case, (2, 15, 27)))
     if case in ("no-d2t", "missing-tensor", "truncated"):
@@ -96,8 +96,8 @@ def bad_head(case, tmp_path, args):
 def test_bad_draft_head_is_a_clear_error_before_loading(tmp_path, embedded_checkpoint, monkeypatch, case, message):
     """Checked against the target's config before any model loads; one line naming --draft_head and the fix."""
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-hub"))
-    value = bad_head(case, tmp_path, ModelArgs.from_hf_config(embedded_checkpoint.config))
-    monkeypatch.setattr(checkpoint, "load_model", lambda *a, **k: pytest.fail("a model was loaded before the check"))
+    value = bad_head(case, tmp_path, ModelShape.from_hf_config(embedded_checkpoint.config))
+    monkeypatch.setattr(load, "load_model", lambda *a, **k: pytest.fail("a model was loaded before the check"))
     config = DemoConfig(input_prompts=str(write_json(tmp_path / "p.json", [{"prompt": "Hi"}])), draft_mode="head",
                         draft_head=str(value), max_generated_tokens=4,
                         target_layers=12 if case == "fewer-target-layers" else None)

@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 from loguru import logger
 
-from models.tt_transformers.torch_backend import checkpoint
-from models.tt_transformers.torch_backend.checkpoint import CheckpointError, resolve_checkpoint
-from models.tt_transformers.torch_backend.model_config import ModelArgs, ModelConfigError
+from models.tt_transformers.checkpoints import checkpoint
+from models.tt_transformers.torch_backend import load
+from models.tt_transformers.checkpoints.checkpoint import CheckpointError, resolve_checkpoint
+from models.tt_transformers.checkpoints.model_shape import ModelShape, ModelConfigError
 from models.tt_transformers.demo.speculative_decoding.inputs import (
     DemoInputError,
     check_flags,
@@ -28,7 +29,7 @@ from models.tt_transformers.demo.speculative_decoding.report import ReportFile
 from models.tt_transformers.demo.speculative_decoding.speculative_demo import main, run_demo
 from models.tt_transformers.speculative.generator import SpeculativeGenerator
 from models.tt_transformers.speculative.drafters import SuffixDrafter
-from models.tt_transformers.torch_backend.generator import TorchCausalLM
+from models.tt_transformers.torch_backend.causal_lm import TorchCausalLM
 
 from ..conftest import REPO_ROOT, random_model, save_tiny_hf_checkpoint, write_json
 
@@ -177,7 +178,7 @@ def test_hub_id_resolves_from_the_local_cache(tmp_path, monkeypatch, env):
     monkeypatch.setenv("HF_MODEL", "meta-llama/Tiny-Llama")
     ckpt = resolve_checkpoint(None)
     assert ckpt.folder == snapshot and ckpt.name == "Tiny-Llama"
-    assert checkpoint.load_model(ckpt, checkpoint.torch.float32, 32).args.n_layers == 4
+    assert load.load_model(ckpt, load.torch.float32, 32).args.n_layers == 4
 
 
 def test_uncached_hub_id_says_how_to_get_it(tmp_path, monkeypatch):
@@ -189,7 +190,7 @@ def test_uncached_hub_id_says_how_to_get_it(tmp_path, monkeypatch):
 
 def test_unsupported_model_type():
     with pytest.raises(ModelConfigError, match="model_type 'gpt2' is not supported"):
-        ModelArgs.from_hf_config({"model_type": "gpt2"})
+        ModelShape.from_hf_config({"model_type": "gpt2"})
 
 
 def test_missing_tensor_is_named(tmp_path):
@@ -200,7 +201,7 @@ def test_missing_tensor_is_named(tmp_path):
     del weights["model.layers.2.mlp.down_proj.weight"]
     save_file(weights, tmp_path / "model.safetensors")
     with pytest.raises(CheckpointError, match="model.layers.2.mlp.down_proj.weight"):
-        checkpoint.load_model(resolve_checkpoint(str(tmp_path)), checkpoint.torch.float32, 64)
+        load.load_model(resolve_checkpoint(str(tmp_path)), load.torch.float32, 64)
 
 
 def demo(tmp_path, **kw):
@@ -499,7 +500,7 @@ def test_truncated_checkpoints_are_named_and_leave_nothing(tmp_path, monkeypatch
     in the cache by a failed conversion."""
     import torch
 
-    from models.tt_transformers.torch_backend.checkpoint import load_model
+    from models.tt_transformers.torch_backend.load import load_model
 
     folder = tmp_path / "tiny"
     save_tiny_hf_checkpoint(folder)

@@ -10,7 +10,7 @@ from models.tt_transformers.demo.speculative_decoding.inputs import DemoInputErr
 from models.tt_transformers.demo.speculative_decoding.options import DemoConfig, add_demo_options
 from models.tt_transformers.demo.speculative_decoding.speculative_demo import run_demo
 from models.tt_transformers.speculative.generator import SpeculativeGenerator
-from models.tt_transformers.torch_backend.checkpoint import resolve_checkpoint
+from models.tt_transformers.checkpoints.checkpoint import resolve_checkpoint
 from models.tt_transformers.ttnn_backend import device as tt_device
 from models.tt_transformers.ttnn_backend.generator import TtnnCausalLM
 from models.tt_transformers.ttnn_backend.trace_plan import pass_ladder

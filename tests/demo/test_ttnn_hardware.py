@@ -20,9 +20,8 @@ import pytest
 from models.tt_transformers.demo.speculative_decoding.build import ModelPool, trace_region_size
 from models.tt_transformers.demo.speculative_decoding.options import DemoConfig
 from models.tt_transformers.demo.speculative_decoding.speculative_demo import run_demo
-from models.tt_transformers.speculative.generator import SpeculativeGenerator
-from models.tt_transformers.speculative.drafters import HybridDrafter, ModelDrafter, SuffixDrafter
-from models.tt_transformers.torch_backend.checkpoint import resolve_checkpoint
+from models.tt_transformers.speculative import SpeculativeConfig, SpeculativeGenerator, make_drafter
+from models.tt_transformers.checkpoints.checkpoint import resolve_checkpoint
 from models.tt_transformers.ttnn_backend.device import mesh_shape
 from models.tt_transformers.ttnn_backend.draft_head import TtnnDraftHead
 from models.tt_transformers.ttnn_backend.generator import TtnnCausalLM
@@ -82,7 +81,7 @@ def test_demo_on_device(mesh_device, checkpoint):
 def test_lossless_on_device(mesh_device, checkpoint, batch):
     """Every draft mode equals plain greedy decoding through the same traced 32-row step on the device."""
     from models.tt_transformers.prompts import encode, load_prompts
-    from models.tt_transformers.torch_backend.checkpoint import load_tokenizer
+    from models.tt_transformers.checkpoints.checkpoint import load_tokenizer
 
     tokenizer = load_tokenizer(checkpoint)
     prompts = [encode(tokenizer, p, True) for p in load_prompts(CODE_EDITS)][:batch]
@@ -90,24 +89,27 @@ def test_lossless_on_device(mesh_device, checkpoint, batch):
                           1024)
     plain = [r.output_tokens for r in SpeculativeGenerator(target, None, 0).generate(prompts, 64)]
     view = target.draft_view(max(1, target.n_layers // 4))
-    for drafter in (SuffixDrafter(), ModelDrafter(view), HybridDrafter(SuffixDrafter(), ModelDrafter(view, 0.25))):
+    for mode in ("suffix", "model", "hybrid"):  # copies from the request alone; the first quarter of the layers
+        config = SpeculativeConfig(draft_mode=mode, draft_memory=0, recycle_top_k=0)
+        drafter = make_drafter(config, target, draft_lm=view, draft_cost=0.25)
         assert [r.output_tokens for r in SpeculativeGenerator(target, drafter, 8).generate(prompts, 64)] == plain
 
 
 def device_head_drafter(target, checkpoint, n_draft_tokens: int):
     """DRAFT_HEAD, else the head shipped for the model, else a random EAGLE-3 head of its shape (lossless all the
-    same: its drafts fail), on the device beside `target` (build.head_drafter), traced with it."""
-    from models.tt_transformers.demo.speculative_decoding.build import head_drafter, warm_up
+    same: its drafts fail), on the device beside `target` (build.draft_head, make_drafter), traced with it."""
+    from models.tt_transformers.demo.speculative_decoding.build import draft_head
     from models.tt_transformers.demo.speculative_decoding.inputs import draft_head_folder
-    from models.tt_transformers.torch_backend.draft_head import random_head, read_draft_head
-    from models.tt_transformers.torch_backend.model_config import ModelArgs
+    from models.tt_transformers.checkpoints.eagle3_format import random_head, read_draft_head
+    from models.tt_transformers.checkpoints.model_shape import ModelShape
 
     config = DemoConfig(backend="ttnn", n_draft_tokens=n_draft_tokens, draft_head=os.environ.get("DRAFT_HEAD"))
-    args = ModelArgs.from_hf_config(checkpoint.config)
+    args = ModelShape.from_hf_config(checkpoint.config)
     folder = draft_head_folder(DemoConfig(**{**vars(config), "draft_mode": "hybrid"}), checkpoint.name)
     head = read_draft_head(folder, args) if folder is not None else random_head(args)
-    drafter = head_drafter(head, target, checkpoint, args, config)
-    warm_up(target, drafter, None, config)
+    drafter = make_drafter(SpeculativeConfig(draft_mode="head", n_draft_tokens=n_draft_tokens), target,
+                           **draft_head(head, target, checkpoint, args, config))
+    SpeculativeGenerator(target, drafter, n_draft_tokens).warm_up()
     return drafter
 
 
@@ -116,7 +118,7 @@ def test_device_head_lossless_on_device(mesh_device, checkpoint, batch):
     """The draft head on the device (DRAFT_HEAD, the shipped one, or a random one), in head and hybrid modes, equals
     plain greedy decoding through the same traced 32-row step."""
     from models.tt_transformers.prompts import encode, load_prompts
-    from models.tt_transformers.torch_backend.checkpoint import load_tokenizer
+    from models.tt_transformers.checkpoints.checkpoint import load_tokenizer
 
     tokenizer = load_tokenizer(checkpoint)
     prompts = [encode(tokenizer, p, True) for p in load_prompts(CHAT)][:batch]
@@ -124,7 +126,8 @@ def test_device_head_lossless_on_device(mesh_device, checkpoint, batch):
                           1024)
     plain = [r.output_tokens for r in SpeculativeGenerator(target, None, 0).generate(prompts, 64)]
     head = device_head_drafter(target, checkpoint, 4)
-    for drafter in (head, HybridDrafter(SuffixDrafter(), head)):
+    hybrid = make_drafter(SpeculativeConfig(draft_memory=0, recycle_top_k=0), target, device_head=head.head)
+    for drafter in (head, hybrid):
         assert [r.output_tokens for r in SpeculativeGenerator(target, drafter, 4).generate(prompts, 64)] == plain
 
 
@@ -195,7 +198,7 @@ def tt_baseline(mesh_device, checkpoint, config: DemoConfig) -> dict:
     """TT-Transformers' own traced decode (tt_baseline.py) on the perf prompts' first batch, built and dropped before
     our models are built (two 8B models do not fit an N150 together): what a TT user runs without us."""
     from models.tt_transformers.prompts import encode, load_prompts
-    from models.tt_transformers.torch_backend.checkpoint import load_tokenizer
+    from models.tt_transformers.checkpoints.checkpoint import load_tokenizer
     from models.tt_transformers.ttnn_backend.tt_baseline import tt_decode_baseline
 
     tokenizer = load_tokenizer(checkpoint)

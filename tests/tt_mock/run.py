@@ -110,8 +110,8 @@ def run_shape(mesh, name: str, config: dict, max_seq_len: int, batch: int, draft
     step, drafting chains."""
     import torch
 
-    from models.tt_transformers.torch_backend.draft_head import random_head
-    from models.tt_transformers.torch_backend.model_config import ModelArgs
+    from models.tt_transformers.checkpoints.eagle3_format import random_head
+    from models.tt_transformers.checkpoints.model_shape import ModelShape
     from models.tt_transformers.ttnn_backend.draft_head import TtnnDraftHead
     from models.tt_transformers.ttnn_backend.generator import TtnnCausalLM
     from models.tt_transformers.ttnn_backend.model import build_tt_model
@@ -125,7 +125,7 @@ def run_shape(mesh, name: str, config: dict, max_seq_len: int, batch: int, draft
     finally:
         tt_transformers.Transformer = built
     lm = TtnnCausalLM(tt, batch, max_seq_len, trace=False)
-    args = ModelArgs.from_hf_config(config)
+    args = ModelShape.from_hf_config(config)
     head_config, weights = random_head(args, draft_vocab=draft_vocab)
     lm.warm_up(N_DRAFT + 1, 4, head_config.taps)  # the steps a hybrid run plans: recycling's top k, the head's taps
     embedding = torch.zeros(config["vocab_size"], config["hidden_size"], dtype=torch.bfloat16)
@@ -139,7 +139,7 @@ def run_shape(mesh, name: str, config: dict, max_seq_len: int, batch: int, draft
 
 def exercise(lm, head, taps, dim: int) -> None:
     from models.tt_transformers.speculative.backend import UserRows
-    from models.tt_transformers.speculative.head_drafter import HeadFeed
+    from models.tt_transformers.speculative.drafters.eagle3_device import HeadFeed
 
     head.warm_up()
     lm.prepare_traces()  # eager: every planned program of the target and the head runs once

@@ -43,9 +43,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from models.tt_transformers.torch_backend.checkpoint import load_model, resolve_checkpoint
-from models.tt_transformers.torch_backend.model_config import ModelArgs as TorchModelArgs
-from models.tt_transformers.torch_backend.rope import apply_rope
+from models.tt_transformers.checkpoints.checkpoint import resolve_checkpoint
+from models.tt_transformers.checkpoints.model_shape import ModelShape as TorchModelArgs
+from models.tt_transformers.torch_backend.attention import apply_rope
+from models.tt_transformers.torch_backend.load import load_model
 
 from . import ttnn
 

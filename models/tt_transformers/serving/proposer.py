@@ -18,12 +18,12 @@ from typing import Optional, Sequence
 import torch
 
 from ..speculative.backend import CausalLM, extra_cost_curve
-from ..speculative.draft_memory import DraftMemory
-from ..speculative.drafters import DEFAULT_SA_THRESHOLD, SuffixDrafter, Verified
+from ..speculative.copy_sources.draft_memory import DraftMemory
+from ..speculative.config import SpeculativeConfig
+from ..speculative.drafters import SuffixDrafter, Verified
 from .contract import PLACEHOLDER_TOKEN_ID, DraftOutput, check_committed_block
 
-MEMORY_TOKENS = 65536  # the demo's --draft_memory default
-RECYCLE_TOP_K = 4  # the demo's --recycle_top_k default
+DEFAULTS = SpeculativeConfig()  # the library's drafting defaults (the demo's flags take theirs from it too)
 
 
 @dataclass
@@ -42,7 +42,8 @@ class CopiedDraftProposer:
     def __init__(self, target: CausalLM, drafter: Optional[SuffixDrafter] = None):
         """drafter: the copied drafts (default: as the demo builds them, with a draft memory and recycling)."""
         self.target = target
-        self.drafter = drafter or SuffixDrafter(DEFAULT_SA_THRESHOLD, DraftMemory(MEMORY_TOKENS), RECYCLE_TOP_K)
+        self.drafter = drafter or SuffixDrafter(DEFAULTS.sa_threshold, DraftMemory(DEFAULTS.draft_memory),
+                                                DEFAULTS.recycle_top_k)
         self.top_k = self.drafter.top_k  # the target's top next tokens a step should return (0: none)
         self.requests: dict[int, RequestState] = {}  # request key -> state
         self.slots: dict[int, int] = {}  # decode slot -> request key

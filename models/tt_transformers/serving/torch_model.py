@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from ..torch_backend.generator import TorchCausalLM
+from ..torch_backend.causal_lm import TorchCausalLM
 from .contract import DraftOutput
 from .core import SpecDecodeCore
 from .plan import SPEC_CAPABILITIES, plan_speculation

@@ -124,13 +124,13 @@ def ordered_write_models(generator_vllm, passes):
 
 
 def checkpoint_shapes(hf_config):
-    """The checkpoint's shapes as the torch backend reads config.json: from vLLM's hf_config (a transformers config),
-    or the config.json of the folder it names."""
-    from ..torch_backend.model_config import ModelArgs as CheckpointArgs
+    """The checkpoint's shapes (checkpoints.model_shape): from vLLM's hf_config (a transformers config), or the
+    config.json of the folder it names."""
+    from ..checkpoints.model_shape import ModelShape
 
     config = (hf_config.to_dict() if hasattr(hf_config, "to_dict") else
               json.loads((Path(hf_config._name_or_path) / "config.json").read_text()))
-    return CheckpointArgs.from_hf_config(config)
+    return ModelShape.from_hf_config(config)
 
 
 class PagedVerify:

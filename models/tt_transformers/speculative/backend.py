@@ -65,6 +65,10 @@ class CausalLM(Protocol):
     device_name: str  # where it runs, for reports: "cpu", "cuda:0", "N150 (1x1 mesh)"
 
     supports_trees: bool  # whether step takes UserRows.parents (and commit_path)
+    shares_target_cache: bool  # a draft view over its target's cache (draft_view): the target's steps fill it
+
+    def draft_view(self, n_layers: int) -> "CausalLM":
+        """The first n_layers layers as a draft model, reading and writing this model's cache for those layers."""
 
     def prefill(self, user: int, tokens: Sequence[int], logits: bool = False, taps: Sequence[int] = ()
                 ) -> StepOutput:
@@ -90,6 +94,10 @@ class CausalLM(Protocol):
         max_rows_per_user rows per user with these outputs (logits: the steps return them, as sampling asks) will
         run, before anything is timed; seconds spent, as {"compile_prefill": s, "compile_decode": s} (TT's perf
         keys). May write user 0's cache."""
+
+    def prepare_traces(self) -> float:
+        """After every model on the device has been warmed up: compile and capture each program they planned, once
+        (a TT mesh's traces); seconds spent (0 where nothing is traced)."""
 
     def release(self) -> None:
         """Give back device resources (a TT device's traces) before the model is dropped."""

@@ -21,16 +21,13 @@ from typing import Optional, Sequence
 
 from loguru import logger
 
-from .backend import MAX_DRAFT_TOKENS, CausalLM, StepOutput, UserRows, extra_cost_curve
+from ..errors import UserError
+from .backend import CausalLM, StepOutput, UserRows, extra_cost_curve
+from .config import check_n_draft_tokens
 from .drafters import Draft, Drafter, Verified
 from .results import IterationStats, UserResult
 from .sampling import KeyedSampler, SamplingParams, TargetSamples
 from .verification import verify_chain, verify_tree
-
-
-def check_n_draft_tokens(n_draft_tokens: int) -> None:
-    if not 0 <= n_draft_tokens <= MAX_DRAFT_TOKENS:
-        raise ValueError(f"--n_draft_tokens must be between 0 and {MAX_DRAFT_TOKENS}, got {n_draft_tokens}")
 
 
 def describe_sources(drafts: Sequence[Draft]) -> str:
@@ -44,8 +41,8 @@ def describe_sources(drafts: Sequence[Draft]) -> str:
 
 
 class IterationLog:
-    """The `Iteration` lines of one generate() call: the first `limit` logged (None: every one, as TT's demo logs
-    them), the rest counted into one line at the end."""
+    """The `Iteration` lines of one generate() call: the first `limit` logged (None: every one, as TT's text
+    generation logs them), the rest counted into one line at the end."""
 
     def __init__(self, limit: Optional[int]):
         self.limit, self.iteration = limit, 0
@@ -100,12 +97,20 @@ class Batch:
 
 
 class SpeculativeGenerator:
-    """`log_iterations`: the `Iteration` lines logged per generate() call, the rest counted in one line (None: every
-    one, as TT's demo logs them); each iteration is in the results either way."""
+    """Speculative decoding of `target` with `drafter`: up to n_draft_tokens drafts per user verified per target
+    forward, as token trees where `trees` and the target allow (CausalLM.supports_trees); plain decoding on the same
+    target with n_draft_tokens 0 (no drafter needed). Sampling follows `sampling_params` (default greedy), each draw
+    keyed on (seed, request, position): lossless and batch-invariant either way. `log_iterations`: the `Iteration`
+    lines logged per generate() call, the rest counted in one line (None: every one, as TT's text generation logs
+    them); each iteration is in the results either way.
+
+    Raises:
+        UserError: n_draft_tokens out of range (check_prompts and generate: prompts the target cannot take).
+    """
 
     def __init__(self, target: CausalLM, drafter: Optional[Drafter], n_draft_tokens: int,
                  eos_token_ids: Sequence[int] = (), sampling_params: Optional[SamplingParams] = None,
-                 log_iterations: Optional[int] = None):
+                 log_iterations: Optional[int] = None, trees: bool = True):
         check_n_draft_tokens(n_draft_tokens)
         if n_draft_tokens > 0 and drafter is None:
             raise ValueError("n_draft_tokens > 0 needs a drafter")
@@ -114,22 +119,42 @@ class SpeculativeGenerator:
         self.eos_token_ids = set(eos_token_ids)
         self.sampling = sampling_params or SamplingParams()
         self.log_iterations = log_iterations
+        self.trees = trees and target.supports_trees
 
     def check_prompts(self, prompts: Sequence[Sequence[int]]) -> None:
+        """Raises UserError for prompts the target cannot take (too many, empty, outside its vocabulary, too long)."""
         if not prompts:
-            raise ValueError("no prompts to generate from")
+            raise UserError("no prompts to generate from")
         if len(prompts) > self.target.max_batch_size:
-            raise ValueError(f"{len(prompts)} prompts but the backend was built for batch size "
-                             f"{self.target.max_batch_size}; raise --batch_size or pass fewer prompts")
+            raise UserError(f"{len(prompts)} prompts but the target was built for max_batch_size "
+                            f"{self.target.max_batch_size}; raise max_batch_size or pass fewer prompts",
+                            "max_batch_size")
         for i, p in enumerate(prompts):
             if len(p) == 0:
-                raise ValueError(f"prompt {i} is empty")
+                raise UserError(f"prompt {i} is empty")
             if not all(0 <= t < self.target.vocab_size for t in p):
-                raise ValueError(f"prompt {i} has token ids outside the model's vocabulary [0, {self.target.vocab_size})"
-                                 "; encode it with the target's own tokenizer")
+                raise UserError(f"prompt {i} has token ids outside the model's vocabulary [0, {self.target.vocab_size})"
+                                "; encode it with the target's own tokenizer")
             if len(p) >= self.target.max_seq_len:
-                raise ValueError(f"prompt {i} has {len(p)} tokens, which leaves no room to generate within "
-                                 f"max_seq_len={self.target.max_seq_len}; raise --max_seq_len or shorten the prompt")
+                raise UserError(f"prompt {i} has {len(p)} tokens, which leaves no room to generate within "
+                                f"max_seq_len={self.target.max_seq_len}; raise max_seq_len or shorten the prompt",
+                                "max_seq_len")
+
+    def warm_up(self) -> dict[str, float]:
+        """Compile (on a TT device also trace) every program this generator's runs can use, the target's and the
+        drafter's, before anything is timed; TT's compile_prefill / compile_decode keys, in seconds. May write user 0's
+        cache; no drafter learns anything here (a memory of earlier responses would otherwise hold part of the first
+        answer)."""
+        times = {"compile_prefill": 0.0, "compile_decode": 0.0}
+        top_k = self.drafter.top_k if self.drafter is not None else 0
+        rows = min(self.n_draft_tokens + 1, self.target.max_step_rows)
+        logits = not self.sampling.greedy  # sampled steps return logits (the target's to sample from, a draft's too)
+        for key, seconds in self.target.warm_up(rows, top_k, self.taps, logits=logits).items():
+            times[key] += seconds
+        for key, seconds in (self.drafter.warm_up(logits) if self.drafter is not None else {}).items():
+            times[key] += seconds
+        times["compile_decode"] += self.target.prepare_traces()  # on a TT mesh: every model planned, captured once
+        return times
 
     @property
     def taps(self) -> tuple[int, ...]:
@@ -142,9 +167,9 @@ class SpeculativeGenerator:
         tokens whatever batch it runs in."""
         self.check_prompts(prompts)
         if max_generated_tokens < 1:
-            raise ValueError(f"max_generated_tokens must be >= 1, got {max_generated_tokens}")
+            raise UserError(f"max_generated_tokens must be >= 1, got {max_generated_tokens}", "max_generated_tokens")
         if requests is not None and len(requests) != len(prompts):
-            raise ValueError(f"{len(requests)} request ids for {len(prompts)} prompts")
+            raise UserError(f"{len(requests)} request ids for {len(prompts)} prompts", "requests")
         batch = Batch([UserResult(list(p)) for p in prompts], [list(p) for p in prompts],
                       KeyedSampler(self.sampling, requests), max_generated_tokens, stop_at_eos, self.eos_token_ids,
                       self.target.max_seq_len)
@@ -196,7 +221,7 @@ class SpeculativeGenerator:
         caps = self._draft_caps([batch.results[u] for u in active], contexts, batch.max_generated_tokens)
         context_len = sum(len(c) for c in contexts) / len(active)
         return self.drafter.propose(active, contexts, caps, extra_cost_curve(self.target, len(active), context_len),
-                                    self.target.supports_trees)
+                                    self.trees)
 
     def _verify(self, batch: Batch, active: list[int], drafts: list[Draft]) -> list[Verified]:
         """One target step over every user's last token and draft; each user's chain or tree verified against the

@@ -20,6 +20,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from ..errors import UserError
+
 MASK64 = (1 << 64) - 1
 GOLDEN64 = 0x9E3779B97F4A7C15
 
@@ -35,11 +37,11 @@ class SamplingParams:
 
     def __post_init__(self):
         if not (math.isfinite(self.temperature) and self.temperature >= 0):  # nan and inf pass a bare `< 0`
-            raise ValueError(f"temperature must be >= 0 and finite, got {self.temperature}")
+            raise UserError(f"temperature must be >= 0 and finite, got {self.temperature}", "temperature")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+            raise UserError(f"top_k must be >= 0 (0 = off), got {self.top_k}", "top_k")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise UserError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
 
     @property
     def greedy(self) -> bool:

@@ -7,8 +7,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .model_config import ModelArgs
-from .rope import apply_rope
+from ..checkpoints.model_shape import ModelShape
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, T, H, D]; cos/sin [B, T, 1, D] gathered at each token's position."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
 
 
 @dataclass(frozen=True)
@@ -53,7 +59,7 @@ class StepInputs:
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, dtype: torch.dtype, in_dim: Optional[int] = None):
+    def __init__(self, args: ModelShape, dtype: torch.dtype, in_dim: Optional[int] = None):
         super().__init__()  # in_dim: what q/k/v read when not the model's width (an EAGLE-3 head's 2 * dim)
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         qkv_dim = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim

@@ -15,6 +15,8 @@ from typing import Optional
 
 import torch
 
+from ..errors import UserError
+
 AVX512_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
 AVX2_FLAGS = ("avx2", "fma", "f16c")
 
@@ -47,7 +49,7 @@ PATHS = (  # fastest first
 BY_NAME = {p.name: p for p in PATHS}
 
 
-class CpuIsaError(ValueError):
+class CpuIsaError(UserError):
     """TT_CPU_ISA names a path this CPU cannot run, or none at all."""
 
 

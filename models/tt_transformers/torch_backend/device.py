@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .model_config import ModelArgs
+from ..checkpoints.model_shape import ModelShape
+from ..errors import UserError
 
 CPU_GB_S = {"kernels": 25.0, "torch_bf16": 9.4, "torch_fp32": 5.2}  # weight bytes streamed per second, 2-core CPU
 CUDA_MS_PER_LAYER = 0.9  # eager, launch-bound: 27 ms / 30 layers and 34 ms / 32 layers (H100)
@@ -26,7 +27,7 @@ class DeviceChoice:
     reason: str
 
 
-def estimated_ms_per_token(device: str, args: ModelArgs, dtype: torch.dtype, cpu_kernels: bool) -> float:
+def estimated_ms_per_token(device: str, args: ModelShape, dtype: torch.dtype, cpu_kernels: bool) -> float:
     weight_bytes = args.weight_bytes_per_token(args.n_layers, dtype.itemsize)
     if device == "cuda":
         return max(CUDA_MS_PER_LAYER * args.n_layers, weight_bytes / CUDA_GB_S / 1e6)
@@ -34,13 +35,13 @@ def estimated_ms_per_token(device: str, args: ModelArgs, dtype: torch.dtype, cpu
     return weight_bytes / rate / 1e6
 
 
-def choose_device(requested: str, args: ModelArgs, dtype: torch.dtype, cpu_kernels: bool,
+def choose_device(requested: str, args: ModelShape, dtype: torch.dtype, cpu_kernels: bool,
                   cuda_available: bool) -> DeviceChoice:
     """`requested` is --device; cpu_kernels: whether the bf16 CPU kernels would run this model here."""
     if requested not in DEVICES:
-        raise ValueError(f"--device {requested!r} is not one of {', '.join(DEVICES)}")
+        raise UserError(f"--device {requested!r} is not one of {', '.join(DEVICES)}")
     if requested == "cuda" and not cuda_available:
-        raise ValueError(f"--device cuda: torch {torch.__version__} sees no CUDA device here; use --device cpu "
+        raise UserError(f"--device cuda: torch {torch.__version__} sees no CUDA device here; use --device cpu "
                          "(or auto)")
     if requested != "auto":
         return DeviceChoice(requested, "--device " + requested)

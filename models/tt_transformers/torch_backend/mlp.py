@@ -4,11 +4,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .model_config import ModelArgs
+from ..checkpoints.model_shape import ModelShape
 
 
 class MLP(nn.Module):
-    def __init__(self, args: ModelArgs, dtype: torch.dtype):
+    def __init__(self, args: ModelShape, dtype: torch.dtype):
         super().__init__()
         self.hidden_dim = args.hidden_dim
         self.w_gate_up = nn.Linear(args.dim, 2 * args.hidden_dim, bias=False, dtype=dtype)

@@ -10,12 +10,12 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
+from ..checkpoints.model_shape import ModelShape
+from ..checkpoints.rope import rope_tables
 from .attention import Attention, ExactToken, StepInputs
 from .cpu_isa import onednn_bf16_prepacking
 from .cpu_kernels import CpuKernels, StepTable, kernels_fit
 from .mlp import MLP
-from .model_config import ModelArgs
-from .rope import rope_tables
 
 
 class RMSNorm(nn.Module):
@@ -95,7 +95,7 @@ class KernelEmbedding(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs, dtype: torch.dtype):
+    def __init__(self, args: ModelShape, dtype: torch.dtype):
         super().__init__()
         self.args = args
         self.attention_norm = RMSNorm(args.dim, args.norm_eps, dtype)
@@ -150,7 +150,7 @@ class KVCache:
     The extra last slot is scratch: padding tokens of a ragged batch write there and nothing reads it.
     """
 
-    def __init__(self, args: ModelArgs, n_layers: int, n_users: int, max_seq_len: int, dtype, device):
+    def __init__(self, args: ModelShape, n_layers: int, n_users: int, max_seq_len: int, dtype, device):
         shape = (n_users, args.n_kv_heads, max_seq_len + 1, args.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
@@ -165,7 +165,7 @@ class KVCache:
 
 
 class Transformer(nn.Module):
-    def __init__(self, args: ModelArgs, dtype: torch.dtype = torch.bfloat16, max_seq_len: int = 2048):
+    def __init__(self, args: ModelShape, dtype: torch.dtype = torch.bfloat16, max_seq_len: int = 2048):
         super().__init__()
         self.args, self.dtype = args, dtype
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim, dtype=dtype)

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""An EAGLE-3 draft head (torch_backend/draft_head.py has its form) on the Tenstorrent device, traced beside the target:
+"""An EAGLE-3 draft head (torch_backend/eagle3_head.py has its form) on the Tenstorrent device, traced beside the target:
 the taps never leave the device and only the drafted ids (and the top logits each draft's confidence comes from) come
 back.
 
@@ -40,11 +40,11 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from ..native_build import cache_root
-from ..speculative.head_drafter import HeadFeed
-from ..torch_backend.draft_head import HeadConfig, estimated_run_cost, parameter_names
-from ..torch_backend.model_config import ModelArgs
-from ..torch_backend.rope import rope_tables
+from ..checkpoints.cache import cache_root
+from ..speculative.drafters.eagle3_device import HeadFeed
+from ..checkpoints.eagle3_format import HeadConfig, estimated_run_cost, parameter_names
+from ..checkpoints.model_shape import ModelShape
+from ..checkpoints.rope import rope_tables
 from .generator import MESH_MODELS, TtnnCausalLM, captured, device_tensors, prepare_mesh, release_all, slice_top_k
 from .model import BLOCK_SIZE, TILE_ROWS, blocks_per_user
 from .trace_plan import HeadKey, head_trace_bytes, head_trace_keys, pass_ladder, passes_for
@@ -258,12 +258,12 @@ def stored_weights(config: HeadConfig, weights: dict) -> dict:
 
 
 class TtnnDraftHead:
-    """The `ChainDraftHead` of speculative/head_drafter.py on a TT device, beside its target (a TtnnCausalLM whose
+    """The `ChainDraftHead` of speculative/drafters/eagle3_device.py on a TT device, beside its target (a TtnnCausalLM whose
     steps write the tap tile). Traces are keyed by (feed write passes, chain length k) and made with every other model
     on the mesh (generator.prepare_mesh), as the target's are."""
 
     def __init__(self, target: TtnnCausalLM, config: HeadConfig, weights: dict, embedding: torch.Tensor,
-                 chain_len: int, target_args: ModelArgs, weights_dtype=None, cache_dir: Optional[Path] = None):
+                 chain_len: int, target_args: ModelShape, weights_dtype=None, cache_dir: Optional[Path] = None):
         import ttnn
 
         if not 1 <= chain_len <= TILE_ROWS:
@@ -463,7 +463,7 @@ class TtnnDraftHead:
         return q, residual
 
     def _layer(self, embeds, state, positions, rope_rows, passes: list):
-        """The head's decoder layer over the tile (Eagle3Layer.forward, torch_backend/draft_head.py) with TT's decode
+        """The head's decoder layer over the tile (Eagle3Layer.forward, torch_backend/eagle3_head.py) with TT's decode
         attention ops (tt/attention.py forward_decode): returns the state fed forward and the draft-vocabulary logits
         [1, 1, 32, V']."""
         import ttnn

@@ -27,8 +27,8 @@ from typing import Any, Optional
 import torch
 from loguru import logger
 
-from ..native_build import cache_root
-from ..torch_backend.model_config import ModelArgs as CheckpointArgs
+from ..checkpoints.cache import cache_root
+from ..checkpoints.model_shape import ModelShape
 from .attention import KVWritePasses, ordered_write_attention
 from .tt_surface import full_layers
 
@@ -176,7 +176,7 @@ def dtype_name(dtype) -> str:
     return str(dtype).rsplit(".", 1)[-1].lower()
 
 
-def key_cost(config: CheckpointArgs, n_layers: int, weights_dtype: str, optimizations: str, cache_dtype: str) -> float:
+def key_cost(config: ModelShape, n_layers: int, weights_dtype: str, optimizations: str, cache_dtype: str) -> float:
     """What one row reading one cached position adds to a step, in units of streaming the weights once (the step cost's
     unit, TtnnCausalLM.step_cost): paged SDPA decode reads the K and V of every layer at each position up to each
     row's own, so its bytes grow with rows x context, against the weights every step streams (each layer's matmuls and
@@ -204,7 +204,7 @@ class TTModel:
     passes: KVWritePasses
     generator: Any  # models.tt_transformers.tt.generator.Generator, for prefill
     full_layers: int  # the checkpoint's layers (a view's args are the target's, truncated or not)
-    config: CheckpointArgs  # the checkpoint's shapes, as the torch backend reads its config.json
+    config: ModelShape  # the checkpoint's shapes (config.json)
     weights_dtype: str  # dtype_name of the weights
     optimizations: str  # TT's precision preset: performance or accuracy
 
@@ -255,6 +255,6 @@ def build_tt_model(mesh_device, checkpoint_folder: Path, name: str, max_users: i
                         attention_class=ordered_write_attention(Attention, passes))
     kv_cache = [layer.attention.layer_past for layer in model.layers]
     return TTModel(model, args, mesh_device, kv_cache, page_table, passes, Generator([model], [args], mesh_device),
-                   checkpoint_layers, CheckpointArgs.from_hf_config(json.loads((Path(checkpoint_folder) /
-                                                                                "config.json").read_text())),
+                   checkpoint_layers, ModelShape.from_hf_config(json.loads((Path(checkpoint_folder) /
+                                                                              "config.json").read_text())),
                    dtype_name(weights_dtype), optimizations)

@@ -18,23 +18,21 @@ from models.tt_transformers.demo.speculative_decoding.inputs import (
     kv_cache_bytes,
     model_flag,
 )
-from models.tt_transformers.demo.speculative_decoding.options import DemoConfig
+from models.tt_transformers.demo.speculative_decoding.options import DemoConfig, speculative_config
 from models.tt_transformers.prompts import encode, eos_token_ids
+from models.tt_transformers.speculative.drafters import HybridDrafter
+from models.tt_transformers.speculative.factory import make_drafter
 
 
-def draft_memory(config: DemoConfig, tokenizer, corpus: Optional[str]):
-    """--draft_memory and --draft_corpus's text as a DraftMemory (None when both are off)."""
-    from models.tt_transformers.speculative.draft_memory import DraftMemory
-
-    documents = []
-    if corpus is not None:
-        documents = [tokenizer(corpus, add_special_tokens=False).input_ids]
-        if len(documents[0]) > MAX_CORPUS_TOKENS:
-            raise DemoInputError(f"--draft_corpus {config.draft_corpus} has {len(documents[0]):,} tokens, more than "
-                                 f"{MAX_CORPUS_TOKENS:,}; pass the part that the requests will repeat")
-    if config.draft_memory == 0 and not documents:
-        return None
-    return DraftMemory(config.draft_memory, documents)
+def corpus_documents(config: DemoConfig, tokenizer, corpus: Optional[str]) -> list[list[int]]:
+    """--draft_corpus's text as token ids, one document (none without a corpus)."""
+    if corpus is None:
+        return []
+    documents = [tokenizer(corpus, add_special_tokens=False).input_ids]
+    if len(documents[0]) > MAX_CORPUS_TOKENS:
+        raise DemoInputError(f"--draft_corpus {config.draft_corpus} has {len(documents[0]):,} tokens, more than "
+                             f"{MAX_CORPUS_TOKENS:,}; pass the part that the requests will repeat")
+    return documents
 
 
 def check_same_tokenizer(target_tok, draft_tok, draft_name: str) -> None:
@@ -47,10 +45,11 @@ def torch_loader(config: DemoConfig, args):
     """(checkpoint, layers) -> a TorchCausalLM, on the device --device picks for this model."""
     import torch
 
-    from models.tt_transformers.torch_backend.checkpoint import cache_root, load_model
+    from models.tt_transformers.checkpoints.cache import cache_root
+    from models.tt_transformers.torch_backend.load import load_model
     from models.tt_transformers.torch_backend.cpu_kernels import kernels_fit, load_cpu_kernels
     from models.tt_transformers.torch_backend.device import choose_device
-    from models.tt_transformers.torch_backend.generator import TorchCausalLM
+    from models.tt_transformers.torch_backend.causal_lm import TorchCausalLM
 
     dtype = getattr(torch, dtype_of(config))
     choice = choose_device(config.device, args, dtype,
@@ -94,8 +93,8 @@ def trace_region_size(config: DemoConfig, shape: tuple[int, int], margin: float 
     counted), with trace_plan's margin (or `margin`)."""
     if config.trace_region_size is not None:
         return config.trace_region_size
-    from models.tt_transformers.torch_backend.checkpoint import resolve_checkpoint
-    from models.tt_transformers.torch_backend.model_config import ModelArgs
+    from models.tt_transformers.checkpoints.checkpoint import resolve_checkpoint
+    from models.tt_transformers.checkpoints.model_shape import ModelShape
     from models.tt_transformers.ttnn_backend.model import TILE_ROWS
     from models.tt_transformers.ttnn_backend.trace_plan import (
         device_names_for,
@@ -105,7 +104,7 @@ def trace_region_size(config: DemoConfig, shape: tuple[int, int], margin: float 
     )
 
     ckpt = resolve_checkpoint(config.model, model_flag(config))
-    args = ModelArgs.from_hf_config(ckpt.config)
+    args = ModelShape.from_hf_config(ckpt.config)
     device, n_devices = device_names_for(shape, os.environ.get("MESH_DEVICE")), shape[0] * shape[1]
     drafting = config.n_draft_tokens > 0
     top_k = config.recycle_top_k if drafting and config.draft_mode in ("suffix", "hybrid") else 0
@@ -119,7 +118,7 @@ def trace_region_size(config: DemoConfig, shape: tuple[int, int], margin: float 
         traces += head_region_bytes(ckpt.name, device, args.n_layers, config.n_draft_tokens)
     if drafting and config.draft_mode in ("model", "hybrid"):  # a draft steps up to a whole tile per user
         draft = resolve_checkpoint(config.draft_model, "--draft_model") if config.draft_model else ckpt
-        draft_args = ModelArgs.from_hf_config(draft.config)
+        draft_args = ModelShape.from_hf_config(draft.config)
         layers = draft_args.n_layers if config.draft_model else draft_layers_for(config, target_layers)
         traces += model_trace_bytes(draft.name, device, n_devices, draft_args.n_layers, layers, draft_args.vocab_size,
                                     TILE_ROWS, 0, (), sampled)
@@ -150,65 +149,55 @@ class ModelPool:
 
 def build(config: DemoConfig, checked: CheckedInputs, mesh_device=None, pool: Optional[ModelPool] = None):
     """Target, draft and tokenizer on the torch or ttnn backend (ttnn: on `mesh_device`), as check_inputs settled
-    them; models come from `pool` when an earlier run built them with the same settings. Returns the tokenizer,
-    target, drafter, draft model (None without one), the prompts' tokens and the EOS ids."""
-    from models.tt_transformers.speculative.drafters import HybridDrafter, ModelDrafter, SuffixDrafter
-    from models.tt_transformers.torch_backend.checkpoint import load_tokenizer
-    from models.tt_transformers.torch_backend.draft_head import DraftHeadError, read_draft_head
-    from models.tt_transformers.torch_backend.model_config import ModelArgs
+    them, the drafter assembled by the library's make_drafter; models come from `pool` when an earlier run built them
+    with the same settings. Returns the tokenizer, target, drafter, draft model (None without one), the prompts' tokens
+    and the EOS ids."""
+    from models.tt_transformers.checkpoints.checkpoint import load_tokenizer
+    from models.tt_transformers.checkpoints.eagle3_format import read_draft_head
+    from models.tt_transformers.checkpoints.model_shape import ModelShape
 
     for note in checked.notes:
         logger.info(note)
     if checked.unused:
         logger.warning(f"Not used by this run: {', '.join(checked.unused)}")
     ckpt, args, target_layers, head_folder = checked.ckpt, checked.args, checked.target_layers, checked.head_folder
-    try:
-        head_weights = read_draft_head(head_folder, args) if head_folder is not None else None  # (config, tensors)
-    except DraftHeadError as e:
-        raise DemoInputError(str(e)) from None
+    head_weights = read_draft_head(head_folder, args) if head_folder is not None else None  # (config, tensors)
     tokenizer = load_tokenizer(ckpt, model_flag(config))
     if checked.draft_ckpt is not None:
         check_same_tokenizer(tokenizer, load_tokenizer(checked.draft_ckpt, "--draft_model"), config.draft_model)
-
-    copied = None
-    if config.n_draft_tokens > 0 and config.draft_mode in ("suffix", "hybrid"):  # head and model modes copy nothing
-        copied = SuffixDrafter(config.sa_threshold, draft_memory(config, tokenizer, checked.corpus), config.recycle_top_k)
+    spec = speculative_config(config)
+    documents = corpus_documents(config, tokenizer, checked.corpus) if spec.copies else []
 
     pool = pool if pool is not None else ModelPool()
     loader = ttnn_loader(config, mesh_device) if checked.backend == "ttnn" else torch_loader(config, args)
     built_with = (checked.backend, dtype_of(config), config.precision, config.device, config.batch_size,
-                  config.max_seq_len, config.instruct, config.draft_trees, config.tap_gather)
+                  config.max_seq_len, config.instruct, config.tap_gather)
 
     def load(ckpt, n_layers):
         return pool.get(("model", str(ckpt.folder), n_layers, built_with), lambda: loader(ckpt, n_layers))
 
     target = load(ckpt, target_layers)
     check_step_rows(config, target)
-    if not config.draft_trees:
-        target.supports_trees = False
-    drafter = draft_lm = None
+    draft_lm, draft_cost, heads = None, None, {}
     if head_weights is not None:
-        head = head_drafter(head_weights, target, ckpt, args, config,
-                            lambda make: pool.get(("head", str(head_folder), target_layers, config.n_draft_tokens,
-                                                   built_with), make))
-        drafter = head if config.draft_mode == "head" else HybridDrafter(copied, head)
-        logger.info(f"Draft head {head_folder.name} ({head_weights[0].layout}): taps {list(head.taps)}, "
-                    f"{len(head.vocab):,} draft tokens, a run ~{head.draft_cost:.2f} step")
-    elif config.n_draft_tokens > 0 and config.draft_mode == "suffix":
-        drafter = copied  # no draft model at all
-    elif config.n_draft_tokens > 0:
+        heads = draft_head(head_weights, target, ckpt, args, config,
+                           lambda make: pool.get(("head", str(head_folder), target_layers, config.n_draft_tokens,
+                                                  built_with), make))
+    elif spec.n_draft_tokens > 0 and spec.draft_mode in ("model", "hybrid"):
         if checked.draft_ckpt is not None:
-            draft_lm, draft_args = load(checked.draft_ckpt, None), ModelArgs.from_hf_config(checked.draft_ckpt.config)
+            draft_lm, draft_args = load(checked.draft_ckpt, None), ModelShape.from_hf_config(checked.draft_ckpt.config)
         else:  # the target's first layers, reading and writing the target's cache for them
             draft_lm = pool.get(("view", str(ckpt.folder), target_layers, checked.draft_layers, built_with),
                                 lambda: target.draft_view(checked.draft_layers))
             draft_args = args
-        if config.draft_mode == "model":
-            drafter = ModelDrafter(draft_lm)  # every draft has the full n_draft_tokens
-        else:  # hybrid: the model drafts only while its acceptance pays for its cost (weights read per token)
-            draft_cost = (draft_args.weight_bytes_per_token(draft_lm.n_layers, 2)
-                          / args.weight_bytes_per_token(target_layers, 2))
-            drafter = HybridDrafter(copied, ModelDrafter(draft_lm, draft_cost))
+        # a hybrid's draft model drafts only while its acceptance pays for its cost: the weights it reads per token
+        draft_cost = (draft_args.weight_bytes_per_token(draft_lm.n_layers, 2)
+                      / args.weight_bytes_per_token(target_layers, 2))
+    drafter = make_drafter(spec, target, draft_lm=draft_lm, draft_cost=draft_cost, documents=documents, **heads)
+    if heads:
+        head = drafter.fallback if isinstance(drafter, HybridDrafter) else drafter
+        logger.info(f"Draft head {head_folder.name} ({head_weights[0].layout}): taps {list(head.taps)}, "
+                    f"{len(head.vocab):,} draft tokens, a run ~{head.draft_cost:.2f} step")
     tokens = [encode(tokenizer, p, bool(config.instruct)) for p in checked.prompts]
     longest = max(len(t) for t in tokens)
     if longest + config.max_generated_tokens > config.max_seq_len:  # the loop stops a user at the end of its cache
@@ -235,14 +224,14 @@ def check_step_rows(config: DemoConfig, target) -> None:
                          f"({config.n_draft_tokens} + 1) = {wanted} do not fit; {fix}")
 
 
-def head_drafter(head: tuple, target, ckpt, args, config: DemoConfig, pooled=lambda make: make()):
-    """The draft head's drafter beside the target: on a TT device the head runs on the device (TtnnDraftHead: chains of
-    --n_draft_tokens, one traced replay each, fed the taps the target's steps leave there; the tokens it is fed are
-    looked up on the host in the checkpoint's embedding, or the head's own; built through `pooled`, so runs share it
-    and the pool releases its traces); on torch a HeadRunner beside the target, on its embedding."""
-    from models.tt_transformers.speculative.head_drafter import HeadDrafter, TracedHeadDrafter
-    from models.tt_transformers.torch_backend.checkpoint import read_embedding
-    from models.tt_transformers.torch_backend.draft_head import HeadRunner, build_draft_head
+def draft_head(head: tuple, target, ckpt, args, config: DemoConfig, pooled=lambda make: make()) -> dict:
+    """The draft head beside the target, as make_drafter takes it: on a TT device `device_head`, a TtnnDraftHead on
+    the device (chains of --n_draft_tokens, one traced replay each, fed the taps the target's steps leave there; the
+    tokens it is fed are looked up on the host in the checkpoint's embedding, or the head's own; built through
+    `pooled`, so runs share it and the pool releases its traces); on torch `head`, a HeadRunner beside the target, on
+    its embedding."""
+    from models.tt_transformers.checkpoints.safetensors_index import read_embedding
+    from models.tt_transformers.torch_backend.eagle3_head import HeadRunner, build_draft_head
 
     if backend_of(config) == "ttnn":
         import ttnn
@@ -252,10 +241,9 @@ def head_drafter(head: tuple, target, ckpt, args, config: DemoConfig, pooled=lam
         config_, weights = head
         embedding = weights.get("embed_tokens.weight")
         embedding = read_embedding(ckpt) if embedding is None else embedding
-        return TracedHeadDrafter(pooled(lambda: TtnnDraftHead(target, config_, weights, embedding,
-                                                              config.n_draft_tokens, args,
-                                                              weights_dtype=getattr(ttnn, dtype_of(config)))))
-    return HeadDrafter(HeadRunner(build_draft_head(*head, target.model), config.batch_size, config.max_seq_len, args))
+        return {"device_head": pooled(lambda: TtnnDraftHead(target, config_, weights, embedding, config.n_draft_tokens,
+                                                            args, weights_dtype=getattr(ttnn, dtype_of(config))))}
+    return {"head": HeadRunner(build_draft_head(*head, target.model), config.batch_size, config.max_seq_len, args)}
 
 
 def describe_drafter(config: DemoConfig, checked: CheckedInputs) -> str:
@@ -275,25 +263,3 @@ def describe_drafter(config: DemoConfig, checked: CheckedInputs) -> str:
     return {"model": other, "suffix": copied, "head": other,
             "hybrid": f"hybrid: {copied}, or the {other}, whichever is expected to bring more tokens per "
                       "unit of work"}[config.draft_mode]
-
-
-def warm_up(target, drafter, draft_lm, config: DemoConfig) -> dict:
-    """Compile (and on a TT device trace) every program the run can use, on the target and the draft model, before
-    anything is timed; TT's compile_prefill / compile_decode keys, in seconds. No drafter learns anything here (the
-    memory of earlier responses would otherwise hold part of the first answer)."""
-    times = {"compile_prefill": 0.0, "compile_decode": 0.0}
-    top_k = drafter.top_k if drafter is not None else 0
-    taps = drafter.taps if drafter is not None else ()
-    sampled = config.temperature > 0  # the steps return logits (the target's to sample from, a draft model's too)
-    work = [(target, config.n_draft_tokens + 1, top_k, taps)]
-    if draft_lm is not None:  # a draft model catches up on accepted text in steps of up to its whole row budget
-        work.append((draft_lm, draft_lm.max_step_rows, 0, ()))
-    for lm, rows, k, h in work:
-        for key, seconds in lm.warm_up(min(rows, lm.max_step_rows), k, h, logits=sampled).items():
-            times[key] += seconds
-    head = getattr(getattr(drafter, "fallback", drafter), "head", None)
-    if hasattr(head, "warm_up"):  # a head on the device: its traces, made with the target's
-        times["compile_decode"] += head.warm_up()
-    if hasattr(target, "prepare_traces"):  # on a TT mesh: every model planned above, compiled and captured once
-        times["compile_decode"] += target.prepare_traces()
-    return times

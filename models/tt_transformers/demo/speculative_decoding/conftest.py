@@ -6,6 +6,7 @@ import pytest
 from models.tt_transformers.demo.speculative_decoding.inputs import check_inputs
 from models.tt_transformers.demo.speculative_decoding.options import add_demo_options, config_from_pytest
 from models.tt_transformers.demo.speculative_decoding.speculative_demo import RESULT_LINES
+from models.tt_transformers.errors import UserError
 
 
 def pytest_addoption(parser):
@@ -18,7 +19,7 @@ def pytest_collection_modifyitems(config, items):
     if any(item.originalname == "test_speculative_demo" for item in items):
         try:
             check_inputs(config_from_pytest(config))
-        except ValueError as e:  # DemoInputError, CheckpointError, ModelConfigError: the message names the fix
+        except UserError as e:  # a flag, a file, a checkpoint: the message names the fix
             raise pytest.UsageError(str(e)) from None
 
 

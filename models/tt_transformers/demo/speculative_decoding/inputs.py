@@ -3,6 +3,7 @@
 failure one DemoInputError line naming the flag or file and the fix."""
 import importlib.util
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -13,23 +14,22 @@ from models.tt_transformers.demo.speculative_decoding.options import (
     DEMO_OPTIONS,
     SWITCHES,
     DemoConfig,
+    speculative_config,
 )
 from models.tt_transformers.errors import UserError
 from models.tt_transformers.prompts import load_prompts as read_prompts
 from models.tt_transformers.prompts import split_batches as fill_batches
 from models.tt_transformers.records import PACKAGE_ROOT
-from models.tt_transformers.speculative.generator import check_n_draft_tokens
+from models.tt_transformers.speculative.config import default_draft_layers
 from models.tt_transformers.speculative.sampling import SamplingParams
-from models.tt_transformers.torch_backend.checkpoint import Checkpoint, resolve_checkpoint
+from models.tt_transformers.checkpoints.checkpoint import Checkpoint, resolve_checkpoint
 from models.tt_transformers.torch_backend.cpu_isa import check_cpu_isa
 from models.tt_transformers.torch_backend.device import DEVICES
-from models.tt_transformers.torch_backend.draft_head import DRAFT_HEADS
-from models.tt_transformers.torch_backend.model_config import ModelArgs
+from models.tt_transformers.checkpoints.eagle3_format import DRAFT_HEADS
+from models.tt_transformers.checkpoints.model_shape import ModelShape
 
 SUPPORTED_BATCH_SIZES = (1, 2, 4, 8, 16, 32)  # as TT-Transformers demos
-DRAFT_MODES = ("model", "suffix", "head", "hybrid")
 BACKENDS = ("auto", "torch", "ttnn")
-MAX_RECYCLE_TOP_K = 32  # ttnn.topk's default k; more is never worth a tree row
 MAX_CORPUS_TOKENS = 1_000_000  # about 600 MB of suffix automaton
 # The weights' dtype per backend, the default first: on ttnn bfloat8_b, what tt-metal's text demo runs
 # (simple_text_demo.py -> create_tt_model(dtype=ttnn.bfloat8_b)): an 8B model's LM head alone is ~1 GB in bf16.
@@ -42,6 +42,19 @@ TAP_GATHERS = ("device", "host")  # where a mesh's tapped states are gathered (t
 
 
 DemoInputError = UserError  # bad demo input: the message names the flag or file and the fix
+# The library's parameters whose flag has another name (every other parameter is its flag without the dashes).
+FLAGS = {"trees": "--draft_trees", "max_batch_size": "--batch_size"}
+
+
+@contextmanager
+def flags_named():
+    """The library's input errors, which name its parameters, re-worded with the demo's flags."""
+    try:
+        yield
+    except UserError as e:
+        if e.parameter is None:
+            raise
+        raise e.named_as(FLAGS.get(e.parameter, f"--{e.parameter}")) from None
 
 def find_prompts_file(path: str) -> Path:
     """The documented `--input_prompts models/tt_transformers/demo/...` works from the working directory (the
@@ -126,17 +139,9 @@ def check_flags(config: DemoConfig, backend: str) -> None:
     if config.dtype is not None and config.dtype not in DTYPES[backend]:
         raise DemoInputError(f"--dtype {config.dtype!r} is not supported on the {backend} backend; use "
                              f"{' or '.join(DTYPES[backend])}")
-    check_n_draft_tokens(config.n_draft_tokens)
+    with flags_named():
+        speculative_config(config).check()
     sampling_params(config)
-    if config.draft_mode not in DRAFT_MODES:
-        raise DemoInputError(f"--draft_mode {config.draft_mode!r} is not one of {', '.join(DRAFT_MODES)}")
-    if config.sa_threshold < 1:
-        raise DemoInputError(f"--sa_threshold must be >= 1 (tokens of matched suffix), got {config.sa_threshold}")
-    for flag, value in (("draft_memory", config.draft_memory), ("recycle_top_k", config.recycle_top_k)):
-        if value < 0:
-            raise DemoInputError(f"--{flag} must be >= 0 (0 turns it off), got {value}")
-    if config.recycle_top_k > MAX_RECYCLE_TOP_K:
-        raise DemoInputError(f"--recycle_top_k {config.recycle_top_k} is more than {MAX_RECYCLE_TOP_K}; lower it")
     if config.log_iterations < -1:
         raise DemoInputError(f"--log_iterations must be >= 0, or -1 for every iteration, got {config.log_iterations}")
     if config.max_generated_tokens < 1:
@@ -152,7 +157,7 @@ def check_flags(config: DemoConfig, backend: str) -> None:
 def sampling_params(config: DemoConfig) -> SamplingParams:
     try:
         return SamplingParams(config.temperature, config.top_k, config.top_p, config.seed)
-    except ValueError as e:
+    except UserError as e:
         raise DemoInputError(f"bad sampling flags: {e}") from None
 
 
@@ -165,7 +170,7 @@ def available_memory_bytes() -> Optional[int]:
     return None
 
 
-def kv_cache_bytes(config: DemoConfig, args: ModelArgs, layers: int) -> int:
+def kv_cache_bytes(config: DemoConfig, args: ModelShape, layers: int) -> int:
     """The torch backend's KV cache: K and V for every layer, user and position, plus one scratch position."""
     element_bytes = 4 if dtype_of(config) == "float32" else 2
     return 2 * layers * config.batch_size * args.n_kv_heads * (config.max_seq_len + 1) * args.head_dim * element_bytes
@@ -190,7 +195,7 @@ def check_cache_fits(config: DemoConfig, args, target_layers: int, backend: str)
 def draft_head_folder(config: DemoConfig, model_name: str) -> Optional[Path]:
     """The draft head the run uses: --draft_head (a folder or a hub id in the local cache), else the one shipped for
     the target, else None (--draft_mode head then fails with the fix)."""
-    from models.tt_transformers.torch_backend.draft_head import DraftHeadError, resolve_head_folder
+    from models.tt_transformers.checkpoints.eagle3_format import DraftHeadError, resolve_head_folder
 
     if config.n_draft_tokens == 0 or config.draft_mode not in ("head", "hybrid"):
         return None
@@ -211,7 +216,7 @@ def draft_head_folder(config: DemoConfig, model_name: str) -> Optional[Path]:
 
 def head_taps(folder: Path, args) -> tuple[int, ...]:
     """The target layers a draft head reads (its config.json), or the flag's one-line error."""
-    from models.tt_transformers.torch_backend.draft_head import DraftHeadError, read_head_config
+    from models.tt_transformers.checkpoints.eagle3_format import DraftHeadError, read_head_config
 
     try:
         return read_head_config(folder, args).taps
@@ -221,9 +226,7 @@ def head_taps(folder: Path, args) -> tuple[int, ...]:
 
 def draft_layers_for(config: DemoConfig, target_layers: int) -> int:
     """--draft_layers, or the default fitted to the target: a default the user did not choose never stops a run."""
-    if config.draft_layers is not None:
-        return config.draft_layers
-    return DEFAULT_DRAFT_LAYERS if DEFAULT_DRAFT_LAYERS < target_layers else max(1, target_layers // 2)
+    return config.draft_layers if config.draft_layers is not None else default_draft_layers(target_layers)
 
 
 @dataclass
@@ -234,7 +237,7 @@ class CheckedInputs:
     batches: list[list[int]]  # prompt indices per batch
     corpus: Optional[str]  # --draft_corpus's text
     ckpt: Checkpoint  # the target's
-    args: ModelArgs  # the target's
+    args: ModelShape  # the target's
     target_layers: int
     head_folder: Optional[Path]  # the draft head the run drafts with, if any
     draft_ckpt: Optional[Checkpoint]  # --draft_model's, where the run drafts with it
@@ -254,7 +257,7 @@ def check_inputs(config: DemoConfig) -> CheckedInputs:
     batches = split_batches(len(prompts), config.batch_size)
     corpus = read_corpus(config.draft_corpus) if config.draft_corpus is not None else None
     ckpt = resolve_checkpoint(config.model, model_flag(config))
-    args = ModelArgs.from_hf_config(ckpt.config)
+    args = ModelShape.from_hf_config(ckpt.config)
     target_layers = config.target_layers or args.n_layers
     if not 1 <= target_layers <= args.n_layers:
         raise DemoInputError(f"--target_layers {target_layers} is out of range: {ckpt.name} has {args.n_layers} "

@@ -6,10 +6,10 @@ from dataclasses import field, make_dataclass
 from pathlib import Path
 from typing import Optional
 
-from models.tt_transformers.speculative.drafters import DEFAULT_SA_THRESHOLD
+from models.tt_transformers.speculative.config import DEFAULT_DRAFT_LAYERS, SpeculativeConfig
 
 DEFAULT_PROMPTS = Path(__file__).resolve().with_name("sample_prompts.json")  # beside the demo, as TT demos keep them
-DEFAULT_DRAFT_LAYERS = 8  # the draft model's depth when --draft_layers is not given, on targets deeper than that
+SPEC = SpeculativeConfig()  # the drafting flags' defaults are the library's
 
 # (name, type, default, help): the pytest options (root conftest.py) and the CLI flags come from this one table.
 DEMO_OPTIONS = [
@@ -21,16 +21,18 @@ DEMO_OPTIONS = [
     ("batch_size", int, 1, "users decoded together (1, 2, 4, 8, 16, 32)"),
     ("max_generated_tokens", int, 128, "tokens to generate per user"),
     ("stop_at_eos", int, 1, "1: stop a user at the end-of-sequence token"),
-    ("n_draft_tokens", int, 4, "draft tokens verified per target forward; 0 = plain decoding"),
-    ("draft_mode", str, "hybrid", "model: draft model only; suffix: copied drafts only (no model); head: the "
+    ("n_draft_tokens", int, SPEC.n_draft_tokens, "draft tokens verified per target forward; 0 = plain decoding"),
+    ("draft_mode", str, SPEC.draft_mode, "model: draft model only; suffix: copied drafts only (no model); head: the "
                                   "trained draft head only; hybrid: per step, the copied draft or the head's (the "
                                   "draft model's where no head is given or shipped), whichever is expected to bring "
                                   "more accepted tokens"),
-    ("sa_threshold", int, DEFAULT_SA_THRESHOLD, "minimum match length (tokens) a copied draft may start from"),
-    ("draft_memory", int, 65536, "tokens of earlier responses kept to draft from (cross-request memory); 0 = off"),
+    ("sa_threshold", int, SPEC.sa_threshold, "minimum match length (tokens) a copied draft may start from"),
+    ("draft_memory", int, SPEC.draft_memory, "tokens of earlier responses kept to draft from (cross-request memory); "
+                                             "0 = off"),
     ("draft_corpus", str, None, "a text file to draft from as well (logs, a code base): a static corpus"),
-    ("recycle_top_k", int, 4, "the target's top next tokens kept per token to draft from (token recycling); 0 = off"),
-    ("draft_trees", int, 1, "1: verify token trees (several candidates at once) where the backend can"),
+    ("recycle_top_k", int, SPEC.recycle_top_k, "the target's top next tokens kept per token to draft from (token "
+                                               "recycling); 0 = off"),
+    ("draft_trees", int, int(SPEC.trees), "1: verify token trees (several candidates at once) where the backend can"),
     ("draft_head", str, None, "EAGLE-3 draft head: a folder or hub id (the EAGLE authors' or speculators' layout); "
                               "default: the one shipped for the target in models/tt_transformers/draft_heads/<model>"),
     ("draft_layers", int, None, "the draft model is the target's first N layers (weights and cache shared); read by "
@@ -69,6 +71,14 @@ SWITCHES = ("instruct", "stop_at_eos", "draft_trees", "compare_baseline", "enabl
 # The demo's settings, one field per option, with the same defaults.
 DemoConfig = make_dataclass("DemoConfig", [(name, Optional[type_], field(default=default))
                                            for name, type_, default, _ in DEMO_OPTIONS])
+
+
+def speculative_config(config: DemoConfig) -> SpeculativeConfig:
+    """The library's settings from the demo's flags (their defaults are SpeculativeConfig's)."""
+    return SpeculativeConfig(n_draft_tokens=config.n_draft_tokens, draft_mode=config.draft_mode,
+                             sa_threshold=config.sa_threshold, draft_memory=config.draft_memory,
+                             recycle_top_k=config.recycle_top_k, trees=bool(config.draft_trees),
+                             draft_layers=config.draft_layers)
 
 
 def add_demo_options(parser) -> None:

@@ -29,13 +29,14 @@ try:  # torch and the models import here, for seconds: Ctrl-C meanwhile gets the
         build,
         describe_drafter,
         trace_region_size,
-        warm_up,
     )
     from models.tt_transformers.demo.speculative_decoding.inputs import (
         CheckedInputs,
+        DemoInputError,
         backend_of,
         check_flags,
         check_inputs,
+        flags_named,
         sampling_params,
     )
     from models.tt_transformers.demo.speculative_decoding.options import DemoConfig, argument_parser, config_from_pytest
@@ -51,8 +52,11 @@ try:  # torch and the models import here, for seconds: Ctrl-C meanwhile gets the
         speedup_line,
         timing_warnings,
     )
+    from models.tt_transformers.errors import UserError
     from models.tt_transformers.records import environment
+    from models.tt_transformers.speculative.drafters import HybridDrafter
     from models.tt_transformers.speculative.generator import SpeculativeGenerator
+    from models.tt_transformers.speculative.drafters.eagle3 import HeadDrafter
     from models.tt_transformers.speculative.results import UserResult, summarize
 except KeyboardInterrupt:
     if __name__ != "__main__":
@@ -97,15 +101,15 @@ def run_on(config: DemoConfig, mesh_device, pool: ModelPool) -> dict:
 
 def decode_and_report(config: DemoConfig, checked: CheckedInputs, mesh_device, pool: ModelPool) -> dict:
     """Build, warm up, decode speculatively and (--compare_baseline) plainly, and log the report it returns."""
-    from models.tt_transformers.speculative.head_drafter import HeadDrafter
-
     tokenizer, target, drafter, draft_lm, tokens, eos = build(config, checked, mesh_device, pool)
     sampling = sampling_params(config)
     log_iterations = None if config.log_iterations == -1 else config.log_iterations
-    spec = SpeculativeGenerator(target, drafter, config.n_draft_tokens, eos, sampling, log_iterations)
-    for batch in checked.batches:  # every prompt fits before anything runs
-        spec.check_prompts([tokens[i] for i in batch])
-    compile_times = warm_up(target, drafter, draft_lm, config)
+    spec = SpeculativeGenerator(target, drafter, config.n_draft_tokens, eos, sampling, log_iterations,
+                                bool(config.draft_trees))
+    with flags_named():
+        for batch in checked.batches:  # every prompt fits before anything runs
+            spec.check_prompts([tokens[i] for i in batch])
+    compile_times = spec.warm_up()
     logger.info(f"Compile and warm-up (not timed): prefill {compile_times['compile_prefill']:.1f}s, decode "
                 f"{compile_times['compile_decode']:.1f}s")
 
@@ -118,7 +122,7 @@ def decode_and_report(config: DemoConfig, checked: CheckedInputs, mesh_device, p
         results = generate_all(spec, tokens, checked.batches, config)
     load["speculative"] = meter.load
     summary = {**summarize(results, config.n_draft_tokens), **compile_times}
-    head = getattr(drafter, "fallback", drafter)
+    head = drafter.fallback if isinstance(drafter, HybridDrafter) else drafter
     if isinstance(head, HeadDrafter):  # what a head run cost on this machine, as its length policy priced it
         summary["draft_head_run_cost"] = head.draft_cost
         logger.info(f"Draft head: a run measured at {head.draft_cost:.3f} of a target step")
@@ -167,7 +171,7 @@ def test_speculative_demo(request):
     mesh_device = request.getfixturevalue("mesh_device") if backend_of(config) == "ttnn" else None
     try:
         report = run_demo(config, mesh_device)
-    except ValueError as e:  # what only loading finds (a corrupt checkpoint): its one line, no source listing
+    except UserError as e:  # what only loading finds (a corrupt checkpoint): its one line, no source listing
         pytest.fail(str(e), pytrace=False)
     request.config.stash[RESULT_LINES] = result_lines(report)
     assert all(p["output_tokens"] for p in report["prompts"])
@@ -185,11 +189,15 @@ def main(argv=None) -> int:
             from models.tt_transformers.ttnn_backend.device import mesh_shape, open_mesh
 
             check_flags(config, "ttnn")
-            with open_mesh(trace_region_size=trace_region_size(config, mesh_shape())) as mesh_device:
+            try:
+                shape = mesh_shape()
+            except ValueError as e:  # MESH_DEVICE names no mesh tt-metal knows
+                raise DemoInputError(str(e)) from None
+            with open_mesh(trace_region_size=trace_region_size(config, shape)) as mesh_device:
                 report = run_demo(config, mesh_device)
         else:
             report = run_demo(config)
-    except ValueError as e:  # DemoInputError, CheckpointError, ModelConfigError: clear messages, no traceback
+    except UserError as e:  # bad input (a flag, a file, a checkpoint): its one line, no traceback; a bug keeps its own
         logger.error(str(e))
         return 2
     except KeyboardInterrupt:  # nothing half-written is left: reports are written whole or not at all

@@ -1,5 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""An EAGLE-3 draft head (arXiv 2503.01840) on the target's tapped hidden states, in the layouts engines load.
+"""EAGLE-3 draft heads (arXiv 2503.01840) in the layouts engines load: their config, their tensors, read and checked
+against the target, and written (the torch module: torch_backend/eagle3_head.py; on a TT device:
+ttnn_backend/draft_head.py).
 
 At position t the head reads the residual streams entering three of the target's layers (the taps; by default
 (2, N/2, N-3), as vLLM), projects them to its width (`fc`), and runs one decoder layer whose attention reads
@@ -8,7 +10,7 @@ norm and its own LM head over the draft vocabulary give the token at t+2, mapped
 (target id = draft id + d2t[draft id]). Drafting further feeds the layer's output (before the norm) back as the
 state. The embedding is the target's unless the head ships one.
 
-Two layouts, one module (docs/draft_sources.md): the EAGLE authors' (config.json with `architectures:
+Two layouts, one HeadConfig (docs/draft_sources.md): the EAGLE authors' (config.json with `architectures:
 ["LlamaForCausalLMEagle3"]`, weights `midlayer.*`, in pytorch_model.bin or safetensors) and `speculators`' (config.json
 with `speculators_config`, `transformer_layer_config`, `eagle_aux_hidden_state_layer_ids`, weights `layers.0.*`). A
 folder or a hub id in the local Hugging Face cache; checked against the target before anything loads.
@@ -18,26 +20,20 @@ import json
 import os
 import shutil
 from dataclasses import dataclass, replace
-from itertools import accumulate
 from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
-from torch import nn
 
-from .attention import Attention, ExactToken, StepInputs
-from .mlp import MLP
-from .model import KernelLinear, KVCache, RMSNorm, Transformer
-from .model_config import ModelArgs, ModelConfigError
-from .rope import rope_tables
+from ..errors import UserError
+from .model_shape import ModelConfigError, ModelShape
 
 AUTHORS_ARCHITECTURE = "LlamaForCausalLMEagle3"
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
-TREE_SLOTS = 64  # cache slots past max_seq_len for the nodes of a draft tree (each writes its own)
 DRAFT_HEADS = Path(__file__).resolve().parents[1] / "draft_heads"  # shipped heads, one folder per target name
 
 
-class DraftHeadError(ValueError):
+class DraftHeadError(UserError):
     """A draft head cannot be used with this target; the message names the flag and the fix."""
 
 
@@ -51,7 +47,7 @@ class HeadConfig:
     """What a head's config.json says, in one form for both layouts."""
 
     layout: str  # "eagle" (the authors') or "speculators"
-    layer: ModelArgs  # the head's decoder layer (n_layers 1); vocab_size is the target's
+    layer: ModelShape  # the head's decoder layer (n_layers 1); vocab_size is the target's
     draft_vocab_size: int
     taps: tuple[int, ...]  # target layers whose input the head reads, in fc's order
     target_hidden: int  # width of each tap
@@ -96,7 +92,7 @@ def resolve_head_folder(value, flag: str = "--draft_head") -> Path:
                          "local Hugging Face cache (huggingface-cli download <id>)")
 
 
-def read_head_config(folder: Path, target: ModelArgs, flag: str = "--draft_head") -> HeadConfig:
+def read_head_config(folder: Path, target: ModelShape, flag: str = "--draft_head") -> HeadConfig:
     """The head's config.json in either layout, checked against the target's ModelArgs."""
     path = folder / "config.json"
     try:
@@ -118,7 +114,7 @@ def read_head_config(folder: Path, target: ModelArgs, flag: str = "--draft_head"
     layer_cfg.setdefault("num_hidden_layers", 1)
     layer_cfg.setdefault("vocab_size", cfg.get("vocab_size", target.vocab_size))
     try:
-        layer = ModelArgs.from_hf_config(layer_cfg)
+        layer = ModelShape.from_hf_config(layer_cfg)
     except (ModelConfigError, KeyError) as e:
         raise DraftHeadError(f"{flag} {folder}: its layer config cannot be read ({e}); download the head again") from None
     made_for = (f"a head for another target; use the head published for this model or train one with "
@@ -151,13 +147,13 @@ def read_head_config(folder: Path, target: ModelArgs, flag: str = "--draft_head"
     return HeadConfig(layout, layer, draft_vocab, taps, target_hidden, **options)
 
 
-def random_head(target: ModelArgs, seed: int = 0, std: Optional[float] = None, draft_vocab: Optional[int] = None,
+def random_head(target: ModelShape, seed: int = 0, std: Optional[float] = None, draft_vocab: Optional[int] = None,
                 taps: Optional[Sequence[int]] = None, embed: bool = False, layout: str = "speculators",
                 options: Optional[dict] = None, **layer) -> tuple[HeadConfig, dict]:
     """(HeadConfig, tensors under speculators' names) of a random EAGLE-3 head of the target's shape, for checks where
     no trained head is at hand (make tt-smoke, check-eagle3, tests): normal weights (std, else 1/sqrt(fan-in) as a
     trained layer's), norms near 1; draft_vocab: a random share of the target's ids (with d2t and t2d); taps: default
-    vLLM's; options: HeadConfig's; layer: ModelArgs fields of the head's layer that differ from the target's."""
+    vLLM's; options: HeadConfig's; layer: ModelShape fields of the head's layer that differ from the target's."""
     gen = torch.Generator().manual_seed(seed)
     draft_vocab = draft_vocab or target.vocab_size
     taps = tuple(taps or default_taps(target.n_layers))
@@ -238,30 +234,10 @@ def read_head_weights(folder: Path, config: HeadConfig, flag: str = "--draft_hea
     return weights
 
 
-def read_draft_head(value, target: ModelArgs, flag: str = "--draft_head") -> tuple[HeadConfig, dict]:
+def read_draft_head(value, target: ModelShape, flag: str = "--draft_head") -> tuple[HeadConfig, dict]:
     folder = resolve_head_folder(value, flag)
     config = read_head_config(folder, target, flag)
     return config, read_head_weights(folder, config, flag)
-
-
-class Eagle3Layer(nn.Module):
-    """The head's decoder layer: attention over [input_layernorm(embedding) ; hidden_norm(state)], the state (or its
-    norm, norm_before_residual) as the residual, then the usual post-attention norm and SwiGLU MLP."""
-
-    def __init__(self, args: ModelArgs, dtype: torch.dtype, norm_before_residual: bool):
-        super().__init__()
-        self.norm_before_residual = norm_before_residual
-        self.input_layernorm = RMSNorm(args.dim, args.norm_eps, dtype)
-        self.hidden_norm = RMSNorm(args.dim, args.norm_eps, dtype)
-        self.attention = Attention(args, dtype, in_dim=2 * args.dim)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps, dtype)
-        self.feed_forward = MLP(args, dtype)
-
-    def forward(self, embeds, state, step: StepInputs, k_cache, v_cache):
-        normed = self.hidden_norm(state)
-        residual = normed if self.norm_before_residual else state
-        h = residual + self.attention(torch.cat([self.input_layernorm(embeds), normed], dim=-1), step, k_cache, v_cache)
-        return h + self.feed_forward(self.ffn_norm(h))
 
 
 # our parameter -> the file's tensors (q/k/v and gate/up fused in that order), speculators' names
@@ -279,97 +255,6 @@ def parameter_names(config: HeadConfig) -> dict[str, list[str]]:
     """PARAMETERS and the options' norms (their names are the same in the file)."""
     extra = [name for name in expected_shapes(config) if name.startswith(("input_norm.", "fc_norm."))]
     return {**PARAMETERS, **{name: [name] for name in extra}}
-
-
-class Eagle3Head(nn.Module):
-    """fc over the taps, the layer, the norm and the draft-vocabulary LM head; `vocab` holds each draft id's target
-    id. The embedding is borrowed from the target (not a submodule) unless the head ships its own."""
-
-    def __init__(self, config: HeadConfig, embedding: nn.Module, dtype: torch.dtype,
-                 d2t: Optional[torch.Tensor] = None):
-        super().__init__()
-        a = config.layer
-        self.config, self.args, self.dtype = config, a, dtype
-        n_in = len(config.taps) * config.target_hidden
-        self.input_norm = RMSNorm(n_in, a.norm_eps, dtype) if config.norm_before_fc else None
-        self.fc_norm = nn.ModuleList(RMSNorm(config.target_hidden, a.norm_eps, dtype) for _ in config.taps) \
-            if config.fc_norm else None
-        self.fc = nn.Linear(n_in, a.dim, bias=False, dtype=dtype)
-        self.layer = Eagle3Layer(a, dtype, config.norm_before_residual)
-        self.norm = RMSNorm(a.dim, a.norm_eps, dtype)
-        self.lm_head = nn.Linear(a.dim, config.draft_vocab_size, bias=False, dtype=dtype)
-        self.__dict__["embedding"] = embedding  # borrowed: never moved, cast or trained with the head
-        ids = torch.arange(config.draft_vocab_size)
-        self.register_buffer("vocab", ids + d2t.long() if d2t is not None else ids, persistent=False)
-        self.kernels = None
-
-    def features(self, states: torch.Tensor, next_tokens: torch.Tensor, step: StepInputs, k_cache, v_cache):
-        """[B, T, 3 * target hidden] taps (or [B, T, h], the head's own earlier outputs) and [B, T] next tokens ->
-        the layer's outputs [B, T, h] (before the norm: what the next draft step reads)."""
-        state = self.project(states) if states.shape[-1] != self.args.dim else states
-        out = self.layer(self.embedding(next_tokens).to(state.dtype), state, step, k_cache, v_cache)
-        return self.norm(out) if self.config.norm_output else out
-
-    def project(self, taps: torch.Tensor) -> torch.Tensor:
-        """The taps [..., 3 * target hidden] -> the first state [..., h] (fc, after the options' norms)."""
-        if self.input_norm is not None:
-            taps = self.input_norm(taps)
-        if self.fc_norm is not None:
-            taps = torch.cat([norm(x) for norm, x in zip(self.fc_norm, taps.chunk(len(self.fc_norm), dim=-1))], -1)
-        return self.fc(taps)
-
-    def logits(self, out: torch.Tensor) -> torch.Tensor:
-        """The layer's outputs (the state fed forward) -> float32 logits over the draft vocabulary."""
-        return self.lm_head(out if self.config.norm_output else self.norm(out)).float()
-
-    def use_cpu_kernels(self, kernels) -> None:
-        """Every linear layer on the bf16 CPU kernels (the layer's attention and norms stay torch ops)."""
-        self.fc = KernelLinear.from_linear(self.fc, kernels)
-        self.lm_head = KernelLinear.from_linear(self.lm_head, kernels, torch.float32)
-        attn, ffn = self.layer.attention, self.layer.feed_forward
-        attn.wqkv, attn.wo = KernelLinear.from_linear(attn.wqkv, kernels), KernelLinear.from_linear(attn.wo, kernels)
-        ffn.w_gate_up = KernelLinear.from_linear(ffn.w_gate_up, kernels)
-        ffn.w_down = KernelLinear.from_linear(ffn.w_down, kernels)
-        self.kernels = kernels
-
-
-def build_draft_head(config: HeadConfig, weights: dict, target: Transformer, device=None) -> Eagle3Head:
-    """An Eagle3Head in the target's dtype beside it (its embedding unless the head ships one); on the CPU kernels
-    when the target runs on them."""
-    dtype, device = target.dtype, device or target.device
-    embed = weights.get("embed_tokens.weight")
-    embedding = target.tok_embeddings
-    if embed is not None:
-        embedding = nn.Embedding.from_pretrained(embed.to(device, dtype), freeze=True)
-    head = Eagle3Head(config, embedding, dtype, weights.get("d2t"))
-    with torch.no_grad():
-        for name, parts in parameter_names(config).items():
-            head.get_parameter(name).copy_(torch.cat([weights[p] for p in parts]).to(dtype))
-    head.to(device)
-    if target.kernels is not None and device == target.device:
-        head.use_cpu_kernels(target.kernels)
-    return head.eval().requires_grad_(False)
-
-
-def load_draft_head(value, target: Transformer, flag: str = "--draft_head") -> Eagle3Head:
-    return build_draft_head(*read_draft_head(value, target.args, flag), target)
-
-
-def head_tensors(head: Eagle3Head) -> dict[str, torch.Tensor]:
-    """A head's tensors under speculators' names (bf16, d2t int64), from a head not on the CPU kernels."""
-    out = {}
-    for name, parts in parameter_names(head.config).items():
-        weight = head.get_parameter(name).detach().to("cpu", torch.bfloat16)
-        sizes = [weight.shape[0]] if len(parts) == 1 else (
-            [head.args.n_heads * head.args.head_dim] + [head.args.n_kv_heads * head.args.head_dim] * 2
-            if "wqkv" in name else [head.args.hidden_dim] * 2)
-        out.update({p: w.contiguous() for p, w in zip(parts, weight.split(sizes))})
-    if head.config.draft_vocab_size < head.args.vocab_size:
-        out["d2t"] = (head.vocab.cpu() - torch.arange(len(head.vocab))).to(torch.int64)
-        t2d = torch.zeros(head.args.vocab_size, dtype=torch.bool)
-        t2d[head.vocab.cpu()] = True
-        out["t2d"] = t2d
-    return out
 
 
 def write_head(folder: Path, config: HeadConfig, tensors: dict, layout: str = "speculators",
@@ -408,12 +293,7 @@ def write_head(folder: Path, config: HeadConfig, tensors: dict, layout: str = "s
     os.replace(tmp, folder)
 
 
-def save_draft_head(head: Eagle3Head, folder: Path, card: dict) -> None:
-    """A trained head in speculators' layout, with its card."""
-    write_head(folder, head.config, head_tensors(head), "speculators", card)
-
-
-def estimated_run_cost(config: HeadConfig, target: ModelArgs) -> float:
+def estimated_run_cost(config: HeadConfig, target: ModelShape) -> float:
     """One head run relative to a target decode step: the ratio of the weights each streams (fc, the layer and the
     draft LM head against every target layer and the whole LM head); the drafter measures the real ratio."""
     a = config.layer
@@ -422,73 +302,3 @@ def estimated_run_cost(config: HeadConfig, target: ModelArgs) -> float:
     return params / target.weight_bytes_per_token(target.n_layers, 1)
 
 
-class HeadRunner:
-    """The head with a KV cache of its own per user (one layer), run in packed steps like the target's: every row
-    attends through its own call, so its results do not depend on what else shares the run. Rows are chains (a
-    user's consecutive positions) or tree nodes (each in its own slot past max_seq_len, seeing the user's cache
-    before the tree and its ancestors). The `DraftHeadModel` of speculative/head_drafter.py.
-
-    draft_cost: one run relative to a target decode step (estimated_run_cost) until the drafter measures it."""
-
-    max_rows = 256  # catch-up rows per user and run (a prompt goes in chunks)
-    max_tree_nodes = TREE_SLOTS
-
-    def __init__(self, head: Eagle3Head, max_batch_size: int, max_seq_len: int, target_args: ModelArgs):
-        self.head, self.max_seq_len = head, max_seq_len
-        a, config, device = head.args, head.config, head.norm.weight.device
-        self.cache = KVCache(a, 1, max_batch_size, max_seq_len + 1 + TREE_SLOTS, head.dtype, device)
-        self.tree_slot0 = max_seq_len + 1
-        cos, sin = rope_tables(a, max_seq_len + 1, head.dtype)
-        self.cos, self.sin = cos.to(device), sin.to(device)
-        self.vocab, self.vocab_size, self.taps = head.vocab, a.vocab_size, config.taps
-        self.draft_cost = estimated_run_cost(config, target_args)
-
-    @torch.inference_mode()
-    def _forward(self, exact: list[ExactToken], states: torch.Tensor, tokens: list[int], every_row: bool,
-                 ends: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The head over packed rows: the layer's outputs [n, h] and the logits after each row or each user's last."""
-        dev, n = self.cos.device, len(exact)
-        rows, slots, pos = [t.row for t in exact], [t.slot for t in exact], [t.pos for t in exact]
-        if n == 1 and self.head.kernels is None:
-            # a padding partner writing the scratch slot, as TorchCausalLM._packed_step (oneDNN's M == 1 kernel)
-            rows, slots, pos = rows * 2, slots + [self.cache.scratch_slot], pos * 2
-            states, tokens = torch.cat([states, states]), tokens * 2
-        at = torch.tensor(pos, device=dev)
-        step = StepInputs(self.cos[at].view(1, len(pos), 1, -1), self.sin[at].view(1, len(pos), 1, -1),
-                          torch.tensor([rows], device=dev), torch.tensor([slots], device=dev), None, 0, None, exact,
-                          [t.key_slots() for t in exact])
-        out = self.head.features(states.unsqueeze(0).to(dev, self.head.dtype), torch.tensor([tokens], device=dev),
-                                 step, self.cache.k[0], self.cache.v[0])[0, :n]
-        return out, self.head.logits(out if every_row else out[[end - 1 for end in ends]])
-
-    def run(self, users: Sequence[int], start_pos: Sequence[int], hidden: Sequence[torch.Tensor],
-            next_tokens: Sequence[Sequence[int]], every_row: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per user, chain rows at start_pos, start_pos + 1, ...: the layer's outputs [n, h] and the draft-vocabulary
-        logits after its last row [V'] (after every row [n, V'] with every_row)."""
-        window = self.head.args.sliding_window or self.max_seq_len
-        exact = []
-        for u, start, toks in zip(users, start_pos, next_tokens):
-            for i in range(len(toks)):
-                pos = start + i
-                exact.append(ExactToken(len(exact), u, pos, pos, max(0, pos + 1 - window), pos + 1))
-        ends = list(accumulate(len(toks) for toks in next_tokens))
-        out, logits = self._forward(exact, torch.cat(list(hidden)), [t for toks in next_tokens for t in toks],
-                                    every_row, ends)
-        return [(out[end - len(toks) : end], logits[end - len(toks) : end] if every_row else logits[i])
-                for i, (toks, end) in enumerate(zip(next_tokens, ends))]
-
-    def run_tree(self, nodes: Sequence[tuple[int, int, int, tuple[int, ...]]], states: torch.Tensor,
-                 tokens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tree nodes (user, position, node number, ancestors' node numbers root first), each fed a state [n, h] and
-        a token: it writes tree slot `node number` and sees the user's cache before `position - depth` and its
-        ancestors. Returns the layer's outputs [n, h] and logits [n, V']."""
-        window = self.head.args.sliding_window or self.max_seq_len
-        exact = []
-        for i, (u, pos, node, ancestors) in enumerate(nodes):
-            if node >= TREE_SLOTS:
-                raise ValueError(f"a head tree holds at most {TREE_SLOTS} nodes")
-            first = max(0, pos + 1 - window)
-            prefix_end = max(first, pos - len(ancestors))
-            slots = tuple(self.tree_slot0 + a for a in (*ancestors, node))
-            exact.append(ExactToken(i, u, self.tree_slot0 + node, pos, first, prefix_end, slots))
-        return self._forward(exact, states, list(tokens), True, list(range(1, len(nodes) + 1)))

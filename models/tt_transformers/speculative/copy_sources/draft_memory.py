@@ -14,7 +14,8 @@ from typing import Optional, Sequence
 
 from loguru import logger
 
-from .suffix_automaton import SuffixAutomaton
+from ..config import DEFAULT_DRAFT_MEMORY
+from . import implementations
 
 MATCH_WINDOW = 64  # context tokens a new match starts from (a longer match is not needed)
 
@@ -24,7 +25,7 @@ class TokenStore:
         self.max_tokens = max_tokens
         self.docs: deque[list[int]] = deque()
         self.n_tokens = 0
-        self.sam = SuffixAutomaton()
+        self.sam = implementations().SuffixAutomaton()
         self.matches: dict[int, tuple[int, int, int]] = {}  # user -> (state, length, context tokens consumed)
 
     def add(self, tokens: Sequence[int]) -> None:
@@ -35,7 +36,7 @@ class TokenStore:
         if self.max_tokens is not None and self.n_tokens > self.max_tokens:
             while self.docs and self.n_tokens > 3 * self.max_tokens // 4:
                 self.n_tokens -= len(self.docs.popleft())
-            self.sam = SuffixAutomaton()
+            self.sam = implementations().SuffixAutomaton()
             for doc in self.docs:
                 self._append(doc)
             self.matches = {}
@@ -62,7 +63,7 @@ class TokenStore:
 class DraftMemory:
     """Earlier responses (bounded, oldest evicted) and an optional static corpus."""
 
-    def __init__(self, max_tokens: int = 65536, corpus: Sequence[Sequence[int]] = ()):
+    def __init__(self, max_tokens: int = DEFAULT_DRAFT_MEMORY, corpus: Sequence[Sequence[int]] = ()):
         self.responses = TokenStore(max_tokens)
         self.corpus = TokenStore()
         for doc in corpus:

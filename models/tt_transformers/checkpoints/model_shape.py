@@ -1,17 +1,20 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Model hyper-parameters read from a Hugging Face `config.json` (Llama and Mistral families)."""
+"""The model's shape (hyper-parameters) read from a Hugging Face `config.json` (Llama and Mistral families):
+ModelShape, which both backends read; TT-Transformers' own ModelArgs is another thing (ttnn_backend/model.py)."""
 from dataclasses import dataclass
 from typing import Optional
+
+from ..errors import UserError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral")
 
 
-class ModelConfigError(ValueError):
+class ModelConfigError(UserError):
     """A checkpoint's config.json describes a model this backend cannot run."""
 
 
 @dataclass(frozen=True)
-class ModelArgs:
+class ModelShape:
     dim: int
     n_layers: int
     n_heads: int
@@ -28,7 +31,7 @@ class ModelArgs:
     model_type: str
 
     @classmethod
-    def from_hf_config(cls, cfg: dict) -> "ModelArgs":
+    def from_hf_config(cls, cfg: dict) -> "ModelShape":
         model_type = cfg.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ModelConfigError(

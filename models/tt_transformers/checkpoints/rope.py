@@ -1,13 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Rotary position embeddings (Hugging Face rotate-half layout), with linear and Llama-3 frequency scaling."""
+"""Rotary position embeddings' tables (Hugging Face rotate-half layout), with linear and Llama-3 frequency scaling
+(applying them: torch_backend/attention.py apply_rope)."""
 import math
 
 import torch
 
-from .model_config import ModelArgs
+from .model_shape import ModelShape
 
 
-def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
+def rope_inv_freq(args: ModelShape) -> torch.Tensor:
     """Per-pair inverse frequencies, computed exactly as transformers does so float32 logits match."""
     dim = args.head_dim
     inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
@@ -28,15 +29,10 @@ def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def rope_tables(args: ModelArgs, n_positions: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(args: ModelShape, n_positions: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables [n_positions, head_dim], computed in float32 and cast once."""
     freqs = torch.outer(torch.arange(n_positions, dtype=torch.float32), rope_inv_freq(args))
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, T, H, D]; cos/sin [B, T, 1, D] gathered at each token's position."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin

@@ -1,8 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The drafting extension (suffix_native.c: the suffix automaton, the recycled-token table and the token-tree builder
-in C, so drafting's host time per iteration stays small beside a device step; `make bench-suffix` measures it), built with the system C compiler on first import and cached
-under TT_CACHE_PATH. Without a compiler, or with TT_NATIVE_DRAFTING=0, the Python references in suffix_automaton.py
-and token_tree.py run instead: the same drafts, slower."""
+"""The drafting extension (suffix_native.c: the suffix automaton, the recycled-token table and the token-tree builder in
+C, so drafting's host time per iteration stays small beside a device step; `make bench-suffix` measures it), built with
+the system C compiler on first use (not at import) and cached under TT_CACHE_PATH. Without a compiler, or with
+TT_NATIVE_DRAFTING=0, the Python references in suffix_automaton.py and token_tree.py run instead: the same drafts,
+slower."""
+import functools
 import importlib.machinery
 import importlib.util
 import os
@@ -11,8 +13,9 @@ from pathlib import Path
 
 from loguru import logger
 
-from ..native_build import build_library, cache_root
-from .draft_length import LENGTH_BUCKETS
+from ...checkpoints.cache import cache_root
+from ...native_build import build_library
+from ..draft_length import LENGTH_BUCKETS
 
 SOURCE = Path(__file__).with_name("suffix_native.c")
 FALLBACK = "drafting runs its Python reference (slower, same drafts)"
@@ -38,4 +41,8 @@ def load_suffix_native():
     return module
 
 
-suffix_native = load_suffix_native()
+
+@functools.cache
+def suffix_native():
+    """The extension, built (or loaded from the cache) on the first call; None where it cannot be."""
+    return load_suffix_native()

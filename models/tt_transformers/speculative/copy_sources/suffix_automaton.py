@@ -20,13 +20,12 @@ at most 2|S| - 1 states and 3|S| - 4 transitions, and appending a token costs am
   earlier match (or where it was created).
 
 This Python class is the reference; drafting runs its port in suffix_native.c (native.py) where that builds, which
-tests/test_suffix_native.py holds to the same matches, counts and continuations. `SuffixAutomaton` is whichever runs.
+tests/test_suffix_native.py holds to the same matches, counts and continuations (`implementations()`: whichever runs).
 """
 import sys
 from typing import Sequence
 
-from .draft_length import BUCKET_OF, LONGEST
-from .native import suffix_native
+from ..draft_length import BUCKET_OF, LONGEST
 
 CHAIN_CAP = 64
 
@@ -172,5 +171,3 @@ class ReferenceSuffixAutomaton:
             return nxt[state][token], length + 1
         return 0, 0
 
-
-SuffixAutomaton = suffix_native.SuffixAutomaton if suffix_native else ReferenceSuffixAutomaton

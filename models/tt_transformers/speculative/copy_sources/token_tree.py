@@ -2,14 +2,13 @@
 """Recycled target predictions and the token tree the suffix drafter verifies.
 
 The Python here is the reference; drafting runs its port in suffix_native.c (native.py) where that builds, which
-tests/test_suffix_native.py holds to the same tables and trees. `RecycledTokens` and `build_tree` are whichever runs.
+tests/test_suffix_native.py holds to the same tables and trees (`implementations()`: whichever runs).
 """
 import heapq
 import itertools
 from typing import Optional, Sequence
 
-from .draft_length import bucket_of
-from .native import suffix_native
+from ..draft_length import bucket_of
 
 
 class ReferenceRecycledTokens:
@@ -119,6 +118,3 @@ def reference_build_tree(last: int, candidates: Sequence[tuple[Sequence[int], Se
     return ([tokens[i] for i in order], [where.get(parents[i], -1) for i in order], [probs[i] for i in order],
             [origins[i] for i in order], [offsets[i] for i in order])
 
-
-RecycledTokens = suffix_native.RecycledTokens if suffix_native else ReferenceRecycledTokens
-build_tree = suffix_native.build_tree if suffix_native else reference_build_tree

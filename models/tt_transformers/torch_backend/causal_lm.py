@@ -58,6 +58,10 @@ class TorchCausalLM:
         self.step([UserRows(0, [0] * rows, 0)], logits=logits, top_k=top_k, taps=taps)
         return {"compile_prefill": prefill_s, "compile_decode": time.perf_counter() - start - prefill_s}
 
+    def prepare_traces(self) -> float:
+        """Nothing is traced here (warm_up compiled everything)."""
+        return 0.0
+
     def release(self) -> None:
         """Nothing to give back: the cache is host (or CUDA) memory, freed with the object."""
 

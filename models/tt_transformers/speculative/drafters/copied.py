@@ -1,167 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Draft sources behind one small interface, so the generation loop never knows what drafted."""
-import copy
-from dataclasses import dataclass, field
-from typing import Optional, Protocol, Sequence
+"""Copied drafts (no model): continuations of the request's own text, of earlier responses and a corpus, and the
+target's recycled predictions, as chains or token trees, over the copy sources (copy_sources/)."""
+from dataclasses import dataclass
+from typing import Optional, Sequence
 
-import torch
-
-from .backend import CausalLM, UserRows
-from .draft_length import LENGTH_BUCKETS, DraftLengthPolicy, ExtraCost, MatchAcceptance, best_length
-from .draft_memory import DraftMemory
-from .sampling import KeyedSampler, SamplingParams, probabilities
-from .suffix_automaton import SuffixAutomaton
-from .token_tree import RecycledTokens, build_tree
-
-DEFAULT_SA_THRESHOLD = 1  # shortest match a copied draft may start from; its score decides whether it drafts
-
-
-@dataclass
-class Draft:
-    """Draft tokens continuing a user's context: a chain, or a token tree when `parents` is given (parents[i] is the
-    index of token i's parent among the draft tokens, -1 for a child of the context's last token; parents come
-    before their children)."""
-
-    tokens: list[int]
-    source: str  # "model", "suffix", "memory", "corpus", "recycle", "tree" or "none"
-    match_len: int = 0  # length of the match behind a copied draft
-    parents: Optional[list[int]] = None
-    expected: float = 0.0  # accepted tokens the drafter expects from it (its own estimate; the hybrid compares them)
-
-
-@dataclass
-class Verified:
-    """What a verification step did for one user: `new_tokens` were appended to its context, of which the draft
-    tokens `path` (indices into the draft, root to leaf) were accepted; `fed` were the step's rows and `top_ids` the
-    target's top-k next tokens after each row (when the drafter asked for them), `hidden` its tapped hidden states
-    per row [rows, dim] (when the drafter wants them)."""
-
-    new_tokens: list[int]
-    path: list[int]
-    fed: list[int] = field(default_factory=list)
-    top_ids: Optional[list[list[int]]] = None
-    hidden: Optional[torch.Tensor] = None
-
-    @property
-    def n_accepted(self) -> int:
-        return len(self.path)
-
-    @property
-    def true_rows(self) -> list[int]:
-        """The rows whose context is the actual text: the last token and the accepted drafts (not rejected ones)."""
-        return [0] + [i + 1 for i in self.path]
-
-
-class Drafter(Protocol):
-    top_k: int  # how many of the target's top next tokens per row accept() wants (0: none)
-    taps: tuple[int, ...]  # the target layers whose input start() and accept() want per row (empty: none)
-
-    def start(self, users: Sequence[int], prompts: Sequence[Sequence[int]], sampler: KeyedSampler,
-              hidden: Optional[Sequence[torch.Tensor]] = None) -> None:
-        """A new request per user; the prompts are what the target was prefilled with (hidden: its tapped hidden
-        states over each prompt, when the drafter names taps). A drafter that samples draws with the sampler's key
-        for the drafted position, the target's own noise there, unless the settings are greedy."""
-
-    def propose(self, users: Sequence[int], contexts: Sequence[Sequence[int]], max_tokens: Sequence[int],
-                extra_cost: ExtraCost, trees: bool = False) -> list[Draft]:
-        """Up to max_tokens[i] draft tokens continuing contexts[i] (the whole sequence so far, prompt included).
-        extra_cost(k): what verifying k more tokens costs the target this iteration (backend.extra_cost_curve);
-        trees: the target verifies token trees."""
-
-    def accept(self, user: int, verified: Verified) -> None:
-        """After verification of the user's draft (see Verified)."""
-
-
-class ModelDrafter:
-    """Autoregressive drafting with a (smaller) model.
-
-    The draft cache holds a prefix of the user's context. Each proposal first feeds the tokens it has not seen
-    (one or two normally, more after iterations in which another source drafted; in steps within the draft's row
-    budget), then one token per step. The drafts it fed stay valid as far as the target accepted them; everything
-    after is overwritten later. A draft that is a view of the target's first layers (`shares_target_cache`) reads
-    the target's cache for those layers: the target's prefill and verification steps write every position before
-    the last token with the same weights, so such a draft needs no prefill and no catch-up of its own.
-
-    draft_cost: one draft token's cost in target forwards (about draft layers / target layers). When given, the
-    draft length adapts to recent acceptance (DraftLengthPolicy, carried from one request to the next) and
-    drafting pauses while it does not pay; when None every draft has the full requested length.
-    """
-
-    top_k = 0
-    taps = ()
-
-    def __init__(self, lm: CausalLM, draft_cost: Optional[float] = None):
-        self.lm, self.draft_cost = lm, draft_cost
-        self.shares_cache = getattr(lm, "shares_target_cache", False)
-        self.cache_len: dict[int, int] = {}
-        self.fed: dict[int, tuple[int, int]] = {}  # user -> (context length at proposal, drafts fed)
-        self.policies: dict[int, DraftLengthPolicy] = {}
-        self.sampler = KeyedSampler(SamplingParams())
-
-    def start(self, users, prompts, sampler, hidden=None):
-        if not self.shares_cache:
-            for u, p in zip(users, prompts):
-                self.lm.prefill(u, p)
-        self.cache_len = {u: len(p) for u, p in zip(users, prompts)}
-        self.fed = {}
-        if self.draft_cost is not None:
-            learned = DraftLengthPolicy.learned_from(self.policies.values(), self.draft_cost)
-            self.policies = {u: copy.copy(learned) for u in users}
-        self.sampler = sampler
-
-    def draft_value(self, user: int, n: int, extra_cost: ExtraCost) -> float:
-        """Expected tokens per unit of work of a draft of up to n tokens (DraftLengthPolicy.value; 0 when its
-        acceptance is not tracked)."""
-        return self.policies[user].value(n, extra_cost, self.draft_cost) if user in self.policies else 0.0
-
-    def _next_tokens(self, rows: list[UserRows]) -> list[int]:
-        """One draft token per user after its fed rows: greedy, or drawn from the draft's q with the target's key."""
-        params = self.sampler.params
-        out = self.lm.step(rows, logits=not params.greedy)
-        if params.greedy:
-            return [ids[-1] for ids in out.ids]
-        return [self.sampler.sample(probabilities(logits[-1], params), r.user, r.start_pos + len(r.tokens))
-                for r, logits in zip(rows, out.logits)]
-
-    def _first_rows(self, live: list[tuple[int, Sequence[int]]]) -> list[UserRows]:
-        """The first drafting step: every token the draft cache has not seen, up to the user's last one. Users far
-        behind (after iterations another source drafted) first catch up in chunks within the row budget."""
-        chunk = max(1, self.lm.max_step_rows // max(1, len(live)))
-        while True:
-            behind = [(u, ctx) for u, ctx in live if len(ctx) - self.cache_len[u] > chunk]
-            if not behind:
-                return [UserRows(u, list(ctx[self.cache_len[u]:]), self.cache_len[u]) for u, ctx in live]
-            self.lm.step([UserRows(u, list(ctx[self.cache_len[u] : self.cache_len[u] + chunk]), self.cache_len[u])
-                          for u, ctx in behind])
-            for u, _ in behind:
-                self.cache_len[u] += chunk
-
-    def propose(self, users, contexts, max_tokens, extra_cost, trees=False):
-        if self.policies:
-            max_tokens = [self.policies[u].next_length(n, extra_cost) if n > 0 else 0
-                          for u, n in zip(users, max_tokens)]
-        drafts = {u: [] for u in users}
-        live = [(u, ctx) for u, ctx, n in zip(users, contexts, max_tokens) if n > 0]
-        if self.shares_cache:  # the target wrote every position before the last token
-            self.cache_len.update({u: len(ctx) - 1 for u, ctx in live})
-        rows = self._first_rows(live)
-        wanted = dict(zip(users, max_tokens))
-        while rows:
-            for r, tok in zip(rows, self._next_tokens(rows)):
-                drafts[r.user].append(tok)
-            rows = [UserRows(r.user, [drafts[r.user][-1]], r.start_pos + len(r.tokens)) for r in rows
-                    if len(drafts[r.user]) < wanted[r.user]]
-        for u, ctx in zip(users, contexts):
-            if drafts[u]:
-                self.fed[u] = (len(ctx), len(drafts[u]) - 1)
-        return [Draft(drafts[u], "model" if drafts[u] else "none") for u in users]
-
-    def accept(self, user, verified):
-        if user in self.fed:
-            context_len, n_fed = self.fed.pop(user)
-            self.cache_len[user] = context_len + min(verified.n_accepted, n_fed)
-            if self.policies:
-                self.policies[user].update(n_fed + 1, verified.n_accepted)
+from ...errors import UserError
+from ..config import DEFAULT_SA_THRESHOLD, MAX_TREE_NODES
+from ..copy_sources import implementations
+from ..copy_sources.draft_memory import DraftMemory
+from ..draft_length import LENGTH_BUCKETS, DraftLengthPolicy, MatchAcceptance, best_length
+from .base import Draft
 
 
 @dataclass
@@ -221,14 +69,15 @@ class SuffixDrafter:
     """
 
     ANCHORS = 2  # the longest match and one shorter: more anchors measured no better
-    MAX_TREE_NODES = 32
+    MAX_TREE_NODES = MAX_TREE_NODES
 
     def __init__(self, threshold: int = DEFAULT_SA_THRESHOLD, memory: Optional[DraftMemory] = None,
                  recycle: int = 0):
         if threshold < 1:
-            raise ValueError(f"sa_threshold must be >= 1, got {threshold}")
+            raise UserError(f"sa_threshold must be >= 1, got {threshold}", "sa_threshold")
         self.threshold, self.memory = threshold, memory
-        self.recycled = RecycledTokens(recycle) if recycle else None
+        self.sources = implementations()  # the C port where it builds (built here, on first use), else the references
+        self.recycled = self.sources.RecycledTokens(recycle) if recycle else None
         self.top_k, self.taps = recycle, ()
         # Copy mode's prior is flat and low: its runs are keyed by the copied run's length, which spreads its few
         # verifications over long-match buckets whose default prior (0.9) scored its drafts well above how often they
@@ -236,7 +85,7 @@ class SuffixDrafter:
         self.acceptance = {"suffix": MatchAcceptance(), "memory": MatchAcceptance(), "corpus": MatchAcceptance(),
                            "copy": MatchAcceptance(prior=[0.3] * len(LENGTH_BUCKETS)),
                            "recycle": MatchAcceptance(prior=[0.45, 0.15, 0.08, 0.05, 0.04, 0.03, 0.02, 0.02, 0.02])}
-        self.automata: dict[int, SuffixAutomaton] = {}
+        self.automata: dict = {}  # user -> its request's suffix automaton
         self.prompt_lens: dict[int, int] = {}
         self.policies: dict[int, DraftLengthPolicy] = {}
         self.cursors: dict[int, CopyCursor] = {}
@@ -252,7 +101,7 @@ class SuffixDrafter:
     def start_request(self, user, prompt: Sequence[int]) -> None:
         """One request's state on its own: a server admits and ends requests one at a time (start() begins a whole
         batch). `user` is any hashable key."""
-        self.automata[user] = SuffixAutomaton(prompt)
+        self.automata[user] = self.sources.SuffixAutomaton(prompt)
         self.prompt_lens[user] = len(prompt)
         self.policies[user] = DraftLengthPolicy(0.0)
         self.cursors[user] = CopyCursor()
@@ -265,6 +114,9 @@ class SuffixDrafter:
             state.pop(user, None)
         if self.memory is not None:
             self.memory.start_request([response])
+
+    def warm_up(self, logits: bool = False) -> dict[str, float]:
+        return {}  # host only
 
     def _candidates(self, user: int, context: Sequence[int], n: int, floor: float) -> list[Candidate]:
         sam = self.automata[user]
@@ -331,7 +183,7 @@ class SuffixDrafter:
         nodes while they pay."""
         candidates = sorted(self._candidates(user, context, n, floor), key=lambda c: -sum(c.probs))
         recycle = self.acceptance["recycle"]
-        tokens, parents, probs, origins, offsets = build_tree(
+        tokens, parents, probs, origins, offsets = self.sources.build_tree(
             context[-1], [(c.tokens, c.probs) for c in candidates], self.recycled, recycle.rates(),
             min(n, self.MAX_TREE_NODES), floor)  # at most n nodes, parents first
         k = self.policies[user].gate(best_length(probs, extra_cost), n)
@@ -380,7 +232,7 @@ class CopyCursor:
     def __init__(self):
         self.src, self.run, self.aligned, self.edits = 0, 0, 0, 0
 
-    def follow(self, sam: SuffixAutomaton) -> None:
+    def follow(self, sam) -> None:
         """After sam.extend(token): follow the passage, re-anchor after an edit, or start at a long match."""
         match_len = sam.match_len
         if match_len >= self.MIN_RUN:  # a long match: its earlier occurrence is the passage
@@ -400,39 +252,3 @@ class CopyCursor:
             self.aligned, self.edits = 0, self.edits + 1
             if self.edits > self.MAX_EDITS or self.src >= pos:
                 self.run = 0
-
-
-class HybridDrafter:
-    """Per user and iteration, the copied draft or the fallback's (a trained draft head or a draft model), whichever
-    is expected to bring more tokens per unit of work (as SAM-Decoding picks between its automaton and EAGLE): the
-    copied draft's value is (1 + the sum of its tokens' acceptance probabilities) / (1 + what verifying them costs),
-    the fallback's (draft_value) comes from its recent acceptance and what its drafts cost to make and verify.
-    Copied drafts cost nothing to make, so they are proposed first and the fallback runs only for the users it wins
-    or that have no copied draft (where it still decides for itself whether drafting pays)."""
-
-    def __init__(self, suffix: SuffixDrafter, fallback):
-        self.suffix, self.fallback = suffix, fallback
-        self.top_k, self.taps = suffix.top_k, fallback.taps
-
-    def start(self, users, prompts, sampler, hidden=None):
-        self.suffix.start(users, prompts, sampler)
-        self.fallback.start(users, prompts, sampler, hidden)
-
-    def propose(self, users, contexts, max_tokens, extra_cost, trees=False):
-        drafts = self.suffix.propose(users, contexts, max_tokens, extra_cost, trees)
-        tries = [max_tokens[i] > 0 and (not d.tokens or (1 + d.expected) / (1 + extra_cost(len(d.tokens)))
-                                        < self.fallback.draft_value(users[i], max_tokens[i], extra_cost))
-                 for i, d in enumerate(drafts)]
-        # every user is passed on, with 0 tokens where the copy wins: a head on a TT device feeds each verified step's
-        # rows at the next proposal (the step after rewrites them); the others do nothing for 0 tokens
-        fallback_drafts = self.fallback.propose(users, contexts, [n if t else 0 for n, t in zip(max_tokens, tries)],
-                                                extra_cost, trees)
-        for i, d in enumerate(fallback_drafts):
-            if tries[i] and (d.tokens or not drafts[i].tokens):
-                self.suffix.withdraw(users[i])
-                drafts[i] = d
-        return drafts
-
-    def accept(self, user, verified):
-        self.suffix.accept(user, verified)  # each source learns only from its own drafts
-        self.fallback.accept(user, verified)

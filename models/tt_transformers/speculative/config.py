@@ -1,0 +1,74 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Every setting of speculative decoding and its default, in one place: what `make_drafter` builds and what
+`SpeculativeGenerator` verifies. The command line's flags take their defaults from here.
+
+    config = SpeculativeConfig(draft_mode="suffix", n_draft_tokens=16)
+    config.check()  # UserError naming the parameter and the fix
+"""
+from dataclasses import dataclass
+from typing import Optional
+
+from ..errors import UserError
+from .backend import MAX_DRAFT_TOKENS
+DRAFT_MODES = ("model", "suffix", "head", "hybrid")
+DEFAULT_SA_THRESHOLD = 1  # shortest match a copied draft may start from; its score decides whether it drafts
+DEFAULT_DRAFT_LAYERS = 8  # the draft model's depth when draft_layers is not given, on targets deeper than that
+MAX_RECYCLE_TOP_K = 32  # ttnn.topk's default k; more is never worth a tree row
+MAX_TREE_NODES = 32  # nodes of a token tree verified per user and step (copied drafts' trees and a head's)
+DEFAULT_DRAFT_MEMORY = 65536  # tokens of earlier responses copied drafts may draw on
+
+
+@dataclass
+class SpeculativeConfig:
+    """How to draft (make_drafter) and verify (SpeculativeGenerator):
+
+    n_draft_tokens: most draft tokens verified per user and target forward; 0 = plain decoding.
+    draft_mode: "suffix" (copied drafts only, no model), "head" (a trained EAGLE-3 draft head), "model" (a draft
+        model, every draft of n_draft_tokens) or "hybrid" (per step and user, the copied draft or the head's, the draft
+        model's where no head is given, whichever is expected to bring more tokens per unit of work).
+    sa_threshold: the shortest match (tokens) a copied draft may start from.
+    draft_memory: tokens of earlier responses kept to draft from (cross-request memory); 0 = off.
+    recycle_top_k: the target's top next tokens kept per token to draft from (token recycling); 0 = off.
+    trees: verify token trees (several candidates at once) where the backend can (CausalLM.supports_trees).
+    draft_layers: the draft model is the target's first draft_layers layers (sharing its weights and cache) when no
+        separate draft model is given; None = default_draft_layers(the target's layers).
+    """
+
+    n_draft_tokens: int = 4
+    draft_mode: str = "hybrid"
+    sa_threshold: int = DEFAULT_SA_THRESHOLD
+    draft_memory: int = DEFAULT_DRAFT_MEMORY
+    recycle_top_k: int = 4
+    trees: bool = True
+    draft_layers: Optional[int] = None
+
+    def check(self) -> None:
+        """Raises UserError, naming the parameter and the fix, for a setting out of range."""
+        check_n_draft_tokens(self.n_draft_tokens)
+        if self.draft_mode not in DRAFT_MODES:
+            raise UserError(f"draft_mode {self.draft_mode!r} is not one of {', '.join(DRAFT_MODES)}", "draft_mode")
+        if self.sa_threshold < 1:
+            raise UserError(f"sa_threshold must be >= 1 (tokens of matched suffix), got {self.sa_threshold}",
+                            "sa_threshold")
+        for name, value in (("draft_memory", self.draft_memory), ("recycle_top_k", self.recycle_top_k)):
+            if value < 0:
+                raise UserError(f"{name} must be >= 0 (0 turns it off), got {value}", name)
+        if self.recycle_top_k > MAX_RECYCLE_TOP_K:
+            raise UserError(f"recycle_top_k {self.recycle_top_k} is more than {MAX_RECYCLE_TOP_K}; lower it",
+                            "recycle_top_k")
+
+    @property
+    def copies(self) -> bool:
+        """Whether copied drafts (SuffixDrafter) take part."""
+        return self.n_draft_tokens > 0 and self.draft_mode in ("suffix", "hybrid")
+
+
+def check_n_draft_tokens(n_draft_tokens: int) -> None:
+    if not 0 <= n_draft_tokens <= MAX_DRAFT_TOKENS:
+        raise UserError(f"n_draft_tokens must be between 0 and {MAX_DRAFT_TOKENS}, got {n_draft_tokens}",
+                        "n_draft_tokens")
+
+
+def default_draft_layers(target_layers: int) -> int:
+    """The draft model's depth when none is given, fitted to the target: a default nobody chose never stops a run."""
+    return DEFAULT_DRAFT_LAYERS if DEFAULT_DRAFT_LAYERS < target_layers else max(1, target_layers // 2)

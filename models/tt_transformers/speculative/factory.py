@@ -1,0 +1,77 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The one place a drafter is assembled from a SpeculativeConfig: every front end (the command line and pytest form,
+the tests, the benchmarks, the tools) builds its drafters here.
+
+    target = TorchCausalLM(model, model.args.n_layers, max_batch_size=1)
+    drafter = make_drafter(SpeculativeConfig(draft_mode="suffix"), target)
+    SpeculativeGenerator(target, drafter, 4).generate([prompt], 64)
+"""
+from typing import Optional, Sequence
+
+from ..errors import UserError
+from .backend import CausalLM
+from .config import SpeculativeConfig, default_draft_layers
+from .copy_sources.draft_memory import DraftMemory
+from .drafters import Drafter, HeadDrafter, HybridDrafter, ModelDrafter, SuffixDrafter, TracedHeadDrafter
+from .drafters.eagle3 import DraftHeadModel
+from .drafters.eagle3_device import ChainDraftHead
+
+
+def make_drafter(config: SpeculativeConfig, target: CausalLM, *, draft_lm: Optional[CausalLM] = None,
+                 draft_cost: Optional[float] = None, head: Optional[DraftHeadModel] = None,
+                 device_head: Optional[ChainDraftHead] = None, documents: Sequence[Sequence[int]] = ()
+                 ) -> Optional[Drafter]:
+    """The drafter `config.draft_mode` names for `target` (None for plain decoding: n_draft_tokens 0).
+
+    Args:
+        config: the settings (checked here).
+        target: the model that verifies.
+        draft_lm: the draft model for "model" and "hybrid" without a head; default the target's first
+            config.draft_layers layers (CausalLM.draft_view: its weights and cache).
+        draft_cost: one draft-model token's cost in target forwards, which a hybrid weighs; default draft_lm's layers
+            over the target's.
+        head: an EAGLE-3 draft head that runs beside the target on its tapped states (a DraftHeadModel).
+        device_head: a draft head that runs where the target leaves its taps (a ChainDraftHead: a TT device's).
+        documents: token ids to draft from beside earlier responses (a corpus), for copied drafts.
+
+    Returns:
+        suffix: copied drafts (SuffixDrafter: the request's text, a memory of draft_memory tokens of earlier
+        responses and `documents`, recycle_top_k recycled predictions); head: the head's drafter; model: the draft
+        model drafting every step; hybrid: the copied drafts or the head's (the draft model's without a head),
+        whichever is expected to bring more tokens per unit of work.
+
+    Raises:
+        UserError: a setting out of range, or head mode without a head.
+    """
+    config.check()
+    if config.n_draft_tokens == 0:
+        return None
+    copied = None
+    if config.copies:
+        memory = DraftMemory(config.draft_memory, documents) if config.draft_memory or documents else None
+        copied = SuffixDrafter(config.sa_threshold, memory, config.recycle_top_k)
+    if config.draft_mode == "suffix":
+        return copied
+    heads = head_drafter(head, device_head)
+    if config.draft_mode == "head":
+        if heads is None:
+            raise UserError("draft_mode 'head' needs a draft head (head or device_head)", "draft_mode")
+        return heads
+    if heads is not None and config.draft_mode == "hybrid":
+        return HybridDrafter(copied, heads)
+    if draft_lm is None:
+        draft_lm = target.draft_view(config.draft_layers or default_draft_layers(target.n_layers))
+    if config.draft_mode == "model":
+        return ModelDrafter(draft_lm)  # every draft has the full n_draft_tokens
+    # hybrid: the model drafts only while its acceptance pays for its cost
+    return HybridDrafter(copied, ModelDrafter(draft_lm, draft_cost if draft_cost is not None
+                                              else draft_lm.n_layers / target.n_layers))
+
+
+def head_drafter(head: Optional[DraftHeadModel], device_head: Optional[ChainDraftHead]):
+    """The drafter of whichever head is given: HeadDrafter beside the target, TracedHeadDrafter on the device."""
+    if head is not None and device_head is not None:
+        raise ValueError("give a draft head beside the target or one on the device, not both")
+    if device_head is not None:
+        return TracedHeadDrafter(device_head)
+    return HeadDrafter(head) if head is not None else None
