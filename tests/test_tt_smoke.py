@@ -222,18 +222,18 @@ def test_a_random_head_is_gated_on_its_top_drafts_and_logits(monkeypatch, tmp_pa
     draft among the host's top 3 with its first logits within the stated tolerance (the agreement is reported); the
     80 % agreement gate stays for a real head (test_every_stage_runs_and_reports,
     test_a_published_head_given_by_flag)."""
-    from models.tt_transformers.torch_backend import draft_head
+    from models.tt_transformers.checkpoints import eagle3_format
 
     stand_in_machine(monkeypatch, tmp_path)
     monkeypatch.setattr(tt_smoke, "smoke_head_folder", lambda *args: None)
     monkeypatch.setattr(tt_smoke, "RANDOM_DRAFT_VOCAB", 4096)  # a smaller draft vocabulary: the stand-in is slow
-    random_head = draft_head.random_head
+    random_head = eagle3_format.random_head
 
     def near_tied(*args, **kwargs):  # every draft token's LM-head row within a rounding step of the first's
         config, weights = random_head(*args, **kwargs)
         lm_head = weights["lm_head.weight"]
         return config, {**weights, "lm_head.weight": lm_head[:1] + 1e-3 * lm_head}
-    monkeypatch.setattr(draft_head, "random_head", near_tied)
+    monkeypatch.setattr(eagle3_format, "random_head", near_tied)
     stages = [("device open", tt_smoke.open_device), ("model build", tt_smoke.build_model),
               ("draft head on the device", tt_smoke.device_head)]
     report = tt_smoke.run(smoke_config(tmp_path), tmp_path / "report.json", stages)
