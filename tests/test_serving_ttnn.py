@@ -285,7 +285,7 @@ def test_the_launch_config_refusals_and_vllms_current_config(monkeypatch, tmp_pa
     """A speculative method other than custom_class with the model-owned-drafter sentinel (ngram: the plugin admits it
     for a device_propose model but never calls propose_draft_tokens, which this drafter learns from) is refused in one
     line naming the fix: by spec_plan (a SpecReject the plugin quotes) and by initialize_vllm_model (its plan checked
-    again) before anything is built. Without the loader's vllm_config the class reads vLLM's current config
+    again) before anything is built; so is a Galaxy (its verify rows must stay in one mesh column). Without the loader's vllm_config the class reads vLLM's current config
     (vllm.config); with none there it is TT's class, and speculative arguments reaching it are refused in one line."""
     install(monkeypatch)
     monkeypatch.setattr(ttnn_model, "_CLASSES", {})
@@ -305,6 +305,10 @@ def test_the_launch_config_refusals_and_vllms_current_config(monkeypatch, tmp_pa
         assert isinstance(reject, SpecReject) and re.search(f"speculative method '{method}' .*{fix}", reject.reason)
         with pytest.raises(ValueError, match=f"speculative method '{method}' .*{fix}"):
             cls.initialize_vllm_model(hf_config, mesh, BATCH, MAX_SEQ_LEN, n_layers=N_LAYERS, vllm_config=config)
+    galaxy = types.SimpleNamespace(get_num_devices=lambda: 32)  # an 8 x 4 mesh: refused before anything is built
+    with pytest.raises(ValueError, match="^speculative decoding on a Galaxy is not served yet: .* launch without "
+                                         "--speculative-config$"):
+        cls.initialize_vllm_model(hf_config, galaxy, BATCH, MAX_SEQ_LEN, n_layers=N_LAYERS, vllm_config=vllm_config(3))
     assert not built
     vllm, current = types.ModuleType("vllm"), types.ModuleType("vllm.config")
     vllm.config, current.get_current_vllm_config = current, lambda: vllm_config(3)

@@ -324,6 +324,10 @@ class SpecDecodeModel:
         # every row of the 32-row tile carries a verify row: TT's model is built for it (ModelArgs max_batch_size 32,
         # one of TT's supported batch sizes, as ttnn_backend/model.py builds it); its own decode gets B rows padded
         bound.arguments["max_batch_size"] = TILE_ROWS
+        if mesh_device.get_num_devices() == 32:  # a Galaxy (TT's Attention: self.TG = num_devices == 32)
+            raise ValueError("speculative decoding on a Galaxy is not served yet: there a verify step's rows must stay "
+                             "in one mesh column's 8 users (ttnn_backend/generator.py, max_step_rows), and this class "
+                             "verifies on the whole 32-row tile; launch without --speculative-config")
         if bound.arguments.get("tt_data_parallel", 1) != 1:
             raise ValueError(f"speculative decoding serves one TT-Transformers model per engine: tt_data_parallel "
                              f"{bound.arguments['tt_data_parallel']} is not supported with a speculative config")
