@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """`make tt-mock`: every ttnn call the project makes, through the real ttnn 0.81.1 on tt-metal's Mock Device (a mock
-N150, and a mock N300 1x2 mesh with FABRIC_1D), eagerly (`--trace 0`: the Mock Device cannot capture traces).
+N150, and mock N300 1x2 and T3K 1x8 meshes with FABRIC_1D; a model runs on the meshes its KV heads split over),
+eagerly (`--trace 0`: the Mock Device cannot capture traces).
 
 The backend is built as the demo builds it (device.open_mesh, model.build_tt_model, TtnnCausalLM, TtnnDraftHead)
 over tests/tt_mock/tt_transformers.py (a TEST DOUBLE of TT-Transformers on real ttnn tensors), at the shapes of
@@ -19,7 +20,8 @@ are not checked, the calls are.
 
 Each mesh runs in its own process (the mock cluster is chosen by an environment variable before ttnn loads). A call
 is counted where the project's own code (models/tt_transformers) makes it; the double's calls are reported apart.
-Prints one line per case and ends with `tt-mock: <n> calls through ttnn 0.81.1 on mock N150 and N300 1x2, <f>
+Prints one line per case and ends with `tt-mock: <n> calls through ttnn 0.81.1 on mock N150, N300 1x2 and T3K 1x8,
+<f>
 failures`; exit status 1 on any failure.
 """
 import argparse
@@ -37,7 +39,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 PROJECT = str(REPO / "models" / "tt_transformers")
-MESHES = {"N150": ("wormhole_N150.yaml", (1, 1)), "N300": ("wormhole_N300.yaml", (1, 2))}
+MESHES = {"N150": ("wormhole_N150.yaml", (1, 1)), "N300": ("wormhole_N300.yaml", (1, 2)),
+          "T3K": ("wormhole_T3K.yaml", (1, 8))}
 # HF config.json fields the double's ModelArgs and our torch ModelArgs read
 LLAMA_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
             "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
@@ -252,6 +255,14 @@ def bfp8_storage() -> None:
                                  f"(shape {list(x.shape)})")
 
 
+def on_mesh(shapes: list, mesh) -> list:
+    """The shapes whose KV heads split evenly over the mesh's devices: TT-Transformers' attention gives each device
+    n_kv_heads // num_devices of them (SmolLM2's 3 do not split over a T3K's 8; real ttnn's SDPA refuses the 0 left,
+    sdpa_device_operation.cpp: nkv > 0 && nqh >= nkv && nqh % nkv == 0)."""
+    devices = mesh.get_num_devices()
+    return [shape for shape in shapes if shape[1]["num_key_value_heads"] % devices == 0]
+
+
 def worker(mesh_name: str, out: Path) -> int:
     """The cases on one mock mesh; a JSON summary written to `out` (tt-metal logs to stdout)."""
     import ttnn
@@ -271,11 +282,11 @@ def worker(mesh_name: str, out: Path) -> int:
                      (f"{mesh_name} bfloat8_b storage (bfp8_round = ttnn's host conversion)", bfp8_storage),
                      (f"{mesh_name} speculative primitives (measured, not adopted)",
                       partial(primitives.measure, mesh))]
-            for name, config, max_seq_len, batch, draft_vocab, form in SHAPES:
+            for name, config, max_seq_len, batch, draft_vocab, form in on_mesh(SHAPES, mesh):
                 cases.append((f"{mesh_name} {name} max_seq_len {max_seq_len} batch {batch}, decode form {form}",
                               partial(run_shape, mesh, name, config, max_seq_len, batch, draft_vocab, form,
                                       Path(tmp))))
-            for name, config, max_seq_len, k in SERVING:
+            for name, config, max_seq_len, k in on_mesh(SERVING, mesh):
                 cases.append((f"{mesh_name} {name} serving verify on vLLM's cache (blocks of {VLLM_BLOCK}), K={k}",
                               partial(serving_verify, mesh, name, config, max_seq_len, k, Path(tmp))))
             for case, run in cases:
@@ -330,7 +341,8 @@ def main(argv=None) -> int:
                                                                   for n, c in sorted(calls.items())))
     if args.json:
         Path(args.json).write_text(json.dumps(summaries, indent=1))
-    print(f"tt-mock: {sum(calls.values())} calls through ttnn 0.81.1 on mock N150 and N300 1x2, {failures} failures")
+    print(f"tt-mock: {sum(calls.values())} calls through ttnn 0.81.1 on mock N150, N300 1x2 and T3K 1x8, "
+          f"{failures} failures")
     return 1 if failures else 0
 
 
