@@ -264,13 +264,20 @@ def test_model_bundles_register_through_the_plugins_hook(tmp_path, monkeypatch):
         assert issubclass(getattr(importlib.import_module(module), name), ttnn_model.SpecDecodeModel)
 
 
-def test_without_a_speculative_config_it_is_tt_transformers_class(monkeypatch, tmp_path, embedded_checkpoint):
+def stand_in_launch(monkeypatch, tmp_path, embedded_checkpoint):
+    """The stand-in installed, HF_MODEL naming the embedded checkpoint as TT names it, and a one-device mesh: what a
+    launch builds the served class on. (checkpoint folder, mesh)"""
     install(monkeypatch)
     monkeypatch.setattr(ttnn_model, "_CLASSES", {})
     folder = named_checkpoint(embedded_checkpoint.folder, embedded_checkpoint.name)
     monkeypatch.setenv("HF_MODEL", str(folder))
     monkeypatch.setenv("TT_CACHE_PATH", str(tmp_path))
     mesh = stand_in_ttnn.open_mesh_device(stand_in_ttnn.MeshShape(1, 1), trace_region_size=STAND_IN_TRACE_REGION)
+    return folder, mesh
+
+
+def test_without_a_speculative_config_it_is_tt_transformers_class(monkeypatch, tmp_path, embedded_checkpoint):
+    folder, mesh = stand_in_launch(monkeypatch, tmp_path, embedded_checkpoint)
     model = ttnn_model.SpecLlamaForCausalLM.initialize_vllm_model(
         types.SimpleNamespace(_name_or_path=str(folder)), mesh, BATCH, MAX_SEQ_LEN, vllm_config=vllm_config(None))
     assert model.spec is None
@@ -285,14 +292,10 @@ def test_the_launch_config_refusals_and_vllms_current_config(monkeypatch, tmp_pa
     """A speculative method other than custom_class with the model-owned-drafter sentinel (ngram: the plugin admits it
     for a device_propose model but never calls propose_draft_tokens, which this drafter learns from) is refused in one
     line naming the fix: by spec_plan (a SpecReject the plugin quotes) and by initialize_vllm_model (its plan checked
-    again) before anything is built; so is a Galaxy (its verify rows must stay in one mesh column). Without the loader's vllm_config the class reads vLLM's current config
-    (vllm.config); with none there it is TT's class, and speculative arguments reaching it are refused in one line."""
-    install(monkeypatch)
-    monkeypatch.setattr(ttnn_model, "_CLASSES", {})
-    folder = named_checkpoint(embedded_checkpoint.folder, embedded_checkpoint.name)
-    monkeypatch.setenv("HF_MODEL", str(folder))
-    monkeypatch.setenv("TT_CACHE_PATH", str(tmp_path))
-    mesh = stand_in_ttnn.open_mesh_device(stand_in_ttnn.MeshShape(1, 1), trace_region_size=STAND_IN_TRACE_REGION)
+    again) before anything is built; so is a Galaxy (its verify rows must stay in one mesh column). Without the
+    loader's vllm_config the class reads vLLM's current config (vllm.config); with none there it is TT's class, and
+    speculative arguments reaching it are refused in one line."""
+    folder, mesh = stand_in_launch(monkeypatch, tmp_path, embedded_checkpoint)
     cls, hf_config = ttnn_model.SpecLlamaForCausalLM, types.SimpleNamespace(_name_or_path=str(folder))
     built, build = [], stand_in_generator_vllm.initialize_vllm_text_transformer
     monkeypatch.setattr(stand_in_generator_vllm, "initialize_vllm_text_transformer",
@@ -546,9 +549,9 @@ def test_the_plugins_rows_pad_to_tt_transformers_tile_and_back():
 @pytest.mark.parametrize("regular", [True, False], ids=["regular-packages", "namespace-packages"])
 def test_bundle_classes_resolve_beside_tt_metal(tmp_path, regular):
     """As the plugin's lazy registration resolves a bundle's main_class (import the module, getattr the class) in a
-    process with this repository and a tt-metal tree on PYTHONPATH (ours first, tests/demo/test_packaging.py's fake tree,
-    regular or namespace packages, with a generator_vllm.py holding LlamaForCausalLM and MistralForCausalLM): the
-    classes subclass tt-metal's."""
+    process with this repository and a tt-metal tree on PYTHONPATH (ours first, tests/demo/test_packaging.py's fake
+    tree, regular or namespace packages, with a generator_vllm.py holding LlamaForCausalLM and MistralForCausalLM):
+    the classes subclass tt-metal's."""
     from .conftest import REPO_ROOT
     from .demo.test_packaging import fake_tt_metal, run
 
