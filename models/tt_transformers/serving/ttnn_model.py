@@ -365,15 +365,13 @@ class SpecDecodeModel:
             self.spec.prefill_warmed = True
             from models.tt_transformers.tt.common import get_block_size
 
-            from ..ttnn_backend.model import prefill_warm_prompts
+            from ..ttnn_backend.model import prefill_into_sink, prefill_warm_prompts
 
             kv_cache = inspect.signature(super().warmup_model_prefill).bind(*args, **kwargs).arguments["kv_cache"]
             max_seq_len = self.spec.verify.lm.max_seq_len
-            sink = torch.zeros(1, -(-max_seq_len // get_block_size(kv_cache[0])), dtype=torch.int32)
             # with a one-token prompt, which the backend's own warm-up runs first (TtnnCausalLM._warm_up_prefill)
-            for n in [1] + prefill_warm_prompts(self.model_args[0], max_seq_len):
-                self.prefill_forward_text(torch.zeros(1, n, dtype=torch.long), page_table=sink, kv_cache=kv_cache,
-                                          prompt_lens=[n], empty_slots=[0], enable_trace=False)
+            prefill_into_sink(self, kv_cache, -(-max_seq_len // get_block_size(kv_cache[0])),
+                              [1] + prefill_warm_prompts(self.model_args[0], max_seq_len))
         return out
 
     def prefill_forward(self, *args, **kwargs):

@@ -46,7 +46,7 @@ from loguru import logger
 
 from ..speculative.backend import DeviceRows, StepOutput, UserRows
 from .device import TRACE_REGIONS
-from .model import SINK_BLOCK, TILE_ROWS, TTModel, prefill_warm_prompts, supported_kwargs
+from .model import TILE_ROWS, TTModel, prefill_into_sink, prefill_warm_prompts, supported_kwargs
 from .tt_surface import can_keep_shares, decode_forward_kwargs, decode_logits, mesh_column_rows, padded_vocab
 from .trace_plan import TraceKey, pass_ladder, passes_for, region_bytes, trace_bytes, trace_keys, vocab_slices
 
@@ -369,19 +369,14 @@ class TtnnCausalLM:
         tokens (TT's last-token ttnn.slice and its paged_fill_cache compile per tile and page-table width). So those
         programs are built before any decode trace is live: compiled under one, their kernel binaries may be
         overwritten when it replays (allocator.cpp verify_safe_allocation); a prefill that still compiles something
-        later has the traces made again (remake_traces_after). Paged into SINK_BLOCK through a page-table row as wide as a
-        user's (TT cuts it to the prompt's blocks as it cuts theirs), as TT's own warm-up pages its prompts (a page
-        table of zeros)."""
+        later has the traces made again (remake_traces_after). Paged into the sink block through a page-table row as
+        wide as a user's (model.prefill_into_sink), as TT's own warm-up pages its prompts (a page table of zeros)."""
         if self.prefill_warmed:  # a later run on the same model: its programs are in the program cache
             return
         programs = program_cache_entries(self.tt.mesh_device)
         self.prefill(0, [0])
-        generator = self.tt.generator
-        sink = torch.full((1, self.tt.page_table.shape[1]), SINK_BLOCK, dtype=torch.int32)
-        for n in prefill_warm_prompts(self.tt.args, self.max_seq_len):
-            generator.prefill_forward_text(torch.zeros(1, n, dtype=torch.long), **supported_kwargs(
-                generator.prefill_forward_text, kv_cache=[self.tt.kv_cache], prompt_lens=[n], empty_slots=[0],
-                page_table=sink, enable_trace=False))
+        prefill_into_sink(self.tt.generator, [self.tt.kv_cache], self.tt.page_table.shape[1],
+                          prefill_warm_prompts(self.tt.args, self.max_seq_len))
         self.prefill_warmed = True
         # another model's traces may already be live on the mesh (a pool's earlier run): made again if so
         remake_traces_after(self.tt.mesh_device, programs, "the prefill warm-up")

@@ -166,6 +166,17 @@ def prefill_warm_prompts(args, max_seq_len: int) -> list[int]:
     return sorted(prompts.values())
 
 
+def prefill_into_sink(generator, kv_cache, blocks: int, lengths) -> None:
+    """One prefill of each length (zeros) through TT's prefill_forward_text into SINK_BLOCK (a page-table row of
+    `blocks` sink entries, which TT cuts to the prompt's blocks as it cuts a user's), for the programs it compiles:
+    the warm-ups of TtnnCausalLM and of the serving class (serving/ttnn_model.py)."""
+    sink = torch.full((1, blocks), SINK_BLOCK, dtype=torch.int32)
+    for n in lengths:
+        generator.prefill_forward_text(torch.zeros(1, n, dtype=torch.long), **supported_kwargs(
+            generator.prefill_forward_text, kv_cache=kv_cache, prompt_lens=[n], empty_slots=[0], page_table=sink,
+            enable_trace=False))
+
+
 # Bytes per value as TT stores them: a 32 x 32 tile of bfloat8_b is 1,024 mantissa bytes and 64 shared exponents, one
 # of bfloat4_b 512 bytes of 4-bit mantissas and the same 64 exponents (tt-metal's tile_size for Bfp8_b and Bfp4_b)
 VALUE_BYTES = {"bfloat16": 2.0, "bfloat8_b": 1088 / 1024, "bfloat4_b": 576 / 1024, "float32": 4.0}
