@@ -111,6 +111,6 @@ check-eagle3: $(STAMP) $(EAGLE3_VENV)/.installed
 	$(PY) tools/check_eagle3.py --reference_python $(EAGLE3_VENV)/bin/python $(ARGS)
 
 # The first run on a Tenstorrent machine, in tt-metal's Python environment (MESH_DEVICE and HF_MODEL set): the ttnn
-# backend stage by stage, stopping at the first failure with what to send back (tools/tt_smoke.py).
+# backend stage by stage, stopping at the first failure with what to send back (the demo folder's tt_smoke.py).
 tt-smoke:
-	$(PYTHON) tools/tt_smoke.py $(ARGS)
+	$(PYTHON) models/tt_transformers/demo/speculative_decoding/tt_smoke.py $(ARGS)

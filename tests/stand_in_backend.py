@@ -6,7 +6,8 @@ import torch
 
 from models.tt_transformers.prompts import encode
 from models.tt_transformers.speculative.generator import SpeculativeGenerator
-from models.tt_transformers.ttnn_backend.generator import TtnnCausalLM
+from models.tt_transformers.ttnn_backend.causal_lm import TtnnCausalLM
+from models.tt_transformers.ttnn_backend.traces import MeshTraces
 from models.tt_transformers.ttnn_backend.model import build_tt_model
 
 from .tt_stand_in import install
@@ -28,8 +29,15 @@ def backend_builder(monkeypatch, checkpoint, shape=(1, 1)):
         if float32:
             monkeypatch.setitem(stand_in_tt.COMPUTE_DTYPES, stand_in_ttnn.bfloat8_b, torch.float32)
         model = build_tt_model(mesh, checkpoint.folder, checkpoint.name, max_users, max_seq_len, True)
-        return TtnnCausalLM(model, max_users, max_seq_len)
+        return TtnnCausalLM(model, max_users, max_seq_len, mesh_traces=mesh_traces(mesh))
     return build
+
+
+def mesh_traces(mesh) -> MeshTraces:
+    """The one MeshTraces of a stand-in mesh (kept on the mesh object), as a caller keeps one per mesh."""
+    if not hasattr(mesh, "mesh_traces"):
+        mesh.mesh_traces = MeshTraces(mesh)
+    return mesh.mesh_traces
 
 
 @pytest.fixture

@@ -29,11 +29,11 @@ from models.tt_transformers.serving.plan import SPEC_CAPABILITIES, plan_speculat
 from models.tt_transformers.serving.reference_runner import ReferenceRunner
 from models.tt_transformers.speculative.backend import UserRows
 from models.tt_transformers.speculative.generator import SpeculativeGenerator
-from models.tt_transformers.ttnn_backend.generator import TtnnCausalLM
+from models.tt_transformers.ttnn_backend.causal_lm import TtnnCausalLM
 from models.tt_transformers.ttnn_backend.model import build_tt_model, named_checkpoint
 from models.tt_transformers.ttnn_backend.trace_plan import pass_ladder
 
-from .stand_in_backend import STAND_IN_TRACE_REGION
+from .stand_in_backend import STAND_IN_TRACE_REGION, mesh_traces
 from .tt_stand_in import generator_vllm as stand_in_generator_vllm
 from .tt_stand_in import install
 from .tt_stand_in import tt_transformers as stand_in_tt
@@ -189,7 +189,7 @@ def package_backend(monkeypatch, checkpoint, max_users=BATCH):
     install(monkeypatch)
     mesh = stand_in_ttnn.open_mesh_device(stand_in_ttnn.MeshShape(1, 1), trace_region_size=STAND_IN_TRACE_REGION)
     model = build_tt_model(mesh, checkpoint.folder, checkpoint.name, max_users, MAX_SEQ_LEN, True, n_layers=N_LAYERS)
-    return TtnnCausalLM(model, max_users, MAX_SEQ_LEN)
+    return TtnnCausalLM(model, max_users, MAX_SEQ_LEN, mesh_traces=mesh_traces(mesh))
 
 
 def reference_ids(monkeypatch, checkpoint, prompts, blocks):
@@ -549,11 +549,11 @@ def test_the_plugins_rows_pad_to_tt_transformers_tile_and_back():
 @pytest.mark.parametrize("regular", [True, False], ids=["regular-packages", "namespace-packages"])
 def test_bundle_classes_resolve_beside_tt_metal(tmp_path, regular):
     """As the plugin's lazy registration resolves a bundle's main_class (import the module, getattr the class) in a
-    process with this repository and a tt-metal tree on PYTHONPATH (ours first, tests/demo/test_packaging.py's fake
+    process with this repository and a tt-metal tree on PYTHONPATH (ours first, tests/tt_metal_tree.py's fake
     tree, regular or namespace packages, with a generator_vllm.py holding LlamaForCausalLM and MistralForCausalLM):
     the classes subclass tt-metal's."""
     from .conftest import REPO_ROOT
-    from .demo.test_packaging import fake_tt_metal, run
+    from .tt_metal_tree import fake_tt_metal, run
 
     tt_metal = fake_tt_metal(tmp_path / "tt-metal", regular)
     (tt_metal / "models/tt_transformers/tt/generator_vllm.py").write_text(

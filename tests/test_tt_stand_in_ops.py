@@ -135,7 +135,7 @@ def test_tt_attention_head_ops_refuse_what_tt_metal_refuses(mesh):
     rotary_embedding_llama wants cos, sin and the rotation matrix on the input's cores in decode and rotates each
     pair (x0, x1) to (x0 cos - x1 sin, x1 cos + x0 sin); nlp_concat_heads_decode wants height-sharded heads;
     paged_fill_cache copies tiles without converting (dtypes equal) into the page-table slice's blocks."""
-    from models.tt_transformers.ttnn_backend.draft_head import rotation_matrix
+    from models.tt_transformers.ttnn_backend.eagle3_head import rotation_matrix
 
     H, Hk, D = 4, 2, 32
     per_user = t.create_sharded_memory_config((32, D), t.CoreGrid(y=4, x=8), t.ShardStrategy.HEIGHT,

@@ -16,7 +16,7 @@ from models.tt_transformers.checkpoints.checkpoint import resolve_checkpoint
 from models.tt_transformers.torch_backend.load import load_model
 from models.tt_transformers.torch_backend.causal_lm import TorchCausalLM
 from models.tt_transformers.ttnn_backend import attention as ordered_attention
-from models.tt_transformers.ttnn_backend.generator import TtnnCausalLM
+from models.tt_transformers.ttnn_backend.causal_lm import TtnnCausalLM
 
 from .stand_in_backend import MAX_SEQ_LEN, backend_builder, outputs
 from .tt_stand_in import ttnn as stand_in_ttnn
@@ -112,7 +112,7 @@ def test_taps_come_from_the_layers_named(tt, embedded_checkpoint, prompts):
 
 def test_tap_capture_restores_the_layers_when_a_layer_fails(monkeypatch):
     """A tapped layer that raises while a trace is compiled or captured leaves every layer's forward as it was."""
-    from models.tt_transformers.ttnn_backend import generator
+    from models.tt_transformers.ttnn_backend import taps as tt_taps
 
     class Layer:
         def forward(self, x):
@@ -120,7 +120,7 @@ def test_tap_capture_restores_the_layers_when_a_layer_fails(monkeypatch):
 
     layers = [Layer(), Layer()]
     with pytest.raises(RuntimeError, match="op failed"):
-        with generator.TapCapture(layers, (1, 0), copy=lambda x: x) as capture:
+        with tt_taps.TapCapture(layers, (1, 0), copy=lambda x: x) as capture:
             layers[1].forward(5)  # how LightweightModule.__call__ calls it
     assert capture.outputs == {0: [], 1: [5]}
     assert all("forward" not in vars(layer) for layer in layers)

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The EAGLE-3 draft head on the device (ttnn_backend/draft_head.py), run against the stand-in (tests/tt_stand_in: a
+"""The EAGLE-3 draft head on the device (ttnn_backend/eagle3_head.py), run against the stand-in (tests/tt_stand_in: a
 TEST DOUBLE for ttnn and TT-Transformers; it is not a device and proves nothing about one): the taps stay in the tap
 tile, the head's traced replays feed it and draft chains, only ids and probabilities come back. Lossless here means
 identical to plain greedy decoding through the same 32-row verify step, as in tests/test_ttnn_backend.py."""
@@ -16,7 +16,7 @@ from models.tt_transformers.checkpoints.eagle3_format import read_draft_head
 from models.tt_transformers.torch_backend.eagle3_head import HeadRunner, build_draft_head
 from models.tt_transformers.torch_backend.model import Transformer
 from models.tt_transformers.checkpoints.model_shape import ModelShape
-from models.tt_transformers.ttnn_backend.draft_head import CONFIDENCE_TOP, FILL_ROWS, TtnnDraftHead
+from models.tt_transformers.ttnn_backend.eagle3_head import CONFIDENCE_TOP, FILL_ROWS, TtnnDraftHead
 from models.tt_transformers.ttnn_backend.model import TILE_ROWS
 from models.tt_transformers.ttnn_backend.trace_plan import head_trace_keys, head_trace_ops
 
@@ -240,7 +240,7 @@ def test_the_step_leaves_the_taps_in_the_tile(tt, embedded_checkpoint, prompts, 
 
 def test_head_traces_are_planned_and_counted(tt, embedded_checkpoint, tmp_path):
     """The head's traces are (feed passes, k) for the feeds a chain's verification can need, each feed-only and
-    drafting; they are made with the target's (prepare_mesh) and counted against the trace region."""
+    drafting; they are made with the target's (MeshTraces.prepare) and counted against the trace region."""
     lm = tt(1)
     dev = device_head(lm, embedded_checkpoint, random_head(embedded_checkpoint), tmp_path)
     assert head_trace_keys(CHAIN) == [(1, 0), (1, 4), (2, 0), (2, 4), (4, 0), (4, 4), (5, 0), (5, 4)]

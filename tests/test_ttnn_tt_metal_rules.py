@@ -13,13 +13,13 @@ from models.tt_transformers.speculative.backend import UserRows
 from models.tt_transformers.speculative.drafters import SuffixDrafter
 from models.tt_transformers.checkpoints.checkpoint import resolve_checkpoint
 from models.tt_transformers.ttnn_backend import device as tt_device
-from models.tt_transformers.ttnn_backend import generator as tt_generator
-from models.tt_transformers.ttnn_backend.generator import TtnnCausalLM
+from models.tt_transformers.ttnn_backend import taps as tt_taps
+from models.tt_transformers.ttnn_backend.causal_lm import TtnnCausalLM
 from models.tt_transformers.ttnn_backend.model import build_tt_model, weight_cache_root
 from models.tt_transformers.ttnn_backend.trace_plan import TraceKey, model_trace_bytes, trace_keys, trace_ops
 
 from .conftest import save_tiny_hf_checkpoint
-from .stand_in_backend import STAND_IN_TRACE_REGION
+from .stand_in_backend import STAND_IN_TRACE_REGION, mesh_traces
 from .tt_stand_in import install
 from .tt_stand_in import tt_transformers as stand_in_tt
 from .tt_stand_in import ttnn as stand_in_ttnn
@@ -46,7 +46,7 @@ def tiny(tmp_path_factory):
 
 def build(mesh, ckpt, users=1, max_seq_len=192, tap_gather="device", **kwargs):
     return TtnnCausalLM(build_tt_model(mesh, ckpt.folder, ckpt.name, users, max_seq_len, True, **kwargs), users,
-                        max_seq_len, tap_gather=tap_gather)
+                        max_seq_len, mesh_traces=mesh_traces(mesh), tap_gather=tap_gather)
 
 
 def mesh_of(shape):
@@ -116,7 +116,7 @@ def test_split_vocabulary_argmax_and_top_k_per_device(stand_in, tiny):
     stand_in.setenv("MESH_DEVICE", "N300")
     with tt_device.open_mesh(trace_region_size=STAND_IN_TRACE_REGION) as mesh:
         two = build(mesh, tiny)
-        assert two.split_vocab and two.share == 64 and two.tt.args.padded_vocab_size == 128
+        assert two.vocab.split and two.vocab.share == 64 and two.tt.args.padded_vocab_size == 128
         out = two.step([UserRows(0, prompt[0], 0)], logits=True, top_k=4)
         assert out.ids == reference.ids and out.top_ids == reference.top_ids
         assert torch.equal(out.logits[0], reference.logits[0])
@@ -139,7 +139,7 @@ def test_taps_and_the_device_head_on_a_two_device_mesh_equal_one_devices(stand_i
     from models.tt_transformers.speculative.drafters.eagle3_device import HeadFeed
     from models.tt_transformers.checkpoints.safetensors_index import read_embedding
     from models.tt_transformers.checkpoints.model_shape import ModelShape
-    from models.tt_transformers.ttnn_backend.draft_head import TtnnDraftHead
+    from models.tt_transformers.ttnn_backend.eagle3_head import TtnnDraftHead
 
     from .conftest import random_head_tensors
 
@@ -189,7 +189,7 @@ def test_decode_residual_layout_and_the_tap_copy(stand_in, tiny):
     with pytest.raises(RuntimeError, match="mixed sharded/interleaved layout not currently supported"):
         stand_in_ttnn.clone(stand_in_ttnn.to_memory_config(x, residual), memory_config=stand_in_ttnn.DRAM_MEMORY_CONFIG)
     assert stand_in_ttnn.to_memory_config(x, stand_in_ttnn.DRAM_MEMORY_CONFIG) is x  # no copy when it is there already
-    stand_in.setattr(tt_generator, "dram_copy",
+    stand_in.setattr(tt_taps, "dram_copy",
                      lambda t: stand_in_ttnn.clone(t, memory_config=stand_in_ttnn.DRAM_MEMORY_CONFIG))
     with pytest.raises(RuntimeError, match="mixed sharded/interleaved"):
         lm.step([UserRows(0, [1, 2], 0)], taps=(1,))
@@ -420,12 +420,13 @@ def test_a_galaxy_step_keeps_to_one_mesh_columns_users(stand_in, tiny):
     attended to caches nobody filled, or that its earlier rows never wrote. A step now holds at most one column's 8
     rows, a batch past them is refused in one line, and the run's traces are planned for 8 rows."""
     mesh = mesh_of((1, 1))
-    lm = TtnnCausalLM(on_a_galaxy(build_tt_model(mesh, tiny.folder, tiny.name, 2, 192, True)), 2, 192)
+    lm = TtnnCausalLM(on_a_galaxy(build_tt_model(mesh, tiny.folder, tiny.name, 2, 192, True)), 2, 192,
+                      mesh_traces=mesh_traces(mesh))
     assert lm.max_step_rows == 8
     with pytest.raises(ValueError, match=r"^a step of 9 rows does not fit one Galaxy mesh column's rows \(8\)$"):
         lm.step([UserRows(0, [1, 2, 3, 4, 5], 0), UserRows(1, [1, 2, 3, 4], 0)])
     with pytest.raises(ValueError, match=r"^--batch_size 16: on a Galaxy .* use --batch_size 8 or fewer$"):
-        TtnnCausalLM(lm.tt, 16, 192)
+        TtnnCausalLM(lm.tt, 16, 192, mesh_traces=mesh_traces(mesh))
     drafts = SpeculativeGenerator(lm, SuffixDrafter(1), 16)
     assert sum(drafts._draft_caps([SimpleResult()] * 2, [[1, 2]] * 2, 64)) + 2 <= 8  # the rows shared within 8
 

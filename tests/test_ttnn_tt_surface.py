@@ -166,7 +166,7 @@ def test_tt_decode_baseline_runs_the_same_model(tt, prompts, plain_outputs, embe
     """Issue 30's review finding 2: the perf test's second baseline is TT-Transformers' own decode (create_tt_model with
     TT's defaults, Generator.decode_forward with on-device greedy sampling where supported): on the stand-in it
     produces plain decoding's tokens (the same model), with its t/s/u measured over the steps after the first."""
-    from models.tt_transformers.ttnn_backend.tt_baseline import tt_decode_baseline
+    from .tt_baseline import tt_decode_baseline
 
     lm = tt(4)  # the stand-in installed; the baseline builds its own model on the same mesh
     # 32 users (the stand-in's decode step is the 32-row tile whatever the batch; TT's keeps [B] positions)
@@ -181,7 +181,7 @@ def test_tt_decode_baseline_releases_every_trace_it_made(tt, prompts, embedded_c
     (SamplingGenerator.capture_trace), which neither our baseline nor TT's Generator.__del__ released: it stayed in the
     trace region sized for our traces. Now the baseline leaves no trace, and a version that keeps one stops the run
     with the trace region it left."""
-    from models.tt_transformers.ttnn_backend import tt_baseline
+    from . import tt_baseline
 
     lm = tt(4)
     mesh = lm.tt.mesh_device
@@ -310,7 +310,7 @@ def test_tt_decode_baseline_leaves_no_trace_id_for_a_destructor(tt, prompts, emb
     baseline released them. The baseline empties those attributes once it has released their traces."""
     import gc
 
-    from models.tt_transformers.ttnn_backend import tt_baseline
+    from . import tt_baseline
 
     lm = tt(4)
     mesh = lm.tt.mesh_device

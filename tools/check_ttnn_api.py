@@ -19,8 +19,8 @@ REPO = Path(__file__).resolve().parents[1]
 SOURCES = sorted((REPO / "models/tt_transformers/ttnn_backend").glob("*.py")) + [REPO / "conftest.py"]
 # Calls the backend makes through a variable holding a ttnn op (attention.py's ordered_update wraps the op).
 INDIRECT_CALLS = {"experimental.paged_update_cache": {"update_idxs_tensor"}}
-# Methods the backend calls on ttnn objects it holds (generator.py dram_copy: x.memory_config().is_sharded();
-# generator.py program_cache_entries: mesh.num_program_cache_entries(), looked up with getattr).
+# Methods the backend calls on ttnn objects it holds (taps.py dram_copy: x.memory_config().is_sharded();
+# traces.py program_cache_entries: mesh.num_program_cache_entries(), looked up with getattr).
 METHOD_CALLS = {"Tensor.memory_config": set(), "MemoryConfig.is_sharded": set(),
                 "MeshDevice.num_program_cache_entries": set()}
 

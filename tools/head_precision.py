@@ -18,9 +18,9 @@ states (no 8B target here: its agreement says how sensitive that shape is, not w
 Variants: bfloat8_b weights with every matmul in HiFi4, in HiFi2, and in HiFi2 but the LM head; each against the bf16
 head and against the HiFi4 one.
 
-First logits (`make tt-smoke`'s random-head gate, tools/tt_smoke.py FIRST_LOGITS_TOLERANCE): the smoke compares the
+First logits (`make tt-smoke`'s random-head gate, demo/speculative_decoding/tt_smoke.py FIRST_LOGITS_TOLERANCE): the smoke compares the
 device head's first logits with a host reference whose weights are rounded to bfloat8_b but whose KV cache is
-bfloat16; the device's KV cache is bfloat8_b (draft_head.py: with bfloat8_b weights), and its matmuls run in HiFi2.
+bfloat16; the device's KV cache is bfloat8_b (ttnn_backend/eagle3_head.py: with bfloat8_b weights), and its matmuls run in HiFi2.
 From every chain start, the first logits of the head with bfloat8_b weights and its KV cache stored as bfloat8_b
 (bfp8_round at each write: each 16-value row of a cache tile, one position's head, shares an exponent), alone and with
 HiFi2 matmuls, against that reference: the largest relative difference (max |a - b| / max |b|, the smoke's measure).
@@ -37,7 +37,7 @@ sys.path.insert(0, str(REPO))
 
 from models.tt_transformers.ttnn_backend.bfp8 import bfp8_round  # noqa: E402
 from models.tt_transformers.torch_backend.eagle3_head import HeadRunner, build_draft_head  # noqa: E402
-from models.tt_transformers.ttnn_backend.draft_head import stored_weights  # noqa: E402
+from models.tt_transformers.ttnn_backend.eagle3_head import stored_weights  # noqa: E402
 
 # the head's matmuls: its parameter -> its module (draft_head.PARAMETERS)
 MATMULS = {"fc.weight": "fc", "layer.attention.wqkv.weight": "layer.attention.wqkv",
@@ -191,7 +191,7 @@ DEVICE_LIKE = {"KV cache bfloat8_b": {"kv_bfp8": True},
 
 
 def largest_relative_difference(reference: list, other: list) -> float:
-    """max over starts of max |a - b| / max |b| (tools/tt_smoke.py's first-logits measure)."""
+    """max over starts of max |a - b| / max |b| (demo/speculative_decoding/tt_smoke.py's first-logits measure)."""
     return max(((a - b).abs().max() / b.abs().max()).item() for b, a in zip(reference, other))
 
 

@@ -2,33 +2,14 @@
 """Installed beside a tt-metal checkout: our models.tt_transformers.* and tt-metal's models.tt_transformers.tt import
 side by side whether tt-metal's folders are regular or namespace packages (a fake tt-metal tree stands in for the
 checkout), and the torch path never imports ttnn."""
-import os
-import subprocess
-import sys
-
 import pytest
 
 from ..conftest import REPO_ROOT
+from ..tt_metal_tree import fake_tt_metal, run
 
 DEMO = REPO_ROOT / "models/tt_transformers/demo/speculative_decoding/speculative_demo.py"
 PROBE = ("import models.tt_transformers.tt.model as tt, models.tt_transformers.demo.speculative_decoding.speculative_demo, "
          "models.tt_transformers.demo.speculative_decoding.options as ours; print(tt.MARKER, ours.DEFAULT_PROMPTS.name)")
-
-
-def fake_tt_metal(root, regular: bool):
-    """models/tt_transformers/{tt,demo}/ as in tt-metal, with or without (empty) __init__.py files."""
-    for folder in ("models", "models/tt_transformers", "models/tt_transformers/tt", "models/tt_transformers/demo"):
-        (root / folder).mkdir(parents=True)
-        if regular:
-            (root / folder / "__init__.py").write_text("")
-    (root / "models/tt_transformers/tt/model.py").write_text("MARKER = 'tt-metal'\n")
-    (root / "models/tt_transformers/demo/simple_text_demo.py").write_text("")
-    return root
-
-
-def run(args, pythonpath):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, pythonpath))}
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, cwd="/")
 
 
 @pytest.mark.parametrize("regular", [True, False], ids=["regular-packages", "namespace-packages"])

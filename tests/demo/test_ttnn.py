@@ -12,11 +12,11 @@ from models.tt_transformers.demo.speculative_decoding.speculative_demo import ru
 from models.tt_transformers.speculative.generator import SpeculativeGenerator
 from models.tt_transformers.checkpoints.checkpoint import resolve_checkpoint
 from models.tt_transformers.ttnn_backend import device as tt_device
-from models.tt_transformers.ttnn_backend.generator import TtnnCausalLM
+from models.tt_transformers.ttnn_backend.causal_lm import TtnnCausalLM
 from models.tt_transformers.ttnn_backend.trace_plan import pass_ladder
 
 from ..conftest import write_json
-from ..stand_in_backend import STAND_IN_TRACE_REGION
+from ..stand_in_backend import STAND_IN_TRACE_REGION, mesh_traces
 from ..test_ttnn_tt_metal_rules import build, mesh_of, on_a_galaxy, stand_in  # noqa: F401  (stand_in: a fixture)
 from ..tt_stand_in import tt_transformers as stand_in_tt
 from ..tt_stand_in import ttnn as stand_in_ttnn
@@ -177,7 +177,8 @@ def test_the_demo_refuses_a_galaxy_batch_its_mesh_column_cannot_verify(stand_in,
     with pytest.raises(DemoInputError, match=r"use --batch_size 4 or fewer to draft"):
         run_demo(demo_config(tmp_path, batch_size=8, n_draft_tokens=1, draft_mode="suffix"), mesh)
     ckpt = resolve_checkpoint(None)
-    target = TtnnCausalLM(tt_model.build_tt_model(mesh, ckpt.folder, ckpt.name, 2, 256, True), 2, 256)
+    target = TtnnCausalLM(tt_model.build_tt_model(mesh, ckpt.folder, ckpt.name, 2, 256, True), 2, 256,
+                          mesh_traces=mesh_traces(mesh))
     for batch, n_draft in ((2, 3), (8, 0), (1, 7)):  # what fits a column's 8 rows runs (the stand-in cannot step a
         # Galaxy: its positions split over the mesh columns, which a one-device stand-in does not hold)
         check_step_rows(demo_config(tmp_path, batch_size=batch, n_draft_tokens=n_draft), target)

@@ -8,7 +8,7 @@ HF_MODEL names a checkpoint TT-Transformers runs (a local folder or a hub id in 
 DRAFT_HEAD an EAGLE-3 head for it (a folder or hub id: the EAGLE authors' or speculators' layout), for the draft head
 on the device. Run `make tt-smoke` first (test_smoke here): it stops at the first stage that fails. The perf tests
 (`models_performance_bare_metal`) write bench_results/perf_<device>_<model>.json (and perf_head_...) with the TT perf
-keys and the measured time of every traced step shape (what the cost model's constants in ttnn_backend/generator.py
+keys and the measured time of every traced step shape (what the cost model's constants in ttnn_backend/causal_lm.py
 estimate).
 """
 import json
@@ -23,8 +23,9 @@ from models.tt_transformers.demo.speculative_decoding.speculative_demo import ru
 from models.tt_transformers.speculative import SpeculativeConfig, SpeculativeGenerator, make_drafter
 from models.tt_transformers.checkpoints.checkpoint import resolve_checkpoint
 from models.tt_transformers.ttnn_backend.device import mesh_shape
-from models.tt_transformers.ttnn_backend.draft_head import TtnnDraftHead
-from models.tt_transformers.ttnn_backend.generator import TtnnCausalLM
+from models.tt_transformers.ttnn_backend.eagle3_head import TtnnDraftHead
+from models.tt_transformers.ttnn_backend.causal_lm import TtnnCausalLM
+from models.tt_transformers.ttnn_backend.traces import MeshTraces
 from models.tt_transformers.ttnn_backend.model import build_tt_model
 
 from ..conftest import REPO_ROOT
@@ -64,8 +65,7 @@ def checkpoint():
 
 def test_smoke(checkpoint, tmp_path):
     """`make tt-smoke`: every stage passes (it opens the mesh itself)."""
-    sys.path.insert(0, str(REPO_ROOT / "tools"))
-    import tt_smoke
+    from models.tt_transformers.demo.speculative_decoding import tt_smoke
 
     report = tt_smoke.run(DemoConfig(backend="ttnn", draft_mode="suffix", max_generated_tokens=tt_smoke.SMOKE_TOKENS),
                           tmp_path / "report.json")
@@ -86,7 +86,7 @@ def test_lossless_on_device(mesh_device, checkpoint, batch):
     tokenizer = load_tokenizer(checkpoint)
     prompts = [encode(tokenizer, p, True) for p in load_prompts(CODE_EDITS)][:batch]
     target = TtnnCausalLM(build_tt_model(mesh_device, checkpoint.folder, checkpoint.name, batch, 1024, True), batch,
-                          1024)
+                          1024, mesh_traces=MeshTraces(mesh_device))
     plain = [r.output_tokens for r in SpeculativeGenerator(target, None, 0).generate(prompts, 64)]
     view = target.draft_view(max(1, target.n_layers // 4))
     for mode in ("suffix", "model", "hybrid"):  # copies from the request alone; the first quarter of the layers
@@ -123,7 +123,7 @@ def test_device_head_lossless_on_device(mesh_device, checkpoint, batch):
     tokenizer = load_tokenizer(checkpoint)
     prompts = [encode(tokenizer, p, True) for p in load_prompts(CHAT)][:batch]
     target = TtnnCausalLM(build_tt_model(mesh_device, checkpoint.folder, checkpoint.name, batch, 1024, True), batch,
-                          1024)
+                          1024, mesh_traces=MeshTraces(mesh_device))
     plain = [r.output_tokens for r in SpeculativeGenerator(target, None, 0).generate(prompts, 64)]
     head = device_head_drafter(target, checkpoint, 4)
     hybrid = make_drafter(SpeculativeConfig(draft_memory=0, recycle_top_k=0), target, device_head=head.head)
@@ -199,7 +199,7 @@ def tt_baseline(mesh_device, checkpoint, config: DemoConfig) -> dict:
     our models are built (two 8B models do not fit an N150 together): what a TT user runs without us."""
     from models.tt_transformers.prompts import encode, load_prompts
     from models.tt_transformers.checkpoints.checkpoint import load_tokenizer
-    from models.tt_transformers.ttnn_backend.tt_baseline import tt_decode_baseline
+    from ..tt_baseline import tt_decode_baseline
 
     tokenizer = load_tokenizer(checkpoint)
     prompts = [encode(tokenizer, p, bool(config.instruct)) for p in load_prompts(config.input_prompts)]

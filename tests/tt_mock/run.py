@@ -115,8 +115,9 @@ def run_shape(mesh, name: str, config: dict, max_seq_len: int, batch: int, draft
 
     from models.tt_transformers.checkpoints.eagle3_format import random_head
     from models.tt_transformers.checkpoints.model_shape import ModelShape
-    from models.tt_transformers.ttnn_backend.draft_head import TtnnDraftHead
-    from models.tt_transformers.ttnn_backend.generator import TtnnCausalLM
+    from models.tt_transformers.ttnn_backend.eagle3_head import TtnnDraftHead
+    from models.tt_transformers.ttnn_backend.causal_lm import TtnnCausalLM
+    from models.tt_transformers.ttnn_backend.traces import MeshTraces
     from models.tt_transformers.ttnn_backend.model import build_tt_model
     from tests.tt_mock import tt_transformers
 
@@ -127,7 +128,7 @@ def run_shape(mesh, name: str, config: dict, max_seq_len: int, batch: int, draft
         tt = build_tt_model(mesh, folder, name, batch, max_seq_len, True)
     finally:
         tt_transformers.Transformer = built
-    lm = TtnnCausalLM(tt, batch, max_seq_len, trace=False)
+    lm = TtnnCausalLM(tt, batch, max_seq_len, mesh_traces=MeshTraces(mesh), trace=False)
     args = ModelShape.from_hf_config(config)
     head_config, weights = random_head(args, draft_vocab=draft_vocab)
     lm.warm_up(N_DRAFT + 1, 4, head_config.taps)  # the steps a hybrid run plans: recycling's top k, the head's taps

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """EAGLE-3 draft heads (arXiv 2503.01840) in the layouts engines load: their config, their tensors, read and checked
 against the target, and written (the torch module: torch_backend/eagle3_head.py; on a TT device:
-ttnn_backend/draft_head.py).
+ttnn_backend/eagle3_head.py).
 
 At position t the head reads the residual streams entering three of the target's layers (the taps; by default
 (2, N/2, N-3), as vLLM), projects them to its width (`fc`), and runs one decoder layer whose attention reads

@@ -144,14 +144,15 @@ class PagedVerify:
                  optimizations: str):
         """config: the checkpoint's shapes (checkpoint_shapes), for the step cost (TTModel.key_cost); the weights are
         bfloat8_b, initialize_vllm_text_transformer's default dtype."""
-        from ..ttnn_backend.generator import TtnnCausalLM
+        from ..ttnn_backend.causal_lm import TtnnCausalLM
+        from ..ttnn_backend.traces import MeshTraces
         from ..ttnn_backend.model import TILE_ROWS, TTModel
         from ..ttnn_backend.tt_surface import full_layers
 
         self.tt = TTModel(model=model, args=args, mesh_device=mesh_device, kv_cache=None, page_table=None,
                           passes=passes, generator=None, full_layers=full_layers(args), config=config,
                           weights_dtype="bfloat8_b", optimizations=optimizations)
-        self.lm = TtnnCausalLM(self.tt, TILE_ROWS, max_seq_len, trace=False)
+        self.lm = TtnnCausalLM(self.tt, TILE_ROWS, max_seq_len, mesh_traces=MeshTraces(mesh_device), trace=False)
         self.num_drafts = num_drafts
         self.width: Optional[int] = None  # the page table's blocks per row, fixed at warm-up
 
@@ -160,10 +161,9 @@ class PagedVerify:
         and the page-table width, and plans every verify program of the plan's K: the write-pass counts
         trace_plan.pass_ladder(1 + K), each with the proposer's top k (trace_plan.trace_keys; its plain baseline key,
         which a verify never uses, is left out). trace False compiles them (each run once, writing nothing to the
-        cache); trace True captures each once (ttnn_backend.generator.prepare_mesh). Until a step brings the
+        cache); trace True captures each once (ttnn_backend.traces.MeshTraces.prepare). Until a step brings the
         scheduler's page table the inputs hold a table of zeros, as TT's own decode warm-up pages every row into
         block 0 (models/common/warmup/warmup_utils.py, WarmupForwardMixin._create_decode_warmup_inputs)."""
-        from ..ttnn_backend.generator import prepare_mesh
         from ..ttnn_backend.trace_plan import pass_ladder, trace_keys
 
         if self.tt.kv_cache is None:
@@ -177,7 +177,7 @@ class PagedVerify:
                              "the verify programs are bound to the first")
         self.lm.trace = bool(trace)
         try:
-            prepare_mesh(self.tt.mesh_device)
+            self.lm.mesh_traces.prepare()
         finally:
             self.tt.passes.positions = []  # TT's own decode issues its single cache update again
         if trace:
@@ -326,7 +326,7 @@ class SpecDecodeModel:
         bound.arguments["max_batch_size"] = TILE_ROWS
         if mesh_device.get_num_devices() == 32:  # a Galaxy (TT's Attention: self.TG = num_devices == 32)
             raise ValueError("speculative decoding on a Galaxy is not served yet: there a verify step's rows must stay "
-                             "in one mesh column's 8 users (ttnn_backend/generator.py, max_step_rows), and this class "
+                             "in one mesh column's 8 users (ttnn_backend/causal_lm.py, max_step_rows), and this class "
                              "verifies on the whole 32-row tile; launch without --speculative-config")
         if bound.arguments.get("tt_data_parallel", 1) != 1:
             raise ValueError(f"speculative decoding serves one TT-Transformers model per engine: tt_data_parallel "
@@ -378,12 +378,12 @@ class SpecDecodeModel:
         """TT's prefill; then each prefilled row's request starts drafting over tokens[r, :prompt_lens[r]] (its whole
         history: a resumed request brings it all) in decode slot empty_slots[r] (default range(B), as TT's
         prefill_forward_text). A prefill that compiled a program (a prompt length the warm-up did not cover) has the
-        verify traces made again before their next replay (ttnn_backend.generator.remake_traces_after)."""
-        from ..ttnn_backend.generator import program_cache_entries, remake_traces_after
+        verify traces made again before their next replay (ttnn_backend.traces.MeshTraces.remake_after)."""
+        from ..ttnn_backend.traces import program_cache_entries
 
         programs = program_cache_entries(self.mesh_device)
         out = super().prefill_forward(*args, **kwargs)
-        remake_traces_after(self.mesh_device, programs, "a prefill")
+        self.lm.mesh_traces.remake_after(programs, "a prefill")
         if self.spec is not None:
             call = inspect.signature(self.prefill_forward_text).bind(*args, **kwargs).arguments
             tokens, lengths = torch.as_tensor(call["tokens"]), [int(n) for n in call["prompt_lens"]]

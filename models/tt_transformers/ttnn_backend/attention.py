@@ -22,6 +22,7 @@ Built through TT-Transformers' `Transformer(..., attention_class=...)` hook. The
 from typing import Any
 
 from .tt_surface import uses_qk_fused
+from .ttnn_api import ttnn
 
 
 class KVWritePasses:
@@ -59,8 +60,6 @@ def ordered_write_attention(base: type, passes: KVWritePasses) -> type:
     `configuration.get_state_dict_prefix(self.__class__.__name__, layer_num)`, whose module map
     (tt/model_config.py, ModelArgs.get_state_dict_prefix) knows only "MLP", "Attention", "TransformerBlock" and "",
     and the same name keys TT's weight-cache files."""
-    import ttnn
-
     class Attention(base):
         def forward_decode(self, *args, **kwargs):
             if uses_qk_fused(self):  # the fused update is not ordered: build the model with use_qk_fused False

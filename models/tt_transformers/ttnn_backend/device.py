@@ -8,12 +8,14 @@ import os
 from contextlib import contextmanager
 from typing import Optional
 
-# MESH_DEVICE -> mesh shape, as models/tt_transformers/conftest.py (device_params) and simple_text_demo.py
+from .ttnn_api import ttnn
+
+# MESH_DEVICE -> mesh shape, as models/tt_transformers/conftest.py (device_params) and TT's text generation
 # parametrize it; P100 is one Blackhole chip (trace_region_config.py, get_mesh_device_name passes it through).
 # Unset or unknown: every device, (1, N), as the same table's fallback len(ttnn.get_device_ids()).
 MESH_SHAPES = {"N150": (1, 1), "N300": (1, 2), "N150x4": (1, 4), "T3K": (1, 8), "TG": (8, 4),
                "P100": (1, 1), "P150": (1, 1), "P300": (1, 2), "P150x4": (1, 4), "P150x8": (1, 8), "BHGLX": (8, 4)}
-NUM_COMMAND_QUEUES = 1  # as tt-metal's text demo
+NUM_COMMAND_QUEUES = 1  # as tt-metal's text generation
 # Trace region sizes already opened, by mesh object: what trace_plan checks a run's traces against.
 TRACE_REGIONS: dict[int, int] = {}
 
@@ -30,8 +32,6 @@ def mesh_shape(name: Optional[str] = None) -> tuple[int, int]:
     if name:
         raise ValueError(f"MESH_DEVICE={name!r} is not one of {', '.join(MESH_SHAPES)}; set it to the machine's "
                          "mesh, or unset it to open every device")
-    import ttnn
-
     return (1, len(ttnn.get_device_ids()))
 
 
@@ -40,8 +40,6 @@ def fabric_config_for(shape: tuple[int, int]):
     needs at least two chips), as models/tt_transformers/conftest.py's device_params turns `fabric_config: True` into
     one: FABRIC_2D_TORUS_XY on a Blackhole Galaxy, FABRIC_1D_RING on a 6U Galaxy (conftest.py is_6u: cluster type
     GALAXY), FABRIC_1D otherwise."""
-    import ttnn
-
     if shape[0] * shape[1] == 1:
         return None
     cluster = ttnn.cluster.get_cluster_type()
@@ -61,8 +59,6 @@ def dispatch_params(device_params: dict, fabric) -> tuple[dict, object]:
     else the root conftest's get_default_fabric_tensix_config(): DISABLED on every architecture (one downstream copy
     defaults Blackhole to MUX with ROW dispatch: not followed). Returns the parameters and the tensix config set_fabric
     passes on."""
-    import ttnn
-
     params = dict(device_params)
     axis, kind = params.pop("dispatch_core_axis", None), params.pop("dispatch_core_type", None)
     tensix = params.pop("fabric_tensix_config", None)
@@ -76,14 +72,12 @@ def dispatch_params(device_params: dict, fabric) -> tuple[dict, object]:
 @contextmanager
 def open_mesh(name: Optional[str] = None, trace_region_size: int = 0, fabric_config=True,
               num_command_queues: int = NUM_COMMAND_QUEUES, reliability_mode=None, **device_params):
-    """The mesh device for MESH_DEVICE, closed on exit. Takes device_params as tt-metal's demos parametrize them:
+    """The mesh device for MESH_DEVICE, closed on exit. Takes device_params as tt-metal's models parametrize them:
     like tt-metal's root conftest.py `mesh_device` fixture it pops fabric_config (True: the mesh's own, as
     fabric_config_for; None or False: none; else that FabricConfig) and reliability_mode, resolves the dispatch
     config (dispatch_params), runs set_fabric before open_mesh_device (which takes no fabric keyword), and after
     closing reset_fabric (the fabric config cannot change while a mesh is open). With MESH_DEVICE unset (and no name)
     it opens the system mesh's own shape, as open_mesh_device does without one (8 x 4 on a Galaxy)."""
-    import ttnn
-
     if not tt_device_present():
         raise ValueError("the ttnn backend needs a Tenstorrent device (no /dev/tenstorrent* here); use --backend torch")
     named = name if name is not None else os.environ.get("MESH_DEVICE")

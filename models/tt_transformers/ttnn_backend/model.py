@@ -4,8 +4,8 @@ the release of the ttnn 0.81.1 wheel; README "On a Tenstorrent machine").
 
 A model is TT-Transformers' `Transformer` built from `ModelArgs` for HF_MODEL, with a paged KV cache
 (`PagedAttentionConfig`, blocks of 32 positions) and the decode batch of one 32-row tile (`max_batch_size=32`,
-the row budget of a verification step), in tt-metal's text-demo configuration (bfloat8_b weights, the performance
-precision preset). Each user owns a fixed run of cache blocks: its page-table row. Physical block 0 belongs to no
+the row budget of a verification step), in the configuration tt-metal's text generation runs (bfloat8_b weights, the
+performance precision preset; docs/ttnn_backend.md names where each setting comes from). Each user owns a fixed run of cache blocks: its page-table row. Physical block 0 belongs to no
 user (SINK_BLOCK): TT-Transformers' chunked prefill pads a user's page table with zeros to the padded prompt's blocks
 and fills the cache through it (tt/generator.py prefill_forward_single_user_text: page_table_user_padded), and
 paged_fill_cache skips only -1 entries (writer_fill_cache_interleaved.cpp in the ttnn 0.81.1 wheel:
@@ -31,6 +31,7 @@ from ..checkpoints.cache import cache_root
 from ..checkpoints.model_shape import ModelShape
 from .attention import KVWritePasses, ordered_write_attention
 from .tt_surface import full_layers
+from .ttnn_api import ttnn
 
 TILE_ROWS = 32  # rows of the decode batch: one tile; every verify row of every user shares it
 BLOCK_SIZE = 32  # KV-cache positions per page
@@ -106,7 +107,7 @@ def model_env(folder: Path, name: str):
 
 def precision(optimizations: str):
     """TT-Transformers' decoder precision preset as ModelArgs takes it: a function of the ModelArgs, the way
-    tt-metal's text demo parametrizes it (simple_text_demo.py, optimizations)."""
+    tt-metal's text generation parametrizes it (its `optimizations` parameter)."""
     from models.tt_transformers.tt.model_config import DecodersPrecision
 
     preset = {"performance": DecodersPrecision.performance, "accuracy": DecodersPrecision.accuracy}[optimizations]
@@ -125,8 +126,8 @@ def model_args_seq_len(max_seq_len: int) -> int:
 # Prompts up to this many tokens have every last-token tile warmed (prefill_warm_prompts): one prefill per 32
 # positions, 32 prefills of 32 to 1,024 tokens (22,016 positions in all, about 20 x TT's own sweep at max_seq_len
 # 1024). Past it each tile would cost a prefill as long as the prompt (256 more prefills, 1.2 M positions, at
-# max_seq_len 8192): not warmed, covered by remaking the traces after a prefill that compiled (generator.py
-# remake_traces_after).
+# max_seq_len 8192): not warmed, covered by remaking the traces after a prefill that compiled
+# (traces.MeshTraces.remake_after).
 PER_TILE_WARM_POSITIONS = 1024
 
 
@@ -193,7 +194,7 @@ def key_cost(config: ModelShape, n_layers: int, weights_dtype: str, optimization
     row's own, so its bytes grow with rows x context, against the weights every step streams (each layer's matmuls and
     the LM head: the embedding is a lookup). Dtypes as TT stores them: the KV cache's own, the weights' with FF1/FF3
     in bfloat4_b under the performance preset (tt/model_config.py ModelOptimizations.performance: "All models use bfp4
-    in FF1 and FF3 MLPs in this configuration"). Llama-3.1-8B in the text demo's configuration (bfloat8_b weights and
+    in FF1 and FF3 MLPs in this configuration"). Llama-3.1-8B in that configuration (bfloat8_b weights and
     cache, performance): about 1.14e-5 a position, 5.7x the fixed 2e-6 it replaces (issue 37)."""
     a, w = config, VALUE_BYTES[weights_dtype]
     ff1_ff3 = VALUE_BYTES["bfloat4_b"] if optimizations == "performance" and weights_dtype == "bfloat8_b" else w
@@ -243,8 +244,7 @@ def build_tt_model(mesh_device, checkpoint_folder: Path, name: str, max_users: i
                    n_layers: Optional[int] = None, weights_dtype=None, optimizations: str = "performance") -> TTModel:
     """TT-Transformers' Transformer for the checkpoint (named `name`, its real model name), with ordered cache writes
     and a page-table row per user. n_layers: the first N layers only (as create_tt_model's num_layers);
-    weights_dtype: default bfloat8_b and optimizations "performance", what tt-metal's text demo runs."""
-    import ttnn
+    weights_dtype: default bfloat8_b and optimizations "performance", tt-metal's own text-generation defaults."""
     from models.tt_transformers.tt.attention import Attention
     from models.tt_transformers.tt.generator import Generator
     from models.tt_transformers.tt.model import Transformer

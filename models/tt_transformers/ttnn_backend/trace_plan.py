@@ -8,9 +8,9 @@ the pass counts of `pass_ladder(R)`: 1, the powers of two below R, and R itself.
 smallest count >= r, so it never launches as many as r empty passes (fewer than r: at most 2r - 1 in all), and the
 number of traces grows with log2 R instead of R.
 
-Sizes: tt-metal sizes the trace region per model and device (models/tt_transformers/demo/trace_region_config.py,
-get_supported_trace_region_size) for TT-Transformers' own decode trace; TT_TRACE_REGION below is that table and
-TT_DEFAULT_TRACE_REGION the text demo's parametrized default (simple_text_demo.py, device_params). One of our
+Sizes: tt-metal sizes the trace region per model and device (TT-Transformers' trace_region_config.py,
+get_supported_trace_region_size, beside its text-generation script) for TT-Transformers' own decode trace; TT_TRACE_REGION below is that table and
+TT_DEFAULT_TRACE_REGION TT's parametrized default (device_params) where the table has none. One of our
 traces is that size scaled by its op count over a plain TT-Transformers decode step's: each extra write pass adds
 two `paged_update_cache` ops per layer, each top-k slice a slice, a pad and a topk, each tapped layer a copy and a
 slice, and the tap tile a stack, a gather, a concat and a copy.
@@ -39,7 +39,7 @@ TT_TRACE_REGION = {  # trace_region_config.py, get_supported_trace_region_size (
     "DeepSeek-R1-Distill-Llama-70B": {"P150x4": 90_000_000},
     "Llama-3.2-3B": {"N150": 10_000_000},
 }
-TT_DEFAULT_TRACE_REGION = 30_000_000  # simple_text_demo.py's device_params when the table has no entry
+TT_DEFAULT_TRACE_REGION = 30_000_000  # TT's device_params when the table has no entry
 MARGIN = 1.25  # the op-count scaling is an estimate: room for it to be low
 
 
@@ -94,12 +94,12 @@ def trace_ops(n_layers: int, key: TraceKey, vocab_size: int) -> int:
 
 
 HeadKey = tuple[int, int]  # a device draft head's trace: (feed write passes, chain length k)
-# one head-layer step (draft_head.py _layer and _choose: norms, DRAM-sharded matmuls in column chunks with their
+# one head-layer step (eagle3_head.py _layer and _choose: norms, DRAM-sharded matmuls in column chunks with their
 # reshards, TT's head and rotary ops, attention, MLP, argmax, a top k of one vocabulary slice: draft vocabularies up
 # to 32,768), fc included: about 51 at SmolLM2's shapes (tests/test_ttnn_draft_head.py checks it), 61 at Llama-3.1-8B's
 # (more column chunks: the review's count)
 HEAD_LAYER_OPS = 64
-# a feed-only replay (k = 0: draft_head.py _cache_rows after fc): fc (and the config's norms), the embedding's and the
+# a feed-only replay (k = 0: eagle3_head.py _cache_rows after fc): fc (and the config's norms), the embedding's and the
 # state's norms and their concat, the qkv matmul and its reshards, TT's head and rotary ops; the cache writes counted
 # apart (2 per pass)
 HEAD_FEED_OPS = 32

@@ -14,6 +14,8 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
+from .ttnn_api import ttnn
+
 # ---- what the backend calls -------------------------------------------------------------------------------------
 
 
@@ -95,8 +97,6 @@ def galaxy_mesh() -> bool:
     if name:
         return MESH_SHAPES.get(name) == (8, 4)
     try:
-        import ttnn
-
         return len(ttnn.get_device_ids()) == 32
     except Exception:  # noqa: BLE001: no ttnn or no device to count: not known to be a Galaxy
         return False

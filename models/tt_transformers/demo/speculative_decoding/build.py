@@ -70,19 +70,19 @@ def torch_loader(config: DemoConfig, args):
     return load
 
 
-def ttnn_loader(config: DemoConfig, mesh_device):
-    """(checkpoint, layers) -> a TtnnCausalLM: TT-Transformers on the mesh device."""
-    import ttnn
-
-    from models.tt_transformers.ttnn_backend.generator import TtnnCausalLM
+def ttnn_loader(config: DemoConfig, mesh_device, mesh_traces):
+    """(checkpoint, layers) -> a TtnnCausalLM: TT-Transformers on the mesh device, traced with every other model on
+    it (mesh_traces: the mesh's MeshTraces)."""
+    from models.tt_transformers.ttnn_backend.causal_lm import TtnnCausalLM
     from models.tt_transformers.ttnn_backend.model import build_tt_model
+    from models.tt_transformers.ttnn_backend.ttnn_api import ttnn
 
     def load(ckpt, n_layers):
         tt = build_tt_model(mesh_device, ckpt.folder, ckpt.name, config.batch_size, config.max_seq_len,
                             bool(config.instruct), n_layers, weights_dtype=getattr(ttnn, dtype_of(config)),
                             optimizations=config.precision)
-        return TtnnCausalLM(tt, config.batch_size, config.max_seq_len, trace=bool(config.enable_trace),
-                            tap_gather=config.tap_gather)
+        return TtnnCausalLM(tt, config.batch_size, config.max_seq_len, mesh_traces=mesh_traces,
+                            trace=bool(config.enable_trace), tap_gather=config.tap_gather)
     return load
 
 
@@ -128,10 +128,21 @@ def trace_region_size(config: DemoConfig, shape: tuple[int, int], margin: float 
 class ModelPool:
     """The models runs build, kept so that a later run with the same settings reuses them (the perf test runs
     several draft modes on one 8B target: building it again would put a second copy in the device's DRAM) and
-    released together when the pool closes (a TT model's traces hold the trace region until released)."""
+    released together when the pool closes (a TT model's traces hold the trace region until released). Its models
+    share one mesh, and on a TT device its MeshTraces: every model on the mesh is traced together."""
 
     def __init__(self):
         self.models: dict = {}
+        self.traces = None  # the mesh's MeshTraces, made with the first TT model
+
+    def mesh_traces(self, mesh_device):
+        from models.tt_transformers.ttnn_backend.traces import MeshTraces
+
+        if self.traces is None:
+            self.traces = MeshTraces(mesh_device)
+        if self.traces.mesh is not mesh_device:
+            raise ValueError("a model pool holds the models of one mesh: open one pool per mesh")
+        return self.traces
 
     def get(self, key: tuple, make):
         if key not in self.models:
@@ -169,7 +180,8 @@ def build(config: DemoConfig, checked: CheckedInputs, mesh_device=None, pool: Op
     documents = corpus_documents(config, tokenizer, checked.corpus) if spec.copies else []
 
     pool = pool if pool is not None else ModelPool()
-    loader = ttnn_loader(config, mesh_device) if checked.backend == "ttnn" else torch_loader(config, args)
+    loader = (ttnn_loader(config, mesh_device, pool.mesh_traces(mesh_device)) if checked.backend == "ttnn"
+              else torch_loader(config, args))
     built_with = (checked.backend, dtype_of(config), config.precision, config.device, config.batch_size,
                   config.max_seq_len, config.instruct, config.tap_gather)
 
@@ -234,9 +246,8 @@ def draft_head(head: tuple, target, ckpt, args, config: DemoConfig, pooled=lambd
     from models.tt_transformers.torch_backend.eagle3_head import HeadRunner, build_draft_head
 
     if backend_of(config) == "ttnn":
-        import ttnn
-
-        from models.tt_transformers.ttnn_backend.draft_head import TtnnDraftHead
+        from models.tt_transformers.ttnn_backend.eagle3_head import TtnnDraftHead
+        from models.tt_transformers.ttnn_backend.ttnn_api import ttnn
 
         config_, weights = head
         embedding = weights.get("embed_tokens.weight")

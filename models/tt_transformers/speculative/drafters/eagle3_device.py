@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """Drafting with an EAGLE-3 draft head that runs where its target keeps the taps: a TT device
-(ttnn_backend/draft_head.py), one traced replay per chain."""
+(ttnn_backend/eagle3_head.py), one traced replay per chain."""
 import time
 from dataclasses import dataclass
 from typing import Optional, Protocol, Sequence
@@ -42,7 +42,7 @@ class ChainDraftHead(Protocol):
 
 
 class TracedHeadDrafter(HeadDrafterBase):
-    """A head that runs where its target keeps the taps (a TT device: ttnn_backend/draft_head.py). The target's step
+    """A head that runs where its target keeps the taps (a TT device: ttnn_backend/eagle3_head.py). The target's step
     leaves them on the device, so every verified step's true rows are fed at the next proposal, whoever drafted them
     (the next step rewrites the tap tile), and one traced replay drafts a chain of chain_len tokens for every user
     that drafts. The chain is then cut where one more token no longer pays for its verification (the replay is

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""An EAGLE-3 draft head (torch_backend/eagle3_head.py has its form) on the Tenstorrent device, traced beside the target:
+"""An EAGLE-3 draft head (the torch backend's eagle3_head.py has its form) on the Tenstorrent device, traced beside the target:
 the taps never leave the device and only the drafted ids (and the top logits each draft's confidence comes from) come
 back.
 
@@ -32,7 +32,6 @@ holds a collective: two traces with CCL ops deadlocked on a multi-chip mesh in t
 """
 import contextlib
 import hashlib
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,9 +44,13 @@ from ..speculative.drafters.eagle3_device import HeadFeed
 from ..checkpoints.eagle3_format import HeadConfig, estimated_run_cost, parameter_names
 from ..checkpoints.model_shape import ModelShape
 from ..checkpoints.rope import rope_tables
-from .generator import MESH_MODELS, TtnnCausalLM, captured, device_tensors, prepare_mesh, release_all, slice_top_k
+from .causal_lm import TtnnCausalLM
+from .head_matmuls import FILL_ROWS, MAX_TILES_PER_BANK, DecodeMatmul, HeadKernelConfigs, column_chunks
 from .model import BLOCK_SIZE, TILE_ROWS, blocks_per_user
 from .trace_plan import HeadKey, head_trace_bytes, head_trace_keys, pass_ladder, passes_for
+from .traces import captured, device_tensors, release_all
+from .ttnn_api import ttnn
+from .vocab import slice_top_k
 
 
 @dataclass
@@ -74,125 +77,6 @@ class HeadTrace:
 
 
 CONFIDENCE_TOP = 32  # the top logits a row's confidence is computed from (ttnn.topk's multi-core k is at most 64)
-FILL_ROWS = 256  # a prompt's rows per prefill-shaped cache fill: 8 cache blocks (blocks_per_user is a multiple of 8)
-
-
-@dataclass
-class HeadKernelConfigs:
-    """The compute-kernel and SDPA configs the head's ops run with (issue 31, finding 1: without them each op took
-    its defaults, SDPA decode an approximate exp). TT's own decode: RMSNorm in HiFi2 with fp32 accumulation
-    (models/common/rmsnorm.py), SDPA decode in HiFi2 with exp_approx_mode False (tt/model_config.py,
-    SDPA_DECODE_PROGCFG and sdpa_decode_compute_kernel_cfg: chunks of 256 over the compute grid). The matmuls in HiFi2
-    with fp32 accumulation, as TT's decode runs its DRAM-sharded matmuls (tt/attention.py forward_decode: "Use HiFi2
-    for DRAM-sharded matmuls as they are otherwise flop-bound. Loses 1 bit of activation precision"): HiFi2 multiplies
-    the whole weight by the activation less its last mantissa bit (tt-llk's fidelity phases), and
-    tools/head_precision.py found that it changes nothing HiFi4 kept (issue 37: chains of 8 against the bf16 head's,
-    first drafts 96.9 % the same in HiFi2 and 95.3 % in HiFi4 for the shipped head, 92.9 % both for an 8B-shaped
-    random one; keeping the LM head in HiFi4 changed nothing either), half the matmul passes of HiFi4 (tt-metal's
-    tech_reports/matrix_engine: HiFi2 2 TFLOPS, HiFi4 1 per matrix engine). Accepted by ttnn 0.81.1 at both shapes on
-    the mock device (make tt-mock); their effect on the drafts only hardware can measure."""
-
-    norm: Any
-    matmul: Any
-    sdpa: Any
-    sdpa_program: Any
-
-    @classmethod
-    def for_mesh(cls, mesh) -> "HeadKernelConfigs":
-        import ttnn
-
-        def kernel(fidelity, fp32):
-            return ttnn.WormholeComputeKernelConfig(math_fidelity=fidelity, math_approx_mode=False,
-                                                    fp32_dest_acc_en=fp32, packer_l1_acc=fp32)
-        grid = mesh.compute_with_storage_grid_size()
-        return cls(norm=kernel(ttnn.MathFidelity.HiFi2, True), matmul=kernel(ttnn.MathFidelity.HiFi2, True),
-                   sdpa=kernel(ttnn.MathFidelity.HiFi2, False),
-                   sdpa_program=ttnn.SDPAProgramConfig(compute_with_storage_grid_size=grid, q_chunk_size=256,
-                                                       k_chunk_size=256, exp_approx_mode=False))
-
-
-@dataclass
-class DecodeMatmul:
-    """How one column chunk of one of the head's matmuls runs over the 32-row decode tile, as TT-Transformers' decode
-    matmuls (tt/model_config.py): the weight width-sharded over the DRAM banks (create_dram_sharded_mem_config: N
-    padded to a multiple of 32 x banks, the last bank's shard holding the padding), the activation width-sharded in L1
-    over a grid that divides K (dram_shard_core_grid_for_k, find_grid), and
-    MatmulMultiCoreReuseMultiCastDRAMShardedProgramConfig (dram_matmul_config): each bank's reader streams its own
-    columns once, the output width-sharded in L1. A wide matmul is cut into chunks (column_chunks), as TT cuts its
-    LM head (tt/lm_head.py: max_columns_per_device)."""
-
-    columns: tuple[int, int]  # the chunk's output columns
-    weight_config: Any
-    input_config: Any  # None where the input comes sharded already (wo: nlp_concat_heads_decode's, a head per core)
-    program: Any
-    fill: Any = None  # the prompt fill's program (fill_program), for the matmuls a fill runs (fc, qkv)
-
-    @classmethod
-    def build(cls, mesh, k: int, columns: tuple[int, int], input_cores: Optional[int] = None) -> "DecodeMatmul":
-        import ttnn
-
-        banks, tile, n = mesh.dram_grid_size(), TILE_ROWS, columns[1] - columns[0]
-        padded = math.ceil(n / (tile * banks.x)) * tile * banks.x
-        weight_config = ttnn.MemoryConfig(ttnn.TensorMemoryLayout.WIDTH_SHARDED, ttnn.BufferType.DRAM, ttnn.ShardSpec(
-            ttnn.CoreRangeSet({ttnn.CoreRange(ttnn.CoreCoord(0, 0), ttnn.CoreCoord(banks.x - 1, banks.y - 1))}),
-            (k, padded // banks.x), ttnn.ShardOrientation.ROW_MAJOR))
-        input_config = None
-        if input_cores is None:
-            rows, cols = find_grid(k // tile, mesh.compute_with_storage_grid_size())
-            input_cores = rows * cols
-            input_config = ttnn.create_sharded_memory_config(
-                (tile, k // input_cores), ttnn.CoreGrid(y=rows, x=cols), ttnn.ShardStrategy.WIDTH,
-                ttnn.ShardOrientation.ROW_MAJOR, use_height_and_width_as_shard_shape=True)
-        program = ttnn.MatmulMultiCoreReuseMultiCastDRAMShardedProgramConfig(
-            in0_block_w=largest_divisor(k // (tile * input_cores), MAX_IN0_BLOCK_W), per_core_M=1,
-            per_core_N=math.ceil(n / (tile * input_cores)), fused_activation=None)
-        return cls(columns, weight_config, input_config, program)
-
-    def add_fill_program(self, mesh, k: int) -> None:
-        """The same matmul over a prompt fill's FILL_ROWS rows: TT's prefill config over the DRAM-sharded weight
-        (ModelArgs.matmul_config: MatmulMultiCoreReuseMultiCastProgramConfig over the compute grid, in0_block_w and
-        out_subblock_w divisors up to 4, which fp32 accumulation's 4-tile destination holds; the automatic config
-        picks a program that wants the weight interleaved: "Input B memory layout must be INTERLEAVED", ttnn 0.81.1
-        on the mock device)."""
-        import ttnn
-
-        grid, tile = mesh.compute_with_storage_grid_size(), TILE_ROWS
-        per_core_n = math.ceil((self.columns[1] - self.columns[0]) / (tile * grid.x))
-        self.fill = ttnn.MatmulMultiCoreReuseMultiCastProgramConfig(
-            compute_with_storage_grid_size=grid, in0_block_w=largest_divisor(k // tile, 4), out_subblock_h=1,
-            out_subblock_w=largest_divisor(per_core_n, 4), per_core_M=math.ceil(FILL_ROWS / (tile * grid.y)),
-            per_core_N=per_core_n, transpose_mcast=False, fused_activation=None, fuse_batch=False)
-
-
-# The L1 budget of a DRAM-sharded matmul (matmul_multicore_reuse_mcast_dram_sharded_program_factory.cpp): per worker
-# its in1 buffer holds 3 x in0_block_w x N / banks weight tiles and its fp32 partials N / banks tiles of 4 KB; an
-# LM head of 49,152 columns (1,536 tiles, 128 per bank) with in0_block_w 8 would need over 1.3 MB of a core's 1.5 MB
-# (it clashed with the L1 buffers on the mock device). So chunks of at most 32 tiles per bank and in0_block_w <= 2:
-# under 0.5 MB a worker.
-MAX_TILES_PER_BANK = 32
-MAX_IN0_BLOCK_W = 2
-
-
-def column_chunks(n: int, banks: int) -> list[tuple[int, int]]:
-    """A matmul's output columns in equal tile-aligned chunks of at most MAX_TILES_PER_BANK tiles per DRAM bank."""
-    count = math.ceil(n / (banks * MAX_TILES_PER_BANK * TILE_ROWS))
-    width = math.ceil(n / count / TILE_ROWS) * TILE_ROWS
-    return [(start, min(n, start + width)) for start in range(0, n, width)]
-
-
-def find_grid(tiles: int, grid) -> tuple[int, int]:
-    """TT's ModelArgs.find_grid (tt/model_config.py): (rows, cols), each at most 8 and within the compute grid, of
-    a core count that divides `tiles`, the count closest to 32 first."""
-    for cores in sorted((c for c in range(1, 65) if tiles % c == 0), key=lambda c: abs(c - 32)):
-        for rows in range(1, min(8, grid.y) + 1):
-            if cores % rows == 0 and cores // rows <= min(8, grid.x):
-                return rows, cores // rows
-    raise ValueError(f"no core grid divides {tiles} tiles")  # unreachable: one core divides anything
-
-
-def largest_divisor(n: int, limit: int = 8) -> int:
-    """TT's ModelArgs.find_largest_divisor: in0_block_w, the largest divisor of n up to 8."""
-    return next(d for d in range(limit, 0, -1) if n % d == 0)
 
 
 def to_meta_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -260,12 +144,10 @@ def stored_weights(config: HeadConfig, weights: dict) -> dict:
 class TtnnDraftHead:
     """The `ChainDraftHead` of speculative/drafters/eagle3_device.py on a TT device, beside its target (a TtnnCausalLM whose
     steps write the tap tile). Traces are keyed by (feed write passes, chain length k) and made with every other model
-    on the mesh (generator.prepare_mesh), as the target's are."""
+    on the mesh (traces.MeshTraces), as the target's are."""
 
     def __init__(self, target: TtnnCausalLM, config: HeadConfig, weights: dict, embedding: torch.Tensor,
                  chain_len: int, target_args: ModelShape, weights_dtype=None, cache_dir: Optional[Path] = None):
-        import ttnn
-
         if not 1 <= chain_len <= TILE_ROWS:
             raise ValueError(f"--n_draft_tokens {chain_len}: a draft head on the device drafts chains of 1 to "
                              f"{TILE_ROWS} tokens (one 32-row tile); lower it, or use --draft_mode suffix")
@@ -318,7 +200,8 @@ class TtnnDraftHead:
         self.last_eager: Optional[HeadTrace] = None  # an eager replay's outputs, until the next
         self.fill_built = False  # the prompt fill's programs (compile builds them before any trace)
         self.draft_cost = estimated_run_cost(config, target_args)  # one chain step, until measured (RunCost)
-        MESH_MODELS[id(self.mesh)].add(self)
+        self.mesh_traces = target.mesh_traces
+        self.mesh_traces.add(self)
 
     # ---- weights -------------------------------------------------------------------------------------------------
 
@@ -328,8 +211,6 @@ class TtnnDraftHead:
         existing file whatever its shape or memory config: the folder is keyed by the head's tensors and the
         conversion), matmul weights in the head's dtype (TILE) DRAM-sharded (DecodeMatmul), norm weights bfloat16
         ROW_MAJOR in DRAM (models/common/rmsnorm.py)."""
-        import ttnn
-
         replicated = ttnn.ReplicateTensorToMesh(self.mesh)
         if name not in self.matmuls:
             return ttnn.as_tensor(w, dtype=ttnn.bfloat16, layout=ttnn.ROW_MAJOR_LAYOUT, device=self.mesh,
@@ -347,8 +228,6 @@ class TtnnDraftHead:
         positions: cos/sin in Meta's layout ROW_MAJOR for the decode gather (a TILE table would be converted at every
         ttnn.embedding call), the decode rotation matrix one tile per user's core (height-sharded as q and k, which
         rotary_embedding_llama needs) and the prefill one in DRAM. The host keeps cos/sin for the fill's chunks."""
-        import ttnn
-
         def table(t, layout, memory_config=ttnn.DRAM_MEMORY_CONFIG):
             return ttnn.from_torch(t, dtype=ttnn.bfloat16, layout=layout, device=self.mesh, memory_config=memory_config,
                                    mesh_mapper=ttnn.ReplicateTensorToMesh(self.mesh))
@@ -366,8 +245,6 @@ class TtnnDraftHead:
     # ---- the program ---------------------------------------------------------------------------------------------
 
     def _norm(self, x, name: str):
-        import ttnn
-
         return ttnn.rms_norm(x, epsilon=self.args.norm_eps, weight=self.weights[name],
                              memory_config=ttnn.DRAM_MEMORY_CONFIG, compute_kernel_config=self.configs.norm)
 
@@ -375,8 +252,6 @@ class TtnnDraftHead:
         """x @ the named weight, bfloat16, in DRAM. Over the decode tile with TT's DRAM-sharded decode matmul
         (DecodeMatmul: x resharded in, the output back to DRAM); a prompt fill's rows with the matmul's own program
         over the same weights, as TT's prefill matmuls read its decode-sharded weights."""
-        import ttnn
-
         out_config, chunks, parts = memory_config or ttnn.DRAM_MEMORY_CONFIG, self.matmuls[name], []
         decode = x.shape[-2] == TILE_ROWS
         if decode and chunks[0].input_config is not None:  # one reshard for every chunk (their K and grid are one)
@@ -392,8 +267,6 @@ class TtnnDraftHead:
         return parts[0] if len(parts) == 1 else ttnn.concat(parts, dim=3, memory_config=out_config)
 
     def _cols(self, x, start: int, end: int):
-        import ttnn
-
         return ttnn.slice(x, [0, 0, 0, start], [1, 1, x.shape[-2], end], memory_config=ttnn.DRAM_MEMORY_CONFIG)
 
     @staticmethod
@@ -402,15 +275,11 @@ class TtnnDraftHead:
         nlp_create_qkv_heads_decode puts q, k and v (num_cores_to_corerangeset(32 users, row_wise)), so TT's rotary
         inputs, paged_update_cache's update and nlp_concat_heads_decode's input sit there too (tt/rope.py batch_grid,
         CREATE_QKV_DECODE_SHARD and SCORES_BATCHED_MM_OUTPUT_MEMCFG in tt/model_config.py)."""
-        import ttnn
-
         return ttnn.create_sharded_memory_config((TILE_ROWS, width), ttnn.CoreGrid(y=4, x=8), ttnn.ShardStrategy.HEIGHT,
                                                  use_height_and_width_as_shard_shape=True)
 
     def _project(self, taps):
         """The taps [1, 1, rows, len(taps) * dim] -> the first state (fc, after the config's norms)."""
-        import ttnn
-
         c = self.config
         if c.norm_before_fc:
             taps = self._norm(taps, "input_norm.weight")
@@ -422,8 +291,6 @@ class TtnnDraftHead:
 
     def _attention_input(self, embeds, state):
         """(the layer's attention input: the normed embedding and state side by side (2 dim), the residual)."""
-        import ttnn
-
         normed = self._norm(state, "layer.hidden_norm.weight")
         x = ttnn.concat([self._norm(embeds, "layer.input_layernorm.weight"), normed], dim=3,
                         memory_config=ttnn.DRAM_MEMORY_CONFIG)
@@ -432,8 +299,6 @@ class TtnnDraftHead:
     def _rot_mats(self, rope_rows):
         """Each row's cos and sin, [1, 32, 1, head_dim] height-sharded one user per core: TT's
         RotarySetup.get_rot_mats (tt/rope.py: embedding, unsqueeze_to_4D, transpose(1, 2), interleaved_to_sharded)."""
-        import ttnn
-
         return [ttnn.interleaved_to_sharded(ttnn.transpose(ttnn.unsqueeze_to_4D(ttnn.embedding(
             rope_rows, self.tables[name], layout=ttnn.TILE_LAYOUT)), 1, 2), self._per_user(self.args.head_dim))
             for name in ("rope_cos", "rope_sin")]
@@ -442,8 +307,6 @@ class TtnnDraftHead:
         """The layer up to its cache update (TT's attention forward_decode): every row's k and v written into the head's
         cache in ordered passes (no two rows of one op share a cache block: attention.py). Returns q, rotated, and the
         residual, for the rest of the layer (_layer)."""
-        import ttnn
-
         a = self.args
         x, residual = self._attention_input(embeds, state)
         # bfloat16 qkv ("bfloat16 is required by nlp_create_qkv_heads_decode"); q, k, v [1, 32, heads, D] per user core
@@ -463,11 +326,9 @@ class TtnnDraftHead:
         return q, residual
 
     def _layer(self, embeds, state, positions, rope_rows, passes: list):
-        """The head's decoder layer over the tile (Eagle3Layer.forward, torch_backend/eagle3_head.py) with TT's decode
+        """The head's decoder layer over the tile (Eagle3Layer.forward in the torch backend's eagle3_head.py) with TT's decode
         attention ops (tt/attention.py forward_decode): returns the state fed forward and the draft-vocabulary logits
         [1, 1, 32, V']."""
-        import ttnn
-
         a, c, dram = self.args, self.config, ttnn.DRAM_MEMORY_CONFIG
         H, D = a.n_heads, a.head_dim
         q, residual = self._cache_rows(embeds, state, rope_rows, passes)
@@ -494,8 +355,6 @@ class TtnnDraftHead:
         output_tensor [1, 1, 1, 32] uint32: no reshape of the ids); and the top CONFIDENCE_TOP logits of each row per
         vocabulary slice (ttnn.topk multi-core on power-of-two slices, as the target's top k), from which the host
         computes the draft's confidence: a softmax over one row of the draft vocabulary would run on one core."""
-        import ttnn
-
         dram = ttnn.DRAM_MEMORY_CONFIG
         ttnn.argmax(ttnn.untilize(logits, use_multicore=True, memory_config=dram), dim=-1, keepdim=False,
                     output_tensor=tokens)
@@ -506,8 +365,6 @@ class TtnnDraftHead:
         nothing (the hybrid took a copied draft for every user): the fed rows' k and v into the cache only, which is
         all a later replay reads of them (a one-layer head's cache rows depend on each row's own input, as
         fill_prompt's): no attention, MLP, LM head, argmax or top k."""
-        import ttnn
-
         passes, k = key
         i, dram = self.inputs, ttnn.DRAM_MEMORY_CONFIG
         state = self._project(self.target.tap_tile(self.taps))
@@ -543,8 +400,6 @@ class TtnnDraftHead:
         the cache fill (nlp_create_qkv_heads, rotary_embedding_llama on the chunk's cos/sin rows, typecast to the
         cache's dtype, paged_fill_cache into the chunk's page-table slice, as TT's chunked prefill). Padded rows
         write positions past the prompt, rewritten by their own feed before any query reads them."""
-        import ttnn
-
         a, dram = self.args, ttnn.DRAM_MEMORY_CONFIG
         replicated = ttnn.ReplicateTensorToMesh(self.mesh)
         taps, embeds = torch.zeros(FILL_ROWS, states.shape[1]), torch.zeros(FILL_ROWS, a.dim)
@@ -572,7 +427,7 @@ class TtnnDraftHead:
         for t in (taps, embeds, x, q, k, v, cos, sin, page_table, *filled):
             ttnn.deallocate(t)
 
-    # ---- traces (made with the mesh's other models: generator.prepare_mesh) --------------------------------------
+    # ---- traces (made with the mesh's other models: MeshTraces.prepare) ---------------------------------------
 
     def warm_up(self) -> float:
         """Plan the head's traces (trace_plan.head_trace_keys), made with every other model's on the mesh by the
@@ -582,10 +437,10 @@ class TtnnDraftHead:
             raise ValueError(f"the target's steps do not write taps {list(self.taps)}: warm it up with them first")
         start = time.perf_counter()
         self.planned |= set(head_trace_keys(self.chain_len))
-        self.target.check_trace_region()
+        self.mesh_traces.check_region()
         return time.perf_counter() - start
 
-    def _trace_bytes(self, key: HeadKey) -> int:
+    def trace_bytes(self, key: HeadKey) -> int:
         args = self.target.tt.args
         return head_trace_bytes(args.model_name, args.device_name, self.target.tt.full_layers, key)
 
@@ -602,8 +457,6 @@ class TtnnDraftHead:
     @staticmethod
     def _deallocate(out: HeadTrace) -> None:
         """A program's outputs (not the persistent token tensors the argmax writes)."""
-        import ttnn
-
         k = len(out.logits)
         joined = [out.chain_ids if k > 1 else None, out.chain_top if k and k * len(out.top[0]) > 1 else None]
         for tensor in device_tensors([out.top, out.logits, joined]):
@@ -626,7 +479,7 @@ class TtnnDraftHead:
         self.release_traces()
         self.planned.clear()
         self.compiled.clear()
-        MESH_MODELS[id(self.mesh)].discard(self)
+        self.mesh_traces.discard(self)
 
     # ---- inputs --------------------------------------------------------------------------------------------------
 
@@ -635,8 +488,6 @@ class TtnnDraftHead:
         """feeds: (user, tile rows, first position, next tokens) of every row fed; chains: (user, tile row of its last
         fed row) of every drafting user. The first call allocates every input (the widest feed's pass tensors and the
         longest chain's); later calls copy in the ones the key's trace reads."""
-        import ttnn
-
         positions = torch.full((TILE_ROWS,), -1, dtype=torch.int32)
         passes = torch.full((self.ladder[-1], TILE_ROWS), -1, dtype=torch.int32)
         chain = torch.full((max(1, self.chain_len - 1), TILE_ROWS), -1, dtype=torch.int32)
@@ -683,8 +534,6 @@ class TtnnDraftHead:
         """Feed every row in `feeds` (a verified step's rows in the tap tile, or a prompt's states), then draft k
         tokens (chain_len, or 0 with no chain_users: a feed-only replay) for each user in chain_users from its last fed
         row, in one replay. Returns {user: (target ids, the head's confidence in each)}."""
-        import ttnn
-
         if k != (self.chain_len if chain_users else 0):
             raise ValueError(f"a device head drafts {self.chain_len} tokens per replay for the users that draft, or 0 "
                              f"when none does; not {k} for {len(chain_users)} users")
@@ -702,8 +551,8 @@ class TtnnDraftHead:
         key = (passes_for(max(len(rows) for _, rows, *_ in replay), self.ladder), k)
         if key not in (self.traces if self.trace else self.compiled):
             self.planned.add(key)
-            self.target.check_trace_region()
-            prepare_mesh(self.mesh)
+            self.mesh_traces.check_region()
+            self.mesh_traces.prepare()
         for fill in fills:  # a prompt's earlier rows (compiled above, before any of its traces)
             self.fill_prompt(*fill)
         if states is not None:  # a prompt's last rows: the tap tile is the feed's input
@@ -745,8 +594,6 @@ class TtnnDraftHead:
         """The drafted ids (mapped to the target's) and confidences of the given rows: one read of each. A draft's
         confidence is its softmax probability among its row's top logits (the rest of the draft vocabulary's mass
         left out: at least the full softmax's probability)."""
-        import ttnn
-
         def read(t):
             return ttnn.to_torch(ttnn.get_device_tensors(t)[0])
 
@@ -759,8 +606,6 @@ class TtnnDraftHead:
     def read_logits(self, step: int) -> torch.Tensor:
         """Chain step `step`'s draft-vocabulary logits [32, V'] of the last replay (rows: last_rows; for checks: the
         loop reads ids and probabilities only)."""
-        import ttnn
-
         logits = (self.traces[self.last_key] if self.trace else self.last_eager).logits[step]
         return ttnn.to_torch(ttnn.get_device_tensors(logits)[0]).reshape(TILE_ROWS, -1).float()
 

@@ -30,9 +30,9 @@ from typing import Sequence
 
 import torch
 
-from .generator import release_all
-from .model import model_args_seq_len, model_env, paged_cache, precision, supported_kwargs
-from .tt_surface import decode_logits
+from models.tt_transformers.ttnn_backend.traces import release_all
+from models.tt_transformers.ttnn_backend.model import model_args_seq_len, model_env, paged_cache, precision, supported_kwargs
+from models.tt_transformers.ttnn_backend.tt_surface import decode_logits
 
 TT_DEMO_BATCHES = (1, 2, 4, 8, 16, 32)  # ModelArgs' supported_batches
 GREEDY = {"temperature": 0, "top_p": 0.08, "top_k": 32}  # simple_text_demo.py's greedy sampling parameters

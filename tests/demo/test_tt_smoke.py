@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""`make tt-smoke` (tools/tt_smoke.py) on the stand-in (a TEST DOUBLE for ttnn and TT-Transformers, not a device):
+"""`make tt-smoke` (demo/speculative_decoding/tt_smoke.py) on the stand-in (a TEST DOUBLE for ttnn and TT-Transformers, not a device):
 every stage runs and reports, and a failing stage stops the run there with the failure in the report."""
 import json
 import subprocess
@@ -13,14 +13,12 @@ from models.tt_transformers.demo.speculative_decoding.options import DemoConfig
 from models.tt_transformers.records import write_json_atomic
 from models.tt_transformers.ttnn_backend import device as tt_device
 
-from .conftest import REPO_ROOT
-from .tt_stand_in import install
-from .tt_stand_in import tt_transformers as stand_in_tt
-from .tt_stand_in import ttnn as stand_in_ttnn
+from models.tt_transformers.demo.speculative_decoding import tt_smoke
 
-sys.path.insert(0, str(REPO_ROOT / "tools"))
-
-import tt_smoke  # noqa: E402
+from ..conftest import REPO_ROOT
+from ..tt_stand_in import install
+from ..tt_stand_in import tt_transformers as stand_in_tt
+from ..tt_stand_in import ttnn as stand_in_ttnn
 
 
 def smoke_config(tmp_path):
@@ -94,7 +92,7 @@ def test_a_published_head_given_by_flag(monkeypatch, tmp_path):
     from models.tt_transformers.checkpoints.checkpoint import resolve_checkpoint
     from models.tt_transformers.checkpoints.model_shape import ModelShape
 
-    from .conftest import write_eagle3_head
+    from ..conftest import write_eagle3_head
 
     stand_in_machine(monkeypatch, tmp_path)
     args = ModelShape.from_hf_config(resolve_checkpoint(None).config)
@@ -132,7 +130,7 @@ def test_the_surface_stage_stops_only_for_what_the_backend_calls(monkeypatch, tm
     """Issue 37 point 8: a ModelArgs attribute that is a property (no `self.<attr>` text) is found, a detail read
     from TT's source that is missing is a warning and the run goes on, and only a missing signature the backend calls
     stops the smoke at this stage."""
-    from .tt_stand_in import install
+    from ..tt_stand_in import install
 
     install(monkeypatch)
     monkeypatch.setattr(stand_in_tt, "ModelArgs", PropertyArgs)
@@ -190,10 +188,9 @@ def test_the_report_names_the_running_stage_and_a_watchdog_dumps_it(monkeypatch,
 
 
 CRASHING_RUN = """
-import faulthandler, sys
+import faulthandler
 from pathlib import Path
-sys.path.insert(0, {tools!r})
-import tt_smoke
+from models.tt_transformers.demo.speculative_decoding import tt_smoke
 from models.tt_transformers.demo.speculative_decoding.options import DemoConfig
 
 def crashing_stage(s):
@@ -206,7 +203,7 @@ def test_a_hard_crash_leaves_the_report_and_its_traceback(tmp_path):
     """Issue 37 point 5: a stage that kills the process (a segfault in a C++ op) still leaves the report naming it as
     running, and the crash's Python traceback beside it."""
     report = tmp_path / "report.json"
-    done = subprocess.run([sys.executable, "-c", CRASHING_RUN.format(tools=str(REPO_ROOT / "tools"), report=str(report))],
+    done = subprocess.run([sys.executable, "-c", CRASHING_RUN.format(report=str(report))],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode != 0
     written = json.loads(report.read_text())

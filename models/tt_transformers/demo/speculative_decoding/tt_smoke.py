@@ -35,8 +35,9 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Callable
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+REPO = Path(__file__).resolve().parents[4]
+if __name__ == "__main__":  # `python path/to/tt_smoke.py` from anywhere
+    sys.path.insert(0, str(REPO))
 
 from loguru import logger  # noqa: E402
 
@@ -285,7 +286,7 @@ def device_head(s: Smoke) -> None:
     from models.tt_transformers.checkpoints.eagle3_format import random_head, read_draft_head
     from models.tt_transformers.torch_backend.eagle3_head import HeadRunner, build_draft_head
     from models.tt_transformers.checkpoints.model_shape import ModelShape
-    from models.tt_transformers.ttnn_backend.draft_head import stored_weights
+    from models.tt_transformers.ttnn_backend.eagle3_head import stored_weights
 
     ckpt = resolve_checkpoint(s.config.model, "--model" if s.config.model else "HF_MODEL")
     args = ModelShape.from_hf_config(ckpt.config)
