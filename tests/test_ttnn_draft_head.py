@@ -250,7 +250,7 @@ def test_head_traces_are_planned_and_counted(tt, embedded_checkpoint, tmp_path):
     with pytest.raises(ValueError, match="taps"):
         TtnnDraftHead(tt(1), *random_head(embedded_checkpoint, taps=(1, 2, 3)), read_embedding(embedded_checkpoint),
                       CHAIN, args, cache_dir=tmp_path / "b").warm_up()
-    with pytest.raises(ValueError, match=r"--n_draft_tokens 40: .* 1 to 32 tokens .*; lower it"):
+    with pytest.raises(ValueError, match=r"^chain_len 40: .* 1 to 32 tokens .*; lower it"):
         TtnnDraftHead(lm, *random_head(embedded_checkpoint), read_embedding(embedded_checkpoint), 40, args)
 
 

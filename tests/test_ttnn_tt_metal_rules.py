@@ -14,6 +14,7 @@ from models.tt_transformers.speculative.drafters import SuffixDrafter
 from models.tt_transformers.checkpoints.checkpoint import resolve_checkpoint
 from models.tt_transformers.ttnn_backend import device as tt_device
 from models.tt_transformers.ttnn_backend import taps as tt_taps
+from models.tt_transformers.errors import UserError
 from models.tt_transformers.ttnn_backend.causal_lm import TtnnCausalLM
 from models.tt_transformers.ttnn_backend.model import build_tt_model, weight_cache_root
 from models.tt_transformers.ttnn_backend.trace_plan import TraceKey, model_trace_bytes, trace_keys, trace_ops
@@ -425,8 +426,10 @@ def test_a_galaxy_step_keeps_to_one_mesh_columns_users(stand_in, tiny):
     assert lm.max_step_rows == 8
     with pytest.raises(ValueError, match=r"^a step of 9 rows does not fit one Galaxy mesh column's rows \(8\)$"):
         lm.step([UserRows(0, [1, 2, 3, 4, 5], 0), UserRows(1, [1, 2, 3, 4], 0)])
-    with pytest.raises(ValueError, match=r"^--batch_size 16: on a Galaxy .* use --batch_size 8 or fewer$"):
+    with pytest.raises(UserError, match=r"^max_batch_size 16: on a Galaxy .* use max_batch_size 8 or fewer$") as e:
         TtnnCausalLM(lm.tt, 16, 192, mesh_traces=mesh_traces(mesh))
+    assert e.value.parameter == "max_batch_size"  # which the demo words as its flag (inputs.flags_named)
+    assert str(e.value.named_as("--batch_size")).endswith("use --batch_size 8 or fewer")
     drafts = SpeculativeGenerator(lm, SuffixDrafter(1), 16)
     assert sum(drafts._draft_caps([SimpleResult()] * 2, [[1, 2]] * 2, 64)) + 2 <= 8  # the rows shared within 8
 
@@ -494,3 +497,4 @@ def test_a_prefill_that_compiles_under_live_traces_has_them_made_again(stand_in,
     lm.step([UserRows(0, [3], 1100)])
     lm.prefill(0, long_prompt(1100))  # the same programs again, after a replay
     assert lm.step([UserRows(0, [3], 1100)]).ids
+

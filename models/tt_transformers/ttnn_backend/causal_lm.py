@@ -2,8 +2,8 @@
 """The `CausalLM` contract on a Tenstorrent device, over a TT-Transformers model (model.py).
 
 - prefill: TT-Transformers' own `Generator.prefill_forward_text` for one user (padded, chunked), into the user's
-  page-table row; the last token's logits come back, as TT-Transformers' own text generation does. Its first call runs TT's prefill
-  warm-up sweep, which `warm_up` triggers before anything is timed.
+  page-table row; the last token's logits come back, as TT-Transformers' own text generation does. Its first call
+  runs TT's prefill warm-up sweep, which `warm_up` triggers before anything is timed.
 - step: ONE traced decode forward over the 32-row tile. Row r carries one token of one user at its position with
   the user's page-table row: a verification step is every user's [last token, d1..dK] at consecutive positions,
   attention bounded per row by its own position (paged SDPA decode); unused rows and idle users sit at position
@@ -27,6 +27,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from ..errors import UserError
 from ..speculative.backend import DeviceRows, StepOutput, UserRows
 from .model import TILE_ROWS, TTModel, prefill_into_sink, prefill_warm_prompts, supported_kwargs
 from .taps import TapCapture, gather_taps_on_host, prefill_state_to_host, prompt_taps, write_taps
@@ -108,8 +109,8 @@ class TtnnCausalLM:
         """mesh_traces: the traces of every model on tt's mesh (one object for the mesh, shared by every model
         built on it)."""
         if not 1 <= max_batch_size <= TILE_ROWS:
-            raise ValueError(f"--batch_size {max_batch_size}: a TT decode step holds at most {TILE_ROWS} users "
-                             "(one 32-row tile); use 32 or fewer")
+            raise UserError(f"max_batch_size {max_batch_size}: a TT decode step holds at most {TILE_ROWS} users "
+                            "(one 32-row tile); use 32 or fewer", "max_batch_size")
         self.tt, self.max_batch_size, self.max_seq_len = tt, max_batch_size, max_seq_len
         self.n_layers, self.vocab_size = tt.n_layers, tt.args.vocab_size
         # The rows a step may use: the tile, or on a Galaxy one mesh column's users (tt_surface.mesh_column_rows).
@@ -118,9 +119,10 @@ class TtnnCausalLM:
         # row in tile rows 8-31 would attend to a cache that was never filled, or one its earlier rows never wrote.
         self.max_step_rows = mesh_column_rows(tt.model, tt.args, TILE_ROWS)
         if max_batch_size > self.max_step_rows:
-            raise ValueError(f"--batch_size {max_batch_size}: on a Galaxy a decode step's rows must sit in one mesh "
-                             f"column's {self.max_step_rows} users (TT-Transformers' attention gives each mesh column "
-                             f"its own users and KV caches); use --batch_size {self.max_step_rows} or fewer")
+            raise UserError(f"max_batch_size {max_batch_size}: on a Galaxy a decode step's rows must sit in one mesh "
+                            f"column's {self.max_step_rows} users (TT-Transformers' attention gives each mesh column "
+                            f"its own users and KV caches); use max_batch_size {self.max_step_rows} or fewer",
+                            "max_batch_size")
         # Token trees need each row to see its ancestors only, which paged SDPA decode (each row sees every cached
         # position up to its own) does not express without an attention mask per step: chains only (README).
         self.supports_trees = False
@@ -133,7 +135,8 @@ class TtnnCausalLM:
         # a row reading one cached position, in step costs (step_cost); a server's model gets its cache, and this,
         # at warm-up (serving/ttnn_model.py PagedVerify.warm)
         self.key_cost = tt.key_cost() if tt.kv_cache is not None else None
-        split = self.num_devices > 1 and not args.is_galaxy and tt.model.sampling is not None and can_keep_shares(tt.model)
+        split = (self.num_devices > 1 and not args.is_galaxy and tt.model.sampling is not None
+                 and can_keep_shares(tt.model))
         self.vocab = VocabShares(tt.mesh_device, args.cluster_shape, self.vocab_size,
                                  padded_vocab(args) // self.num_devices if split else self.vocab_size, split,
                                  self.num_devices)

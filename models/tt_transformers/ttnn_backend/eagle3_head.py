@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""An EAGLE-3 draft head (the torch backend's eagle3_head.py has its form) on the Tenstorrent device, traced beside the target:
-the taps never leave the device and only the drafted ids (and the top logits each draft's confidence comes from) come
-back.
+"""An EAGLE-3 draft head (the torch backend's eagle3_head.py has its form) on the Tenstorrent device, traced beside the
+target: the taps never leave the device and only the drafted ids (and the top logits each draft's confidence comes from)
+come back.
 
 What a replay does, for every row of one 32-row tile (the rows the target's verification step used):
 - feed: the head layer over the rows the target just verified, at their positions: its input state is fc over the
@@ -40,6 +40,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from ..checkpoints.cache import cache_root
+from ..errors import UserError
 from ..speculative.drafters.eagle3_device import HeadFeed
 from ..checkpoints.eagle3_format import HeadConfig, estimated_run_cost, parameter_names
 from ..checkpoints.model_shape import ModelShape
@@ -142,19 +143,20 @@ def stored_weights(config: HeadConfig, weights: dict) -> dict:
 
 
 class TtnnDraftHead:
-    """The `ChainDraftHead` of speculative/drafters/eagle3_device.py on a TT device, beside its target (a TtnnCausalLM whose
-    steps write the tap tile). Traces are keyed by (feed write passes, chain length k) and made with every other model
-    on the mesh (traces.MeshTraces), as the target's are."""
+    """The `ChainDraftHead` of speculative/drafters/eagle3_device.py on a TT device, beside its target (a TtnnCausalLM
+    whose steps write the tap tile). Traces are keyed by (feed write passes, chain length k) and made with every other
+    model on the mesh (traces.MeshTraces), as the target's are."""
 
     def __init__(self, target: TtnnCausalLM, config: HeadConfig, weights: dict, embedding: torch.Tensor,
                  chain_len: int, target_args: ModelShape, weights_dtype=None, cache_dir: Optional[Path] = None):
         if not 1 <= chain_len <= TILE_ROWS:
-            raise ValueError(f"--n_draft_tokens {chain_len}: a draft head on the device drafts chains of 1 to "
-                             f"{TILE_ROWS} tokens (one 32-row tile); lower it, or use --draft_mode suffix")
+            raise UserError(f"chain_len {chain_len}: a draft head on the device drafts chains of 1 to {TILE_ROWS} "
+                            "tokens (one 32-row tile); lower it, or draft copied tokens instead (draft mode suffix)",
+                            "chain_len")
         if config.layer.head_dim % TILE_ROWS:
-            raise ValueError(f"--draft_head: the head's head_dim {config.layer.head_dim} is not a multiple of 32, which "
-                             "TT's rotary_embedding_llama needs on the device; run the head on the host (--backend "
-                             "torch)")
+            raise UserError(f"draft_head: the head's head_dim {config.layer.head_dim} is not a multiple of 32, which "
+                            "TT's rotary_embedding_llama needs on the device; run the head on the host (the torch "
+                            "backend)", "draft_head")
         self.target, self.config, self.chain_len = target, config, chain_len
         self.mesh = target.tt.mesh_device
         a = self.args = config.layer
@@ -326,9 +328,9 @@ class TtnnDraftHead:
         return q, residual
 
     def _layer(self, embeds, state, positions, rope_rows, passes: list):
-        """The head's decoder layer over the tile (Eagle3Layer.forward in the torch backend's eagle3_head.py) with TT's decode
-        attention ops (tt/attention.py forward_decode): returns the state fed forward and the draft-vocabulary logits
-        [1, 1, 32, V']."""
+        """The head's decoder layer over the tile (Eagle3Layer.forward in the torch backend's eagle3_head.py) with TT's
+        decode attention ops (tt/attention.py forward_decode): returns the state fed forward and the draft-vocabulary
+        logits [1, 1, 32, V']."""
         a, c, dram = self.args, self.config, ttnn.DRAM_MEMORY_CONFIG
         H, D = a.n_heads, a.head_dim
         q, residual = self._cache_rows(embeds, state, rope_rows, passes)
@@ -449,7 +451,8 @@ class TtnnDraftHead:
         the first time, the prompt fill's too (built while no trace is live), into user 0's last chunk of positions
         (rewritten by their own feed before any query reads them)."""
         if not self.fill_built:
-            self._fill_chunk(0, self.blocks * BLOCK_SIZE - FILL_ROWS, torch.zeros(1, len(self.taps) * self.config.target_hidden), [0])
+            self._fill_chunk(0, self.blocks * BLOCK_SIZE - FILL_ROWS,
+                             torch.zeros(1, len(self.taps) * self.config.target_hidden), [0])
             self.fill_built = True
         self._write_inputs(key, [], [])
         self._deallocate(self._forward(key))
@@ -546,7 +549,8 @@ class TtnnDraftHead:
                                  None, []) if tile else self._prompt_replay(prompt)
         missing = set(chain_users) - {row[0] for row in replay}
         if missing:
-            raise ValueError(f"users {sorted(missing)} have no rows to feed: the head drafts from a user's last fed row")
+            raise ValueError(f"users {sorted(missing)} have no rows to feed: the head drafts from a user's last fed "
+                             "row")
         chains = [(user, rows[-1]) for user, rows, *_ in replay if user in chain_users]
         key = (passes_for(max(len(rows) for _, rows, *_ in replay), self.ladder), k)
         if key not in (self.traces if self.trace else self.compiled):

@@ -85,15 +85,15 @@ def prefill_state_to_host(x, mesh, num_devices: int, dim: int) -> torch.Tensor:
 
 def write_taps(model, dim: int, num_devices: int, tap_gather: str, copies: dict, taps: tuple[int, ...], tile):
     """The tapped layers' inputs, in the order asked, into `tile` ([1, 1, 32, len(taps) * dim], whole rows on every
-    device, as the replicated head reads them), from TT-Transformers' `model`. On a mesh each copy holds dim / devices columns (TapCapture), so
-    the copies are stacked along the rows ([1, 1, 32 * len(taps), dim / devices]) and all-gathered along dim once
-    (one collective per step, not one per tap), then each tap's 32 rows go side by side. The gather is
-    TT-Transformers' own (tt/ccl.py tt_all_gather: the model's TT_CCL semaphores, persistent as a trace needs),
-    cluster_axis None: over the whole 1 x N mesh; not called on one device (some versions' "# N150" guard compares
-    a list with a tuple, `list(mesh_device.shape) == (1, 1)`, and would go on to all_gather_async, which needs two
-    devices). With tap_gather "host" the stacked copies are returned instead, an output of the program, which
-    the host reads and writes into the tile after the replay (gather_taps_on_host): the traced program holds no
-    collective of ours. Returns those copies, or None."""
+    device, as the replicated head reads them), from TT-Transformers' `model`. On a mesh each copy holds dim / devices
+    columns (TapCapture), so the copies are stacked along the rows ([1, 1, 32 * len(taps), dim / devices]) and
+    all-gathered along dim once (one collective per step, not one per tap), then each tap's 32 rows go side by side. The
+    gather is TT-Transformers' own (tt/ccl.py tt_all_gather: the model's TT_CCL semaphores, persistent as a trace
+    needs), cluster_axis None: over the whole 1 x N mesh; not called on one device (some versions' "# N150" guard
+    compares a list with a tuple, `list(mesh_device.shape) == (1, 1)`, and would go on to all_gather_async, which needs
+    two devices). With tap_gather "host" the stacked copies are returned instead, an output of the program, which the
+    host reads and writes into the tile after the replay (gather_taps_on_host): the traced program holds no collective
+    of ours. Returns those copies, or None."""
     from models.tt_transformers.tt.ccl import tt_all_gather
 
     dram = ttnn.DRAM_MEMORY_CONFIG

@@ -39,11 +39,11 @@ class MeshTraces:
         self.models.discard(model)
 
     def prepare(self) -> None:
-        """Make every planned trace of every model on the mesh: all traces released, then every model's persistent inputs
-        allocated and every planned program compiled, then every trace captured (eager models, trace=False, compile only).
-        Nothing is allocated or compiled while a trace is live. Runs only where the traces differ from the plans (one
-        missing, or one no longer planned), so that a run whose models were all planned first (a caller's warm_up)
-        captures each trace once."""
+        """Make every planned trace of every model on the mesh: all traces released, then every model's persistent
+        inputs allocated and every planned program compiled, then every trace captured (eager models, trace=False,
+        compile only). Nothing is allocated or compiled while a trace is live. Runs only where the traces differ from
+        the plans (one missing, or one no longer planned), so that a run whose models were all planned first (a caller's
+        warm_up) captures each trace once."""
         models = list(self.models)
         if all(set(lm.traces) == (lm.planned if lm.trace else set()) and lm.compiled >= lm.planned for lm in models):
             return
@@ -77,8 +77,8 @@ class MeshTraces:
         for lm in models:
             lm.release_traces()
         self.prepare()
-        logger.info(f"{what} compiled {after - before} program(s) while the decode traces were live: every trace on the "
-                    f"mesh made again ({time.perf_counter() - start:.1f}s)")
+        logger.info(f"{what} compiled {after - before} program(s) while the decode traces were live: every trace on "
+                    f"the mesh made again ({time.perf_counter() - start:.1f}s)")
 
     def check_region(self) -> None:
         """Stop before capturing with an error that names the fix when the planned traces of every model on the mesh

@@ -43,7 +43,7 @@ TAP_GATHERS = ("device", "host")  # where a mesh's tapped states are gathered (t
 
 DemoInputError = UserError  # bad demo input: the message names the flag or file and the fix
 # The library's parameters whose flag has another name (every other parameter is its flag without the dashes).
-FLAGS = {"trees": "--draft_trees", "max_batch_size": "--batch_size"}
+FLAGS = {"trees": "--draft_trees", "max_batch_size": "--batch_size", "chain_len": "--n_draft_tokens"}
 
 
 @contextmanager

@@ -101,7 +101,8 @@ def run_on(config: DemoConfig, mesh_device, pool: ModelPool) -> dict:
 
 def decode_and_report(config: DemoConfig, checked: CheckedInputs, mesh_device, pool: ModelPool) -> dict:
     """Build, warm up, decode speculatively and (--compare_baseline) plainly, and log the report it returns."""
-    tokenizer, target, drafter, draft_lm, tokens, eos = build(config, checked, mesh_device, pool)
+    with flags_named():  # what only a built model knows (a Galaxy's rows per step, a device head's chain)
+        tokenizer, target, drafter, draft_lm, tokens, eos = build(config, checked, mesh_device, pool)
     sampling = sampling_params(config)
     log_iterations = None if config.log_iterations == -1 else config.log_iterations
     spec = SpeculativeGenerator(target, drafter, config.n_draft_tokens, eos, sampling, log_iterations,
