@@ -286,7 +286,7 @@ class TtnnCausalLM:
                 generator.prefill_forward_text, page_table=self.tt.page_table[user : user + 1],
                 kv_cache=[self.tt.kv_cache], prompt_lens=[len(tokens)], empty_slots=[user], enable_trace=False))
         self.mesh_traces.remake_after(programs, f"a prefill of {len(tokens)} tokens")
-        row = out.reshape(-1)[: self.vocab_size].float().view(1, -1)
+        row = decode_logits(out).reshape(-1)[: self.vocab_size].float().view(1, -1)
         states = [prompt_taps(capture.outputs, taps, len(tokens))] if taps else None
         return StepOutput([row.argmax(dim=-1).tolist()], [row] if logits else None, hidden=states)
 
