@@ -378,10 +378,11 @@ def mesh_env(mesh_name: str, jit: str) -> dict:
 
 def worker(mesh_name: str, out: Path) -> int:
     """The cases on one mock mesh; a JSON summary written to `out` (tt-metal logs to stdout). Run by hand (`--mesh
-    NAME --summary FILE`, no mock cluster set) it sets its mesh's environment itself, the JIT cache in a new temporary
-    folder unless TT_METAL_CACHE names one."""
+    NAME --summary FILE`, no mock cluster set) it sets its mesh's environment itself, the JIT cache in a temporary
+    folder removed when it exits unless TT_METAL_CACHE names one."""
     if "TT_METAL_MOCK_CLUSTER_DESC_PATH" not in os.environ:
-        os.environ.update(mesh_env(mesh_name, tempfile.mkdtemp(prefix="tt-mock-jit-")))
+        jit = None if "TT_METAL_CACHE" in os.environ else tempfile.TemporaryDirectory(prefix="tt-mock-jit-")
+        os.environ.update(mesh_env(mesh_name, jit.name if jit else ""))
     import ttnn
 
     from models.tt_transformers.ttnn_backend import device
