@@ -201,8 +201,9 @@ def run_galaxy_shape(mesh, name: str, config: dict, max_seq_len: int, batch: int
 
     from models.tt_transformers.checkpoints.eagle3_format import default_taps
     from models.tt_transformers.speculative.backend import UserRows
-    from models.tt_transformers.ttnn_backend.generator import TtnnCausalLM
+    from models.tt_transformers.ttnn_backend.causal_lm import TtnnCausalLM
     from models.tt_transformers.ttnn_backend.model import build_tt_model
+    from models.tt_transformers.ttnn_backend.traces import MeshTraces
     from tests.tt_mock import tt_transformers
 
     built = tt_transformers.Transformer
@@ -211,10 +212,11 @@ def run_galaxy_shape(mesh, name: str, config: dict, max_seq_len: int, batch: int
         tt = build_tt_model(mesh, checkpoint(work, name, config), name, batch, max_seq_len, True)
     finally:
         tt_transformers.Transformer = built
-    refused(lambda: TtnnCausalLM(tt, 32, max_seq_len, trace=False),
+    mesh_traces = MeshTraces(mesh)
+    refused(lambda: TtnnCausalLM(tt, 32, max_seq_len, mesh_traces=mesh_traces, trace=False),
             f"--batch_size 32: on a Galaxy a decode step's rows must sit in one mesh column's {GALAXY_COLUMN_USERS} "
             "users")
-    lm = TtnnCausalLM(tt, batch, max_seq_len, trace=False)
+    lm = TtnnCausalLM(tt, batch, max_seq_len, mesh_traces=mesh_traces, trace=False)
     try:
         assert lm.max_step_rows == GALAXY_COLUMN_USERS, lm.max_step_rows
         taps = default_taps(config["num_hidden_layers"])  # an EAGLE-3 head's (random_head's) taps
