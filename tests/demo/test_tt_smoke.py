@@ -51,6 +51,34 @@ def test_every_stage_runs_and_reports(monkeypatch, tmp_path):
     assert json.loads((tmp_path / "report.json").read_text())["ok"]
 
 
+def test_each_trace_is_captured_once_across_the_stages(monkeypatch, tmp_path):
+    """Review 3, item 6: the stages used to plan new shapes one by one (the tapped states' step, the head's target
+    steps, the run's again after the head's warm-up), each releasing and capturing every trace on the mesh again.
+    compile_and_capture now keeps them all planned: after it, only the head stage captures (its head is built with
+    the traces live), and the tapped-states, lossless and perf stages capture nothing."""
+    stand_in_machine(monkeypatch, tmp_path)
+    captures = []
+    begin = stand_in_ttnn.begin_trace_capture
+
+    def counted(*args, **kwargs):
+        captures.append(1)
+        return begin(*args, **kwargs)
+    monkeypatch.setattr(stand_in_ttnn, "begin_trace_capture", counted)
+    per_stage = {}
+
+    def counting(name, stage):
+        def run(s):
+            before = len(captures)
+            stage(s)
+            per_stage[name] = len(captures) - before
+        return run
+    stages = [(name, counting(name, stage)) for name, stage in tt_smoke.STAGES]
+    report = tt_smoke.run(smoke_config(tmp_path), tmp_path / "report.json", stages)
+    assert report["ok"], report["stages"][-1]
+    captured = {name: n for name, n in per_stage.items() if n}
+    assert list(captured) == ["compile and trace capture", "draft head on the device"], per_stage
+
+
 def test_a_failing_stage_stops_the_run(monkeypatch, tmp_path):
     stand_in_machine(monkeypatch, tmp_path)
     ran = []

@@ -178,6 +178,18 @@ MIN_CHAIN_STEPS = 32  # chain steps compared, over as many prompt prefixes as th
 SMOKE_REGION_MARGIN = 2.5
 
 
+def smoke_head_taps(config: DemoConfig, draft_head=None) -> tuple[int, ...]:
+    """The taps of the head the draft-head stage runs (smoke_head_folder's, or a random head's: the default taps)."""
+    from models.tt_transformers.checkpoints.checkpoint import resolve_checkpoint
+    from models.tt_transformers.checkpoints.eagle3_format import default_taps, read_head_config
+    from models.tt_transformers.checkpoints.model_shape import ModelShape
+
+    ckpt = resolve_checkpoint(config.model, "--model" if config.model else "HF_MODEL")
+    args = ModelShape.from_hf_config(ckpt.config)
+    folder = smoke_head_folder(config, ckpt, draft_head)
+    return tuple(read_head_config(folder, args).taps if folder is not None else default_taps(args.n_layers))
+
+
 def stages_region(config: DemoConfig, shape, draft_head=None, margin: float = SMOKE_REGION_MARGIN) -> int:
     """Trace region for the traces the stages add to the run's: the taps stage's (1 write pass, smoke_taps), and the
     head stage's (the target's steps with the head's taps and the head's own traces), with the margin."""
@@ -193,11 +205,8 @@ def stages_region(config: DemoConfig, shape, draft_head=None, margin: float = SM
     ckpt = resolve_checkpoint(config.model, "--model" if config.model else "HF_MODEL")
     args = ModelShape.from_hf_config(ckpt.config)
     devices, n = device_names_for(shape, os.environ.get("MESH_DEVICE")), shape[0] * shape[1]
-    from models.tt_transformers.checkpoints.eagle3_format import default_taps, read_head_config
-
     k = max(1, config.n_draft_tokens)
-    folder = smoke_head_folder(config, ckpt, draft_head)
-    head_taps = read_head_config(folder, args).taps if folder is not None else default_taps(args.n_layers)
+    head_taps = smoke_head_taps(config, draft_head)
     traces = model_trace_bytes(ckpt.name, devices, n, args.n_layers, args.n_layers, args.vocab_size, 1, 0,
                                smoke_taps(args.n_layers))
     traces += model_trace_bytes(ckpt.name, devices, n, args.n_layers, args.n_layers, args.vocab_size, k + 1, 0,
@@ -242,6 +251,16 @@ def eager_steps(s: Smoke) -> None:
 
 
 def compile_and_capture(s: Smoke) -> None:
+    """The run's programs, with every shape the later stages step kept planned (TtnnCausalLM.keep_planned: the
+    tapped states' step, the draft head's target steps, the run's own through the head stage's warm-up), compiled and
+    captured once here: no later stage releases and captures the target's traces again, but the head stage, whose
+    head is built (its weights allocated) with the traces live. The trace region is sized for all of them
+    (stages_region)."""
+    k = max(1, s.config.n_draft_tokens)
+    s.lm.keep_planned(k + 1, s.drafter.top_k, ())
+    if not s.galaxy():
+        s.lm.keep_planned(1, 0, smoke_taps(s.lm.n_layers))
+        s.lm.keep_planned(k + 1, 0, smoke_head_taps(s.config, s.draft_head))
     s.facts.update(SpeculativeGenerator(s.lm, s.drafter, s.config.n_draft_tokens).warm_up())
 
 
