@@ -92,8 +92,8 @@ TTNN_SETUP = status=0; bash tests/tt_mock/setup.sh $(TTNN_VENV) || status=$$?; \
 check-ttnn-api:
 	@$(TTNN_SETUP); $(TTNN_VENV)/bin/python tools/check_ttnn_api.py
 
-# Every ttnn call the project makes, through the real ttnn on tt-metal's Mock Device (a mock N150, N300 1x2 and T3K 1x8),
-# eagerly, at Llama-3.1-8B's and the embedded model's shapes (tests/tt_mock/run.py). .ci/run runs it.
+# Every ttnn call the project makes, through the real ttnn on tt-metal's Mock Device (a mock N150, N300 1x2, T3K 1x8
+# and Galaxy 8x4), eagerly, at Llama-3.1-8B's and the embedded model's shapes (tests/tt_mock/run.py). .ci/run runs it.
 tt-mock:
 	@$(TTNN_SETUP); $(TTNN_VENV)/bin/python -m tests.tt_mock.run $(ARGS)
 

@@ -117,6 +117,23 @@ def test_eager_mode_equals_traced_and_captures_nothing(tt, prompts, plain_output
     assert lm.compiled and not lm.traces
 
 
+def test_a_prefill_that_returns_a_pair_gives_the_same_token(tt, prompts):
+    """Review 3, F7: every TT-Transformers version read returns a bare tensor from prefill_forward_text; one that
+    returned (logits, ...) as its decode forward can stopped the prefill with an AttributeError. It is unwrapped as
+    the decode forward's output is (tt_surface.decode_logits)."""
+    import functools
+
+    lm = tt(1)
+    expected = lm.prefill(0, prompts[0]).ids
+    plain = lm.tt.generator.prefill_forward_text
+
+    @functools.wraps(plain)
+    def as_pair(*args, **kwargs):
+        return plain(*args, **kwargs), None
+    lm.tt.generator.prefill_forward_text = as_pair
+    assert lm.prefill(0, prompts[0]).ids == expected
+
+
 def test_a_failed_capture_is_ended_and_released(tt, prompts, monkeypatch):
     """A failure between begin and end of a capture ends and releases it before it is raised: the mesh is left with
     no open capture, and the next capture works."""

@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """`make tt-mock`: every ttnn call the project makes, through the real ttnn 0.81.1 on tt-metal's Mock Device (a mock
-N150, and mock N300 1x2 and T3K 1x8 meshes with FABRIC_1D; a model runs on the meshes its KV heads split over),
-eagerly (`--trace 0`: the Mock Device cannot capture traces).
+N150, mock N300 1x2 and T3K 1x8 meshes with FABRIC_1D, and a mock Galaxy 8x4 (32 Wormhole chips, MESH_DEVICE TG)
+with FABRIC_1D_RING, as a 6U Galaxy runs; a model runs on the meshes its KV heads split over), eagerly (`--trace 0`:
+the Mock Device cannot capture traces).
 
 The backend is built as the demo builds it (device.open_mesh, model.build_tt_model, TtnnCausalLM, TtnnDraftHead)
 over tests/tt_mock/tt_transformers.py (a TEST DOUBLE of TT-Transformers on real ttnn tensors), at the shapes of
@@ -18,11 +19,16 @@ TT-Transformers' attention ops (paged SDPA decode over each verify row's positio
 SDPA) on the real ttnn as well. Readback is all zeros there: the ids
 are not checked, the calls are.
 
+On the Galaxy the backend runs what it runs there (run_galaxy_shape): Llama-3.1-8B (8 KV heads, one a device over the
+mesh rows; SmolLM2's 3 do not split there) with a step's rows in one mesh column's 8 users (max_step_rows 8, the
+positions, page table and write passes split over the columns), the logits gathered as TT-Transformers gathers them on
+a Galaxy, prefill and recycling's top k; what it refuses there by design is checked to be refused in one line (a batch
+or a step larger than a mesh column, the taps a device draft head needs, a speculative serving launch).
+
 Each mesh runs in its own process (the mock cluster is chosen by an environment variable before ttnn loads). A call
 is counted where the project's own code (models/tt_transformers) makes it; the double's calls are reported apart.
-Prints one line per case and ends with `tt-mock: <n> calls through ttnn 0.81.1 on mock N150, N300 1x2 and T3K 1x8,
-<f>
-failures`; exit status 1 on any failure.
+Prints one line per case and ends with `tt-mock: <n> calls through ttnn 0.81.1 on mock N150, N300 1x2, T3K 1x8 and
+Galaxy 8x4, <f> failures`; exit status 1 on any failure.
 """
 import argparse
 import json
@@ -40,7 +46,13 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 PROJECT = str(REPO / "models" / "tt_transformers")
 MESHES = {"N150": ("wormhole_N150.yaml", (1, 1)), "N300": ("wormhole_N300.yaml", (1, 2)),
-          "T3K": ("wormhole_T3K.yaml", (1, 8))}
+          "T3K": ("wormhole_T3K.yaml", (1, 8)), "Galaxy": ("wormhole_galaxy.yaml", (8, 4))}
+# The MESH_DEVICE a mesh opens as (device.MESH_SHAPES, from tt-metal's own table): its name, but TG for the Wormhole
+# Galaxy (8 x 4)
+MESH_DEVICE = {"Galaxy": "TG"}
+# A Galaxy step's rows: one mesh column's users (tt/attention.py batch_size_per_device_group = 32 // (32 // 8 KV
+# heads); the backend's max_step_rows, tt_surface.mesh_column_rows)
+GALAXY_COLUMN_USERS = 8
 # HF config.json fields the double's ModelArgs and our torch ModelArgs read
 LLAMA_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
             "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
@@ -168,6 +180,97 @@ def exercise(lm, head, taps, dim: int) -> None:
     lm.step([UserRows(0, [3], len(prompt) + N_DRAFT + 1)])  # a plain decode step
 
 
+def refused(call, message: str) -> None:
+    """`call` raises ValueError with the one line `message` begins (a refusal by design, not a failure)."""
+    try:
+        call()
+    except ValueError as e:
+        if not str(e).startswith(message) or "\n" in str(e):
+            raise AssertionError(f"refused with another message: {e!r} (expected one line from {message!r})") from e
+        return
+    raise AssertionError(f"not refused: expected {message!r}")
+
+
+def run_galaxy_shape(mesh, name: str, config: dict, max_seq_len: int, batch: int, form: str, work: Path) -> None:
+    """One model shape on a Galaxy, what the backend runs there: the target (its double's ttnn_decode_forward of the
+    given form, the logits gathered as TT gathers them on a Galaxy) through every program a run without taps plans,
+    TT's prefill, a verify step of two users in one mesh column's rows (5 + 3 = max_step_rows, logits and top k) and
+    a plain step. Refused by design, each with one line: a batch larger than a mesh column's users, a step of more
+    rows, and the draft head's taps (in the warm-up, a prefill and a step: the device head needs them)."""
+    import ttnn
+
+    from models.tt_transformers.checkpoints.eagle3_format import default_taps
+    from models.tt_transformers.speculative.backend import UserRows
+    from models.tt_transformers.ttnn_backend.causal_lm import TtnnCausalLM
+    from models.tt_transformers.ttnn_backend.model import build_tt_model
+    from models.tt_transformers.ttnn_backend.traces import MeshTraces
+    from tests.tt_mock import tt_transformers
+
+    built = tt_transformers.Transformer
+    tt_transformers.Transformer = {"C": built, "A/B": tt_transformers.TransformerAB}[form]
+    try:
+        tt = build_tt_model(mesh, checkpoint(work, name, config), name, batch, max_seq_len, True)
+    finally:
+        tt_transformers.Transformer = built
+    mesh_traces = MeshTraces(mesh)
+    refused(lambda: TtnnCausalLM(tt, 32, max_seq_len, mesh_traces=mesh_traces, trace=False),
+            f"--batch_size 32: on a Galaxy a decode step's rows must sit in one mesh column's {GALAXY_COLUMN_USERS} "
+            "users")
+    lm = TtnnCausalLM(tt, batch, max_seq_len, mesh_traces=mesh_traces, trace=False)
+    try:
+        assert lm.max_step_rows == GALAXY_COLUMN_USERS, lm.max_step_rows
+        taps = default_taps(config["num_hidden_layers"])  # an EAGLE-3 head's (random_head's) taps
+        refused(lambda: lm.warm_up(N_DRAFT + 1, 4, taps), "taps on a Galaxy: ")
+        lm.warm_up(N_DRAFT + 1, 4, ())  # a run without a draft head: recycling's top k
+        lm.prepare_traces()
+        prompt = list(range(1, 41))
+        users = list(range(min(batch, 2)))
+        for user in users:
+            lm.prefill(user, prompt)
+        refused(lambda: lm.prefill(users[0], prompt, taps=taps), "taps on a Galaxy: ")
+        rows = [UserRows(0, [7, 8, 9, 10, 11], len(prompt)), UserRows(1, [7, 8, 9], len(prompt))][: len(users)]
+        step = lm.step(rows, logits=True, top_k=4)
+        assert [len(ids) for ids in step.ids] == [len(r.tokens) for r in rows]
+        inputs = lm.inputs.step  # each device holds its mesh column's 8 rows of the positions, page table and passes
+        for tensor in (inputs.current_pos, inputs.page_table, *inputs.pass_positions):
+            shapes = {tuple(t.shape) for t in ttnn.get_device_tensors(tensor)}
+            assert {shape[0] for shape in shapes} == {GALAXY_COLUMN_USERS}, shapes
+        refused(lambda: lm.step(rows, taps=taps), "taps on a Galaxy: ")
+        refused(lambda: lm.step([UserRows(0, [7] * (GALAXY_COLUMN_USERS + 1), len(prompt))]),
+                f"a step of {GALAXY_COLUMN_USERS + 1} rows does not fit one Galaxy mesh column's rows")
+        lm.step([UserRows(0, [3], len(prompt) + N_DRAFT + 1)])  # a plain decode step
+    finally:
+        lm.release()
+
+
+def serving_refused(mesh) -> None:
+    """The serving class on a Galaxy with a speculative config: refused in one line before anything is built
+    (serving/ttnn_model.py SpecDecodeModel.initialize_vllm_model), over a stand-in for TT-Transformers' vLLM class
+    with its initialize_vllm_model signature (generator_vllm.py) that records whether it was called."""
+    from types import SimpleNamespace
+
+    from models.tt_transformers.serving.contract import MODEL_OWNED_DRAFTER
+    from models.tt_transformers.serving.ttnn_model import SpecDecodeModel
+
+    built = []
+
+    class TTClass:
+        @classmethod
+        def initialize_vllm_model(cls, hf_config, mesh_device, max_batch_size, max_seq_len, n_layers=None,
+                                  tt_data_parallel=1, optimizations="performance"):
+            built.append(mesh_device)
+
+    speculative = SimpleNamespace(method="custom_class", model=MODEL_OWNED_DRAFTER, num_speculative_tokens=7)
+    vllm_config = SimpleNamespace(speculative_config=speculative,
+                                  scheduler_config=SimpleNamespace(max_num_seqs=4),
+                                  model_config=SimpleNamespace(max_model_len=1024))
+    cls = type("SpecLlamaForCausalLM", (SpecDecodeModel, TTClass), {})
+    refused(lambda: cls.initialize_vllm_model(SimpleNamespace(_name_or_path="Llama-3.1-8B-Instruct"), mesh, 4, 1024,
+                                              vllm_config=vllm_config),
+            "speculative decoding on a Galaxy is not served yet: ")
+    assert not built, "TT-Transformers' class was built before the refusal"
+
+
 VLLM_BLOCK = 64  # vLLM's KV block size on TT (the plugin's default --block_size)
 
 
@@ -259,13 +362,30 @@ def bfp8_storage() -> None:
 def on_mesh(shapes: list, mesh) -> list:
     """The shapes whose KV heads split evenly over the mesh's devices: TT-Transformers' attention gives each device
     n_kv_heads // num_devices of them (SmolLM2's 3 do not split over a T3K's 8; real ttnn's SDPA refuses the 0 left,
-    sdpa_device_operation.cpp: nkv > 0 && nqh >= nkv && nqh % nkv == 0)."""
+    sdpa_device_operation.cpp: nkv > 0 && nqh >= nkv && nqh % nkv == 0). On a Galaxy (32 devices) it splits them over
+    the 8 mesh rows instead, one group of users per mesh column (tt/attention.py@5cd1b56c: num_devices_per_group =
+    n_kv_heads, num_device_groups = num_devices // n_kv_heads, its slice_mat picking 8 users for each of the 4
+    columns): the models with as many KV heads as the mesh has rows."""
     devices = mesh.get_num_devices()
+    if devices == 32:
+        return [shape for shape in shapes if shape[1]["num_key_value_heads"] == mesh.shape[0]]
     return [shape for shape in shapes if shape[1]["num_key_value_heads"] % devices == 0]
 
 
+def mesh_env(mesh_name: str, jit: str) -> dict:
+    """The environment a mesh's worker runs in: the mock cluster (chosen before ttnn loads), the JIT cache."""
+    return {"ARCH_NAME": "wormhole_b0", "TT_METAL_MOCK_CLUSTER_DESC_PATH": str(HERE / MESHES[mesh_name][0]),
+            "TT_METAL_CACHE": os.environ.get("TT_METAL_CACHE", jit + "/"), "PYTHONPATH": str(REPO),
+            "TT_METAL_LOGGER_LEVEL": os.environ.get("TT_METAL_LOGGER_LEVEL", "WARNING")}
+
+
 def worker(mesh_name: str, out: Path) -> int:
-    """The cases on one mock mesh; a JSON summary written to `out` (tt-metal logs to stdout)."""
+    """The cases on one mock mesh; a JSON summary written to `out` (tt-metal logs to stdout). Run by hand (`--mesh
+    NAME --summary FILE`, no mock cluster set) it sets its mesh's environment itself, the JIT cache in a temporary
+    folder removed when it exits unless TT_METAL_CACHE names one."""
+    if "TT_METAL_MOCK_CLUSTER_DESC_PATH" not in os.environ:
+        jit = None if "TT_METAL_CACHE" in os.environ else tempfile.TemporaryDirectory(prefix="tt-mock-jit-")
+        os.environ.update(mesh_env(mesh_name, jit.name if jit else ""))
     import ttnn
 
     from models.tt_transformers.ttnn_backend import device
@@ -278,16 +398,28 @@ def worker(mesh_name: str, out: Path) -> int:
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["TT_CACHE_PATH"] = tmp
-        with device.open_mesh(mesh_name, trace_region_size=50_000_000) as mesh:
+        name_as = MESH_DEVICE.get(mesh_name, mesh_name)
+        assert device.mesh_shape(name_as) == MESHES[mesh_name][1], (name_as, device.mesh_shape(name_as))
+        with device.open_mesh(name_as, trace_region_size=50_000_000) as mesh:
+            galaxy = tuple(mesh.shape) == (8, 4)
             cases = [(f"{mesh_name} negative control (a refused matmul)", partial(negative_control, mesh)),
                      (f"{mesh_name} bfloat8_b storage (bfp8_round = ttnn's host conversion)", bfp8_storage),
                      (f"{mesh_name} speculative primitives (measured, not adopted)",
                       partial(primitives.measure, mesh))]
             for name, config, max_seq_len, batch, draft_vocab, form in on_mesh(SHAPES, mesh):
+                if galaxy:  # a step's rows in one mesh column: no taps, no device head, no more users than its rows
+                    batch = min(batch, GALAXY_COLUMN_USERS)
+                    cases.append((f"{mesh_name} {name} max_seq_len {max_seq_len} batch {batch}, decode form {form} "
+                                  "(no taps or device head: refused on a Galaxy)",
+                                  partial(run_galaxy_shape, mesh, name, config, max_seq_len, batch, form, Path(tmp))))
+                    continue
                 cases.append((f"{mesh_name} {name} max_seq_len {max_seq_len} batch {batch}, decode form {form}",
                               partial(run_shape, mesh, name, config, max_seq_len, batch, draft_vocab, form,
                                       Path(tmp))))
-            for name, config, max_seq_len, k in on_mesh(SERVING, mesh):
+            if galaxy:
+                cases.append((f"{mesh_name} serving with a speculative config (refused on a Galaxy)",
+                              partial(serving_refused, mesh)))
+            for name, config, max_seq_len, k in (() if galaxy else on_mesh(SERVING, mesh)):
                 cases.append((f"{mesh_name} {name} serving verify on vLLM's cache (blocks of {VLLM_BLOCK}), K={k}",
                               partial(serving_verify, mesh, name, config, max_seq_len, k, Path(tmp))))
             for case, run in cases:
@@ -314,10 +446,8 @@ def main(argv=None) -> int:
         return worker(args.mesh, Path(args.summary))
     summaries, failures, calls = [], 0, Counter()
     with tempfile.TemporaryDirectory() as jit:
-        for mesh_name, (descriptor, _) in MESHES.items():
-            env = {**os.environ, "ARCH_NAME": "wormhole_b0", "TT_METAL_MOCK_CLUSTER_DESC_PATH": str(HERE / descriptor),
-                   "TT_METAL_CACHE": os.environ.get("TT_METAL_CACHE", jit + "/"), "PYTHONPATH": str(REPO),
-                   "TT_METAL_LOGGER_LEVEL": os.environ.get("TT_METAL_LOGGER_LEVEL", "WARNING")}
+        for mesh_name in MESHES:
+            env = {**os.environ, **mesh_env(mesh_name, jit)}
             out = Path(jit) / f"{mesh_name}.json"
             done = subprocess.run([sys.executable, "-m", "tests.tt_mock.run", "--mesh", mesh_name, "--summary", str(out)],
                                   cwd=jit, env=env, capture_output=True, text=True)  # tt-metal writes generated/ here
@@ -342,8 +472,8 @@ def main(argv=None) -> int:
                                                                   for n, c in sorted(calls.items())))
     if args.json:
         Path(args.json).write_text(json.dumps(summaries, indent=1))
-    print(f"tt-mock: {sum(calls.values())} calls through ttnn 0.81.1 on mock N150, N300 1x2 and T3K 1x8, "
-          f"{failures} failures")
+    print(f"tt-mock: {sum(calls.values())} calls through ttnn 0.81.1 on mock N150, N300 1x2, T3K 1x8 and "
+          f"Galaxy 8x4, {failures} failures")
     return 1 if failures else 0
 
 

@@ -39,6 +39,16 @@ Mirrored from tt-metal's sources (the pinned v0.81.1 is not in the searchable in
   max_prefill_chunk_size (tt/model_config.py's table: 4k on N150 for Llama-3.1-8B), the page table padded with zeros
   and each chunk's slice of it paging the fill, as the stand-in's mirror; the layers run on x [1, 1, S, dim /
   devices] in DRAM (the taps' prefill reads), the last token's logits to the host.
+- On a Galaxy (32 devices, 8 x 4; the paths the backend takes there, each rule commented where it is made): the
+  decode residual L1 interleaved (model_config.py DECODE_RESIDUAL_MEMCFG) and not moved before each layer
+  (tt/model.py forward); the attention's KV heads one a device over the mesh rows and each mesh column's 8 users
+  (tt/attention.py@5cd1b56c __init__: num_devices_per_group, batch_size_per_device_group), the SDPA output over 8
+  cores (SCORES_BATCHED_MM_OUTPUT_MEMCFG); the positions and page-table rows split over the mesh columns
+  (tt/model.py@5cd1b56c prepare_decode_inputs_host); the logits gathered along cluster axis 0 and untilized in place
+  (tt/model.py@5cd1b56c ttnn_decode_forward; the LM head's output split over the mesh rows in L1, tt/lm_head.py);
+  every column's cache filled by a paged prefill (the 2026 attention.py); ccl.py get_num_links' TG (4, 3) and
+  model_config.py ccl_topology (Linear). Its weights' CCLs (the QKV all-reduce, the user-selection matmul, the output
+  all-reduce) are not modelled, as nowhere here.
 One KV-cache pair is shared by every layer (the shapes and configs are what is checked; 32 layers of an 8B cache at
 8,192 positions would not fit the mock device's DRAM). Every layer runs its decode attention (the backend counts each
 layer's ordered cache writes when it compiles a step); in prefill only the first and last layers run attention
@@ -109,13 +119,26 @@ class ModelArgs:
         return ttnn.CoreGrid(x=cols, y=rows)
 
     def get_residual_mem_config(self, mode, prefetcher=None):
-        """The decode residual: WIDTH-sharded in L1 over dram_shard_core_grid_for_k(dim / devices); prefill: DRAM."""
+        """The decode residual: WIDTH-sharded in L1 over dram_shard_core_grid_for_k(dim / devices), on a Galaxy L1
+        interleaved (model_config.py DECODE_RESIDUAL_MEMCFG: `ttnn.L1_MEMORY_CONFIG  # FIXME: when residual add
+        support typecasting for sharded tensors` if self.is_galaxy); prefill: DRAM."""
         if mode != Mode.DECODE:
             return ttnn.DRAM_MEMORY_CONFIG
+        if self.is_galaxy:
+            return ttnn.L1_MEMORY_CONFIG
         grid = self.dram_shard_core_grid_for_k(self.dim // self.num_devices)
         return ttnn.create_sharded_memory_config(
             (self.tile_padded_batch_rows, self.dim // grid.num_cores // self.num_devices), grid,
             ttnn.ShardStrategy.WIDTH, ttnn.ShardOrientation.ROW_MAJOR, use_height_and_width_as_shard_shape=True)
+
+    def ccl_topology(self):
+        """tt/model_config.py ModelArgs.ccl_topology as several versions read have it: Ring on a T3K (`num_devices
+        == 8 and os.getenv("ACTUAL_DEVICE", "") != "TG"`), Linear on every other mesh of several devices (a Galaxy
+        included), None on one device. A later version keys it on ttnn.cluster.get_cluster_type() (its Galaxy branch
+        not read to the end)."""
+        if self.num_devices == 8:
+            return ttnn.Topology.Ring
+        return ttnn.Topology.Linear if self.num_devices > 1 else None
 
     def get_state_dict_prefix(self, module_name, layer_num, is_vision=False):
         module_map = {"MLP": "feed_forward", "Attention": "attention", "TransformerBlock": "", "": ""}
@@ -142,8 +165,11 @@ class TT_CCL(stand_in.TT_CCL):
         self.ag = [[[ttnn.create_global_semaphore(mesh_device, cores, 0) for _ in range(2)] for _ in range(2)]
                    for _ in range(3)]
 
-    def get_num_links(self, cluster_axis=None):  # ccl.py get_num_links: N150 (0, 0), N300 and T3K (1, 1)
-        return {"N150": 0, "N300": 1, "T3K": 1}[determine_device_name(self.mesh_device)]
+    def get_num_links(self, cluster_axis=None):
+        """ccl.py get_num_links: links per (axis 0, axis 1), N150 (0, 0), N300 and T3K (1, 1), TG (4, 3); the
+        smaller of the two without an axis."""
+        links = {"N150": (0, 0), "N300": (1, 1), "T3K": (1, 1), "TG": (4, 3)}[determine_device_name(self.mesh_device)]
+        return links[cluster_axis] if cluster_axis in (0, 1) else min(links)
 
 
 def tt_all_gather(input_tensor, mesh_device, tt_ccl, cluster_axis, dim, num_links=None, memory_config=None,
@@ -176,6 +202,13 @@ def replicated(mesh_device, t: torch.Tensor, dtype, layout=ttnn.TILE_LAYOUT, mem
                            mesh_mapper=ttnn.ReplicateTensorToMesh(mesh_device))
 
 
+def num_to_corerange(x: int):
+    """tt/model_config.py num_to_corerange: x cores from (0, 0), rows of 8."""
+    assert x < 8 or x % 8 == 0
+    num_x = min(x, 8)
+    return ttnn.CoreRange(ttnn.CoreCoord(0, 0), ttnn.CoreCoord(num_x - 1, x // num_x - 1))
+
+
 def sdpa_prefill_config(seq_len: int):
     """tt/model_config.py SDPA_PROGCFG(seqlen): "Chunk values based on what works best empirically"."""
     return ttnn.SDPAProgramConfig(compute_with_storage_grid_size=(8, 8), exp_approx_mode=False,
@@ -191,8 +224,18 @@ class Attention(LightweightModule):
                  prefetcher=None):
         configuration.get_state_dict_prefix(self.__class__.__name__, layer_num)  # KeyError for an unknown class name
         self.mesh_device, self.args, self.use_qk_fused = mesh_device, args, configuration.use_qk_fused
-        self.n_local_heads = args.n_heads // args.num_devices
-        self.n_local_kv_heads = args.n_kv_heads // args.num_devices
+        # tt/attention.py@5cd1b56c Attention.__init__: on a TG (32 devices) each mesh row holds one group of the KV
+        # heads (num_devices_per_group = n_kv_heads: one KV head a device for 8) and each of the num_devices //
+        # n_kv_heads groups (a mesh column) computes its own batch_size_per_device_group users of the 32-row tile;
+        # elsewhere every device holds n_kv_heads / devices heads of every user
+        self.num_devices = args.num_devices
+        self.TG = self.num_devices == 32
+        self.num_device_groups = self.num_devices // args.n_kv_heads
+        self.num_devices_per_group = args.n_kv_heads if self.TG else self.num_devices
+        self.batch_size_per_device_group = (max(args.max_batch_size // self.num_device_groups, 1) if self.TG
+                                            else args.max_batch_size)
+        self.n_local_heads = args.n_heads // self.num_devices_per_group
+        self.n_local_kv_heads = args.n_kv_heads // self.num_devices_per_group
         self.scale = args.head_dim ** -0.5
         shape = (paged_attention_config.max_num_blocks, self.n_local_kv_heads, paged_attention_config.block_size,
                  args.head_dim)
@@ -212,9 +255,13 @@ class Attention(LightweightModule):
         return replicated(self.mesh_device, torch.zeros(1, 1, rows, heads), ttnn.bfloat16, memory_config=memory_config)
 
     def forward_decode(self, x, current_pos, rot_mats=None, page_table=None, kv_cache=None):
+        # the fused qkv reshaped to (1, 1, batch_size_per_device_group, qkv) padded to 32 rows (tt/attention.py
+        # forward_decode): the tile on one device or a 1 x N mesh; on a TG the 8 rows of the device's mesh column
+        # (its slice_mat matmul keeps column c's users c * 8 .. c * 8 + 7), whose positions and page-table rows
+        # prepare_decode_inputs_host sent to that column
         q, k, v = ttnn.experimental.nlp_create_qkv_heads_decode(
-            self._qkv(32, ttnn.L1_MEMORY_CONFIG), num_heads=self.n_local_heads, num_kv_heads=self.n_local_kv_heads,
-            memory_config=ttnn.L1_HEIGHT_SHARDED_MEMORY_CONFIG)
+            self._qkv(self.batch_size_per_device_group, ttnn.L1_MEMORY_CONFIG), num_heads=self.n_local_heads,
+            num_kv_heads=self.n_local_kv_heads, memory_config=ttnn.L1_HEIGHT_SHARDED_MEMORY_CONFIG)
         keys, values = kv_cache if kv_cache else self.layer_past
         if self.use_qk_fused:
             ttnn.experimental.paged_fused_update_cache(keys, k, values, v, update_idxs_tensor=current_pos,
@@ -226,9 +273,12 @@ class Attention(LightweightModule):
             q, keys, values, cur_pos_tensor=current_pos, page_table_tensor=page_table, scale=self.scale,
             program_config=self.sdpa_decode_program, compute_kernel_config=self.sdpa_compute,
             memory_config=ttnn.DRAM_MEMORY_CONFIG)
-        # SCORES_BATCHED_MM_OUTPUT_MEMCFG: a user's heads per core, height-sharded
-        users = ttnn.create_sharded_memory_config((32, self.args.head_dim), ttnn.CoreGrid(y=4, x=8),
-                                                  ttnn.ShardStrategy.HEIGHT, use_height_and_width_as_shard_shape=True)
+        # tt/model_config.py SCORES_BATCHED_MM_OUTPUT_MEMCFG(batch_size_per_device_group): a user's heads (padded to
+        # a tile) per core, height-sharded over num_to_corerange(users): 32 cores, or 8 on a TG
+        users = ttnn.create_sharded_memory_config(
+            (math.ceil(self.n_local_heads / 32) * 32, self.args.head_dim),
+            ttnn.CoreRangeSet({num_to_corerange(self.batch_size_per_device_group)}), ttnn.ShardStrategy.HEIGHT,
+            ttnn.ShardOrientation.ROW_MAJOR, use_height_and_width_as_shard_shape=True)
         ttnn.experimental.nlp_concat_heads_decode(ttnn.to_memory_config(attn, users), num_heads=self.n_local_heads)
         return x
 
@@ -241,6 +291,8 @@ class Attention(LightweightModule):
             num_kv_heads=self.n_local_kv_heads, transpose_k_heads=False, memory_config=ttnn.DRAM_MEMORY_CONFIG)
         keys, values = kv_cache if kv_cache else self.layer_past
         k, v = (ttnn.typecast(t, dtype=ttnn.bfloat8_b) for t in (k, v))  # "paged_fill_cache ... requires matching"
+        # on a TG with a page table, every mesh column's cache is filled (the 2026 form: `if self.TG and not
+        # page_table:` before prefill_prepare_tensor_for_kv_cache, which only the unpaged fill takes)
         fill_page_table = chunk_page_table if chunk_page_table is not None else page_table
         page_len = fill_page_table.shape[1] * keys.shape[2]
         for cache, t in ((keys, k), (values, v)):
@@ -330,11 +382,14 @@ class Transformer(LightweightModule):
         rot = torch.maximum(current_pos, torch.tensor(0, dtype=torch.int64))
         rope_idxs = ttnn.from_torch(torch.nn.functional.pad(rot.view(1, -1), (0, 32 - len(rot))), device=None,
                                     dtype=ttnn.uint32, mesh_mapper=ttnn.ReplicateTensorToMesh(self.mesh_device))
+        # tt/model.py@5cd1b56c: on a Galaxy the positions and the page table's rows are split over the mesh columns
+        # (`dims=(None, 0) if (self.args.is_galaxy and B > 1)`, `(None, -2)` for the page table), replicated elsewhere
+        galaxy = self.args.is_galaxy and B > 1
         current_pos_tt = ttnn.from_torch(current_pos, device=None, dtype=ttnn.int32, mesh_mapper=self._mapper(
-            (None, None)))
+            (None, 0) if galaxy else (None, None)))
         if page_table is not None:
             page_table = ttnn.from_torch(page_table, device=None, dtype=ttnn.int32, mesh_mapper=self._mapper(
-                (None, None)))
+                (None, -2) if galaxy else (None, None)))
         return tokens, current_pos_tt, rope_idxs, page_table
 
     def _residual(self, rows: int, mode):
@@ -369,6 +424,14 @@ class Transformer(LightweightModule):
         TILE)."""
         self.forward(self._residual(32, Mode.DECODE), current_pos, rot_mats_global=rot_mat_idxs, mode=Mode.DECODE,
                      page_table=page_table, kv_cache=kv_cache)
+        if self.args.is_galaxy:
+            # a Galaxy's LM head output in L1 (tt/lm_head.py LMHead.forward concatenates into L1_MEMORY_CONFIG, its
+            # tt_all_reduce along cluster axis 1 keeps output.memory_config()), its columns split over the 8 mesh
+            # rows and alike along a row: inferred, as tt/model.py@5cd1b56c gathers them along cluster axis 0 only
+            # (ttnn_decode_forward) and process_output_decode reads device 0's copy as the whole vocabulary
+            return ttnn.from_torch(torch.zeros(1, 1, 32, self.lm_head_width), dtype=ttnn.bfloat8_b,
+                                   layout=ttnn.TILE_LAYOUT, device=self.mesh_device,
+                                   memory_config=ttnn.L1_MEMORY_CONFIG, mesh_mapper=self._mapper((3, None)))
         return ttnn.from_torch(torch.zeros(1, 1, 32, self.lm_head_width), dtype=ttnn.bfloat8_b,
                                layout=ttnn.TILE_LAYOUT, device=self.mesh_device,
                                memory_config=ttnn.DRAM_MEMORY_CONFIG, mesh_mapper=self._mapper((None, 3)))
@@ -380,6 +443,17 @@ class Transformer(LightweightModule):
         return logits
 
     def _gathered(self, logits):
+        if self.args.is_galaxy:
+            # tt/model.py@5cd1b56c ttnn_decode_forward on a Galaxy: all_gather_async along cluster axis 0 (num_links
+            # 2, the logits' own memory config, ModelArgs.ccl_topology()), then untilize, left where it is (`if not
+            # self.args.is_galaxy:` guards the move to DRAM)
+            logits = ttnn.experimental.all_gather_async(
+                logits, persistent_output_buffer=None, dim=3,
+                multi_device_global_semaphore=self.tt_ccl.get_and_cycle_ag_semaphore_handles(0), num_links=2,
+                memory_config=logits.memory_config(), cluster_axis=0, topology=self.args.ccl_topology(),
+                barrier_semaphore=self.tt_ccl.get_and_cycle_barrier_semaphore_handle(0), chunks_per_sync=10,
+                num_workers_per_link=2, num_buffers_per_channel=2)
+            return ttnn.untilize(logits, use_multicore=True)
         if self.args.num_devices > 1:
             logits = tt_all_gather(logits, self.mesh_device, self.tt_ccl, None, 3)
         return ttnn.untilize(logits, use_multicore=True, memory_config=ttnn.DRAM_MEMORY_CONFIG)

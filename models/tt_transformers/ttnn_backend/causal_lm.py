@@ -142,6 +142,7 @@ class TtnnCausalLM:
                                  self.num_devices)
         self.ladder = pass_ladder(TILE_ROWS)  # until warm_up plans the run's
         self.planned: set[TraceKey] = set()  # (write passes, top k, taps) of every program a run uses
+        self.kept: set[TraceKey] = set()  # programs planned through every later run's plan (keep_planned)
         self.compiled: set[TraceKey] = set()  # the planned programs already run once (kernels built)
         self.prefilled = False  # TT's prefill warm-up (its first prefill_forward_text) has run
         self.prefill_warmed = False  # _warm_up_prefill has run (its programs stay in the mesh's program cache)
@@ -185,10 +186,17 @@ class TtnnCausalLM:
             self._warm_up_prefill()
         self.ladder = pass_ladder(max_rows_per_user)
         # a run's plan replaces an earlier run's (their traces are released when the mesh's are next made): runs in
-        # sequence on one model never hold more traces than the most demanding of them
-        self.planned = set(trace_keys(max_rows_per_user, top_k, taps, logits))
+        # sequence on one model never hold more traces than the most demanding of them, and what keep_planned keeps
+        self.planned = set(trace_keys(max_rows_per_user, top_k, taps, logits)) | self.kept
         self.mesh_traces.check_region()
         return {"compile_prefill": time.perf_counter() - start, "compile_decode": 0.0}
+
+    def keep_planned(self, max_rows_per_user: int, top_k: int, taps: Sequence[int], logits: bool = False) -> None:
+        """Keep the programs of a run with these settings planned through every later warm-up, whatever that run plans:
+        a session that knows each shape it will step (make tt-smoke) captures every trace once, where otherwise each
+        run whose plan differs releases and captures the mesh's traces again. Their traces stay live beside every
+        run's: the trace region must hold them all."""
+        self.kept |= set(trace_keys(max_rows_per_user, top_k, self._check_taps(taps), logits))
 
     def _warm_up_prefill(self) -> None:
         """TT's prefill warm-up (its first prefill_forward_text sweeps the lengths of
@@ -289,7 +297,7 @@ class TtnnCausalLM:
                 generator.prefill_forward_text, page_table=self.tt.page_table[user : user + 1],
                 kv_cache=[self.tt.kv_cache], prompt_lens=[len(tokens)], empty_slots=[user], enable_trace=False))
         self.mesh_traces.remake_after(programs, f"a prefill of {len(tokens)} tokens")
-        row = out.reshape(-1)[: self.vocab_size].float().view(1, -1)
+        row = decode_logits(out).reshape(-1)[: self.vocab_size].float().view(1, -1)
         states = [prompt_taps(capture.outputs, taps, len(tokens))] if taps else None
         return StepOutput([row.argmax(dim=-1).tolist()], [row] if logits else None, hidden=states)
 

@@ -45,7 +45,9 @@ def can_keep_shares(model) -> bool:
 def decode_logits(out):
     """The logits tensor of what ttnn_decode_forward returned: `(logits, None)` (B and C on the gathered path), a bare
     tensor (A on every path, B and C with the device-share keywords), or a list of such pairs (Generator's no-trace
-    path wraps them per data-parallel model)."""
+    path wraps them per data-parallel model). Also prefill_forward_text's: a bare tensor in every version read
+    (generator.py@87700c07 returns output_tensor without sampling parameters), unwrapped the same way should one
+    return a pair."""
     while isinstance(out, (tuple, list)):
         out = out[0]
     return out

@@ -28,6 +28,7 @@ import importlib
 import importlib.metadata
 import json
 import os
+import subprocess
 import sys
 import time
 import traceback
@@ -110,6 +111,24 @@ def import_ttnn(s: Smoke) -> None:
     except importlib.metadata.PackageNotFoundError:  # a tt-metal build on PYTHONPATH, not a pip install
         version = "not installed as a package"
     s.facts.update(ttnn=version, tt_transformers=str(Path(model.__file__).parent))
+    checkout = tt_metal_version(Path(model.__file__).resolve().parents[3])
+    s.facts["tt_metal"] = checkout
+    if not checkout.startswith(TT_METAL_PIN):
+        logger.warning(f"tt-metal checkout {checkout}, not {TT_METAL_PIN} (the backend is pinned to it): a failure in "
+                       "a later stage may be TT-Transformers' drift; send this line with the report")
+
+
+TT_METAL_PIN = "v0.81.1"  # the tt-metal release of the ttnn 0.81.1 wheel (README, "On a Tenstorrent machine")
+
+
+def tt_metal_version(root: Path) -> str:
+    """`git describe --tags` of the tt-metal checkout TT-Transformers is imported from, or why it is not known."""
+    try:
+        done = subprocess.run(["git", "-C", str(root), "describe", "--tags"], capture_output=True, text=True,
+                              timeout=30)
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"unknown ({type(e).__name__})"
+    return done.stdout.strip() if done.returncode == 0 else f"unknown (not a git checkout: {root})"
 
 
 def smoke_taps(n_layers: int) -> tuple[int, ...]:
@@ -153,10 +172,22 @@ MIN_CHAIN_STEPS = 32  # chain steps compared, over as many prompt prefixes as th
 
 
 # The smoke opens the mesh with the traces' estimate (trace_plan.py: TT's per-model region scaled by op counts, never
-# measured on a device) x 1.5, where the demo uses x 1.25: a first run on a device is the one that finds out how far
-# off the estimate is, and the extra costs little DRAM (Llama-3.1-8B on N150: 542 MB instead of 452, of 12 GB). Traces
-# that still outgrow it stop the run with the size to pass (--trace_region_size).
-SMOKE_REGION_MARGIN = 1.5
+# measured on a device) x 2.5, where the demo uses x 1.25: a first run on a device is the one that finds out how far
+# off the estimate is, and the extra costs DRAM the smoke does not use (Llama-3.1-8B on N150: docs/ttnn_backend.md).
+# Traces that still outgrow it stop the run with the size to pass (--trace_region_size).
+SMOKE_REGION_MARGIN = 2.5
+
+
+def smoke_head_taps(config: DemoConfig, draft_head=None) -> tuple[int, ...]:
+    """The taps of the head the draft-head stage runs (smoke_head_folder's, or a random head's: the default taps)."""
+    from models.tt_transformers.checkpoints.checkpoint import resolve_checkpoint
+    from models.tt_transformers.checkpoints.eagle3_format import default_taps, read_head_config
+    from models.tt_transformers.checkpoints.model_shape import ModelShape
+
+    ckpt = resolve_checkpoint(config.model, "--model" if config.model else "HF_MODEL")
+    args = ModelShape.from_hf_config(ckpt.config)
+    folder = smoke_head_folder(config, ckpt, draft_head)
+    return tuple(read_head_config(folder, args).taps if folder is not None else default_taps(args.n_layers))
 
 
 def stages_region(config: DemoConfig, shape, draft_head=None, margin: float = SMOKE_REGION_MARGIN) -> int:
@@ -174,11 +205,8 @@ def stages_region(config: DemoConfig, shape, draft_head=None, margin: float = SM
     ckpt = resolve_checkpoint(config.model, "--model" if config.model else "HF_MODEL")
     args = ModelShape.from_hf_config(ckpt.config)
     devices, n = device_names_for(shape, os.environ.get("MESH_DEVICE")), shape[0] * shape[1]
-    from models.tt_transformers.checkpoints.eagle3_format import default_taps, read_head_config
-
     k = max(1, config.n_draft_tokens)
-    folder = smoke_head_folder(config, ckpt, draft_head)
-    head_taps = read_head_config(folder, args).taps if folder is not None else default_taps(args.n_layers)
+    head_taps = smoke_head_taps(config, draft_head)
     traces = model_trace_bytes(ckpt.name, devices, n, args.n_layers, args.n_layers, args.vocab_size, 1, 0,
                                smoke_taps(args.n_layers))
     traces += model_trace_bytes(ckpt.name, devices, n, args.n_layers, args.n_layers, args.vocab_size, k + 1, 0,
@@ -223,6 +251,16 @@ def eager_steps(s: Smoke) -> None:
 
 
 def compile_and_capture(s: Smoke) -> None:
+    """The run's programs, with every shape the later stages step kept planned (TtnnCausalLM.keep_planned: the
+    tapped states' step, the draft head's target steps, the run's own through the head stage's warm-up), compiled and
+    captured once here: no later stage releases and captures the target's traces again, but the head stage, whose
+    head is built (its weights allocated) with the traces live. The trace region is sized for all of them
+    (stages_region)."""
+    k = max(1, s.config.n_draft_tokens)
+    s.lm.keep_planned(k + 1, s.drafter.top_k, ())
+    if not s.galaxy():
+        s.lm.keep_planned(1, 0, smoke_taps(s.lm.n_layers))
+        s.lm.keep_planned(k + 1, 0, smoke_head_taps(s.config, s.draft_head))
     s.facts.update(SpeculativeGenerator(s.lm, s.drafter, s.config.n_draft_tokens).warm_up())
 
 
@@ -499,13 +537,13 @@ def main(argv=None) -> int:
     parser.add_argument("--watchdog_s", type=float, default=WATCHDOG_S,
                         help="seconds: while one stage runs, every thread's traceback goes to <report>.tracebacks.txt "
                              "this often")
-    parser.add_argument("--tap_gather", default="device", choices=("device", "host"),
-                        help="N300/T3K: where the tapped states a draft head reads are gathered: device (one "
-                             "all-gather inside each tapped trace) or host (read back and written to the tap tile "
-                             "after each replay: no collective of ours in a trace; the first thing to rule out when "
-                             "the tapped-states or draft-head stage hangs)")
+    parser.add_argument("--tap_gather", default="host", choices=("device", "host"),
+                        help="N300/T3K: where the tapped states a draft head reads are gathered: host (the smoke's "
+                             "default: read back and written to the tap tile after each replay, so no trace holds a "
+                             "collective of ours) or device (one all-gather inside each tapped trace, the demo's "
+                             "default: run it once host passes); the same on one device")
     parser.add_argument("--trace_region_size", type=int, help="bytes of trace region to open the mesh with (default: "
-                                                                "the traces' estimate x 1.5; a run whose traces outgrow "
+                                                                "the traces' estimate x 2.5; a run whose traces outgrow "
                                                                 "the region names the size to pass here)")
     args = parser.parse_args(argv)
     config = DemoConfig(backend="ttnn", max_seq_len=args.max_seq_len, precision=args.precision,
