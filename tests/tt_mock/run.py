@@ -214,7 +214,7 @@ def run_galaxy_shape(mesh, name: str, config: dict, max_seq_len: int, batch: int
         tt_transformers.Transformer = built
     mesh_traces = MeshTraces(mesh)
     refused(lambda: TtnnCausalLM(tt, 32, max_seq_len, mesh_traces=mesh_traces, trace=False),
-            f"--batch_size 32: on a Galaxy a decode step's rows must sit in one mesh column's {GALAXY_COLUMN_USERS} "
+            f"max_batch_size 32: on a Galaxy a decode step's rows must sit in one mesh column's {GALAXY_COLUMN_USERS} "
             "users")
     lm = TtnnCausalLM(tt, batch, max_seq_len, mesh_traces=mesh_traces, trace=False)
     try:
