@@ -2,7 +2,7 @@
 """The demo on the ttnn backend, on the stand-in (tests/tt_stand_in: a TEST DOUBLE for ttnn and TT-Transformers, not
 a device): its flags' TT defaults, runs that share models and release their traces, trace regions sized for the runs,
 nothing compiled while timed, its options beside tt-metal's demo conftest. The backend's own rules:
-tests/test_ttnn_tt_metal_rules.py."""
+tests/ttnn_backend/test_ttnn_tt_metal_rules.py."""
 import pytest
 
 from models.tt_transformers.demo.speculative_decoding.build import ModelPool, check_step_rows, trace_region_size
@@ -17,7 +17,7 @@ from models.tt_transformers.ttnn_backend.trace_plan import pass_ladder
 
 from ..conftest import write_json
 from ..stand_in_backend import STAND_IN_TRACE_REGION, mesh_traces
-from ..test_ttnn_tt_metal_rules import build, mesh_of, on_a_galaxy, stand_in  # noqa: F401  (stand_in: a fixture)
+from ..ttnn_backend.test_ttnn_tt_metal_rules import build, mesh_of, on_a_galaxy, stand_in  # noqa: F401  (stand_in: a fixture)
 from ..tt_stand_in import tt_transformers as stand_in_tt
 from ..tt_stand_in import ttnn as stand_in_ttnn
 

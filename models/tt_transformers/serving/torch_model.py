@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The contract's model on the torch backend: what the plugin's runner would call, on a TorchCausalLM.
 
-This is where the contract is proven without a device (tests/test_serving_lossless.py drives it with the reference
+This is where the contract is proven without a device (tests/serving/test_serving_lossless.py drives it with the reference
 runner). Unlike a TT model it owns its KV cache, one cache row per decode slot, so vLLM's kv_cache and page_table
 arguments are not read and a slot_remap gathers cache rows; the verify mapping, the drafter and the counters are the
 shared SpecDecodeCore that the ttnn model (docs/serving.md) uses too.

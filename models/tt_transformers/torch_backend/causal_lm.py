@@ -174,7 +174,7 @@ class TorchCausalLM:
         if len(flat) == 1 and self.model.kernels is None:
             # oneDNN's bf16 matmul is row-invariant for M >= 2 but takes another kernel for M == 1, so a lone token
             # gets a padding partner that writes the scratch slot and attends to nothing
-            # (tests/test_row_invariance.py checks this on the installed torch; the CPU kernels need no partner).
+            # (tests/torch_backend/test_row_invariance.py checks this on the installed torch; the CPU kernels need no partner).
             flat, rows = flat + [0], rows + rows
             slots, positions = slots + [self.cache.scratch_slot], positions + [self.cache.scratch_slot]
         dev = self.device

@@ -80,7 +80,7 @@ def load_model(ckpt: Checkpoint, dtype: torch.dtype, max_seq_len: int, device: s
 
     Streams: one layer at a time is read (tensor by tensor, from whichever shards hold it), converted, fused and
     packed before the next; on the kernels every linear layer is packed a chunk of rows at a time straight from
-    the file. Peak memory stays close to the finished model's (tests/test_checkpoint_memory.py).
+    the file. Peak memory stays close to the finished model's (tests/checkpoints/test_checkpoint_memory.py).
     """
     args = ModelShape.from_hf_config(ckpt.config)
     index = SafetensorsIndex(safetensors_files(ckpt.folder))

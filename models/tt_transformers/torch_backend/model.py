@@ -43,7 +43,7 @@ class PackedLinear(nn.Module):
     F.linear reorders the weight each call, which halves the rate at which the per-layer weights stream from
     memory. Prepacked, the matmul runs at about twice the rate and costs nearly the same from 1 to 17 rows,
     which is what makes verifying drafts cheap; results equal F.linear's bit for bit and do not depend on how
-    many rows share the call (tests/test_row_invariance.py).
+    many rows share the call (tests/torch_backend/test_row_invariance.py).
     """
 
     def __init__(self, linear: nn.Linear):

@@ -96,7 +96,7 @@ def trace_ops(n_layers: int, key: TraceKey, vocab_size: int) -> int:
 HeadKey = tuple[int, int]  # a device draft head's trace: (feed write passes, chain length k)
 # one head-layer step (eagle3_head.py _layer and _choose: norms, DRAM-sharded matmuls in column chunks with their
 # reshards, TT's head and rotary ops, attention, MLP, argmax, a top k of one vocabulary slice: draft vocabularies up
-# to 32,768), fc included: about 51 at SmolLM2's shapes (tests/test_ttnn_draft_head.py checks it), 61 at Llama-3.1-8B's
+# to 32,768), fc included: about 51 at SmolLM2's shapes (tests/ttnn_backend/test_ttnn_draft_head.py checks it), 61 at Llama-3.1-8B's
 # (more column chunks: the review's count)
 HEAD_LAYER_OPS = 64
 # a feed-only replay (k = 0: eagle3_head.py _cache_rows after fc): fc (and the config's norms), the embedding's and the

@@ -18,7 +18,7 @@ class CopySources(NamedTuple):
 
 def implementations() -> CopySources:
     """The C port's classes and tree builder where the extension builds (the first call builds it), else the Python
-    references: the same drafts either way (tests/test_suffix_native.py)."""
+    references: the same drafts either way (tests/speculative/test_suffix_native.py)."""
     module = native.suffix_native()
     if module is None:
         return CopySources(ReferenceSuffixAutomaton, ReferenceRecycledTokens, reference_build_tree)

@@ -20,7 +20,7 @@ at most 2|S| - 1 states and 3|S| - 4 transitions, and appending a token costs am
   earlier match (or where it was created).
 
 This Python class is the reference; drafting runs its port in suffix_native.c (native.py) where that builds, which
-tests/test_suffix_native.py holds to the same matches, counts and continuations (`implementations()`: whichever runs).
+tests/speculative/test_suffix_native.py holds to the same matches, counts and continuations (`implementations()`: whichever runs).
 """
 import sys
 from typing import Sequence

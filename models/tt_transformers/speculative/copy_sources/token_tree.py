@@ -2,7 +2,7 @@
 """Recycled target predictions and the token tree the suffix drafter verifies.
 
 The Python here is the reference; drafting runs its port in suffix_native.c (native.py) where that builds, which
-tests/test_suffix_native.py holds to the same tables and trees (`implementations()`: whichever runs).
+tests/speculative/test_suffix_native.py holds to the same tables and trees (`implementations()`: whichever runs).
 """
 import heapq
 import itertools

@@ -20,7 +20,7 @@ from models.tt_transformers.torch_backend.causal_lm import TorchCausalLM
 from models.tt_transformers.prompts import encode
 from models.tt_transformers.speculative.generator import SpeculativeGenerator
 
-from .conftest import CPU_PATHS, every_cpu_path, kernels_of, random_head, random_model
+from ..conftest import CPU_PATHS, every_cpu_path, kernels_of, random_head, random_model
 
 N_TOKENS = 32
 

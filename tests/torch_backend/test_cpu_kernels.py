@@ -15,8 +15,8 @@ from models.tt_transformers.torch_backend.cpu_kernels import StepTable
 from models.tt_transformers.torch_backend.causal_lm import TorchCausalLM
 from models.tt_transformers.torch_backend.model import Transformer
 
-from . import cpu_kernels_reference as reference
-from .conftest import CPU_KERNELS, CPU_PATHS, every_cpu_path, kernels_of, needs_cpu_kernels, random_model
+from .. import cpu_kernels_reference as reference
+from ..conftest import CPU_KERNELS, CPU_PATHS, every_cpu_path, kernels_of, needs_cpu_kernels, random_model
 
 pytestmark = needs_cpu_kernels
 

@@ -9,7 +9,7 @@ from models.tt_transformers.torch_backend.load import load_model
 from models.tt_transformers.torch_backend.causal_lm import TorchCausalLM
 from models.tt_transformers.speculative.generator import SpeculativeGenerator
 
-from .conftest import save_tiny_hf_checkpoint
+from ..conftest import save_tiny_hf_checkpoint
 
 
 def pcc(a: torch.Tensor, b: torch.Tensor) -> float:

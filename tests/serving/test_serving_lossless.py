@@ -18,7 +18,7 @@ from models.tt_transformers.serving.reference_runner import ReferenceRunner
 from models.tt_transformers.serving.torch_model import TorchSpecDecodeModel
 from models.tt_transformers.torch_backend.causal_lm import TorchCausalLM
 
-from .conftest import random_model
+from ..conftest import random_model
 
 HELD_PROMPTS = ["List the days of the week, one per line.",
                 "Repeat this sentence exactly twice: The quick brown fox jumps over the lazy dog.",

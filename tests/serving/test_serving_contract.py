@@ -30,7 +30,7 @@ from models.tt_transformers.serving.plan import SPEC_CAPABILITIES, VERIFY_TILE_R
 from models.tt_transformers.serving.torch_model import TorchSpecDecodeModel
 from models.tt_transformers.torch_backend.causal_lm import TorchCausalLM
 
-from .conftest import random_model
+from ..conftest import random_model
 
 I32 = torch.int32
 

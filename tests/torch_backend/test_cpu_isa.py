@@ -12,7 +12,7 @@ import torch
 from models.tt_transformers.torch_backend import cpu_isa
 from models.tt_transformers.torch_backend.cpu_isa import CpuIsaError, chosen_path, runnable_paths
 
-from .conftest import REPO_ROOT
+from ..conftest import REPO_ROOT
 
 # /proc/cpuinfo flags of the CPU families the issue names (trimmed to what the paths read)
 ZEN3 = frozenset("sse4_2 avx f16c fma avx2 bmi2".split())  # AMD EPYC Zen 3: AVX2, no AVX-512
@@ -65,7 +65,7 @@ def test_a_forced_path_turns_off_onednn_prepacking_as_such_a_cpu_would(monkeypat
     same decision, and loading a model on torch ops then uses plain linears."""
     from models.tt_transformers.torch_backend.model import PackedLinear, can_prepack
 
-    from .conftest import random_model
+    from ..conftest import random_model
 
     for forced in [p.name for p in cpu_isa.this_process_paths() if not p.onednn_bf16]:
         monkeypatch.setenv("TT_CPU_ISA", forced)
@@ -119,7 +119,7 @@ def test_an_avx2_only_cpu_emulated_by_qemu(tmp_path):
     oneDNN prepacking off, and the kernels run there (no AVX-512 instruction in them: qemu would stop at one) to the
     same float32 outputs as the avx2 kernels here; torch's own bf16 matmul there (the torch-ops fallback, without
     oneDNN) gives each row the result it gives that row alone."""
-    from .conftest import kernels_of
+    from ..conftest import kernels_of
 
     kernels_of("avx2")  # built natively (the compiler qemu's Python calls runs natively too)
     out = subprocess.run(["qemu-x86_64", "-cpu", "Haswell", sys.executable, "-c", EMULATED_AVX2_CPU,

@@ -25,7 +25,7 @@ from models.tt_transformers.torch_backend.eagle3_head import HeadRunner, load_dr
 from models.tt_transformers.torch_backend.causal_lm import TorchCausalLM
 from models.tt_transformers.checkpoints.model_shape import ModelShape
 
-from .conftest import (REPO_ROOT, every_cpu_path_and_torch_ops, kernels_of, needs_cpu_kernels, random_head,
+from ..conftest import (REPO_ROOT, every_cpu_path_and_torch_ops, kernels_of, needs_cpu_kernels, random_head,
                        random_model, write_eagle3_head)
 from .test_lossless_greedy import RecordingDrafter, head_drafter, run, run_results
 from .test_lossless_sampling import (

@@ -8,7 +8,7 @@ from models.tt_transformers.speculative.copy_sources import implementations
 from models.tt_transformers.speculative.copy_sources.token_tree import reference_build_tree
 from models.tt_transformers.torch_backend.causal_lm import TorchCausalLM
 
-from .conftest import every_cpu_path_and_torch_ops, kernels_of, random_model
+from ..conftest import every_cpu_path_and_torch_ops, kernels_of, random_model
 
 
 TREE = ([79, 32, 38, 46, 26, 43, 11], [-1, 0, 0, 1, 1, 3, 2])  # a root, two branches, depth 3
@@ -111,7 +111,7 @@ def test_related_requests_draft_from_memory_losslessly(embedded_bf16, embedded_t
     from models.tt_transformers.speculative.copy_sources.draft_memory import DraftMemory
     from models.tt_transformers.speculative.drafters import SuffixDrafter
 
-    from .conftest import REPO_ROOT
+    from ..conftest import REPO_ROOT
 
     prompts = [encode(embedded_tokenizer, p, True)
                for p in load_prompts(str(REPO_ROOT / "benchmarks/prompt_sets/related_requests.json"))[:4]]

@@ -4,7 +4,7 @@ position, sampling.py), for model, suffix, tree and hybrid drafts.
 
 Each statistical test is a chi-square goodness-of-fit test at significance ALPHA against probabilities computed
 exactly from the target, with enough samples that a plainly wrong verifier (one that accepts every draft token)
-fails the same test: the negative controls below prove the tests can fail. tests/test_seeded_sampling.py checks that
+fails the same test: the negative controls below prove the tests can fail. tests/speculative/test_seeded_sampling.py checks that
 the same seed gives the very tokens of plain sampling.
 """
 from collections import Counter
@@ -19,7 +19,7 @@ from models.tt_transformers.speculative.sampling import KeyedSampler, SamplingPa
 from models.tt_transformers.speculative.verification import verify_chain
 from models.tt_transformers.torch_backend.causal_lm import TorchCausalLM
 
-from .conftest import random_model
+from ..conftest import random_model
 
 ALPHA = 1e-3
 

@@ -5,7 +5,7 @@ import json
 import subprocess
 import sys
 
-from .conftest import REPO_ROOT
+from ..conftest import REPO_ROOT
 
 PROBE = """
 import json, sys

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from .conftest import CPU_KERNELS, REPO_ROOT, save_tiny_hf_checkpoint
+from ..conftest import CPU_KERNELS, REPO_ROOT, save_tiny_hf_checkpoint
 
 LIMIT = 1.3
 SHAPE = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,

@@ -18,8 +18,8 @@ from models.tt_transformers.torch_backend.causal_lm import TorchCausalLM
 from models.tt_transformers.ttnn_backend import attention as ordered_attention
 from models.tt_transformers.ttnn_backend.causal_lm import TtnnCausalLM
 
-from .stand_in_backend import MAX_SEQ_LEN, backend_builder, outputs
-from .tt_stand_in import ttnn as stand_in_ttnn
+from ..stand_in_backend import MAX_SEQ_LEN, backend_builder, outputs
+from ..tt_stand_in import ttnn as stand_in_ttnn
 
 def drafter_for(lm, mode):
     """Copied drafts from the request alone, from 1-token matches too (some pass whole, some fail at once); a view of
@@ -306,18 +306,18 @@ def test_draft_view_shares_the_target_cache(tt, prompts):
 
 
 # first-layer drafts (50 s here) behind --run_slow: suffix drafts cover the ttnn verify path, and
-# tests/test_lossless_sampling.py and tests/test_seeded_sampling.py cover draft-model drafts under sampling
+# tests/speculative/test_lossless_sampling.py and tests/speculative/test_seeded_sampling.py cover draft-model drafts under sampling
 @pytest.mark.parametrize("kind", ["suffix", pytest.param("model", marks=pytest.mark.slow), "accept-all"])
 def test_sampling_through_the_verify_step_follows_the_target(monkeypatch, tmp_path, kind):
     """Keyed sampling through the ttnn backend (logits read back from the traced verify step, padded vocabulary
     columns sliced off): the first 5 tokens of 8-user batches follow the target's exact distribution (chi-square,
-    as tests/test_lossless_sampling.py), with suffix and first-layer drafts verified whole chains at a time; a
+    as tests/speculative/test_lossless_sampling.py), with suffix and first-layer drafts verified whole chains at a time; a
     verifier that accepts every draft fails the same test."""
     from models.tt_transformers.speculative import generator as speculative_generator
     from models.tt_transformers.speculative.sampling import SamplingParams
 
-    from .conftest import save_tiny_hf_checkpoint
-    from .test_lossless_sampling import (N_DRAFT, N_TOKENS, PROMPT, SETTINGS, VOCAB, chi_square_p_value, draft_source,
+    from ..conftest import save_tiny_hf_checkpoint
+    from ..speculative.test_lossless_sampling import (N_DRAFT, N_TOKENS, PROMPT, SETTINGS, VOCAB, chi_square_p_value, draft_source,
                                          exact_joint, sequence_index)
 
     folder = tmp_path / "Tiny-4"

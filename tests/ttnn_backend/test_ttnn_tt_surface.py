@@ -10,9 +10,9 @@ from models.tt_transformers.speculative.generator import SpeculativeGenerator
 from models.tt_transformers.speculative.drafters import SuffixDrafter
 from models.tt_transformers.ttnn_backend import tt_surface
 
-from .stand_in_backend import outputs
-from .tt_stand_in import tt_transformers as stand_in_tt
-from .tt_stand_in import ttnn as stand_in_ttnn
+from ..stand_in_backend import outputs
+from ..tt_stand_in import tt_transformers as stand_in_tt
+from ..tt_stand_in import ttnn as stand_in_ttnn
 
 LOGITS, TOKENS = object(), object()
 
@@ -85,7 +85,7 @@ def test_layer_counts_and_vocabulary_without_the_newer_attributes():
 def test_the_probe_names_every_detail(monkeypatch):
     """On the stand-in every detail is found; with a detail taken away the probe names it and the file to read, and
     says whether the backend calls it (a missing call stops make tt-smoke) or reads it (a warning)."""
-    from .tt_stand_in import install
+    from ..tt_stand_in import install
 
     install(monkeypatch)
     lines = tt_surface.probe()
@@ -183,7 +183,7 @@ def test_tt_decode_baseline_runs_the_same_model(tt, prompts, plain_outputs, embe
     """Issue 30's review finding 2: the perf test's second baseline is TT-Transformers' own decode (create_tt_model with
     TT's defaults, Generator.decode_forward with on-device greedy sampling where supported): on the stand-in it
     produces plain decoding's tokens (the same model), with its t/s/u measured over the steps after the first."""
-    from .tt_baseline import tt_decode_baseline
+    from ..tt_baseline import tt_decode_baseline
 
     lm = tt(4)  # the stand-in installed; the baseline builds its own model on the same mesh
     # 32 users (the stand-in's decode step is the 32-row tile whatever the batch; TT's keeps [B] positions)
@@ -198,7 +198,7 @@ def test_tt_decode_baseline_releases_every_trace_it_made(tt, prompts, embedded_c
     (SamplingGenerator.capture_trace), which neither our baseline nor TT's Generator.__del__ released: it stayed in the
     trace region sized for our traces. Now the baseline leaves no trace, and a version that keeps one stops the run
     with the trace region it left."""
-    from . import tt_baseline
+    from .. import tt_baseline
 
     lm = tt(4)
     mesh = lm.tt.mesh_device
@@ -259,7 +259,7 @@ def test_a_step_whose_cache_writes_bypass_the_ordered_writer_is_refused(monkeypa
     from models.tt_transformers.speculative.backend import UserRows
     from models.tt_transformers.ttnn_backend.trace_plan import TraceKey
 
-    from .stand_in_backend import backend_builder
+    from ..stand_in_backend import backend_builder
 
     raw = stand_in_ttnn.experimental.paged_update_cache
 
@@ -288,7 +288,7 @@ def test_the_galaxy_probe_is_called_on_a_galaxy_only(monkeypatch):
     groups the decode users per mesh column (batch_size_per_device_group) and fills column 0's caches in a prefill;
     the probe reads that from tt/attention.py where MESH_DEVICE names a Galaxy (stopping make tt-smoke when it cannot),
     and is not needed elsewhere."""
-    from .tt_stand_in import install
+    from ..tt_stand_in import install
 
     install(monkeypatch)
     name = "Galaxy: decode users grouped per mesh column"
@@ -327,7 +327,7 @@ def test_tt_decode_baseline_leaves_no_trace_id_for_a_destructor(tt, prompts, emb
     baseline released them. The baseline empties those attributes once it has released their traces."""
     import gc
 
-    from . import tt_baseline
+    from .. import tt_baseline
 
     lm = tt(4)
     mesh = lm.tt.mesh_device

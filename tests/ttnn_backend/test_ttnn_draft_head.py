@@ -2,7 +2,7 @@
 """The EAGLE-3 draft head on the device (ttnn_backend/eagle3_head.py), run against the stand-in (tests/tt_stand_in: a
 TEST DOUBLE for ttnn and TT-Transformers; it is not a device and proves nothing about one): the taps stay in the tap
 tile, the head's traced replays feed it and draft chains, only ids and probabilities come back. Lossless here means
-identical to plain greedy decoding through the same 32-row verify step, as in tests/test_ttnn_backend.py."""
+identical to plain greedy decoding through the same 32-row verify step, as in tests/ttnn_backend/test_ttnn_backend.py."""
 import pytest
 import torch
 
@@ -20,9 +20,9 @@ from models.tt_transformers.ttnn_backend.eagle3_head import CONFIDENCE_TOP, FILL
 from models.tt_transformers.ttnn_backend.model import TILE_ROWS
 from models.tt_transformers.ttnn_backend.trace_plan import head_trace_keys, head_trace_ops
 
-from .conftest import random_head_tensors
-from .tt_stand_in import ttnn as stand_in_ttnn
-from .stand_in_backend import MAX_SEQ_LEN, outputs
+from ..conftest import random_head_tensors
+from ..tt_stand_in import ttnn as stand_in_ttnn
+from ..stand_in_backend import MAX_SEQ_LEN, outputs
 
 CHAIN = 4  # --n_draft_tokens: the head's traced chain length
 

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """The torch-ops properties lossless bf16 verification rests on where the bf16 CPU kernels do not run (see
-TorchCausalLM._packed_step and PackedLinear; tests/test_cpu_kernels.py checks the same of the kernels), and on the
+TorchCausalLM._packed_step and PackedLinear; tests/torch_backend/test_cpu_kernels.py checks the same of the kernels), and on the
 embedded model with either, the property seeded sampling rests on: a row's logits do not depend on its step.
 
 If a torch upgrade breaks them, this fails before any speculative output silently drifts from plain decoding.
@@ -12,7 +12,7 @@ from torch import nn
 
 from models.tt_transformers.torch_backend.model import PackedLinear, can_prepack
 
-from .conftest import every_cpu_path_and_torch_ops
+from ..conftest import every_cpu_path_and_torch_ops
 
 SHAPES = [(960, 576), (3072, 576), (576, 1536), (49152, 576)]  # SmolLM2-135M's shapes
 
@@ -50,7 +50,7 @@ def test_exact_attention_takes_non_contiguous_queries_and_outputs(monkeypatch):
     from models.tt_transformers.torch_backend import attention
     from models.tt_transformers.torch_backend.causal_lm import TorchCausalLM
 
-    from .conftest import random_model
+    from ..conftest import random_model
 
     def transposed(t):  # the same values, the last two dims' strides swapped
         return t.transpose(-1, -2).contiguous().transpose(-1, -2)

@@ -14,8 +14,8 @@ import torch
 
 from models.tt_transformers.torch_backend.cpu_kernels import SOURCE, CpuKernels, StepTable
 
-from . import cpu_kernels_reference as reference
-from .conftest import CPU_PATHS, REPO_ROOT, kernels_of
+from .. import cpu_kernels_reference as reference
+from ..conftest import CPU_PATHS, REPO_ROOT, kernels_of
 from .test_cpu_kernels import CHAINS, TREE, WINDOWED, bits, layer_case
 
 CC, QEMU = "aarch64-linux-gnu-gcc", "qemu-aarch64"

@@ -33,11 +33,11 @@ from models.tt_transformers.ttnn_backend.causal_lm import TtnnCausalLM
 from models.tt_transformers.ttnn_backend.model import build_tt_model, named_checkpoint
 from models.tt_transformers.ttnn_backend.trace_plan import pass_ladder
 
-from .stand_in_backend import STAND_IN_TRACE_REGION, mesh_traces
-from .tt_stand_in import generator_vllm as stand_in_generator_vllm
-from .tt_stand_in import install
-from .tt_stand_in import tt_transformers as stand_in_tt
-from .tt_stand_in import ttnn as stand_in_ttnn
+from ..stand_in_backend import STAND_IN_TRACE_REGION, mesh_traces
+from ..tt_stand_in import generator_vllm as stand_in_generator_vllm
+from ..tt_stand_in import install
+from ..tt_stand_in import tt_transformers as stand_in_tt
+from ..tt_stand_in import ttnn as stand_in_ttnn
 
 BATCH = 4  # the padded decode batch (ModelArgs' supported batch sizes: 1, 2, 4, 8, 16, 32)
 MAX_SEQ_LEN = 256  # a power of two (TT's prefill warm-up rule)
@@ -552,8 +552,8 @@ def test_bundle_classes_resolve_beside_tt_metal(tmp_path, regular):
     process with this repository and a tt-metal tree on PYTHONPATH (ours first, tests/tt_metal_tree.py's fake
     tree, regular or namespace packages, with a generator_vllm.py holding LlamaForCausalLM and MistralForCausalLM):
     the classes subclass tt-metal's."""
-    from .conftest import REPO_ROOT
-    from .tt_metal_tree import fake_tt_metal, run
+    from ..conftest import REPO_ROOT
+    from ..tt_metal_tree import fake_tt_metal, run
 
     tt_metal = fake_tt_metal(tmp_path / "tt-metal", regular)
     (tt_metal / "models/tt_transformers/tt/generator_vllm.py").write_text(

@@ -47,7 +47,7 @@ def test_hifi2_is_the_activation_less_its_last_mantissa_bit():
     weight: the golden model's first two phases, exactly (and HiFi4's four phases the exact product)."""
     import sys
 
-    from .conftest import REPO_ROOT
+    from ..conftest import REPO_ROOT
 
     sys.path.insert(0, str(REPO_ROOT / "tools"))
     from head_precision import hifi2_activation
@@ -68,7 +68,7 @@ def test_the_head_cache_rounds_as_the_devices_bfloat8_b_cache_tiles():
     device holds them gives the same cache, whatever else the tile holds."""
     import sys
 
-    from .conftest import REPO_ROOT
+    from ..conftest import REPO_ROOT
 
     sys.path.insert(0, str(REPO_ROOT / "tools"))
     from head_precision import Bfp8Cache

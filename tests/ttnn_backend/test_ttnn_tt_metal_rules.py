@@ -19,11 +19,11 @@ from models.tt_transformers.ttnn_backend.causal_lm import TtnnCausalLM
 from models.tt_transformers.ttnn_backend.model import build_tt_model, weight_cache_root
 from models.tt_transformers.ttnn_backend.trace_plan import TraceKey, model_trace_bytes, trace_keys, trace_ops
 
-from .conftest import save_tiny_hf_checkpoint
-from .stand_in_backend import STAND_IN_TRACE_REGION, mesh_traces
-from .tt_stand_in import install
-from .tt_stand_in import tt_transformers as stand_in_tt
-from .tt_stand_in import ttnn as stand_in_ttnn
+from ..conftest import save_tiny_hf_checkpoint
+from ..stand_in_backend import STAND_IN_TRACE_REGION, mesh_traces
+from ..tt_stand_in import install
+from ..tt_stand_in import tt_transformers as stand_in_tt
+from ..tt_stand_in import ttnn as stand_in_ttnn
 
 
 @pytest.fixture
@@ -142,7 +142,7 @@ def test_taps_and_the_device_head_on_a_two_device_mesh_equal_one_devices(stand_i
     from models.tt_transformers.checkpoints.model_shape import ModelShape
     from models.tt_transformers.ttnn_backend.eagle3_head import TtnnDraftHead
 
-    from .conftest import random_head_tensors
+    from ..conftest import random_head_tensors
 
     prompt, rows, taps = [5, 9, 17, 5, 9, 17, 5, 9], [UserRows(0, [3, 7, 11], 8)], (1, 0, 3)
     args = ModelShape.from_hf_config(tiny.config)

@@ -20,7 +20,7 @@ from models.tt_transformers.speculative.copy_sources import implementations
 from models.tt_transformers.speculative.copy_sources.suffix_automaton import ReferenceSuffixAutomaton
 from models.tt_transformers.torch_backend.causal_lm import TorchCausalLM
 
-from .conftest import random_model
+from ..conftest import random_model
 
 SuffixAutomaton = implementations().SuffixAutomaton  # the C port where it builds, else the reference
 

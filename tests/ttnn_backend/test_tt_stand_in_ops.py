@@ -4,7 +4,7 @@ traced forms replay: cheap checks of the rules the device draft head depends on.
 import pytest
 import torch
 
-from .tt_stand_in import ttnn as t
+from ..tt_stand_in import ttnn as t
 
 
 @pytest.fixture
@@ -101,7 +101,7 @@ def test_rules_taken_from_the_code_they_cite(mesh):
     prefill padding (tt/common.py get_padded_prefill_len: the smaller of the next power of two and a multiple of
     2,048), top k over fewer than 64 columns (padded to 64 by the host wrapper, with float's smallest positive value:
     negative logits lose to the padding), and TT_CCL's semaphores handed out in turn per axis slot."""
-    from .tt_stand_in import tt_transformers as tt
+    from ..tt_stand_in import tt_transformers as tt
 
     assert [tt.get_padded_prefill_len(n) for n in (5, 128, 200, 1500, 3000, 5000, 9000)] == \
         [128, 128, 256, 2048, 4096, 6144, 10240]
