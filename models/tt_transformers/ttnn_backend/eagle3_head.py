@@ -382,7 +382,7 @@ class TtnnDraftHead:
                                         [i.chain_positions[j - 1]])
             out.top.append(self._choose(logits, i.tokens[j]))
             out.logits.append(logits)
-        # the chain's outputs side by side, so a replay ends in two reads, not 2 x k (issue 31, finding 3)
+        # the chain's outputs side by side, so a replay ends in two reads, not 2 x k
         out.chain_ids = ttnn.concat(i.tokens[:k], dim=2, memory_config=dram) if k > 1 else i.tokens[0]
         values = [v for step in out.top for v, _ in step]
         out.chain_top = ttnn.concat(values, dim=3, memory_config=dram) if len(values) > 1 else values[0]

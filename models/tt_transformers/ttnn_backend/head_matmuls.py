@@ -13,18 +13,16 @@ FILL_ROWS = 256  # a prompt's rows per prefill-shaped cache fill: 8 cache blocks
 
 @dataclass
 class HeadKernelConfigs:
-    """The compute-kernel and SDPA configs the head's ops run with (issue 31, finding 1: without them each op took
-    its defaults, SDPA decode an approximate exp). TT's own decode: RMSNorm in HiFi2 with fp32 accumulation
+    """The compute-kernel and SDPA configs the head's ops run with (without them each op takes its defaults, SDPA
+    decode an approximate exp). TT's own decode: RMSNorm in HiFi2 with fp32 accumulation
     (models/common/rmsnorm.py), SDPA decode in HiFi2 with exp_approx_mode False (tt/model_config.py,
     SDPA_DECODE_PROGCFG and sdpa_decode_compute_kernel_cfg: chunks of 256 over the compute grid). The matmuls in HiFi2
     with fp32 accumulation, as TT's decode runs its DRAM-sharded matmuls (tt/attention.py forward_decode: "Use HiFi2
     for DRAM-sharded matmuls as they are otherwise flop-bound. Loses 1 bit of activation precision"): HiFi2 multiplies
-    the whole weight by the activation less its last mantissa bit (tt-llk's fidelity phases), and
-    tools/head_precision.py found that it changes nothing HiFi4 kept (issue 37: chains of 8 against the bf16 head's,
-    first drafts 96.9 % the same in HiFi2 and 95.3 % in HiFi4 for the shipped head, 92.9 % both for an 8B-shaped
-    random one; keeping the LM head in HiFi4 changed nothing either), half the matmul passes of HiFi4 (tt-metal's
-    tech_reports/matrix_engine: HiFi2 2 TFLOPS, HiFi4 1 per matrix engine). Accepted by ttnn 0.81.1 at both shapes on
-    the mock device (make tt-mock); their effect on the drafts only hardware can measure."""
+    the whole weight by the activation less its last mantissa bit (tt-llk's fidelity phases), half the matmul passes
+    of HiFi4 (tt-metal's tech_reports/matrix_engine), and tools/head_precision.py found the drafts no worse for it
+    (docs/ttnn_backend.md, the head's precision). Accepted by ttnn 0.81.1 at both shapes on the mock device (make
+    tt-mock); their effect on the drafts only hardware can measure."""
 
     norm: Any
     matmul: Any

@@ -194,8 +194,7 @@ def key_cost(config: ModelShape, n_layers: int, weights_dtype: str, optimization
     row's own, so its bytes grow with rows x context, against the weights every step streams (each layer's matmuls and
     the LM head: the embedding is a lookup). Dtypes as TT stores them: the KV cache's own, the weights' with FF1/FF3
     in bfloat4_b under the performance preset (tt/model_config.py ModelOptimizations.performance: "All models use bfp4
-    in FF1 and FF3 MLPs in this configuration"). Llama-3.1-8B in that configuration (bfloat8_b weights and
-    cache, performance): about 1.14e-5 a position, 5.7x the fixed 2e-6 it replaces (issue 37)."""
+    in FF1 and FF3 MLPs in this configuration"). Llama-3.1-8B's figure: docs/ttnn_backend.md."""
     a, w = config, VALUE_BYTES[weights_dtype]
     ff1_ff3 = VALUE_BYTES["bfloat4_b"] if optimizations == "performance" and weights_dtype == "bfloat8_b" else w
     layer = (a.dim * a.head_dim * (2 * a.n_heads + 2 * a.n_kv_heads) * w  # wqkv and wo
