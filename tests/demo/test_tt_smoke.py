@@ -335,9 +335,10 @@ def test_stage_1_records_the_tt_metal_checkout_and_warns_off_the_pin(tmp_path):
 
     checkout = tmp_path / "tt-metal"
     checkout.mkdir()
-    assert tt_smoke.tt_metal_version(checkout).startswith("unknown (not a git checkout")
+    assert tt_smoke.tt_metal_version(checkout).startswith(f"unknown ({checkout}: fatal: not a git repository")
     git = ["git", "-C", str(checkout), "-c", "user.name=t", "-c", "user.email=t@t"]
     subprocess.run([*git, "init", "-q"], check=True)
     subprocess.run([*git, "commit", "-q", "--allow-empty", "-m", "release"], check=True)
+    assert "No names found" in tt_smoke.tt_metal_version(checkout)  # a checkout without tags says so
     subprocess.run([*git, "tag", tt_smoke.TT_METAL_PIN], check=True)
     assert tt_smoke.tt_metal_version(checkout) == "v0.81.1"

@@ -191,7 +191,7 @@ class PagedVerify:
 
         args = self.tt.args
         return sum(trace_bytes(args.model_name, args.device_name, self.tt.full_layers, self.lm.n_layers, key,
-                               self.lm.share) for key in self.lm.planned)
+                               self.lm.vocab.share) for key in self.lm.planned)
 
     def step(self, rows, top_k: int, page_table, kv_cache):
         """One verify over `rows` (UserRows: user = decode row = page-table row) with this step's page table,
@@ -383,8 +383,8 @@ class SpecDecodeModel:
 
         programs = program_cache_entries(self.mesh_device)
         out = super().prefill_forward(*args, **kwargs)
-        self.lm.mesh_traces.remake_after(programs, "a prefill")
         if self.spec is not None:
+            self.spec.verify.lm.mesh_traces.remake_after(programs, "a prefill")
             call = inspect.signature(self.prefill_forward_text).bind(*args, **kwargs).arguments
             tokens, lengths = torch.as_tensor(call["tokens"]), [int(n) for n in call["prompt_lens"]]
             slots = call.get("empty_slots")

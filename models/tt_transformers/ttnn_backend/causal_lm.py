@@ -82,24 +82,6 @@ class Trace:
     tap_parts: Any = None  # tap_gather "host" on a mesh: the tapped layers' copies stacked, [1, 1, 32 * taps, dim / n]
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 class TtnnCausalLM:
     """A TT-Transformers model (or a view of its first layers) behind the CausalLM contract."""
 
@@ -225,7 +207,6 @@ class TtnnCausalLM:
         self.mesh_traces.prepare()
         return time.perf_counter() - start
 
-
     def trace_bytes(self, key: TraceKey) -> int:
         args = self.tt.args
         return trace_bytes(args.model_name, args.device_name, self.tt.full_layers, self.n_layers, key, self.vocab.share)
@@ -300,7 +281,6 @@ class TtnnCausalLM:
         row = decode_logits(out).reshape(-1)[: self.vocab_size].float().view(1, -1)
         states = [prompt_taps(capture.outputs, taps, len(tokens))] if taps else None
         return StepOutput([row.argmax(dim=-1).tolist()], [row] if logits else None, hidden=states)
-
 
     def commit_path(self, user: int, start_pos: int, path: Sequence[int]) -> None:
         raise NotImplementedError("the ttnn backend verifies chains only (supports_trees is False)")
@@ -432,17 +412,12 @@ class TtnnCausalLM:
             raise ValueError(f"a step of {n_rows} rows does not fit {where} ({self.max_step_rows})")
         return n_rows
 
-
-
-
-
     def _replicated(self):
         """How TT-Transformers places the decode positions on the mesh (prepare_decode_inputs_host): replicated,
         or split over the mesh rows on a Galaxy."""
         args = self.tt.args
         return ttnn.ShardTensor2dMesh(self.tt.mesh_device, dims=(None, 0) if args.is_galaxy else (None, None),
                                       mesh_shape=args.cluster_shape)
-
 
     def _forward(self, key: TraceKey, tile=None) -> list:
         """The traced program: the decode forward over the tile, then per device the argmax (and the max, and the
@@ -460,10 +435,3 @@ class TtnnCausalLM:
         first_rows = {r: ttnn.slice(rows, [0, 0, 0, 0], [1, 1, r, rows.shape[-1]], memory_config=dram)
                       for r in (LOGIT_READS if key.logits else ())}
         return [ids, best, rows, top, first_rows, tap_parts]
-
-
-
-
-
-
-

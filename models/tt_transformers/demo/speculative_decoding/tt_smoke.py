@@ -128,7 +128,10 @@ def tt_metal_version(root: Path) -> str:
                               timeout=30)
     except (OSError, subprocess.SubprocessError) as e:
         return f"unknown ({type(e).__name__})"
-    return done.stdout.strip() if done.returncode == 0 else f"unknown (not a git checkout: {root})"
+    if done.returncode == 0:
+        return done.stdout.strip()
+    why = (done.stderr.strip().splitlines() or [f"git exit {done.returncode}"])[0]
+    return f"unknown ({root}: {why})"
 
 
 def smoke_taps(n_layers: int) -> tuple[int, ...]:
