@@ -50,7 +50,7 @@ LOGIT_READS = (4, 8, 16)
 
 
 @dataclass
-class StepInputs:
+class TracedStepInputs:
     """The persistent device tensors every traced step reads (refreshed in place before each replay)."""
 
     tokens: Any
@@ -66,7 +66,7 @@ class DeviceInputs:
     before every replay): the step's inputs, on split-vocabulary meshes the padded-column mask, and per taps the tap
     tile a tapped step writes (a draft head's input)."""
 
-    step: Optional[StepInputs] = None
+    step: Optional[TracedStepInputs] = None
     vocab_mask: Any = None
     taps: dict = field(default_factory=dict)  # taps -> [1, 1, 32, len(taps) * dim] on every device
 
@@ -397,7 +397,7 @@ class TtnnCausalLM:
                 *(ttnn.from_torch(p, dtype=ttnn.int32, mesh_mapper=self._replicated()) for p in pass_positions)]
         if self.inputs.step is None:
             device = copy_host_to_device(host, mesh_device=self.tt.mesh_device)
-            self.inputs.step = StepInputs(*device[:4], device[4:])
+            self.inputs.step = TracedStepInputs(*device[:4], device[4:])
             if self.vocab.split:
                 self.inputs.vocab_mask = self.vocab.device_mask()
         else:
