@@ -151,8 +151,13 @@ def _gguf_checkpoint(gguf: Path) -> Checkpoint:
 
 
 def _convert_gguf(gguf: Path, folder: Path, source: dict) -> None:
+    import transformers
+    from packaging.version import Version
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    # from_pretrained's torch_dtype is dtype from transformers 4.56 on; tt-metal's environment pins 4.53.0
+    dtype = "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
 
     logger.info(f"Converting {gguf.name} to safetensors in {folder} (first run only)")
     tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
@@ -160,7 +165,7 @@ def _convert_gguf(gguf: Path, folder: Path, source: dict) -> None:
     made_parent = not tmp.parent.exists()
     tmp.mkdir(parents=True)
     try:
-        hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, **{dtype: torch.float32})
         weights = {k: v.contiguous() for k, v in hf.state_dict().items()
                    if not (k == "lm_head.weight" and hf.config.tie_word_embeddings)}
         save_file(weights, tmp / "model.safetensors")
@@ -174,7 +179,9 @@ def _convert_gguf(gguf: Path, folder: Path, source: dict) -> None:
     except Exception as e:
         if made_parent:
             shutil.rmtree(tmp.parent, ignore_errors=True)  # nothing of a failed conversion stays in the cache
-        if isinstance(e, (ValueError, OSError, struct.error, EOFError)):  # what a cut-short GGUF raises in reading
+        # what a cut-short GGUF raises in reading: transformers 5's own reader struct.error, the gguf package's
+        # reader (transformers 4.x, as tt-metal pins) IndexError
+        if isinstance(e, (ValueError, OSError, struct.error, EOFError, IndexError)):
             raise CheckpointError(f"{gguf} is corrupt or incomplete ({type(e).__name__}: {e}); download it "
                                   "again") from None
         raise
