@@ -172,7 +172,9 @@ def _convert_gguf(gguf: Path, folder: Path, source: dict) -> None:
         config = hf.config.to_dict()
         config.pop("quantization_config", None)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        _follow_gguf_special_tokens(tokenizer, gguf)
+        tokenizer.save_pretrained(tmp)
         (tmp / "source.json").write_text(json.dumps(source))
         shutil.rmtree(folder, ignore_errors=True)
         os.replace(tmp, folder)
@@ -187,6 +189,25 @@ def _convert_gguf(gguf: Path, folder: Path, source: dict) -> None:
         raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _follow_gguf_special_tokens(tokenizer, gguf: Path) -> None:
+    """The GGUF's own EOS and add-BOS settings on the converted tokenizer. transformers 4.x (tt-metal pins 4.53.0)
+    converts a GPT-2-style GGUF tokenizer (SmolLM2's) as a Llama one that adds BOS to every text and takes BOS for
+    EOS; transformers 5 follows the GGUF, as this does."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(gguf).fields
+
+    def value(key):
+        field = fields.get(key)
+        return None if field is None or not field.data else field.parts[field.data[0]][0].item()
+
+    eos, add_bos = value("tokenizer.ggml.eos_token_id"), value("tokenizer.ggml.add_bos_token")
+    if eos is not None and tokenizer.eos_token_id != eos:
+        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(int(eos))
+    if add_bos is not None and getattr(tokenizer, "add_bos_token", None) not in (None, bool(add_bos)):
+        tokenizer.add_bos_token = bool(add_bos)  # a fast Llama tokenizer rewrites its post-processor
 
 
 def safetensors_files(folder: Path) -> list[Path]:
