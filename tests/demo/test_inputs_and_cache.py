@@ -395,6 +395,16 @@ def test_gguf_conversion_is_cached_and_atomic(tmp_path, monkeypatch):
     assert [p.name for p in first.folder.parent.iterdir()] == ["hf"]
 
 
+def test_the_converted_tokenizer_keeps_the_ggufs_special_tokens(embedded_checkpoint, embedded_tokenizer):
+    """SmolLM2's GGUF adds no BOS and ends a response with <|im_end|>; so does its converted tokenizer, on
+    transformers 4.53 (tt-metal's pin, whose conversion adds BOS to every text and takes BOS for EOS) as on 5.x."""
+    from models.tt_transformers.prompts import encode, eos_token_ids
+
+    tokenizer = embedded_tokenizer
+    assert encode(tokenizer, "Hi there", False) == tokenizer("Hi there", add_special_tokens=False).input_ids
+    assert tokenizer.eos_token == "<|im_end|>" and eos_token_ids(embedded_checkpoint, tokenizer) == [2]
+
+
 @pytest.mark.parametrize("mode", ["suffix", "hybrid", "head", "model"])
 @pytest.mark.parametrize("draft_layers", [0, 30, 1000])
 def test_draft_layers_checked_in_every_mode(tmp_path, embedded_checkpoint, mode, draft_layers):

@@ -151,8 +151,13 @@ def _gguf_checkpoint(gguf: Path) -> Checkpoint:
 
 
 def _convert_gguf(gguf: Path, folder: Path, source: dict) -> None:
+    import transformers
+    from packaging.version import Version
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    # from_pretrained's torch_dtype is dtype from transformers 4.56 on; tt-metal's environment pins 4.53.0
+    dtype = "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
 
     logger.info(f"Converting {gguf.name} to safetensors in {folder} (first run only)")
     tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
@@ -160,26 +165,49 @@ def _convert_gguf(gguf: Path, folder: Path, source: dict) -> None:
     made_parent = not tmp.parent.exists()
     tmp.mkdir(parents=True)
     try:
-        hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, **{dtype: torch.float32})
         weights = {k: v.contiguous() for k, v in hf.state_dict().items()
                    if not (k == "lm_head.weight" and hf.config.tie_word_embeddings)}
         save_file(weights, tmp / "model.safetensors")
         config = hf.config.to_dict()
         config.pop("quantization_config", None)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        _follow_gguf_special_tokens(tokenizer, gguf)
+        tokenizer.save_pretrained(tmp)
         (tmp / "source.json").write_text(json.dumps(source))
         shutil.rmtree(folder, ignore_errors=True)
         os.replace(tmp, folder)
     except Exception as e:
         if made_parent:
             shutil.rmtree(tmp.parent, ignore_errors=True)  # nothing of a failed conversion stays in the cache
-        if isinstance(e, (ValueError, OSError, struct.error, EOFError)):  # what a cut-short GGUF raises in reading
+        # what a cut-short GGUF raises in reading: transformers 5's own reader struct.error, the gguf package's
+        # reader (transformers 4.x, as tt-metal pins) IndexError
+        if isinstance(e, (ValueError, OSError, struct.error, EOFError, IndexError)):
             raise CheckpointError(f"{gguf} is corrupt or incomplete ({type(e).__name__}: {e}); download it "
                                   "again") from None
         raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _follow_gguf_special_tokens(tokenizer, gguf: Path) -> None:
+    """The GGUF's own EOS and add-BOS settings on the converted tokenizer. transformers 4.x (tt-metal pins 4.53.0)
+    converts a GPT-2-style GGUF tokenizer (SmolLM2's) as a Llama one that adds BOS to every text and takes BOS for
+    EOS; transformers 5 follows the GGUF, as this does."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(gguf).fields
+
+    def value(key):
+        field = fields.get(key)
+        return None if field is None or not field.data else field.parts[field.data[0]][0].item()
+
+    eos, add_bos = value("tokenizer.ggml.eos_token_id"), value("tokenizer.ggml.add_bos_token")
+    if eos is not None and tokenizer.eos_token_id != eos:
+        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(int(eos))
+    if add_bos is not None and getattr(tokenizer, "add_bos_token", None) not in (None, bool(add_bos)):
+        tokenizer.add_bos_token = bool(add_bos)  # a fast Llama tokenizer rewrites its post-processor
 
 
 def safetensors_files(folder: Path) -> list[Path]:
