@@ -130,7 +130,7 @@ class TtnnCausalLM:
         self.prefill_warmed = False  # _warm_up_prefill has run (its programs stay in the mesh's program cache)
         # False: every step runs its ops eagerly (TT's enable_trace=False): a failure names the op, not a trace
         self.trace = trace
-        # where a mesh's tapped states are gathered (_write_taps): "device", one all-gather inside each tapped trace,
+        # where a mesh's tapped states are gathered (taps.write_taps): "device", one all-gather inside each tapped trace,
         # or "host", read back and written to the tap tile after each replay (no collective of ours in a trace)
         self.tap_gather = tap_gather
         self.inputs = inputs if inputs is not None else DeviceInputs()

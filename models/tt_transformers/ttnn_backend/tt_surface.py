@@ -107,7 +107,7 @@ def galaxy_mesh() -> bool:
 def padded_vocab(args) -> int:
     """The LM head's output width over all devices: ModelArgs.padded_vocab_size where set, else the vocabulary padded
     so that each device's share is whole tiles (tt/lm_head.py splits the columns evenly; checked against the logits'
-    real width when the first step compiles, TtnnCausalLM._check_share)."""
+    real width when the first step compiles, VocabShares.check_width)."""
     padded = getattr(args, "padded_vocab_size", None)
     if padded:
         return padded

@@ -38,7 +38,7 @@ DTYPES = {"torch": ("bfloat16", "float32"), "ttnn": ("bfloat8_b", "bfloat16")}
 # tt-metal's text demo runs performance unless told otherwise. (Its demo conftest's own --optimizations takes a
 # decoder-config string, so ours has another name.)
 PRECISIONS = ("performance", "accuracy")
-TAP_GATHERS = ("device", "host")  # where a mesh's tapped states are gathered (ttnn_backend/causal_lm.py, _write_taps)
+TAP_GATHERS = ("device", "host")  # where a mesh's tapped states are gathered (ttnn_backend/taps.py, write_taps)
 
 
 DemoInputError = UserError  # bad demo input: the message names the flag or file and the fix
