@@ -16,7 +16,9 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SOURCES = sorted((REPO / "models/tt_transformers/ttnn_backend").glob("*.py")) + [REPO / "conftest.py"]
+# the backend, and what runs beside it on a device: the pytest fixture, TT's own decode as the perf test's baseline
+SOURCES = sorted((REPO / "models/tt_transformers/ttnn_backend").glob("*.py")) + [REPO / "conftest.py",
+                                                                                 REPO / "tests/tt_baseline.py"]
 # Calls the backend makes through a variable holding a ttnn op (attention.py's ordered_update wraps the op).
 INDIRECT_CALLS = {"experimental.paged_update_cache": {"update_idxs_tensor"}}
 # Methods the backend calls on ttnn objects it holds (taps.py dram_copy: x.memory_config().is_sharded();
