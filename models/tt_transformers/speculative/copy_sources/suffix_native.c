@@ -2,7 +2,7 @@
 // The per-iteration work of model-free drafting, as a CPython extension: the suffix automaton (suffix_automaton.py),
 // the table of recycled target predictions and the token-tree builder (token_tree.py). Each is a line-for-line
 // port of the Python reference next to it, same arithmetic in the same order (IEEE doubles, no fast-math), so the
-// drafts are identical; tests/test_suffix_native.py checks that on generated inputs. Python objects cross the
+// drafts are identical; tests/speculative/test_suffix_native.py checks that on generated inputs. Python objects cross the
 // boundary only as ints, floats and lists, read and built in place (no ctypes marshalling).
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
