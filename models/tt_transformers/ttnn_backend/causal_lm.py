@@ -19,7 +19,6 @@
   persistent device tensor (a draft view shares its target's) refreshed with `ttnn.copy_host_to_device_tensor` (only
   the pass tensors the trace reads), so the loop allocates nothing on the device.
 """
-import contextlib
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -32,7 +31,7 @@ from ..speculative.backend import DeviceRows, StepOutput, UserRows
 from .model import TILE_ROWS, TTModel, prefill_into_sink, prefill_warm_prompts, supported_kwargs
 from .taps import TapCapture, gather_taps_on_host, prefill_state_to_host, prompt_taps, write_taps
 from .trace_plan import TraceKey, pass_ladder, passes_for, trace_bytes, trace_keys
-from .traces import MeshTraces, captured, device_tensors, program_cache_entries, release_all
+from .traces import MeshTraces, TracedModel, captured, device_tensors, program_cache_entries
 from .tt_surface import can_keep_shares, decode_forward_kwargs, decode_logits, mesh_column_rows, padded_vocab
 from .ttnn_api import ttnn
 from .vocab import VocabShares
@@ -82,7 +81,7 @@ class Trace:
     tap_parts: Any = None  # tap_gather "host" on a mesh: the tapped layers' copies stacked, [1, 1, 32 * taps, dim / n]
 
 
-class TtnnCausalLM:
+class TtnnCausalLM(TracedModel):
     """A TT-Transformers model (or a view of its first layers) behind the CausalLM contract."""
 
     def __init__(self, tt: TTModel, max_batch_size: int, max_seq_len: int, *, mesh_traces: MeshTraces,
@@ -113,10 +112,10 @@ class TtnnCausalLM:
         args = tt.args
         self.device_name = f"{args.device_name} ({' x '.join(map(str, args.cluster_shape))} mesh)"
         self.num_devices = args.num_devices
-        # Each device reduces its own vocabulary share where TT leaves the LM head's output split (see module doc)
         # a row reading one cached position, in step costs (step_cost); a server's model gets its cache, and this,
         # at warm-up (serving/ttnn_model.py PagedVerify.warm)
         self.key_cost = tt.key_cost() if tt.kv_cache is not None else None
+        # each device reduces its own vocabulary share where TT leaves the LM head's output split (vocab.py)
         split = (self.num_devices > 1 and not args.is_galaxy and tt.model.sampling is not None
                  and can_keep_shares(tt.model))
         self.vocab = VocabShares(tt.mesh_device, args.cluster_shape, self.vocab_size,
@@ -130,8 +129,8 @@ class TtnnCausalLM:
         self.prefill_warmed = False  # _warm_up_prefill has run (its programs stay in the mesh's program cache)
         # False: every step runs its ops eagerly (TT's enable_trace=False): a failure names the op, not a trace
         self.trace = trace
-        # where a mesh's tapped states are gathered (taps.write_taps): "device", one all-gather inside each tapped trace,
-        # or "host", read back and written to the tap tile after each replay (no collective of ours in a trace)
+        # where a mesh's tapped states are gathered (taps.write_taps): "device", one all-gather inside each tapped
+        # trace, or "host", read back and written to the tap tile after each replay (no collective of ours in a trace)
         self.tap_gather = tap_gather
         self.inputs = inputs if inputs is not None else DeviceInputs()
         self.traces: dict[TraceKey, Trace] = {}
@@ -159,9 +158,8 @@ class TtnnCausalLM:
     def warm_up(self, max_rows_per_user: int, top_k: int, taps: Sequence[int], logits: bool = False) -> dict:
         """TT-Transformers' prefill warm-up (its first prefill_forward_text: every supported prefill length), then
         the programs a run with these settings uses (logits: a sampled run's, whose steps read the logits) planned and
-        checked against the trace region. They are compiled
-        and captured, with every other model's on the mesh, by `prepare_traces` (or the first step that needs them):
-        planning every model first captures each trace once."""
+        checked against the trace region. They are compiled and captured, with every other model's on the mesh, by
+        `prepare_traces` (or the first step that needs them): planning every model first captures each trace once."""
         taps = self._check_taps(taps)
         start = time.perf_counter()
         if not self.shares_target_cache:  # a draft view never prefills: the target's prefill fills its cache
@@ -209,7 +207,8 @@ class TtnnCausalLM:
 
     def trace_bytes(self, key: TraceKey) -> int:
         args = self.tt.args
-        return trace_bytes(args.model_name, args.device_name, self.tt.full_layers, self.n_layers, key, self.vocab.share)
+        return trace_bytes(args.model_name, args.device_name, self.tt.full_layers, self.n_layers, key,
+                           self.vocab.share)
 
     def compile(self, key: TraceKey) -> None:
         """The program for this key run once, outside any trace, so its kernels are built (and, on a first call, the
@@ -244,22 +243,6 @@ class TtnnCausalLM:
         trace_id, outputs = captured(self.tt.mesh_device,
                                      lambda: self._forward(key, self.tap_tile(key.taps) if key.taps else None))
         self.traces[key] = Trace(trace_id, *outputs)
-
-    def release_traces(self) -> None:
-        traces, self.traces = self.traces, {}
-        release_all(self.tt.mesh_device, [t.trace_id for t in traces.values()])
-
-    def __del__(self):  # a dropped model's traces leave the trace region (as the 2026 TT-Transformers'
-        # Generator.__del__ releases its own, tt/generator.py; tests/tt_baseline.py releases TT's)
-        with contextlib.suppress(Exception):  # a destructor never raises (the mesh may be closed already)
-            self.release_traces()
-
-    def release(self) -> None:
-        """Its traces given back, and nothing of it traced again: the model is being dropped."""
-        self.release_traces()
-        self.planned.clear()
-        self.compiled.clear()
-        self.mesh_traces.discard(self)
 
     # ---- the CausalLM calls ----------------------------------------------------------------------------------
 

@@ -30,7 +30,6 @@ its performance preset's dtypes (bfloat8_b matmul weights, bfloat16 norms and ta
 Meshes: the head is replicated on every device (the target's traced step all-gathers the taps, so no head trace
 holds a collective: two traces with CCL ops deadlocked on a multi-chip mesh in tt-metal's Gemma-4 work).
 """
-import contextlib
 import hashlib
 import time
 from dataclasses import dataclass
@@ -49,7 +48,7 @@ from .causal_lm import TtnnCausalLM
 from .head_matmuls import FILL_ROWS, MAX_TILES_PER_BANK, DecodeMatmul, HeadKernelConfigs, column_chunks
 from .model import BLOCK_SIZE, TILE_ROWS, blocks_per_user
 from .trace_plan import HeadKey, head_trace_bytes, head_trace_keys, pass_ladder, passes_for
-from .traces import captured, device_tensors, release_all
+from .traces import TracedModel, captured, device_tensors
 from .ttnn_api import ttnn
 from .vocab import slice_top_k
 
@@ -142,7 +141,7 @@ def stored_weights(config: HeadConfig, weights: dict) -> dict:
     return out
 
 
-class TtnnDraftHead:
+class TtnnDraftHead(TracedModel):
     """The `ChainDraftHead` of speculative/drafters/eagle3_device.py on a TT device, beside its target (a TtnnCausalLM
     whose steps write the tap tile). Traces are keyed by (feed write passes, chain length k) and made with every other
     model on the mesh (traces.MeshTraces), as the target's are."""
@@ -469,20 +468,6 @@ class TtnnDraftHead:
         trace_id, out = captured(self.mesh, lambda: self._forward(key))
         out.trace_id = trace_id
         self.traces[key] = out
-
-    def release_traces(self) -> None:
-        traces, self.traces = self.traces, {}
-        release_all(self.mesh, [t.trace_id for t in traces.values()])
-
-    def __del__(self):  # as TtnnCausalLM: a dropped head's traces leave the trace region
-        with contextlib.suppress(Exception):
-            self.release_traces()
-
-    def release(self) -> None:
-        self.release_traces()
-        self.planned.clear()
-        self.compiled.clear()
-        self.mesh_traces.discard(self)
 
     # ---- inputs --------------------------------------------------------------------------------------------------
 

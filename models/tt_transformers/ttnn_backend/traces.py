@@ -93,6 +93,27 @@ class MeshTraces:
                              "(lower --n_draft_tokens)")
 
 
+class TracedModel:
+    """The trace lifecycle every traced model on a mesh shares (TtnnCausalLM, TtnnDraftHead): its `traces` (key ->
+    a captured program with a `trace_id`), `planned` and `compiled` keys, and the mesh's `mesh_traces`."""
+
+    def release_traces(self) -> None:
+        traces, self.traces = self.traces, {}
+        release_all(self.mesh_traces.mesh, [t.trace_id for t in traces.values()])
+
+    def __del__(self):  # a dropped model's traces leave the trace region (as the 2026 TT-Transformers'
+        # Generator.__del__ releases its own, tt/generator.py; tests/tt_baseline.py releases TT's)
+        with contextlib.suppress(Exception):  # a destructor never raises (the mesh may be closed already)
+            self.release_traces()
+
+    def release(self) -> None:
+        """Its traces given back, and nothing of it traced again: the model is being dropped."""
+        self.release_traces()
+        self.planned.clear()
+        self.compiled.clear()
+        self.mesh_traces.discard(self)
+
+
 # tt-metal's refusal when the trace buffers outgrow the region (mesh_trace.cpp populate_mesh_buffer, TT_FATAL; the
 # text is in the ttnn 0.81.1 wheel's libtt_metal.so): the first number is every live trace's size with the failing one's
 TRACE_REGION_FULL = re.compile(r"Creating trace buffers of size (\d+)B on MeshDevice \S+, but only (\d+)B is allocated "
