@@ -342,3 +342,17 @@ def test_tt_decode_baseline_leaves_no_trace_id_for_a_destructor(tt, prompts, emb
                                    192, True)
     gc.collect()
     assert released and len(released) == len(set(released)), released
+
+
+def test_a_machine_without_ttnn_gets_one_line_naming_the_fix(monkeypatch):
+    """The backend imports ttnn in one place (ttnn_api.py): without it, the first op the backend touches raises one
+    line saying where ttnn comes from, not an ImportError from whichever module ran first."""
+    import sys
+
+    from models.tt_transformers.ttnn_backend.ttnn_api import TtnnMissing, ttnn
+
+    monkeypatch.setitem(sys.modules, "ttnn", None)  # as `import ttnn` fails on a machine without it
+    with pytest.raises(TtnnMissing, match=r"^tt-metal's ttnn is not importable in this Python \(.*\): run in "
+                                          r"tt-metal's python_env .* use the torch backend$") as e:
+        ttnn.from_torch
+    assert "\n" not in str(e.value)

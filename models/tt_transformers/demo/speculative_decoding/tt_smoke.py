@@ -10,9 +10,9 @@ conversion into the cache folder, logged); a prefill and a verify step run eager
 op, not a trace); compile and trace capture (TT's prefill warm-up and every decode trace
 the run uses); prefill of one prompt; one plain traced decode step; one verify step with
 drafts; the tapped hidden states an EAGLE-3 head reads (layers 0, 2, N/2 and N-3: the prompt's read back from the
-prefill, a step's left in the tap tile); the draft head on the device (the run's head, else a random EAGLE-3 head:
-its chain against the torch head fed the same states); speculative decoding identical to plain decoding through the
-same verify-shaped step for 32 tokens; the TT perf keys of a short demo run. On a Galaxy (8 x 4 mesh), whose decode
+prefill, a step's left in the tap tile); speculative decoding identical to plain decoding through the same
+verify-shaped step for 32 tokens; the TT perf keys of a short demo run; last, the draft head on the device (the run's
+head, else a random EAGLE-3 head: its chain against the torch head fed the same states). On a Galaxy (8 x 4 mesh), whose decode
 residual the backend does not gather for taps, the three stages that need taps (the eager stage, tapped states, the
 draft head) are reported `skipped (Galaxy)` and the rest run.
 
@@ -73,7 +73,7 @@ class Smoke:
     def __init__(self, config: DemoConfig, exits: ExitStack, draft_head=None):
         self.config, self.exits, self.draft_head = config, exits, draft_head  # draft_head: --draft_head (else None)
         self.mesh = self.lm = self.drafter = self.tokens = None
-        self.pool = ModelPool()  # the demo run of the last stage reuses the model built here
+        self.pool = ModelPool()  # the perf stage's demo run and the head stage reuse the model built here
         self.facts: dict = {}
 
     def galaxy(self) -> bool:
