@@ -59,19 +59,15 @@ def test_a_path_this_cpu_cannot_run_is_one_clear_line(monkeypatch, forced, messa
     assert message in str(error.value) and "\n" not in str(error.value)
 
 
-def test_a_forced_path_turns_off_onednn_prepacking_as_such_a_cpu_would(monkeypatch):
+def test_torch_saying_no_bf16_turns_off_onednn_prepacking(monkeypatch):
     """On an AVX2-only CPU torch's bf16 prepacking raises (`mkldnn_reorder_linear_weight: bf16 path needs the cpu
-    support avx_ne_convert or avx512bw, avx512vl and avx512dq`); TT_CPU_ISA=avx2 and portable make this process take the
-    same decision, and loading a model on torch ops then uses plain linears."""
+    support avx_ne_convert or avx512bw, avx512vl and avx512dq`): where torch's own check says no, loading a model on
+    torch ops uses plain linears (a forced path's half: test_tt_cpu_isa_caps_torch_onednn_and_the_kernels_alike)."""
     from models.tt_transformers.torch_backend.model import PackedLinear, can_prepack
 
     from ..conftest import random_model
 
-    for forced in [p.name for p in cpu_isa.this_process_paths() if not p.onednn_bf16]:
-        monkeypatch.setenv("TT_CPU_ISA", forced)
-        assert not can_prepack(torch.bfloat16, "cpu"), forced
-    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)  # torch's own check says no
-    monkeypatch.delenv("TT_CPU_ISA")
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
     assert not can_prepack(torch.bfloat16, "cpu")
     model = random_model(torch.bfloat16)
     if can_prepack(torch.bfloat16, "cpu"):
@@ -79,19 +75,60 @@ def test_a_forced_path_turns_off_onednn_prepacking_as_such_a_cpu_would(monkeypat
     assert not any(isinstance(m, PackedLinear) for m in model.modules())
 
 
-@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 only: ATEN_CPU_CAPABILITY caps torch's x86 kernels")
-def test_tt_cpu_isa_caps_torch_and_the_kernels_alike():
-    """Set before torch loads, TT_CPU_ISA=avx2 also caps torch's own kernels (ATEN_CPU_CAPABILITY) and the paths this
-    process offers; TT_CPU_ISA=portable takes torch to its default kernels."""
-    code = ("import models.tt_transformers.torch_backend.cpu_isa as c, torch; "
-            "print(torch.backends.cpu.get_cpu_capability(), [p.name for p in c.this_process_paths()])")
-    runnable = names(runnable_paths())
-    for forced, capability, paths in (("avx2", "AVX2", ["avx2", "portable"]), ("portable", "DEFAULT", ["portable"])):
-        if forced not in runnable:
-            continue
-        out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True,
-                             env={"PATH": "/usr/bin:/bin", "TT_CPU_ISA": forced}).stdout.split(None, 1)
-        assert out[0] == capability and eval(out[1]) == paths, forced
+FORCED = """
+import models.tt_transformers.torch_backend.cpu_isa as c, torch
+from models.tt_transformers.torch_backend.model import can_prepack
+torch.randn(8, 64).to_mkldnn()  # one oneDNN primitive: ONEDNN_VERBOSE names the ISA oneDNN dispatches to
+print("paths", torch.backends.cpu.get_cpu_capability(), [p.name for p in c.this_process_paths()],
+      can_prepack(torch.bfloat16, "cpu"), torch.ops.mkldnn._is_mkldnn_bf16_supported())
+"""
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 only: the caps are x86's (cpu_caps.X86_CAPS)")
+@pytest.mark.parametrize("forced,capability,paths,onednn_isa", [
+    ("avx2", "AVX2", ["avx2", "portable"], "isa:Intel AVX2"),
+    ("portable", "DEFAULT", ["portable"], "isa:Intel SSE4.1"),
+])
+def test_tt_cpu_isa_caps_torch_onednn_and_the_kernels_alike(forced, capability, paths, onednn_isa):
+    """A process started with TT_CPU_ISA runs what such a CPU runs, on every CPU that can run the path: torch's own
+    kernels (ATEN_CPU_CAPABILITY), oneDNN (ONEDNN_MAX_CPU_ISA: on an AMX CPU, torch's flash attention otherwise packs
+    for AMX from an avx2 kernel and raises), no oneDNN bf16 nor its prepacking, and the paths this process offers."""
+    if forced not in names(runnable_paths()):
+        pytest.skip(f"this CPU cannot run {forced}")
+    out = subprocess.run([sys.executable, "-c", FORCED], cwd=REPO_ROOT, capture_output=True, text=True, check=True,
+                         env={"PATH": "/usr/bin:/bin", "TT_CPU_ISA": forced, "ONEDNN_VERBOSE": "1"}).stdout
+    (isa,) = [line for line in out.splitlines() if ",info,cpu,isa:" in line]
+    assert isa.endswith(onednn_isa)
+    (line,) = [line for line in out.splitlines() if line.startswith("paths ")]
+    assert line == f"paths {capability} {paths} False False"
+
+
+LATE = """
+import torch
+torch.ones(2) + 1  # torch reads its capability here, before the package has capped it
+capability = torch.backends.cpu.get_cpu_capability()
+from models.tt_transformers.torch_backend.cpu_isa import CpuIsaError, check_cpu_isa
+try:
+    check_cpu_isa()
+    print(capability, "ran")
+except CpuIsaError as e:
+    print(capability, e)
+"""
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 only: the caps are x86's (cpu_caps.X86_CAPS)")
+def test_caps_that_came_too_late_refuse_the_forced_path_in_one_line():
+    """torch run before the package loads has read its capability: the forced path is refused in one line naming the
+    fix, unless torch runs that path's kernels anyway (an AVX2-only CPU)."""
+    if "avx2" not in names(runnable_paths()):
+        pytest.skip("this CPU cannot run avx2")
+    out = subprocess.run([sys.executable, "-c", LATE], cwd=REPO_ROOT, capture_output=True, text=True, check=True,
+                         env={"PATH": "/usr/bin:/bin", "TT_CPU_ISA": "avx2"}).stdout.strip()
+    capability, said = out.split(" ", 1)
+    assert said == "ran" if capability == "AVX2" else said == (
+        f"TT_CPU_ISA=avx2 came after torch had chosen its kernels (torch runs {capability}, not AVX2): import "
+        "models.tt_transformers before torch runs anything, or start Python with ATEN_CPU_CAPABILITY=avx2 "
+        "ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2")
 
 
 EMULATED_AVX2_CPU = """

@@ -4,7 +4,8 @@
 Checked before anything is used: a CPU gets the fastest path its flags allow, or the one TT_CPU_ISA names (refused in
 one line if this CPU cannot run it). A forced path makes the process behave as on a CPU that has only it: the
 kernels are built for it alone, torch's oneDNN bf16 prepacking is off unless that CPU would have it, and, set before
-torch loads (models/tt_transformers/__init__.py), ATEN_CPU_CAPABILITY caps torch's own kernels alike.
+torch loads (models/tt_transformers/__init__.py), its caps (cpu_caps.py) hold torch's own kernels, oneDNN and MKL to
+it alike; a process where they came too late is refused in one line.
 """
 import os
 import platform
@@ -16,6 +17,7 @@ from typing import Optional
 import torch
 
 from ..errors import UserError
+from .cpu_caps import library_caps
 
 AVX512_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
 AVX2_FLAGS = ("avx2", "fma", "f16c")
@@ -99,10 +101,32 @@ def chosen_path(forced: Optional[str] = None) -> tuple[CpuPath, str]:
         if path not in runnable:
             raise CpuIsaError(f"TT_CPU_ISA={forced}: {missing(path, flags, machine)}; this CPU runs {names} (unset "
                               "TT_CPU_ISA for the fastest)")
+        missed = caps_missed(path, machine)
+        if missed:
+            caps = " ".join(f"{name}={value}" for name, value in library_caps(forced, machine).items())
+            raise CpuIsaError(f"TT_CPU_ISA={forced} came after torch had chosen its kernels ({missed}): import "
+                              f"models.tt_transformers before torch runs anything, or start Python with {caps}")
         return path, f"TT_CPU_ISA={forced}"
     faster = [p for p in PATHS[: PATHS.index(runnable[0])] if p.machine in ("", machine)]
     return runnable[0], "the fastest this CPU runs" + (f"; {faster[-1].name} needs " + ", ".join(
         f for f in faster[-1].needs if f not in flags) if faster else "")
+
+
+def caps_missed(path: CpuPath, machine: str) -> str:
+    """What in this process runs above `path`'s caps ("" when they hold): torch's kernels, read from torch, and oneDNN,
+    from torch's check of what it runs (bf16 only at AVX-512 and up; FP16, which AMX or AVX512-FP16 bring, under
+    none of the caps). A library reads its cap once, at its first dispatch, so a process that ran torch before this
+    package loaded may have missed them; MKL cannot be asked."""
+    caps = library_caps(path.name, machine)
+    missed = []
+    capability = torch.backends.cpu.get_cpu_capability()
+    if "ATEN_CPU_CAPABILITY" in caps and capability != caps["ATEN_CPU_CAPABILITY"].upper():
+        missed.append(f"torch runs {capability}, not {caps['ATEN_CPU_CAPABILITY'].upper()}")
+    if "ONEDNN_MAX_CPU_ISA" in caps and torch.backends.mkldnn.is_available() and (
+            torch.ops.mkldnn._is_mkldnn_fp16_supported()
+            or (not path.onednn_bf16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())):
+        missed.append(f"oneDNN runs above {caps['ONEDNN_MAX_CPU_ISA']}")
+    return "; ".join(missed)
 
 
 def this_process_path() -> tuple[CpuPath, str]:
