@@ -54,3 +54,53 @@ def test_bench_cpu_report_divides_by_the_floor_and_the_fastest_transformers(tmp_
     assert "8 of 8 as its plain decoding, 5 as ours" in table
     assert json.loads((tmp_path / "cpu.json").read_text())["ours"]["avx2"] == ours
     assert (tmp_path / "cpu.png").stat().st_size > 0
+
+
+# Stand-ins for a llama-cpp-python venv's interpreter, each run as `PYTHON llama_cpp_peer.py request answer`.
+CRASHES = "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"  # as llama.cpp's AMX build on a Sapphire Rapids
+RAISES = "raise RuntimeError('llama_load_model_from_file: failed to load model')"
+ANSWERS = ("import json, sys; json.dump({'llama.cpp': {'ms_per_token': 9.0, 'outputs': [[5, 6, 0]]}, "
+           "'llama.cpp prompt lookup': {'ms_per_token': 7.0, 'outputs': [[5, 7, 0]]}}, open(sys.argv[3], 'w'))")
+
+
+def test_bench_cpu_records_a_peer_that_fails_or_crashes_with_the_reason_and_measures_the_rest(tmp_path, capsys):
+    import json
+    import shlex
+
+    import bench_cpu
+
+    builds = []
+    for label, code in (("native", CRASHES), ("broken", RAISES), ("avx2", ANSWERS)):
+        interpreter = tmp_path / label
+        interpreter.write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} -c {shlex.quote(code)} \"$@\"\n")
+        interpreter.chmod(0o755)
+        builds.append(f"{label}={interpreter}")
+    peers = bench_cpu.llama_cpp_peers(builds, tmp_path / "model.gguf", [[1, 2]], 3, [0], [[5, 6, 0]], tmp_path)
+    assert peers == {
+        "llama.cpp (native)": {"failed": "killed by SIGSEGV"},
+        "llama.cpp (broken)": {"failed": "exit status 1: RuntimeError: llama_load_model_from_file: failed to load model"},
+        "llama.cpp (avx2)": {"ms_per_token": 9.0, "same_as_ours": 1, "same_as_its_plain": 1},
+        "llama.cpp prompt lookup (avx2)": {"ms_per_token": 7.0, "same_as_ours": 0, "same_as_its_plain": 0}}
+    ours = {"plain_ms_per_token": 12.0, "speculative_ms_per_token": 8.0, "speedup": 1.5, "tokens_per_step": 1.6,
+            "identical_to_baseline": True}
+    result = {"cpu_flags": ["avx2"], "prompts": 1, "ours": {"avx512": {"failed": "exit status 1: RuntimeError: x"},
+                                                             "avx2": ours},
+              "floor": {"weight_bytes": 269_000_000, "read_gb_s": 26.9, "floor_ms_per_token": 10.0},
+              "peers": {"transformers float32": {"failed": "OutOfMemoryError: no room"}, **peers}}
+    capsys.readouterr()
+    bench_cpu.report(result, tmp_path / "cpu.json")
+    table = capsys.readouterr().out
+    assert "| ours, avx512 | failed: exit status 1: RuntimeError: x | | | | |" in table
+    assert "| ours, avx2, plain | 12.0 | 1.20 |  |" in table  # no transformers figure to compare with
+    assert "| transformers float32 | failed: OutOfMemoryError: no room | | | | |" in table
+    assert "| llama.cpp (native) | failed: killed by SIGSEGV | | | | |" in table
+    assert "| llama.cpp (avx2) | 9.0 | 0.90 |  | | 1 of 1 as its plain decoding, 1 as ours |" in table
+    assert json.loads((tmp_path / "cpu.json").read_text())["peers"]["llama.cpp (native)"] == {"failed": "killed by SIGSEGV"}
+
+
+def test_bench_cpu_records_a_path_of_ours_the_demo_refuses(tmp_path):
+    """A forced path's demo process that stops (here TT_CPU_ISA names no path) is that path's entry, with its line."""
+    import bench_cpu
+
+    failed = bench_cpu.attempt(lambda: bench_cpu.cli_figures({"TT_CPU_ISA": "avx3"}, 2, tmp_path / "r.json"))
+    assert failed["failed"].startswith("exit status ") and "TT_CPU_ISA='avx3' is not one of" in failed["failed"]
