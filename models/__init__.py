@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-# Shared with a tt-metal checkout's folder of the same name: this package's path takes in every such folder on
-# sys.path, so models.tt_transformers.tt (tt-metal's) imports beside ours whether tt-metal's folders are regular or
-# namespace packages, as long as this repository comes first on the path (the demo puts itself first when run).
+# Here for a checkout on sys.path only: pip installs no models/__init__.py (pyproject.toml packages models.* alone), so
+# an installed `models` is a namespace package that neither replaces nor is replaced by another distribution's file.
+# In a checkout this regular package takes in every other `models` folder on sys.path (tt-metal's are namespace
+# folders; a regular one, another project's, is taken in when this checkout comes first: README, "Next to tt-metal").
 __path__ = __import__("pkgutil").extend_path(__path__, __name__)
