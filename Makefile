@@ -64,6 +64,8 @@ bench-contention: $(STAMP)
 # Every CPU path this machine runs against the memory floor, Hugging Face transformers and llama.cpp, on the embedded
 # model (benchmarks/bench_cpu.py). llama.cpp is built from source (llama-cpp-python) in venvs of its own: as this CPU
 # gets it (-march=native), and on x86-64 also for AVX2 alone, the peer of our avx2 path (each ~10 min on 2 cores).
+# A build that fails or crashes is a row with the reason and the run goes on: the native build (AMX_INT8) segfaults on
+# a Sapphire Rapids, where the AVX2 build (GGML_NATIVE=OFF leaves AVX-512 and AMX off) is llama.cpp's figure.
 LLAMACPP := llama-cpp-python==0.3.36
 .venv-llamacpp/.installed:
 	$(PYTHON) -m venv .venv-llamacpp
