@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from models.tt_transformers.speculative.backend import StepOutput
+from models.tt_transformers.speculative.backend import StepOutput, UserRows
 from models.tt_transformers.speculative.metrics import SpecDecodeCounters
 from models.tt_transformers.speculative.verification import verify_chain
 from models.tt_transformers.serving.contract import (
@@ -31,6 +31,7 @@ from models.tt_transformers.serving.torch_model import TorchSpecDecodeModel
 from models.tt_transformers.torch_backend.causal_lm import TorchCausalLM
 
 from ..conftest import random_model
+from .helpers import paged_torch_model
 
 I32 = torch.int32
 
@@ -329,36 +330,78 @@ def test_verify_refuses_the_wrong_mode_width_or_slot():
 
 
 def test_torch_model_call_shapes():
-    """The torch backend's model: the three speculative arguments together or not at all, rows within its slots,
-    prefill slots distinct and lengths within the padded tokens; the class declares the capabilities and the plan."""
+    """The torch backend's model, with the runner's keywords (enable_trace, read_from_device, start_pos, the page
+    table and kv_cache): the three speculative arguments together or not at all, rows within its slots, prefill slots
+    distinct and lengths within the padded tokens; the class declares the capabilities and the plan."""
     model = random_model(max_seq_len=32)
-    served = TorchSpecDecodeModel(TorchCausalLM(model, model.args.n_layers, 2), 3)
+    served, kv, pool = paged_torch_model(TorchCausalLM(model, model.args.n_layers, 2), 3, 2, block_size=4)
     assert TorchSpecDecodeModel.model_capabilities == SPEC_CAPABILITIES
     assert TorchSpecDecodeModel.spec_plan(None, 2, 3) == plan_speculation(None, 2, 3)
-    first = served.prefill_forward(t([[1, 2, 3], [4, 5, 0]]), [3, 2], [1, 0])
+    pool.cover("a", 8)
+    pool.cover("b", 8)
+    prefill_table, table = pool.table(["b", "a"]), pool.table(["a", "b"])
+    first = served.prefill_forward(tokens=t([[1, 2, 3], [4, 5, 0]]), page_table=prefill_table, kv_cache=kv,
+                                   prompt_lens=[3, 2], empty_slots=[1, 0], start_pos=t([0, 0]), enable_trace=False)
     assert first.dtype == I32 and first.shape == (2,)
+    paging = dict(page_table=table, kv_cache=kv, enable_trace=True, read_from_device=False)
     tokens, pos = t([[int(first[1]), -1, -1, -1], [int(first[0]), -1, -1, -1]]), t([[2] + [-1] * 3, [3] + [-1] * 3])
     with pytest.raises(ValueError, match=r"got \['num_valid_drafts', 'spec_mode'\] alone"):
-        served.decode_forward(tokens, pos, num_valid_drafts=t([0, 0]), spec_mode="argmax_ids")
+        served.decode_forward(tokens, pos, num_valid_drafts=t([0, 0]), spec_mode="argmax_ids", **paging)
     with pytest.raises(ValueError, match="3 rows, more than the 2 decode slots"):
-        served.decode_forward(t([[1], [2], [3]]), t([0, 0, 0]))
+        served.decode_forward(t([[1], [2], [3]]), t([0, 0, 0]), **paging)
     with pytest.raises(ValueError, match=r"empty_slots \[0, 0\] must be distinct"):
-        served.prefill_forward(t([[1, 2], [3, 4]]), [2, 2], [0, 0])
+        served.prefill_forward(t([[1, 2], [3, 4]]), prefill_table, kv, [2, 2], [0, 0])
     with pytest.raises(ValueError, match=r"prompt_lens \[3\] within 1..2"):
-        served.prefill_forward(t([[1, 2]]), [3], [0])
-    plain = served.decode_forward(tokens[:, :1].contiguous(), pos[:, 0].contiguous())  # the ordinary decode
+        served.prefill_forward(t([[1, 2]]), prefill_table, kv, [3], [0])
+    with pytest.raises(ValueError, match=r"start_pos \[2\] must each be in \[0, prompt_lens\)"):
+        served.prefill_forward(t([[1, 2]]), prefill_table, kv, [2], [0], start_pos=[2])
+    with pytest.raises(ValueError, match="temperature is not 0 on rows \\[0\\]"):
+        served.prefill_forward(t([[1, 2]]), prefill_table, kv, [2], [0], sampling_params=SimpleNamespace(
+            temperature=[0.7]))
+    with pytest.raises(ValueError, match="kv_cache must be the one allocate_kv_cache returned"):
+        served.decode_forward(tokens[:, :1].contiguous(), pos[:, 0].contiguous(), page_table=table, kv_cache=None)
+    plain = served.decode_forward(tokens[:, :1].contiguous(), pos[:, 0].contiguous(), **paging)  # ordinary decode
     assert plain.shape == (2, 1) and plain.dtype == I32
     committed = torch.cat([plain, torch.full((2, 3), -1, dtype=I32)], dim=1)
     drafted = served.propose_draft_tokens(3, committed, t([[3, -1, -1, -1], [4, -1, -1, -1]]), t([1, 1]))
     assert drafted.draft_token_ids.shape == (2, 3) and drafted.num_valid.shape == (2,)
     out = served.decode_forward(committed, t([[3, -1, -1, -1], [4, -1, -1, -1]]), num_valid_drafts=t([0, 0]),
-                                accepted_counts=t([1, 1]), spec_mode="argmax_ids")
+                                accepted_counts=t([1, 1]), spec_mode="argmax_ids", **paging)
     assert out.argmax_ids.shape == (2, 4) and out.argmax_ids[:, 1:].eq(-1).all()
     committed = torch.cat([out.argmax_ids[:, :1], torch.full((2, 3), -1, dtype=I32)], dim=1)
     served.propose_draft_tokens(3, committed, t([[4, -1, -1, -1], [5, -1, -1, -1]]), t([1, 1]))
     narrow = served.decode_forward(committed[:, :1].contiguous(), t([4, 5]), num_valid_drafts=t([0, 0]),
-                                   accepted_counts=t([1, 1]), spec_mode="argmax_ids")  # model_runner.py@02f45e5f
+                                   accepted_counts=t([1, 1]), spec_mode="argmax_ids", **paging)  # model_runner.py
     assert isinstance(narrow, VerifyOutput) and narrow.argmax_ids.shape == (2, 1)
+
+
+def test_the_torch_model_reads_the_blocks_its_page_table_names():
+    """Two prompts prefilled into their own blocks. A decode of the first with its table gives plain decoding's
+    token; with the second's blocks in its row (blocks no row of the step writes, which no check can tell from a
+    shared prefix) it gives the token that continues the second prompt's keys instead. A prefill from start_pos reads
+    the prefix from its blocks: the first token of a whole prefill computed the same way (prefill, then the rest)."""
+    model = random_model(max_seq_len=32)
+    target = TorchCausalLM(model, model.args.n_layers, 2)
+    served, kv, pool = paged_torch_model(target, 3, 2, block_size=4)
+    prompts = [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12]]
+    for name in "ab":
+        pool.cover(name, 7)
+    first = served.prefill_forward(tokens=t(prompts), page_table=pool.table(["a", "b"]), kv_cache=kv,
+                                   prompt_lens=[6, 6], empty_slots=[0, 1])
+    plain = TorchCausalLM(model, model.args.n_layers, 1)
+    ids = served.decode_forward(t([[int(first[0])], [0]]), t([6, -1]), page_table=pool.table(["a", None]), kv_cache=kv)
+    plain.prefill(0, prompts[0])
+    assert int(ids[0, 0]) == plain.step([UserRows(0, [int(first[0])], 6)]).ids[0][0]
+    wrong = served.paged_step([UserRows(0, [int(first[0])], 6)], 0, pool.table(["b", None]).long()).ids[0][0]
+    plain.prefill(0, prompts[1])
+    assert wrong == plain.step([UserRows(0, [int(first[0])], 6)]).ids[0][0] != int(ids[0, 0])
+    pool.cover("c", 6)
+    table = pool.table(["c"])
+    table[0, 0] = pool.tables["a"][0]  # positions 0..3: the first prompt's block
+    resumed = served.prefill_forward(tokens=t([prompts[0]]), page_table=table, kv_cache=kv, prompt_lens=[6],
+                                     empty_slots=[1], start_pos=[4])
+    plain.prefill(0, prompts[0][:4])
+    assert int(resumed[0]) == plain.prefill(0, prompts[0][4:], start_pos=4).ids[0][-1]
 
 
 # --- the drafter's slots -----------------------------------------------------------------------------------------
@@ -389,19 +432,17 @@ def test_copied_drafts_per_row_with_num_valid_and_nothing_for_padding():
 
 
 def test_slot_remap_moves_the_drafters_requests_once():
-    """Row i takes slot remap[i]'s request (and the backend gathers its own state) once a submission is checked; a
-    refused submission moves nothing; the same remap applied twice, a non-permutation and a moves note that is not
-    the remap's are refused by name."""
+    """Row i takes slot remap[i]'s request once a submission is checked; a refused submission moves nothing; the same
+    remap applied twice, a non-permutation and a moves note that is not the remap's are refused by name."""
     target, core, step = core_with({0: [1, 2, 3], 1: [7, 8, 9, 10]})
-    gathered = []
     tokens, pos, nv, counts = block({0: (11, 4, []), 1: (4, 3, [])})  # the two requests swapped rows
     refused = tokens.clone()
     refused[2, 0] = 5
     with pytest.raises(ValueError, match="row 2 is a padding row"):
-        core.verify(refused, pos, nv, counts, "argmax_ids", step, t([1, 0, 2, 3]), gathered.append)
-    assert gathered == [] and core.proposer.slots == {0: 0, 1: 1}
-    core.verify(tokens, pos, nv, counts, "argmax_ids", step, t([1, 0, 2, 3]), gathered.append)
-    assert gathered == [[1, 0, 2, 3]] and core.proposer.slots == {0: 1, 1: 0}
+        core.verify(refused, pos, nv, counts, "argmax_ids", step, t([1, 0, 2, 3]))
+    assert core.proposer.slots == {0: 0, 1: 1}
+    core.verify(tokens, pos, nv, counts, "argmax_ids", step, t([1, 0, 2, 3]))
+    assert core.proposer.slots == {0: 1, 1: 0}
     core.slots_moved({1: 0, 0: 1})
     with pytest.raises(ValueError, match=r"moves \{1: 0\} are not the last slot_remap's \{\}"):
         core.slots_moved({1: 0})
@@ -410,17 +451,21 @@ def test_slot_remap_moves_the_drafters_requests_once():
         core.verify(tokens, pos, nv, counts, "argmax_ids", step, [1, 0, 2, 3])
     with pytest.raises(ValueError, match=r"slot_remap must be a permutation of the 4 decode rows, got \[0, 0, 2, 3\]"):
         core.verify(tokens, pos, nv, counts, "argmax_ids", step, [0, 0, 2, 3])
-    core.plain_decode(t([[4], [0], [0], [0]]), t([3, -1, -1, -1]), step, [0, 1, 2, 3])  # row 0 is back to [1..4]
+    # the refusals moved nothing: row 0 still holds [7, 8, 9, 10] and the 11 it was fed
+    core.plain_decode(t([[11], [0], [0], [0]]), t([4, -1, -1, -1]), step, [0, 1, 2, 3])
     with pytest.raises(ValueError, match=r"moves \{0: 1\} are not the last slot_remap's \{\}"):
         core.slots_moved({0: 1})  # the last submission's remap was the identity: nothing moved
 
 
 def test_release_frees_the_slot_and_keeps_the_response_for_later_requests():
+    """A release takes effect once the slot stops decoding its request (the next decode without it, or a prefill
+    into the slot): the response joins the draft memory, and the slot then holds nothing."""
     target, core, step = core_with({0: [1, 2, 3]})
     tokens, pos, nv, counts = block({0: (40, 3, [])})
     core.verify(tokens, pos, nv, counts, "argmax_ids", step)
     propose_after(core, {0: (4, [41])})
     core.release(0)
+    core.plain_decode(t([[0]] * 4), t([-1] * 4), step)  # a decode without slot 0's request
     assert core.proposer.slots == {} and core.proposer.requests == {}
     assert core.proposer.drafter.memory.responses.docs[-1] == [40, 41]
     with pytest.raises(ValueError, match="no request was prefilled into slot 0"):

@@ -9,7 +9,6 @@ The plugin's side is played by a small scheduler written here (Scheduler: vLLM's
 tables, block 0 its null block, blocks handed out shuffled) and by serving/reference_runner.py's loop.
 """
 import importlib.util
-import random
 import re
 import sys
 import types
@@ -26,7 +25,7 @@ from models.tt_transformers.serving.contract import (
     accept_greedy_drafts,
 )
 from models.tt_transformers.serving.plan import SPEC_CAPABILITIES, plan_speculation
-from models.tt_transformers.serving.reference_runner import ReferenceRunner
+from models.tt_transformers.serving.reference_runner import BlockPool, ReferenceRunner
 from models.tt_transformers.speculative.backend import UserRows
 from models.tt_transformers.speculative.generator import SpeculativeGenerator
 from models.tt_transformers.ttnn_backend.causal_lm import TtnnCausalLM
@@ -38,6 +37,7 @@ from ..tt_stand_in import generator_vllm as stand_in_generator_vllm
 from ..tt_stand_in import install
 from ..tt_stand_in import tt_transformers as stand_in_tt
 from ..tt_stand_in import ttnn as stand_in_ttnn
+from .helpers import generator, plain_with_recomputes
 
 BATCH = 4  # the padded decode batch (ModelArgs' supported batch sizes: 1, 2, 4, 8, 16, 32)
 MAX_SEQ_LEN = 256  # a power of two (TT's prefill warm-up rule)
@@ -87,38 +87,30 @@ class Served:
 
 
 class Scheduler:
-    """vLLM's side of the page table, as far as the model sees it: a block pool (block 0 is vLLM's null block, never a
-    request's; free blocks handed out in a shuffled order, so no table is the identity) and a block table per decode
-    slot that follows its request through a slot_remap, grown to cover every position a step writes (the K + 1
-    lookahead the plugin reserves for custom_class)."""
+    """vLLM's side of the page table, as far as the model sees it: the reference runner's block pool (block 0 is
+    vLLM's null block, never a request's; free blocks handed out in a shuffled order, so no table is the identity)
+    with a block table per decode slot that follows its request through a slot_remap, grown to cover every position a
+    step writes (the K + 1 lookahead the plugin reserves for custom_class)."""
 
     def __init__(self, served: Served, seed=0):
-        self.served, self.free = served, list(range(1, served.num_blocks))
-        random.Random(seed).shuffle(self.free)
-        self.blocks: dict[int, list[int]] = {}
+        self.served, self.pool = served, BlockPool(served.num_blocks, BLOCK, served.width, seed)
         self.layout_changed = True  # model_runner.py@02f45e5f _decode_layout_changed_since_last_decode
 
     def cover(self, slot: int, positions: int) -> None:
-        blocks = self.blocks.setdefault(slot, [])
-        while len(blocks) * BLOCK < positions:
-            blocks.append(self.free.pop())
+        self.pool.cover(slot, positions)
 
     def release(self, slot: int) -> None:
-        self.free.extend(self.blocks.pop(slot, []))
+        self.pool.release(slot)
         self.layout_changed = True
 
     def remap(self, slot_remap) -> None:
         if slot_remap is not None:
             self.layout_changed = True
-            old = self.blocks
-            self.blocks = {i: old[j] for i, j in enumerate(torch.as_tensor(slot_remap).tolist()) if j in old}
+            old = self.pool.tables
+            self.pool.tables = {i: old[j] for i, j in enumerate(torch.as_tensor(slot_remap).tolist()) if j in old}
 
     def table(self, slots) -> torch.Tensor:
-        table = torch.zeros(len(slots), self.served.width, dtype=torch.int32)
-        for row, slot in enumerate(slots):
-            blocks = self.blocks.get(slot, [])
-            table[row, : len(blocks)] = t(blocks)
-        return table
+        return self.pool.table(list(slots))
 
     def prefill(self, prompts, slots) -> list[int]:
         """Prefill prompts into slots (the runner's submit_prefill keywords); each one's greedy first token."""
@@ -435,7 +427,8 @@ def test_plain_steps_are_tt_transformers_decode(monkeypatch, tmp_path, embedded_
     served.model.propose_draft_tokens(3, committed, positions, kept)
     out, ids = plain([int(committed[u, int(kept[u]) - 1]) for u in (0, 1)], ends)
     assert calls[-1] == (True, [])  # after the verify: TT's resident inputs reloaded
-    contexts = [served.model.spec.core.proposer.request(s, "test").context for s in (0, 1)]
+    proposer = served.model.spec.core.proposer
+    contexts = [proposer.requests[proposer.slots[s]].context for s in (0, 1)]
     assert [c[-1] for c in contexts] == ids and [len(c) for c in contexts] == [end + 2 for end in ends]
     with pytest.raises(AssertionError, match="Batch size 4 must be equal to max_batch_size 32"):  # TT's own rule
         tt_decode(served.model, t([[0]] * BATCH), t([-1] * BATCH), page_table=scheduler.table(range(BATCH)),
@@ -477,17 +470,20 @@ def test_the_runners_loop_on_the_stand_in_is_plain_greedy(monkeypatch, tmp_path,
     class through the scheduler's paged blocks, read back as the pinned runner's synchronous path reads it: four
     prompts at 3 concurrent requests (a padding row, the fourth waits), one preempted and replayed, rows compacted
     after departures. Every output equals plain greedy decoding through the package's own 32-row step on the
-    stand-in, token for token; nothing is compiled or captured while serving."""
+    stand-in, token for token, the preempted one with the same recompute (tests/serving/plain.py: TT's prefill and
+    decode programs differ, so a recompute need not give the uninterrupted run's tokens); nothing is compiled or
+    captured while serving."""
     k = 3
-    plain = [r.output_tokens for r in SpeculativeGenerator(package_backend(monkeypatch, embedded_checkpoint), None,
-                                                           0).generate(prompts, 32)]
+    lm = package_backend(monkeypatch, embedded_checkpoint)
+    plain = [r.output_tokens for r in SpeculativeGenerator(lm, None, 0).generate(prompts, 32)]
     served = Served(monkeypatch, tmp_path, embedded_checkpoint, k)
     traces, compiled = set(served.mesh.traces), set(served.model.spec.verify.lm.compiled)
     plan = plan_speculation(vllm_config(k), 3, k)
     runner = ReferenceRunner(RunnerModel(Scheduler(served)), plan, BATCH, 3, [], MAX_SEQ_LEN, served.vocab_size,
                              narrow_verify=narrow_verify)
     outputs = runner.run({0: [(f"r{i}", prompts[i], 32) for i in range(4)]}, {3: ["r1"]})
-    assert [outputs[f"r{i}"] for i in range(4)] == plain
+    assert [outputs[f"r{i}"] for i in range(4) if i != 1] == plain[:1] + plain[2:]
+    assert outputs["r1"] == plain_with_recomputes(generator(lm), prompts[1], 32, runner.done["r1"].preempted_at)
     s = runner.stats
     assert s.verify_steps > 0 and (s.plain_steps > 0) != narrow_verify and (s.narrow_verifies > 0) == narrow_verify
     assert s.preemptions == 1 and s.padding_rows > 0
@@ -498,27 +494,28 @@ def test_the_runners_loop_on_the_stand_in_is_plain_greedy(monkeypatch, tmp_path,
 
 def test_a_verify_refuses_what_warm_up_did_not_prepare(monkeypatch, tmp_path, embedded_checkpoint):
     """Before warm-up there is no verify program; a page table of another width than warm-up's, or another KV cache,
-    is refused before anything runs; only phase 1 (no traces: a launch that does not trace decode) serves its verify
-    eagerly with the compiled programs."""
+    is refused (PagedVerify.check, which SpecDecodeCore.verify runs before anything changes); only phase 1 (no
+    traces: a launch that does not trace decode) serves its verify eagerly with the compiled programs."""
     served = Served(monkeypatch, tmp_path, embedded_checkpoint, 3, trace=False)
     verify = served.model.spec.verify
     assert not verify.lm.traces and verify.lm.compiled == verify.lm.planned
     rows = [UserRows(0, [1, 2], 3)]
     table = torch.zeros(BATCH, served.width, dtype=torch.int32)
     with pytest.raises(ValueError, match=f"must be \\[B, {served.width}\\]"):
-        verify.step(rows, 4, table[:, :-1], served.kv_cache)
+        verify.check(rows, 4, table[:, :-1], served.kv_cache)
     with pytest.raises(ValueError, match="not the one the verify was warmed up on"):
-        verify.step(rows, 4, table, [list(served.kv_cache[0])])
+        verify.check(rows, 4, table, [list(served.kv_cache[0])])
     with pytest.raises(RuntimeError, match="no verify program for 2 write passes and top 0"):
-        verify.step(rows, 0, table, served.kv_cache)
+        verify.check(rows, 0, table, served.kv_cache)
     with pytest.raises(ValueError, match="longer than 1 \\+ K = 4"):
-        verify.step([UserRows(0, [1] * 5, 3)], 4, table, served.kv_cache)
-    out = verify.step(rows, 4, table, served.kv_cache)  # eager: the compiled program, nothing new
+        verify.check([UserRows(0, [1] * 5, 3)], 4, table, served.kv_cache)
+    verify.check(rows, 4, table, served.kv_cache)
+    out = verify.step(rows, 4, table)  # eager: the compiled program, nothing new
     assert len(out.ids[0]) == 2 and verify.lm.compiled == verify.lm.planned
     fresh = ttnn_model.PagedVerify(verify.tt.model, verify.tt.args, served.mesh, verify.tt.passes, MAX_SEQ_LEN, 3,
                                    verify.tt.config, "performance")
     with pytest.raises(RuntimeError, match="before warmup_model_decode"):
-        fresh.step(rows, 4, table, served.kv_cache)
+        fresh.check(rows, 4, table, served.kv_cache)
 
 
 def test_the_plugins_rows_pad_to_tt_transformers_tile_and_back():

@@ -7,8 +7,11 @@ ids after each fed row land in upstream's column layout: column j < n is the mod
 column n the bonus; everything not verified is PLACEHOLDER_TOKEN_ID. Decode row i is decode slot i (after slot_remap),
 which a backend maps onto its KV cache: a cache row on torch, a page-table row on TT.
 
-The backend supplies `step(rows, top_k) -> StepOutput` (CausalLM.step on the KV cache this call addresses) and moves
-its own per-slot state on a slot_remap; everything here is shared (docs/serving.md: what the ttnn side provides).
+The backend supplies `step(rows, top_k) -> StepOutput` (CausalLM.step on the KV cache this call addresses) and, where
+it refuses inputs of its own (a page table, a program not prepared), `check(rows, top_k)`, which raises before anything
+changes; everything here is shared (docs/serving.md: what the ttnn side provides). Every call checks all it was given
+(the block, slot_remap, each row against its slot's request, the backend's check) before it applies slot_remap or tells
+the drafter anything: a refused call moves nothing, and its correct retry runs as if it had not been made.
 """
 from typing import Callable, Optional, Sequence
 
@@ -28,6 +31,7 @@ from .contract import (
 from .proposer import CopiedDraftProposer
 
 Step = Callable[[Sequence[UserRows], int], StepOutput]  # (rows, top_k) -> the target's greedy (and top-k) ids per row
+Check = Callable[[Sequence[UserRows], int], None]  # (rows, top_k): raises where the backend would refuse the step
 
 
 class SpecDecodeCore:
@@ -45,22 +49,25 @@ class SpecDecodeCore:
         for slot, prompt in zip(slots, prompts):
             self.proposer.start(slot, prompt)
 
-    def apply_slot_remap(self, slot_remap, rows: int, gather: Optional[Callable[[list[int]], None]] = None) -> None:
-        """The submission's slot_remap (row i reads the state slot j held), applied once: to the drafter's slots, and
-        through `gather` to the backend's own per-slot state. Called once a submission's values are checked, so a
-        refused one moves nothing."""
-        self.unsettled_moves = None  # a moves note follows the last submission's remap
+    @staticmethod
+    def checked_remap(slot_remap, rows: int) -> Optional[list[int]]:
+        """The submission's slot_remap (row i reads the state slot j held) as a list, None for none or the identity;
+        a value that is not a permutation of the decode rows is refused."""
         if slot_remap is None:
-            return
+            return None
         remap = slot_remap.tolist() if isinstance(slot_remap, torch.Tensor) else list(slot_remap)
         if sorted(remap) != list(range(rows)):
             raise ValueError(f"slot_remap must be a permutation of the {rows} decode rows, got {remap}")
-        if remap == list(range(rows)):
-            return
-        self.proposer.remap(remap)
-        if gather is not None:
-            gather(remap)
-        self.unsettled_moves = {old: new for new, old in enumerate(remap) if old != new}
+        return None if remap == list(range(rows)) else remap
+
+    def apply(self, remap: Optional[list[int]], fed: list[tuple[int, list[int], int]]) -> None:
+        """A checked submission: its remap applied once to the drafter's slots, then each live row told what it
+        feeds."""
+        self.unsettled_moves = None  # a moves note follows the last submission's remap
+        if remap is not None:
+            self.proposer.remap(remap)
+            self.unsettled_moves = {old: new for new, old in enumerate(remap) if old != new}
+        self.proposer.fed(fed)
 
     def slots_moved(self, old_to_new: dict) -> None:
         """The runner's note_state_slots_moved after a decode it accepted: the moves the remap already applied (a model
@@ -73,8 +80,8 @@ class SpecDecodeCore:
         self.unsettled_moves = None
 
     def verify(self, tokens, start_pos, num_valid_drafts, accepted_counts, spec_mode, step: Step, slot_remap=None,
-               gather: Optional[Callable[[list[int]], None]] = None) -> VerifyOutput:
-        """The verify call: the block checked, slot_remap applied, its live rows fed to one step, the greedy ids in
+               check: Optional[Check] = None) -> VerifyOutput:
+        """The verify call: everything checked, slot_remap applied, its live rows fed to one step, the greedy ids in
         upstream's layout: [B, 1+K], or [B, 1] for the narrow verify (contract.check_verify_block), whose rows are
         one token each, as a plain step's."""
         if spec_mode != ACCEPT_MODE_ARGMAX_IDS:
@@ -82,12 +89,13 @@ class SpecDecodeCore:
                              "(its plan's accept_modes)")
         live = check_verify_block(tokens, start_pos, num_valid_drafts, accepted_counts, num_drafts=self.num_drafts,
                                   vocab_size=self.target.vocab_size)
-        self.apply_slot_remap(slot_remap, tokens.shape[0], gather)
-        for r in live:
-            self.proposer.fed(r.row, r.tokens, r.start_pos)
+        user_rows = [UserRows(r.row, r.tokens, r.start_pos) for r in live]
+        self.check_rows(user_rows, tokens.shape[0], slot_remap, check, "verify")
+        fed = [(r.user, r.tokens, r.start_pos) for r in user_rows]
+        self.apply(self.checked_remap(slot_remap, tokens.shape[0]), fed)
         argmax_ids = torch.full(tuple(tokens.shape), PLACEHOLDER_TOKEN_ID, dtype=torch.int32)
         if live:
-            out = step([UserRows(r.row, r.tokens, r.start_pos) for r in live], self.proposer.top_k)
+            out = step(user_rows, self.proposer.top_k)
             for k, (r, ids) in enumerate(zip(live, out.ids)):
                 argmax_ids[r.row, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
                 self.proposer.saw(r.row, out.top_ids[k] if out.top_ids else None)
@@ -97,27 +105,34 @@ class SpecDecodeCore:
                 self.counters.observe_draft(r.n_drafts, accepted)
         return VerifyOutput(ACCEPT_MODE_ARGMAX_IDS, argmax_ids=argmax_ids)
 
-    def plain_decode(self, tokens, start_pos, step: Step, slot_remap=None,
-                     gather: Optional[Callable[[list[int]], None]] = None) -> torch.Tensor:
+    def check_rows(self, rows: list[UserRows], batch: int, slot_remap, check: Optional[Check], what: str) -> None:
+        """Everything a decode's rows must satisfy, before anything changes: slot_remap a permutation, each row
+        continuing the request its slot holds after it, the backend's own check."""
+        remap = self.checked_remap(slot_remap, batch)
+        self.proposer.check_fed([(r.user, r.tokens, r.start_pos) for r in rows], remap, what)
+        if check is not None and rows:
+            check(rows, self.proposer.top_k)
+
+    def plain_decode(self, tokens, start_pos, step: Step, slot_remap=None, check: Optional[Check] = None
+                     ) -> torch.Tensor:
         """The ordinary [B, 1] decode (supports_narrow_decode): each live row's greedy next token, [B, 1] int32
         (PLACEHOLDER_TOKEN_ID on padding rows), as a decode that samples greedily on the device returns it."""
-        live = self.plain_decode_rows(tokens, start_pos, slot_remap, gather)
+        live = self.plain_decode_rows(tokens, start_pos, slot_remap, check)
         ids = torch.full((tokens.shape[0], 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int32)
         if live:
-            out = step([UserRows(row, [token], pos) for row, token, pos in live], self.proposer.top_k)
-            for k, ((row, _, _), row_ids) in enumerate(zip(live, out.ids)):
-                ids[row, 0] = row_ids[0]
-                self.proposer.saw(row, out.top_ids[k] if out.top_ids else None)
+            out = step(live, self.proposer.top_k)
+            for k, (row, row_ids) in enumerate(zip(live, out.ids)):
+                ids[row.user, 0] = row_ids[0]
+                self.proposer.saw(row.user, out.top_ids[k] if out.top_ids else None)
         return ids
 
-    def plain_decode_rows(self, tokens, start_pos, slot_remap=None,
-                          gather: Optional[Callable[[list[int]], None]] = None) -> list[tuple[int, int, int]]:
-        """An ordinary decode's live rows (row, token, position), checked, slot_remap applied, told to the drafter: a
+    def plain_decode_rows(self, tokens, start_pos, slot_remap=None, check: Optional[Check] = None) -> list[UserRows]:
+        """An ordinary decode's live rows (one token each), checked, slot_remap applied, told to the drafter: a
         backend whose ordinary decode is its own (TT-Transformers' decode_forward) calls this before running it."""
-        live = check_plain_decode(tokens, start_pos, self.target.vocab_size)
-        self.apply_slot_remap(slot_remap, tokens.shape[0], gather)
-        for row, token, pos in live:
-            self.proposer.fed(row, [token], pos)
+        live = [UserRows(row, [token], pos) for row, token, pos in
+                check_plain_decode(tokens, start_pos, self.target.vocab_size)]
+        self.check_rows(live, tokens.shape[0], slot_remap, check, "decode")
+        self.apply(self.checked_remap(slot_remap, tokens.shape[0]), [(r.user, r.tokens, r.start_pos) for r in live])
         return live
 
     def propose(self, num_drafts: int, committed_tokens, committed_positions, accepted_counts) -> DraftOutput:
@@ -129,4 +144,6 @@ class SpecDecodeCore:
         return drafted
 
     def release(self, slot: int) -> None:
+        """release_request (proposer.CopiedDraftProposer.release: it takes effect once the slot stops decoding its
+        request)."""
         self.proposer.release(int(slot))

@@ -8,7 +8,11 @@ the package's draft-length policy (best_length over each token's estimated accep
 step_cost, with DraftLengthPolicy's probes), capped by K and the end of the context.
 
 State is keyed by a request key the slot points to, so a slot move (slot_remap) moves a pointer, and a slot whose
-request went (release_request) or was never prefilled drafts nothing. It speaks only to the CausalLM interface
+request went or was never prefilled drafts nothing. Every call checks all its rows before it changes anything, so a
+refused one leaves the state as it was. release_request names only a slot (the contract has no request id), so a
+release takes effect when the slot's request stops running: at the next decode in which its slot is not a live row, or
+at the next prefill into its slot; a decode that goes on feeding the request shows the release was not its own (one
+repeated after another request took the slot) and it is ignored. It speaks only to the CausalLM interface
 (step_cost, max_seq_len, vocab_size): the same proposer serves the torch and ttnn backends.
 """
 from dataclasses import dataclass, field
@@ -36,6 +40,7 @@ class RequestState:
     proposed: list[int] = field(default_factory=list)
     fed: list[int] = field(default_factory=list)
     top_ids: Optional[list[list[int]]] = None
+    released: bool = False  # release_request named its slot: it goes once its slot stops decoding it
 
 
 class CopiedDraftProposer:
@@ -52,45 +57,66 @@ class CopiedDraftProposer:
     def start(self, slot: int, tokens: Sequence[int]) -> None:
         """A request prefilled into `slot` (new, or resumed after a preemption with its whole history)."""
         if slot in self.slots:
-            self.release(slot)  # the slot's previous request ended without a release_request
+            self.stop(slot)  # the slot's previous request ended (released, or without a release_request)
         key = next(self.keys)
         self.slots[slot] = key
         self.requests[key] = RequestState(list(tokens))
         self.drafter.start_request(key, tokens)
 
     def release(self, slot: int) -> None:
-        """The slot's request finished or was preempted: its state goes (its response into the draft memory)."""
-        key = self.slots.pop(slot, None)
+        """release_request: the slot's request finished or was preempted. It goes (its response into the draft memory)
+        once its slot stops decoding it (settle); a slot holding nothing is a no-op."""
+        key = self.slots.get(slot)
         if key is not None:
-            del self.requests[key]
-            self.drafter.stop_request(key)
+            self.requests[key].released = True
+
+    def stop(self, slot: int) -> None:
+        key = self.slots.pop(slot)
+        del self.requests[key]
+        self.drafter.stop_request(key)
+
+    def remapped(self, slot_remap: Optional[Sequence[int]]) -> dict[int, int]:
+        """The slots after slot_remap (slot i takes the request slot_remap[i] held), without applying it."""
+        if slot_remap is None:
+            return self.slots
+        moved = {i: self.slots[j] for i, j in enumerate(slot_remap) if j in self.slots}
+        return moved | {s: key for s, key in self.slots.items() if s >= len(slot_remap)}
 
     def remap(self, slot_remap: Sequence[int]) -> None:
         """Slot i takes the request slot_remap[i] held (an absolute permutation, applied once per submission)."""
-        moved = {i: self.slots[j] for i, j in enumerate(slot_remap) if j in self.slots}
-        self.slots = moved | {s: key for s, key in self.slots.items() if s >= len(slot_remap)}
+        self.slots = self.remapped(slot_remap)
 
-    def request(self, slot: int, what: str) -> RequestState:
-        if slot not in self.slots:
-            raise ValueError(f"{what} row {slot} holds a request, but no request was prefilled into slot {slot} (or "
-                             "it was released): a slot_remap or prefill was missed")
-        return self.requests[self.slots[slot]]
+    def check_fed(self, rows: Sequence[tuple[int, Sequence[int], int]], slot_remap=None, what: str = "verify") -> None:
+        """Each (slot, tokens, start_pos) a decode feeds must continue the request its slot holds after slot_remap:
+        checked for every row before anything changes."""
+        slots = self.remapped(slot_remap)
+        for slot, tokens, start_pos in rows:
+            if slot not in slots:
+                raise ValueError(f"{what} row {slot} holds a request, but no request was prefilled into slot {slot} "
+                                 "(or it was released): a slot_remap or prefill was missed")
+            state = self.requests[slots[slot]]
+            ctx = state.context
+            if not (state.prefilled and start_pos == len(ctx)) and (start_pos != len(ctx) - 1 or ctx[-1] != tokens[0]):
+                raise ValueError(f"{what} row {slot} feeds token {tokens[0]} at position {start_pos}, but the request "
+                                 f"in slot {slot} holds {len(ctx)} tokens ending in {ctx[-1]}: a slot_remap was missed "
+                                 "or applied twice")
 
-    def fed(self, slot: int, tokens: Sequence[int], start_pos: int) -> None:
-        """A verify or plain decode feeds the slot `tokens` (the last committed token, then drafts) from start_pos. The
-        first decode after a prefill brings the prefill's token (not yet in the context); later ones the context's
-        last token. Called before the step runs, so a step that does not fit the slot's request fails first."""
-        state = self.request(slot, "verify")
-        ctx = state.context
-        if state.prefilled and start_pos == len(ctx):
-            ctx.append(tokens[0])
-        elif start_pos != len(ctx) - 1 or ctx[-1] != tokens[0]:
-            raise ValueError(f"verify row {slot} feeds token {tokens[0]} at position {start_pos}, but the request in "
-                             f"slot {slot} holds {len(ctx)} tokens ending in {ctx[-1]}: a slot_remap was missed or "
-                             "applied twice")
-        if list(tokens[1:]) != state.proposed:
-            self.drafter.withdraw(self.slots[slot])  # not the draft it proposed (cut or replaced): nothing to learn
-        state.fed, state.top_ids, state.proposed, state.prefilled = list(tokens), None, [], False
+    def fed(self, rows: Sequence[tuple[int, Sequence[int], int]]) -> None:
+        """A checked decode (check_fed, slot_remap applied) feeds each slot `tokens` (the last committed token, then
+        drafts) from start_pos. The first decode after a prefill brings the prefill's token (not yet in the context);
+        later ones the context's last token. A released request its slot still decodes stays (its release was not
+        its own); one no row feeds goes (settle)."""
+        for slot, tokens, start_pos in rows:
+            state = self.requests[self.slots[slot]]
+            if state.prefilled and start_pos == len(state.context):
+                state.context.append(tokens[0])
+            if list(tokens[1:]) != state.proposed:
+                self.drafter.withdraw(self.slots[slot])  # not the draft it proposed (cut or replaced): nothing to learn
+            state.fed, state.top_ids, state.proposed, state.prefilled = list(tokens), None, [], False
+            state.released = False
+        live = {slot for slot, _, _ in rows}
+        for slot in [s for s, key in self.slots.items() if self.requests[key].released and s not in live]:
+            self.stop(slot)
 
     def saw(self, slot: int, top_ids: Optional[list[list[int]]]) -> None:
         """The target's top-k next tokens after each row the step fed the slot (recycled drafts learn from them)."""
@@ -102,12 +128,15 @@ class CopiedDraftProposer:
         offer up to num_drafts more (num_valid: the draft-length policy's length; 0 for padding rows)."""
         check_committed_block(num_drafts, committed_tokens, committed_positions, accepted_counts)
         rows = committed_tokens.shape[0]
-        keys, contexts, caps, live_rows = [], [], [], []
+        commits = []  # (row, state, committed tokens): every row checked before any is applied
         for i, (toks, pos, n) in enumerate(zip(committed_tokens.tolist(), committed_positions.tolist(),
                                                accepted_counts.tolist())):
             if pos[0] < 0:  # a padding row
                 continue
-            state = self.request(i, "propose")
+            if i not in self.slots:
+                raise ValueError(f"propose row {i} holds a request, but no request was prefilled into slot {i} (or "
+                                 "it was released): a slot_remap or prefill was missed")
+            state = self.requests[self.slots[i]]
             if pos[0] != len(state.context):
                 raise ValueError(f"propose row {i} commits from position {pos[0]}, but the request in slot {i} holds "
                                  f"{len(state.context)} tokens: its verify was not seen")
@@ -115,9 +144,12 @@ class CopiedDraftProposer:
             if state.fed and new[:-1] != state.fed[1:n]:
                 raise ValueError(f"propose row {i} commits {new}, but the drafts verified were {state.fed[1:]}: the "
                                  "accepted tokens must be the verified drafts' prefix")
+            commits.append((i, state, new))
+        keys, contexts, caps, live_rows = [], [], [], []
+        for i, state, new in commits:
             key = self.slots[i]
             if state.fed:
-                self.drafter.accept(key, Verified(new, list(range(n - 1)), state.fed, state.top_ids))
+                self.drafter.accept(key, Verified(new, list(range(len(new) - 1)), state.fed, state.top_ids))
             state.context.extend(new)
             state.fed, state.top_ids = [], None
             room = self.target.max_seq_len - len(state.context)  # the drafts' last position must be in the cache

@@ -12,10 +12,15 @@ request's offered drafts (trimmed to the context) for its next step. Around it a
 can be: requests arrive at any step and are prefilled into free slots (empty_slots), finish at an EOS or max_tokens
 (committed tokens past the stop are dropped, as vLLM's stop check drops them) or at max_model_len, can be preempted
 (release_request; later they re-prefill their whole history, and drafting starts over), and the survivors of a
-departure are compacted to the lowest rows (slot_remap on the next decode, then note_state_slots_moved).
+departure are compacted to the lowest rows (slot_remap on the next decode, then note_state_slots_moved). Given a
+BlockPool it also plays vLLM's KV cache manager: each request's block table grows to cover every position a step
+writes, its blocks go back to the pool when it finishes or is preempted (the next request takes them), and every
+prefill and decode carries the page table of its rows and the kv_cache (model_runner.py@02f45e5f, submit_prefill and
+async_decode.py's submit_decode pass them by keyword).
 
 It also counts what vLLM's scheduler counts (speculative.metrics), independently of the model's own counters.
 """
+import random
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -36,6 +41,7 @@ class Request:
     drafts: list[int] = field(default_factory=list)  # offered by the last proposal, to verify next
     accepted_count: int = 1  # tokens its last step committed (1 after a prefill or a plain step)
     finish_reason: Optional[str] = None  # "stop" (EOS), "length" (max_tokens or max_model_len)
+    preempted_at: list[int] = field(default_factory=list)  # its output's length at each preemption (recompute)
 
     @property
     def history(self) -> list[int]:
@@ -61,18 +67,59 @@ class RunStats:
     max_running: int = 0
 
 
+class BlockPool:
+    """vLLM's KV blocks as a runner hands them out (vllm/v1/core/block_pool.py BlockPool, KVCacheManager): block 0 is
+    the null block, never a request's and the padding of every table; the free blocks start shuffled (seed: no table
+    is the identity) and the last freed go first, so a finished or preempted request's blocks are the next one's."""
+
+    def __init__(self, num_blocks: int, block_size: int, blocks_per_request: int, seed: int = 0):
+        self.free = list(range(1, num_blocks))
+        random.Random(seed).shuffle(self.free)
+        self.block_size, self.width = block_size, blocks_per_request
+        self.tables: dict = {}  # owner -> its blocks, in position order
+        self.handed: set[int] = set()
+        self.reused = 0  # blocks handed out again after another owner gave them back
+
+    def cover(self, owner, positions: int) -> None:
+        """The owner's blocks grown to hold positions [0, positions)."""
+        blocks = self.tables.setdefault(owner, [])
+        need = -(-positions // self.block_size)
+        if need > self.width or need - len(blocks) > len(self.free):
+            raise RuntimeError(f"{owner!r} needs {need} blocks of {self.block_size} (at most {self.width} a request); "
+                               f"{len(self.free)} are free: give the pool more blocks")
+        while len(blocks) < need:
+            blocks.append(self.free.pop())
+            self.reused += blocks[-1] in self.handed
+            self.handed.add(blocks[-1])
+
+    def release(self, owner) -> None:
+        self.free.extend(reversed(self.tables.pop(owner, [])))
+
+    def table(self, owners: Sequence) -> torch.Tensor:
+        """[len(owners), blocks_per_request] int32 block ids (an owner None, or a row past its blocks: the null
+        block 0)."""
+        table = torch.zeros(len(owners), self.width, dtype=torch.int32)
+        for row, owner in enumerate(owners):
+            blocks = self.tables.get(owner, [])
+            table[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        return table
+
+
 class ReferenceRunner:
     def __init__(self, model, plan: SpecPlan, batch_rows: int, max_num_seqs: int, eos_ids: Sequence[int],
-                 max_model_len: int, vocab_size: int, compact: bool = True, narrow_verify: bool = True):
+                 max_model_len: int, vocab_size: int, compact: bool = True, narrow_verify: bool = True,
+                 blocks: Optional[BlockPool] = None, kv_cache=None):
         """model: the contract's model side (prefill_forward, decode_forward, propose_draft_tokens, release_request,
         note_state_slots_moved); batch_rows: the padded decode batch B; max_num_seqs: most requests running;
-        narrow_verify: a plan's narrow steps are the pinned runner's one-column verifies (else ordinary decodes)."""
+        narrow_verify: a plan's narrow steps are the pinned runner's one-column verifies (else ordinary decodes);
+        blocks, kv_cache: the paged KV cache (the model's allocate_kv_cache) and its pool, passed with every call."""
         if not 1 <= max_num_seqs <= batch_rows:
             raise ValueError(f"max_num_seqs {max_num_seqs} must be in [1, batch_rows {batch_rows}]")
         self.model, self.plan, self.rows, self.max_num_seqs = model, plan, batch_rows, max_num_seqs
         self.k = plan.effective_k
         self.eos_ids, self.max_model_len, self.vocab_size = set(eos_ids), max_model_len, vocab_size
         self.compact, self.narrow_verify = compact, narrow_verify
+        self.blocks, self.kv_cache = blocks, kv_cache
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.done: dict[str, Request] = {}
@@ -116,6 +163,8 @@ class ReferenceRunner:
             if req is not None:  # preempted: its slot is freed now, it re-prefills its history when readmitted
                 self.model.release_request(req.slot)
                 self.running.remove(req)
+                self.release_blocks(req)
+                req.preempted_at.append(len(req.output))
                 req.slot, req.drafts, req.accepted_count = None, [], 1
                 self.waiting.appendleft(req)
                 self.stats.preemptions += 1
@@ -145,7 +194,14 @@ class ReferenceRunner:
         histories = [r.history for r in admitted]
         width = max(len(h) for h in histories)
         tokens = torch.tensor([h + [0] * (width - len(h)) for h in histories], dtype=torch.int32)
-        first = self.model.prefill_forward(tokens, [len(h) for h in histories], [r.slot for r in admitted])
+        paging = {}
+        if self.blocks is not None:
+            for req in admitted:
+                self.blocks.cover(req.req_id, len(req.history))
+            paging = dict(page_table=self.blocks.table([r.req_id for r in admitted]), kv_cache=self.kv_cache,
+                          start_pos=torch.zeros(len(admitted), dtype=torch.int32))
+        first = self.model.prefill_forward(tokens=tokens, prompt_lens=[len(h) for h in histories],
+                                           empty_slots=[r.slot for r in admitted], **paging)
         self.stats.prefill_steps += 1
         for req, token in zip(admitted, torch.as_tensor(first).reshape(-1).tolist()):
             self.running.append(req)
@@ -187,17 +243,24 @@ class ReferenceRunner:
             tokens[r.slot, n + 1:] = PLACEHOLDER_TOKEN_ID
             start_pos[r.slot, : n + 1] = torch.arange(p, p + n + 1, dtype=torch.int32)
             num_valid[r.slot], counts[r.slot] = n, r.accepted_count
+        paging = {}
+        if self.blocks is not None:
+            for r in running:  # every position the step writes
+                self.blocks.cover(r.req_id, len(r.history) + len(r.drafts))
+            by_slot = {r.slot: r.req_id for r in running}
+            paging = dict(page_table=self.blocks.table([by_slot.get(i) for i in range(self.rows)]),
+                          kv_cache=self.kv_cache)
         if narrow:
             start_pos = start_pos[:, 0].contiguous()  # one-column steps carry [B] positions
         if narrow and not self.narrow_verify:
-            ids = self.model.decode_forward(tokens, start_pos, slot_remap=remap)
+            ids = self.model.decode_forward(tokens, start_pos, slot_remap=remap, **paging)
             if not isinstance(ids, torch.Tensor) or tuple(ids.shape) != (self.rows, 1):
                 raise ValueError(f"an ordinary decode must return [B, 1] ids, got {type(ids).__name__}")
             committed, step_counts = ids.to(torch.int32), torch.ones(self.rows, dtype=torch.int32)
             self.stats.plain_steps += 1
         else:
             out = self.model.decode_forward(tokens, start_pos, num_valid_drafts=num_valid, accepted_counts=counts,
-                                            spec_mode=ACCEPT_MODE_ARGMAX_IDS, slot_remap=remap)
+                                            spec_mode=ACCEPT_MODE_ARGMAX_IDS, slot_remap=remap, **paging)
             argmax = getattr(out, "argmax_ids", None)
             if getattr(out, "spec_mode", None) != ACCEPT_MODE_ARGMAX_IDS or not isinstance(argmax, torch.Tensor) \
                     or argmax.dtype != torch.int32 or tuple(argmax.shape) != (self.rows, width):
@@ -244,7 +307,14 @@ class ReferenceRunner:
                 self.stats.eos_in_multi_token_commits += req.finish_reason == "stop" and len(tokens) > 1
                 self.stats.dropped_after_stop += len(tokens) - 1 - i
                 self.running.remove(req)
+                self.release_blocks(req)
                 self.done[req.req_id] = req
                 self.to_release.append(req.slot)
                 req.drafts = []
                 return
+
+    def release_blocks(self, req: Request) -> None:
+        """A request that finished or was preempted gives its blocks back at once (vLLM's scheduler frees them when
+        it finishes or preempts it; the model hears of it at the next step)."""
+        if self.blocks is not None:
+            self.blocks.release(req.req_id)

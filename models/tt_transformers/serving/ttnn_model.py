@@ -193,9 +193,10 @@ class PagedVerify:
         return sum(trace_bytes(args.model_name, args.device_name, self.tt.full_layers, self.lm.n_layers, key,
                                self.lm.vocab.share) for key in self.lm.planned)
 
-    def step(self, rows, top_k: int, page_table, kv_cache):
-        """One verify over `rows` (UserRows: user = decode row = page-table row) with this step's page table,
-        replaying the program warm-up prepared for the rows' longest chain; refuses what would compile or capture."""
+    def check(self, rows, top_k: int, page_table, kv_cache) -> None:
+        """What a verify over `rows` (UserRows: user = decode row = page-table row) refuses, before anything runs or
+        changes: no warm-up, another KV cache, a page table of another width, a chain longer than 1 + K, a program
+        warm-up did not prepare (nothing is compiled or captured while serving)."""
         from ..ttnn_backend.trace_plan import passes_for
 
         if self.width is None:
@@ -215,6 +216,10 @@ class PagedVerify:
             raise RuntimeError(f"no verify program for {passes} write passes and top {top_k} was "
                                f"{'captured' if self.lm.trace else 'compiled'} at warm-up: nothing is compiled or "
                                "captured while serving")
+
+    def step(self, rows, top_k: int, page_table):
+        """One checked verify (check) with this step's page table, replaying the program warm-up prepared for the
+        rows' longest chain."""
         try:
             return self.lm.step(rows, top_k=top_k, page_table=page_table)
         finally:
@@ -415,11 +420,10 @@ class SpecDecodeModel:
         if spec.warming:
             raise RuntimeError("a verify inside TT's decode warm-up")
         page_table, kv_cache = kwargs.get("page_table"), kwargs.get("kv_cache")
-
-        def step(rows, top_k):
-            return spec.verify.step(rows, top_k, page_table, kv_cache)
         out = spec.core.verify(kwargs["tokens"], kwargs["start_pos"], kwargs["num_valid_drafts"],
-                               kwargs["accepted_counts"], kwargs["spec_mode"], step, kwargs.get("slot_remap"))
+                               kwargs["accepted_counts"], kwargs["spec_mode"],
+                               lambda rows, top_k: spec.verify.step(rows, top_k, page_table), kwargs.get("slot_remap"),
+                               lambda rows, top_k: spec.verify.check(rows, top_k, page_table, kv_cache))
         spec.tt_inputs_stale, spec.verify_ids = True, out.argmax_ids
         return to_plugin(out)
 

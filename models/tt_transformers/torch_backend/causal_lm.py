@@ -74,9 +74,10 @@ class TorchCausalLM:
     def step_cost(self, n_rows: int, context_len: float) -> float:
         return 1 + n_rows * (self.token_cost + self.key_cost * context_len)
 
-    def prefill(self, user: int, tokens: Sequence[int], logits: bool = False, taps: Sequence[int] = ()
-                ) -> StepOutput:
-        out, states = self._run([tokens], [0], [user], True, None, taps)
+    def prefill(self, user: int, tokens: Sequence[int], logits: bool = False, taps: Sequence[int] = (),
+                start_pos: int = 0) -> StepOutput:
+        """start_pos: the tokens follow start_pos positions already in the user's cache (a prefix computed before)."""
+        out, states = self._run([tokens], [start_pos], [user], True, None, taps)
         return self._output(out, logits, 0, states)
 
     def step(self, rows: Sequence[UserRows], logits: bool = False, top_k: int = 0, taps: Sequence[int] = ()
