@@ -107,7 +107,7 @@ def device_head_drafter(target, checkpoint, n_draft_tokens: int):
     folder = draft_head_folder(DemoConfig(**{**vars(config), "draft_mode": "hybrid"}), checkpoint.name)
     head = read_draft_head(folder, args) if folder is not None else random_head(args)
     drafter = make_drafter(SpeculativeConfig(draft_mode="head", n_draft_tokens=n_draft_tokens), target,
-                           **target.build_head(*head, n_draft_tokens))
+                           device_head=target.build_head(*head, n_draft_tokens))
     SpeculativeGenerator(target, drafter, n_draft_tokens).warm_up()
     return drafter
 

@@ -78,13 +78,13 @@ class TorchCausalLM:
         checkpoint = self.model.checkpoint
         head = find_draft_head(draft_head, checkpoint.name if checkpoint else None, self.model.args, self.n_layers,
                                True, required)
-        return {} if head is None else self.build_head(*head, chain_len)
+        return {} if head is None else {"head": self.build_head(*head, chain_len)}
 
-    def build_head(self, config: HeadConfig, weights: dict, chain_len: int) -> dict:
-        """A read head (eagle3_format.read_draft_head) as make_drafter takes it: {"head": a HeadRunner} beside this
-        model, on its embedding unless the head ships one, for its users and positions (chain_len: any)."""
-        return {"head": HeadRunner(build_draft_head(config, weights, self.model), self.max_batch_size,
-                                   self.max_seq_len, self.model.args)}
+    def build_head(self, config: HeadConfig, weights: dict, chain_len: int) -> HeadRunner:
+        """A read head (eagle3_format.read_draft_head) beside this model, on its embedding unless the head ships one,
+        for its users and positions (chain_len: any): make_drafter's `head`."""
+        return HeadRunner(build_draft_head(config, weights, self.model), self.max_batch_size, self.max_seq_len,
+                          self.model.args)
 
     def step_cost(self, n_rows: int, context_len: float) -> float:
         return 1 + n_rows * (self.token_cost + self.key_cost * context_len)

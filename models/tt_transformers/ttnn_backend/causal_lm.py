@@ -154,12 +154,12 @@ class TtnnCausalLM(TracedModel):
         checkpoint = self.tt.checkpoint
         head = find_draft_head(draft_head, checkpoint.name if checkpoint else None, self.tt.config, self.n_layers,
                                False, required)
-        return {} if head is None else self.build_head(*head, chain_len)
+        return {} if head is None else {"device_head": self.build_head(*head, chain_len)}
 
-    def build_head(self, config: HeadConfig, weights: dict, chain_len: int) -> dict:
-        """A read head (eagle3_format.read_draft_head) as make_drafter takes it: {"device_head": a TtnnDraftHead} in
-        this model's weights dtype, drafting traced chains of chain_len tokens from the taps this model's steps
-        leave on the device; the tokens it is fed are looked up on the host in the head's embedding, else the
+    def build_head(self, config: HeadConfig, weights: dict, chain_len: int):
+        """A read head (eagle3_format.read_draft_head) on the device as a TtnnDraftHead in this model's weights dtype,
+        drafting traced chains of chain_len tokens from the taps this model's steps leave there (make_drafter's
+        `device_head`); the tokens it is fed are looked up on the host in the head's embedding, else the
         checkpoint's."""
         from .eagle3_head import TtnnDraftHead  # it builds on this module
 
@@ -169,8 +169,8 @@ class TtnnCausalLM(TracedModel):
                             "target's from (TTModel.checkpoint, which build_tt_model sets); set it, or give a head "
                             "with embed_tokens.weight", "draft_head")
         embedding = read_embedding(self.tt.checkpoint) if embedding is None else embedding
-        return {"device_head": TtnnDraftHead(self, config, weights, embedding, chain_len, self.tt.config,
-                                             weights_dtype=getattr(ttnn, self.tt.weights_dtype))}
+        return TtnnDraftHead(self, config, weights, embedding, chain_len, self.tt.config,
+                             weights_dtype=getattr(ttnn, self.tt.weights_dtype))
 
     def step_cost(self, n_rows: int, context_len: float) -> float:
         """A step of n_rows rows: the passes are those of one user holding every row beyond the first (an upper

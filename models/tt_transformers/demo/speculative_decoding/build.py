@@ -191,11 +191,12 @@ def build(config: DemoConfig, checked: CheckedInputs, mesh_device=None, pool: Op
     target = load(ckpt, target_layers)
     check_step_rows(config, target)
     draft_lm, draft_cost, heads = None, None, {}
-    if head_weights is not None:  # the library's head for this backend (CausalLM.draft_head's), the TT one pooled
+    if head_weights is not None:  # the backend's head (CausalLM.draft_head's); on a TT device pooled, traces and all
         def make_head():
             return target.build_head(*head_weights, config.n_draft_tokens)
-        heads = (pool.get(("head", str(head_folder), target_layers, config.n_draft_tokens, built_with), make_head)
-                 if checked.backend == "ttnn" else make_head())
+        heads = ({"device_head": pool.get(("head", str(head_folder), target_layers, config.n_draft_tokens,
+                                           built_with), make_head)}
+                 if checked.backend == "ttnn" else {"head": make_head()})
     elif spec.n_draft_tokens > 0 and spec.draft_mode in ("model", "hybrid"):
         if checked.draft_ckpt is not None:
             draft_lm, draft_args = load(checked.draft_ckpt, None), ModelShape.from_hf_config(checked.draft_ckpt.config)

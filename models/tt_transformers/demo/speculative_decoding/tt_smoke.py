@@ -335,7 +335,7 @@ def device_head(s: Smoke) -> None:
     head = read_draft_head(folder, args) if folder is not None else \
         random_head(args, draft_vocab=min(RANDOM_DRAFT_VOCAB, args.vocab_size))
     k = max(1, s.config.n_draft_tokens)
-    dev = s.pool.get(("smoke head",), lambda: s.lm.build_head(*head, k))["device_head"]  # as the demo's, pooled
+    dev = s.pool.get(("smoke head",), lambda: s.lm.build_head(*head, k))  # as the demo's, pooled
     drafter = make_drafter(SpeculativeConfig(draft_mode="head", n_draft_tokens=k), s.lm, device_head=dev)
     SpeculativeGenerator(s.lm, drafter, k).warm_up()
     out = s.lm.prefill(0, s.tokens, taps=head[0].taps)
