@@ -12,7 +12,9 @@ from models.tt_transformers.demo.speculative_decoding import inputs
 from models.tt_transformers.demo.speculative_decoding.inputs import DemoInputError
 from models.tt_transformers.demo.speculative_decoding.options import DemoConfig
 from models.tt_transformers.demo.speculative_decoding.speculative_demo import run_demo
+from models.tt_transformers.speculative.drafters.eagle3 import HeadDrafter
 from models.tt_transformers.speculative.drafters.eagle3_base import RunCost
+from models.tt_transformers.checkpoints import eagle3_format
 from models.tt_transformers.torch_backend import load
 from models.tt_transformers.checkpoints.model_shape import ModelShape
 
@@ -91,7 +93,8 @@ def bad_head(case, tmp_path, args):
     ("missing-tensor", r"layers.0.hidden_norm.weight is missing, expected \(576,\)"),
     ("truncated", r"model.safetensors cannot be read .* it is corrupt or incomplete: download or train the head again"),
     ("d2t-outside-vocab", r"d2t maps draft ids outside the target's vocabulary"),
-    ("fewer-target-layers", r"reads layers \[2, 15, 27\], but --target_layers keeps 12; leave --target_layers"),
+    ("fewer-target-layers", r"reads layers \[2, 15, 27\], but --target_layers keeps 12; keep all 30 layers or pass a "
+                            r"--draft_head for 12 layers"),
 ])
 def test_bad_draft_head_is_a_clear_error_before_loading(tmp_path, embedded_checkpoint, monkeypatch, case, message):
     """Checked against the target's config before any model loads; one line naming --draft_head and the fix."""
@@ -107,7 +110,7 @@ def test_bad_draft_head_is_a_clear_error_before_loading(tmp_path, embedded_check
 
 
 def test_head_mode_without_a_head_for_the_target(tmp_path, monkeypatch):
-    monkeypatch.setattr(inputs, "DRAFT_HEADS", tmp_path / "none")
+    monkeypatch.setattr(eagle3_format, "DRAFT_HEADS", tmp_path / "none")
     config = DemoConfig(input_prompts=str(write_json(tmp_path / "p.json", [{"prompt": "Hi"}])), draft_mode="head")
     with pytest.raises(DemoInputError, match="no draft head ships for SmolLM2-135M-Instruct; pass --draft_head"):
         run_demo(config)
@@ -124,6 +127,38 @@ def test_demo_head_and_hybrid_use_the_shipped_head(tmp_path, monkeypatch):
         assert report["summary"]["identical_to_baseline"]
         assert any(it["draft_source"] == "head" for it in report["prompts"][0]["iterations"])
         assert 0 < report["summary"]["draft_head_run_cost"] < 1  # the estimate: a run costs a fraction of a step
+
+
+def drafts_with(drafter) -> tuple:
+    """What a drafter drafts with: its kind, its copied drafts' settings, its head (config and draft vocabulary) or
+    its draft model's layers."""
+    other = getattr(drafter, "fallback", drafter)
+    suffix = getattr(drafter, "suffix", None)
+    head = getattr(other, "head", None)
+    return (type(drafter), type(other),
+            suffix and (suffix.threshold, suffix.memory.responses.max_tokens, suffix.top_k),
+            head and (head.head.config, head.vocab.tolist(), head.cache.k[0].shape),
+            getattr(other, "lm", None) and (other.lm.n_layers, other.lm.shares_target_cache))
+
+
+@pytest.mark.parametrize("flags,library", [
+    ({}, {}),  # the defaults: a hybrid with the shipped head
+    ({"draft_mode": "head"}, {"draft_mode": "head"}),
+    ({"target_layers": 12}, {}),  # the shipped head taps layers a truncated target does not run: the draft model
+    ({"draft_head": "none"}, {"draft_head": "none"}),
+])
+def test_the_library_default_drafts_as_the_demo(tmp_path, flags, library):
+    """make_drafter(SpeculativeConfig(...), target) builds the drafter the demo builds for the same settings (the
+    demo through the library's pieces: its checks choose the head, the backend builds it): the same kinds, the same
+    head (the shipped one, or none), the same draft model."""
+    from models.tt_transformers.demo.speculative_decoding.build import build
+    from models.tt_transformers.speculative import SpeculativeConfig, make_drafter
+
+    config = DemoConfig(input_prompts=str(write_json(tmp_path / "p.json", [{"prompt": "Hi"}])), **flags)
+    target, drafter = build(config, inputs.check_inputs(config))[1:3]
+    ours = make_drafter(SpeculativeConfig(**library), target)
+    assert drafts_with(ours) == drafts_with(drafter)
+    assert (drafts_with(ours)[1] is HeadDrafter) == (flags.get("target_layers") is None and "draft_head" not in flags)
 
 
 def test_training_command_end_to_end(tmp_path):

@@ -97,8 +97,7 @@ def test_lossless_on_device(mesh_device, checkpoint, batch):
 
 def device_head_drafter(target, checkpoint, n_draft_tokens: int):
     """DRAFT_HEAD, else the head shipped for the model, else a random EAGLE-3 head of its shape (lossless all the
-    same: its drafts fail), on the device beside `target` (build.draft_head, make_drafter), traced with it."""
-    from models.tt_transformers.demo.speculative_decoding.build import draft_head
+    same: its drafts fail), on the device beside `target` (TtnnCausalLM.build_head, make_drafter), traced with it."""
     from models.tt_transformers.demo.speculative_decoding.inputs import draft_head_folder
     from models.tt_transformers.checkpoints.eagle3_format import random_head, read_draft_head
     from models.tt_transformers.checkpoints.model_shape import ModelShape
@@ -108,7 +107,7 @@ def device_head_drafter(target, checkpoint, n_draft_tokens: int):
     folder = draft_head_folder(DemoConfig(**{**vars(config), "draft_mode": "hybrid"}), checkpoint.name)
     head = read_draft_head(folder, args) if folder is not None else random_head(args)
     drafter = make_drafter(SpeculativeConfig(draft_mode="head", n_draft_tokens=n_draft_tokens), target,
-                           **draft_head(head, target, checkpoint, args, config))
+                           device_head=target.build_head(*head, n_draft_tokens))
     SpeculativeGenerator(target, drafter, n_draft_tokens).warm_up()
     return drafter
 

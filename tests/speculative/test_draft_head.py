@@ -15,7 +15,7 @@ import torch
 from models.tt_transformers.speculative.generator import SpeculativeGenerator
 from models.tt_transformers.speculative.backend import UserRows
 from models.tt_transformers.speculative.draft_length import linear_cost
-from models.tt_transformers.speculative.drafters import Draft, HybridDrafter, SuffixDrafter, Verified
+from models.tt_transformers.speculative.drafters import Draft, HybridDrafter, ModelDrafter, SuffixDrafter, Verified
 from models.tt_transformers.speculative.drafters.eagle3 import HeadDrafter
 from models.tt_transformers.speculative.drafters.eagle3_base import RunCost
 from models.tt_transformers.speculative.sampling import KeyedSampler, SamplingParams
@@ -27,7 +27,7 @@ from models.tt_transformers.checkpoints.model_shape import ModelShape
 
 from ..conftest import (REPO_ROOT, every_cpu_path_and_torch_ops, kernels_of, needs_cpu_kernels, random_head,
                        random_model, write_eagle3_head)
-from .test_lossless_greedy import RecordingDrafter, head_drafter, run, run_results
+from .test_lossless_greedy import RecordingDrafter, head_drafter, make_eager, run, run_results
 from .test_lossless_sampling import (
     ALPHA,
     N_DRAFT,
@@ -351,6 +351,109 @@ def test_shipped_head_matches_its_card(embedded_checkpoint):
     assert card["target"] == embedded_checkpoint.name and card["command"].startswith("make train-draft-head")
     assert card["measured_on_held_out_topics"]["tokens_per_target_forward"] > 1.5
     assert set(card["measured_on_benchmark_sets"]) == {"chat", "qa", "translation", "summarization"}
+
+
+# ---- the library's head mode: SpeculativeConfig.draft_head and make_drafter alone ------------------------------------
+
+def test_head_mode_from_the_config_alone_is_the_shipped_head_and_lossless(embedded_bf16, embedded_tokenizer,
+                                                                         sample_prompt_tokens):
+    """make_drafter(SpeculativeConfig(draft_mode="head"), target) on the embedded model: the head shipped for it,
+    built by the backend, drafting greedy output equal to plain decoding; the default config is the hybrid with
+    it, and a draft model given to a hybrid with no draft_head named drafts instead."""
+    from models.tt_transformers.speculative import SpeculativeConfig, make_drafter
+
+    eos, prompts = [embedded_tokenizer.eos_token_id], sample_prompt_tokens[:2]
+    plain = [run(embedded_bf16, [p], 0, 0, 32, eos=eos)[0] for p in prompts]
+    target = TorchCausalLM(embedded_bf16, embedded_bf16.args.n_layers, len(prompts))
+    drafter = make_drafter(SpeculativeConfig(draft_mode="head", n_draft_tokens=6), target)
+    shipped = read_draft_head(SHIPPED, embedded_bf16.args)[0]
+    assert isinstance(drafter, HeadDrafter) and drafter.head.head.config == shipped
+    drafter.cost = RunCost(drafter.cost.estimate, measure=False)  # drafts whatever this CPU's timing
+    results = SpeculativeGenerator(target, drafter, 6, eos).generate(prompts, 32)
+    assert [r.output_tokens for r in results] == plain
+    assert sum(it.accepted for r in results for it in r.iterations if it.draft_source == "head") > 0
+    default = make_drafter(SpeculativeConfig(), target)
+    assert isinstance(default, HybridDrafter) and default.fallback.head.head.config == shipped
+    view = target.draft_view(4)
+    assert make_drafter(SpeculativeConfig(), target, draft_lm=view).fallback.lm is view
+
+
+@pytest.mark.parametrize("layout", ["speculators", "eagle"])
+def test_a_published_head_folder_drafts_through_the_config(tmp_path, layout):
+    """A head in speculators' layout or the EAGLE authors', named by SpeculativeConfig.draft_head (head mode and the
+    hybrid), is the head make_drafter drafts with: its taps and draft vocabulary, greedy output equal to plain."""
+    from models.tt_transformers.speculative import SpeculativeConfig, make_drafter
+
+    model = random_model(torch.float32, n_layers=6, max_seq_len=64)
+    folder = write_eagle3_head(tmp_path / layout, model.args, layout, draft_vocab=40, taps=(1, 3, 6))
+    prompts = [[1, 2, 3, 4, 5, 6], [7, 8, 9]]
+    plain = run(model, prompts, 0, 0, 30)
+    for mode in ("head", "hybrid"):
+        target = TorchCausalLM(model, 6, 2)
+        drafter = make_drafter(SpeculativeConfig(draft_mode=mode, draft_head=folder), target)
+        head = drafter if mode == "head" else drafter.fallback
+        assert isinstance(head, HeadDrafter) and head.taps == (1, 3, 6) and len(head.vocab) == 40
+        assert head.head.head.config.layout == layout
+        make_eager(head)
+        results = SpeculativeGenerator(target, drafter, 4, ()).generate(prompts, 30)
+        assert [r.output_tokens for r in results] == plain, mode
+    assert isinstance(make_drafter(SpeculativeConfig(), target).fallback, ModelDrafter)  # no head ships for it
+
+
+def bad_draft_head(case, tmp_path, model):
+    """(SpeculativeConfig keywords, n_layers the target runs) of a head that does not fit `model` (6 layers)."""
+    shape = model.args
+    if case == "other-width":
+        shape = ModelShape(**{**shape.__dict__, "dim": 48, "head_dim": 12})
+    if case == "other-vocabulary":
+        shape = ModelShape(**{**shape.__dict__, "vocab_size": 80})
+    taps = {"taps-out-of-range": (1, 3, 9), "taps-a-truncated-target-lacks": (1, 3, 5)}.get(case, (1, 3, 6))
+    folder = write_eagle3_head(tmp_path / case, shape, "speculators", draft_vocab=40, taps=taps)
+    return {"no-head-ships": ({"draft_mode": "head"}, 6), "not-a-head": ({"draft_head": 3}, 6),
+            "none-in-head-mode": ({"draft_mode": "head", "draft_head": "none"}, 6),
+            "missing": ({"draft_head": tmp_path / "nowhere"}, 6),
+            "taps-a-truncated-target-lacks": ({"draft_head": folder}, 4)}.get(case, ({"draft_head": folder}, 6))
+
+
+@pytest.mark.parametrize("case,message", [
+    ("other-width", r"draft_head .*: the head reads hidden size 48 \(its own 48\), but this target's is 32"),
+    ("other-vocabulary", r"draft_head .*: the head's vocabulary has 80 tokens, this target's 64 \(another tokenizer\)"),
+    ("taps-out-of-range", r"draft_head .*: eagle_aux_hidden_state_layer_ids \[1, 3, 9\] must be layers of this "
+                          r"6-layer target"),
+    ("taps-a-truncated-target-lacks", r"draft_head .* reads layers \[1, 3, 5\], but the target's n_layers keeps "
+                                      r"4; keep all 6 layers or pass a draft_head for 4 layers"),
+    ("no-head-ships", r"draft_mode head: no draft head ships for a target of no known checkpoint; pass draft_head"),
+    ("not-a-head", r"draft_head 3 is not a head: give a folder or a cached hub id"),
+    ("none-in-head-mode", r"draft_head 'none' with draft_mode 'head', which drafts with a head only"),
+    ("missing", r"draft_head '.*nowhere' does not exist; give the head's folder or a hub id"),
+])
+def test_a_head_that_does_not_fit_is_refused_in_one_line(tmp_path, case, message):
+    """make_drafter refuses a draft_head that cannot draft for the target in one UserError naming draft_head (or
+    draft_mode) and the fix, before any head is built."""
+    from models.tt_transformers.errors import UserError
+    from models.tt_transformers.speculative import SpeculativeConfig, make_drafter
+    from models.tt_transformers.torch_backend import eagle3_head
+
+    model = random_model(torch.float32, n_layers=6, max_seq_len=64)
+    config, n_layers = bad_draft_head(case, tmp_path, model)
+    target = TorchCausalLM(model, n_layers, 1)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(eagle3_head.Eagle3Head, "__init__", lambda *a, **k: pytest.fail("a head was built"))
+        with pytest.raises(UserError, match=message) as error:
+            make_drafter(SpeculativeConfig(**config), target)
+    assert "\n" not in str(error.value)
+
+
+def test_a_built_head_and_a_named_one_are_refused_together(tmp_path):
+    from models.tt_transformers.errors import UserError
+    from models.tt_transformers.speculative import SpeculativeConfig, make_drafter
+
+    model = random_model(torch.float32, n_layers=6, max_seq_len=64)
+    target = TorchCausalLM(model, 6, 1)
+    folder = write_eagle3_head(tmp_path / "head", model.args, draft_vocab=40, taps=(1, 3, 6))
+    runner = HeadRunner(random_head(model), 1, 64, model.args)
+    with pytest.raises(UserError, match=r"draft_head '.*head' and a built head \(head or device_head\) both given"):
+        make_drafter(SpeculativeConfig(draft_mode="head", draft_head=folder), target, head=runner)
 
 
 # ---- training ------------------------------------------------------------------------------------------------------

@@ -50,7 +50,8 @@ def drafter_for_mode(target, mode, draft_layers, sa_threshold=4, shared_cache=Tr
     draft is a view of the target's first layers and cache (as the demo builds it), else it has a cache of its own;
     memory / recycle: the copied drafts also come from earlier responses / the target's top `recycle` tokens."""
     config = SpeculativeConfig(draft_mode="hybrid" if mode == "hybrid-head" else mode, sa_threshold=sa_threshold,
-                               draft_memory=4096 if memory else 0, recycle_top_k=recycle, draft_layers=draft_layers)
+                               draft_memory=4096 if memory else 0, recycle_top_k=recycle, draft_layers=draft_layers,
+                               draft_head="none" if mode == "hybrid" else None)  # hybrid: the draft model's
     if mode in ("head", "hybrid-head"):
         drafter = make_drafter(config, target, head=head_runner(target))
         make_eager(drafter.fallback if mode == "hybrid-head" else drafter)

@@ -52,7 +52,8 @@ def drafter(mode, target, head):
     if mode in ("head-chains", "head-trees"):
         return head_drafter(target, head)
     config = SpeculativeConfig(draft_mode={"hybrid-chains": "hybrid", "hybrid-model": "hybrid"}.get(mode, mode),
-                               sa_threshold=1, draft_memory=4096, recycle_top_k=4, draft_layers=20)
+                               sa_threshold=1, draft_memory=4096, recycle_top_k=4, draft_layers=20,
+                               draft_head="none" if mode == "hybrid-model" else None)
     if mode in ("hybrid", "hybrid-chains"):
         return make_drafter(config, target, head=head_runner(target, head))
     return make_drafter(config, target)

@@ -24,7 +24,8 @@ from ..tt_stand_in import ttnn as stand_in_ttnn
 def drafter_for(lm, mode):
     """Copied drafts from the request alone, from 1-token matches too (some pass whole, some fail at once); a view of
     the first 8 layers; both in the hybrid, the view priced at 0.3 of a step."""
-    config = SpeculativeConfig(draft_mode=mode, sa_threshold=1, draft_memory=0, recycle_top_k=0, draft_layers=8)
+    config = SpeculativeConfig(draft_mode=mode, sa_threshold=1, draft_memory=0, recycle_top_k=0, draft_layers=8,
+                               draft_head="none")
     return make_drafter(config, lm, draft_cost=0.3)
 
 

@@ -6,6 +6,7 @@ identical to plain greedy decoding through the same 32-row verify step, as in te
 import pytest
 import torch
 
+from models.tt_transformers.speculative import SpeculativeConfig, make_drafter
 from models.tt_transformers.speculative.generator import SpeculativeGenerator
 from models.tt_transformers.speculative.backend import DeviceRows, UserRows
 from models.tt_transformers.speculative.drafters import HybridDrafter, SuffixDrafter
@@ -95,6 +96,22 @@ def test_device_head_identical_to_plain_through_the_verify_step(tt, embedded_che
     assert outputs(results) == plain_outputs
     assert any(it.draft_source == "head" for r in results for it in r.iterations)  # the head drafted
     assert set(lm.traces) | set(drafter_head(drafter).traces) <= planned(lm, drafter_head(drafter))  # nothing new
+
+
+def test_the_library_default_drafts_with_the_shipped_head_on_the_device(tt, prompts, plain_outputs):
+    """make_drafter(SpeculativeConfig(), target) on a ttnn target: the demo's default, copied drafts beside the head
+    shipped for the model, built on the device by the backend (TtnnCausalLM.draft_head); the same tokens as plain
+    decoding through the same step."""
+    lm = tt(4)
+    drafter = make_drafter(SpeculativeConfig(n_draft_tokens=CHAIN), lm)
+    assert isinstance(drafter, HybridDrafter) and isinstance(drafter.fallback, TracedHeadDrafter)
+    assert drafter.fallback.head.chain_len == CHAIN and drafter.taps == (2, 15, 27)
+    drafter.fallback.cost = RunCost(0.05, measure=False)  # the stand-in's times are no device's
+    generator = SpeculativeGenerator(lm, drafter, CHAIN)
+    generator.warm_up()
+    results = generator.generate(prompts, 32)
+    assert outputs(results) == plain_outputs
+    assert any(it.draft_source == "head" for r in results for it in r.iterations)
 
 
 def drafter_head(drafter):

@@ -13,7 +13,9 @@ state. The embedding is the target's unless the head ships one.
 Two layouts, one HeadConfig (docs/draft_sources.md): the EAGLE authors' (config.json with `architectures:
 ["LlamaForCausalLMEagle3"]`, weights `midlayer.*`, in pytorch_model.bin or safetensors) and `speculators`' (config.json
 with `speculators_config`, `transformer_layer_config`, `eagle_aux_hidden_state_layer_ids`, weights `layers.0.*`). A
-folder or a hub id in the local Hugging Face cache; checked against the target before anything loads.
+folder or a hub id in the local Hugging Face cache; checked against the target before anything loads. Which head a
+target drafts with (the one given, else the one shipped for its checkpoint): choose_draft_head, which the demo's checks
+and the backends' CausalLM.draft_head (make_drafter's) both call.
 """
 import hashlib
 import json
@@ -21,9 +23,10 @@ import os
 import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
+from loguru import logger
 
 from ..errors import UserError
 from .model_shape import ModelConfigError, ModelShape
@@ -90,6 +93,65 @@ def resolve_head_folder(value, flag: str = "--draft_head") -> Path:
             raise DraftHeadError(str(e)) from None
     raise DraftHeadError(f"{flag} {str(value)!r} does not exist; give the head's folder or a hub id already in the "
                          "local Hugging Face cache (huggingface-cli download <id>)")
+
+
+def head_folder(draft_head, model_name: Optional[str], required: bool, flag: str = "draft_head",
+                mode_flag: str = "draft_mode") -> Optional[Path]:
+    """draft_head's folder: the folder or cached hub id given, or (None) the head shipped for the checkpoint named
+    model_name (draft_heads/<model_name>); None where none ships, a one-line error where a head is required."""
+    if draft_head is not None:
+        return resolve_head_folder(draft_head, flag)
+    shipped = DRAFT_HEADS / model_name if model_name else None
+    if shipped is not None and (shipped / "config.json").is_file():
+        return shipped
+    if required:
+        name = model_name or "a target of no known checkpoint"
+        raise DraftHeadError(f"{mode_flag} head: no draft head ships for {name}; pass {flag} FOLDER (train one with "
+                             f"`make train-draft-head ARGS='--model <checkpoint> --out FOLDER'`) or use {mode_flag} "
+                             "suffix or hybrid")
+    return None
+
+
+class HeadChoice(NamedTuple):
+    folder: Optional[Path]  # None: no head
+    config: Optional["HeadConfig"]
+    note: Optional[str] = None  # why the shipped head was passed over
+
+
+def choose_draft_head(draft_head, model_name: Optional[str], target: ModelShape, target_layers: int,
+                      taps_last_layer: bool, required: bool, flag: str = "draft_head", mode_flag: str = "draft_mode",
+                      layers_flag: str = "the target's n_layers") -> HeadChoice:
+    """The head a target drafts with, checked against it before any weights are read: head_folder's, its config
+    (read_head_config: hidden size, vocabulary, taps) and its taps within the target_layers layers the target runs
+    (taps_last_layer: whether its backend returns the last one's output, tap target_layers; a TT device's does not).
+    The shipped head gives way (no head, and a note) to a target it cannot tap unless a head is required."""
+    folder = head_folder(draft_head, model_name, required, flag, mode_flag)
+    if folder is None:
+        return HeadChoice(None, None)
+    config = read_head_config(folder, target, flag)
+    taps = list(config.taps)
+    if max(taps) < target_layers or taps_last_layer and max(taps) == target_layers:
+        return HeadChoice(folder, config)
+    if draft_head is None and not required:
+        return HeadChoice(None, None, f"The shipped draft head reads layers {taps}, which this target does not run: "
+                                      "hybrid drafts with the draft model")
+    subject = f"{flag} {folder}" if draft_head is not None else f"{mode_flag} head: the shipped head"
+    if max(taps) > target_layers:
+        raise DraftHeadError(f"{subject} reads layers {taps}, but {layers_flag} keeps {target_layers}; keep all "
+                             f"{target.n_layers} layers or pass a {flag} for {target_layers} layers")
+    raise DraftHeadError(f"{subject} reads the last layer's output (tap {target_layers}), which a target on a TT "
+                         f"device does not capture; use a head whose taps are layers 0 to {target_layers - 1}, or the "
+                         "torch backend")
+
+
+def find_draft_head(draft_head, model_name: Optional[str], target: ModelShape, target_layers: int,
+                    taps_last_layer: bool, required: bool) -> Optional[tuple["HeadConfig", dict]]:
+    """choose_draft_head's head (the library's words), read and checked; None where there is none."""
+    choice = choose_draft_head(draft_head, model_name, target, target_layers, taps_last_layer, required)
+    if choice.note is not None:
+        logger.info(choice.note)
+    return None if choice.folder is None else (choice.config, read_head_weights(choice.folder, choice.config,
+                                                                                "draft_head"))
 
 
 def read_head_config(folder: Path, target: ModelShape, flag: str = "--draft_head") -> HeadConfig:

@@ -70,6 +70,14 @@ class CausalLM(Protocol):
     def draft_view(self, n_layers: int) -> "CausalLM":
         """The first n_layers layers as a draft model, reading and writing this model's cache for those layers."""
 
+    def draft_head(self, draft_head, chain_len: int, required: bool) -> dict:
+        """The EAGLE-3 draft head for this model that SpeculativeConfig.draft_head names (a folder, a hub id in the
+        local cache, or None: the one shipped for its checkpoint), read and checked against it (checkpoints/
+        eagle3_format.py), as make_drafter takes it: {"head": a DraftHeadModel beside it} or {"device_head": a
+        ChainDraftHead where it keeps its taps, drafting chains of chain_len}. {} where draft_head is None and no
+        head ships for it, or the shipped one taps layers it does not run, unless `required` (head mode): then a
+        UserError naming draft_head."""
+
     def prefill(self, user: int, tokens: Sequence[int], logits: bool = False, taps: Sequence[int] = ()
                 ) -> StepOutput:
         """Fill the user's cache with `tokens` from position 0; outputs for the last token only (the tapped hidden

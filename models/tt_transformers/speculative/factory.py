@@ -1,9 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """The one place a drafter is assembled from a SpeculativeConfig: every front end (the command line and pytest form,
-the tests, the benchmarks, the tools) builds its drafters here.
+the tests, the benchmarks, the tools) builds its drafters here. The default is the demo's: a hybrid of copied drafts
+and the draft head shipped for the target's checkpoint (or a published EAGLE-3 head: config.draft_head).
 
     target = TorchCausalLM(model, model.args.n_layers, max_batch_size=1)
-    drafter = make_drafter(SpeculativeConfig(draft_mode="suffix"), target)
+    drafter = make_drafter(SpeculativeConfig(), target)  # or SpeculativeConfig(draft_mode="head", draft_head=folder)
     SpeculativeGenerator(target, drafter, 4).generate([prompt], 64)
 """
 from typing import Optional, Sequence
@@ -27,36 +28,44 @@ def make_drafter(config: SpeculativeConfig, target: CausalLM, *, draft_lm: Optio
         config: the settings (checked here).
         target: the model that verifies.
         draft_lm: the draft model for "model" and "hybrid" without a head; default the target's first
-            config.draft_layers layers (CausalLM.draft_view: its weights and cache).
+            config.draft_layers layers (CausalLM.draft_view: its weights and cache). Given to a hybrid with no
+            config.draft_head named, it drafts instead of the shipped head.
         draft_cost: one draft-model token's cost in target forwards, which a hybrid weighs; default draft_lm's layers
             over the target's.
-        head: an EAGLE-3 draft head that runs beside the target on its tapped states (a DraftHeadModel).
-        device_head: a draft head that runs where the target leaves its taps (a ChainDraftHead: a TT device's).
+        head: an EAGLE-3 draft head already built, beside the target on its tapped states (a DraftHeadModel), in
+            place of config.draft_head's.
+        device_head: the same where the target leaves its taps (a ChainDraftHead: a TT device's).
         documents: token ids to draft from beside earlier responses (a corpus), for copied drafts.
 
     Returns:
         suffix: copied drafts (SuffixDrafter: the request's text, a memory of draft_memory tokens of earlier
-        responses and `documents`, recycle_top_k recycled predictions); head: the head's drafter; model: the draft
-        model drafting every step; hybrid: the copied drafts or the head's (the draft model's without a head),
-        whichever is expected to bring more tokens per unit of work.
+        responses and `documents`, recycle_top_k recycled predictions); head: the head's drafter (config.draft_head's,
+        built by the target's backend: CausalLM.draft_head); model: the draft model drafting every step; hybrid: the
+        copied drafts or the head's (the draft model's without a head), whichever is expected to bring more tokens
+        per unit of work.
 
     Raises:
-        UserError: a setting out of range, or head mode without a head.
+        UserError: a setting out of range; a draft head that cannot be found or does not fit the target (its hidden
+        size, vocabulary or taps), or none for head mode; draft_head named beside a built head.
     """
     config.check()
     if config.n_draft_tokens == 0:
         return None
+    heads = head_drafter(head, device_head)
+    if heads is not None and config.draft_head is not None:
+        raise UserError(f"draft_head {str(config.draft_head)!r} and a built head (head or device_head) both given; "
+                        "leave draft_head None to draft with the built one, or pass no head", "draft_head")
+    if heads is None and config.reads_head(draft_lm is not None):
+        heads = head_drafter(**target.draft_head(config.draft_head, config.n_draft_tokens,
+                                                 required=config.draft_mode == "head"))
     copied = None
     if config.copies:
         memory = DraftMemory(config.draft_memory, documents) if config.draft_memory or documents else None
         copied = SuffixDrafter(config.sa_threshold, memory, config.recycle_top_k)
     if config.draft_mode == "suffix":
         return copied
-    heads = head_drafter(head, device_head)
     if config.draft_mode == "head":
-        if heads is None:
-            raise UserError("draft_mode 'head' needs a draft head (head or device_head)", "draft_mode")
-        return heads
+        return heads  # the backend's draft_head refuses head mode without a head
     if heads is not None and config.draft_mode == "hybrid":
         return HybridDrafter(copied, heads)
     if draft_lm is None:
@@ -68,7 +77,7 @@ def make_drafter(config: SpeculativeConfig, target: CausalLM, *, draft_lm: Optio
                                               else draft_lm.n_layers / target.n_layers))
 
 
-def head_drafter(head: Optional[DraftHeadModel], device_head: Optional[ChainDraftHead]):
+def head_drafter(head: Optional[DraftHeadModel] = None, device_head: Optional[ChainDraftHead] = None):
     """The drafter of whichever head is given: HeadDrafter beside the target, TracedHeadDrafter on the device."""
     if head is not None and device_head is not None:
         raise ValueError("give a draft head beside the target or one on the device, not both")

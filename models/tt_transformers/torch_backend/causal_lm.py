@@ -6,9 +6,11 @@ from typing import Optional, Sequence
 
 import torch
 
+from ..checkpoints.eagle3_format import HeadConfig, find_draft_head
 from ..speculative.backend import MAX_DRAFT_TOKENS, StepOutput, UserRows
 from .attention import ExactToken
 from .cpu_threads import fit_threads
+from .eagle3_head import HeadRunner, build_draft_head
 from .model import KVCache, Transformer
 
 
@@ -70,6 +72,19 @@ class TorchCausalLM:
         if not 1 <= n_layers < self.n_layers:
             raise ValueError(f"a draft view needs 1 to {self.n_layers - 1} layers, got {n_layers}")
         return TorchCausalLM(self.model, n_layers, self.max_batch_size, self.cache.first_layers(n_layers))
+
+    def draft_head(self, draft_head, chain_len: int, required: bool) -> dict:
+        """The EAGLE-3 head make_drafter drafts with beside this model (CausalLM.draft_head)."""
+        checkpoint = self.model.checkpoint
+        head = find_draft_head(draft_head, checkpoint.name if checkpoint else None, self.model.args, self.n_layers,
+                               True, required)
+        return {} if head is None else {"head": self.build_head(*head, chain_len)}
+
+    def build_head(self, config: HeadConfig, weights: dict, chain_len: int) -> HeadRunner:
+        """A read head (eagle3_format.read_draft_head) beside this model, on its embedding unless the head ships one,
+        for its users and positions (chain_len: any): make_drafter's `head`."""
+        return HeadRunner(build_draft_head(config, weights, self.model), self.max_batch_size, self.max_seq_len,
+                          self.model.args)
 
     def step_cost(self, n_rows: int, context_len: float) -> float:
         return 1 + n_rows * (self.token_cost + self.key_cost * context_len)

@@ -119,6 +119,7 @@ def load_model(ckpt: Checkpoint, dtype: torch.dtype, max_seq_len: int, device: s
     if tied and kernels is None:
         model.output.weight = model.tok_embeddings.weight
     model.init_rope(device)
+    model.checkpoint = ckpt
     logger.info(f"{ckpt.name} in {str(dtype).removeprefix('torch.')} on {device}: " + (
         f"the bf16 CPU kernels ({kernels.path.name})" if kernels else
         "torch ops, oneDNN-prepacked bf16 linears" if prepack else "torch ops"))

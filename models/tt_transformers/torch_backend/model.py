@@ -10,6 +10,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
+from ..checkpoints.checkpoint import Checkpoint
 from ..checkpoints.model_shape import ModelShape
 from ..checkpoints.rope import rope_tables
 from .attention import Attention, ExactToken, StepInputs
@@ -176,6 +177,7 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.max_seq_len = max_seq_len
         self.kernels: Optional[CpuKernels] = None  # set by use_cpu_kernels
+        self.checkpoint: Optional[Checkpoint] = None  # load_model's: the draft head shipped for it goes by its name
         self.init_rope(self.norm.weight.device)
 
     def init_rope(self, device) -> None:

@@ -26,6 +26,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from ..checkpoints.eagle3_format import HeadConfig, find_draft_head
+from ..checkpoints.safetensors_index import read_embedding
 from ..errors import UserError
 from ..speculative.backend import DeviceRows, StepOutput, UserRows
 from .model import TILE_ROWS, TTModel, prefill_into_sink, prefill_warm_prompts, supported_kwargs
@@ -146,6 +148,29 @@ class TtnnCausalLM(TracedModel):
         return TtnnCausalLM(self.tt.first_layers(n_layers), self.max_batch_size, self.max_seq_len,
                             mesh_traces=self.mesh_traces, shares_target_cache=True, inputs=self.inputs,
                             trace=self.trace, tap_gather=self.tap_gather)
+
+    def draft_head(self, draft_head, chain_len: int, required: bool) -> dict:
+        """The EAGLE-3 head make_drafter drafts with, on the device beside this model (CausalLM.draft_head)."""
+        checkpoint = self.tt.checkpoint
+        head = find_draft_head(draft_head, checkpoint.name if checkpoint else None, self.tt.config, self.n_layers,
+                               False, required)
+        return {} if head is None else {"device_head": self.build_head(*head, chain_len)}
+
+    def build_head(self, config: HeadConfig, weights: dict, chain_len: int):
+        """A read head (eagle3_format.read_draft_head) on the device as a TtnnDraftHead in this model's weights dtype,
+        drafting traced chains of chain_len tokens from the taps this model's steps leave there (make_drafter's
+        `device_head`); the tokens it is fed are looked up on the host in the head's embedding, else the
+        checkpoint's."""
+        from .eagle3_head import TtnnDraftHead  # it builds on this module
+
+        embedding = weights.get("embed_tokens.weight")
+        if embedding is None and self.tt.checkpoint is None:
+            raise UserError("draft_head: the head ships no embedding and this model knows no checkpoint to read the "
+                            "target's from (TTModel.checkpoint, which build_tt_model sets); set it, or give a head "
+                            "with embed_tokens.weight", "draft_head")
+        embedding = read_embedding(self.tt.checkpoint) if embedding is None else embedding
+        return TtnnDraftHead(self, config, weights, embedding, chain_len, self.tt.config,
+                             weights_dtype=getattr(ttnn, self.tt.weights_dtype))
 
     def step_cost(self, n_rows: int, context_len: float) -> float:
         """A step of n_rows rows: the passes are those of one user holding every row beyond the first (an upper

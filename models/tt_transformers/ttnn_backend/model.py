@@ -28,6 +28,7 @@ import torch
 from loguru import logger
 
 from ..checkpoints.cache import cache_root
+from ..checkpoints.checkpoint import Checkpoint
 from ..checkpoints.model_shape import ModelShape
 from .attention import KVWritePasses, ordered_write_attention
 from .tt_surface import full_layers
@@ -218,6 +219,7 @@ class TTModel:
     config: ModelShape  # the checkpoint's shapes (config.json)
     weights_dtype: str  # dtype_name of the weights
     optimizations: str  # TT's precision preset: performance or accuracy
+    checkpoint: Optional[Checkpoint] = None  # its files: a draft head's embedding, the head shipped for its name
 
     @property
     def n_layers(self) -> int:
@@ -267,4 +269,4 @@ def build_tt_model(mesh_device, checkpoint_folder: Path, name: str, max_users: i
     return TTModel(model, args, mesh_device, kv_cache, page_table, passes, Generator([model], [args], mesh_device),
                    checkpoint_layers, ModelShape.from_hf_config(json.loads((Path(checkpoint_folder) /
                                                                               "config.json").read_text())),
-                   dtype_name(weights_dtype), optimizations)
+                   dtype_name(weights_dtype), optimizations, Checkpoint(Path(checkpoint_folder), name))

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The demo's models: target, draft source and tokenizer on the torch or ttnn backend, built once the inputs are
 checked, and compiled (on a TT device, traced) before anything is timed."""
+import dataclasses
 import os
 from typing import Optional
 
@@ -10,7 +11,6 @@ from models.tt_transformers.demo.speculative_decoding.inputs import (
     MAX_CORPUS_TOKENS,
     CheckedInputs,
     DemoInputError,
-    backend_of,
     draft_head_folder,
     draft_layers_for,
     dtype_of,
@@ -191,10 +191,12 @@ def build(config: DemoConfig, checked: CheckedInputs, mesh_device=None, pool: Op
     target = load(ckpt, target_layers)
     check_step_rows(config, target)
     draft_lm, draft_cost, heads = None, None, {}
-    if head_weights is not None:
-        heads = draft_head(head_weights, target, ckpt, args, config,
-                           lambda make: pool.get(("head", str(head_folder), target_layers, config.n_draft_tokens,
-                                                  built_with), make))
+    if head_weights is not None:  # the backend's head (CausalLM.draft_head's); on a TT device pooled, traces and all
+        def make_head():
+            return target.build_head(*head_weights, config.n_draft_tokens)
+        heads = ({"device_head": pool.get(("head", str(head_folder), target_layers, config.n_draft_tokens,
+                                           built_with), make_head)}
+                 if checked.backend == "ttnn" else {"head": make_head()})
     elif spec.n_draft_tokens > 0 and spec.draft_mode in ("model", "hybrid"):
         if checked.draft_ckpt is not None:
             draft_lm, draft_args = load(checked.draft_ckpt, None), ModelShape.from_hf_config(checked.draft_ckpt.config)
@@ -205,6 +207,8 @@ def build(config: DemoConfig, checked: CheckedInputs, mesh_device=None, pool: Op
         # a hybrid's draft model drafts only while its acceptance pays for its cost: the weights it reads per token
         draft_cost = (draft_args.weight_bytes_per_token(draft_lm.n_layers, 2)
                       / args.weight_bytes_per_token(target_layers, 2))
+    # the head chosen by check_inputs, built above: make_drafter builds no other
+    spec = dataclasses.replace(spec, draft_head=None) if heads else spec
     drafter = make_drafter(spec, target, draft_lm=draft_lm, draft_cost=draft_cost, documents=documents, **heads)
     if heads:
         head = drafter.fallback if isinstance(drafter, HybridDrafter) else drafter
@@ -234,27 +238,6 @@ def check_step_rows(config: DemoConfig, target) -> None:
     raise DemoInputError(f"--n_draft_tokens {config.n_draft_tokens} with --batch_size {config.batch_size}: on a Galaxy "
                          f"a verify step holds {rows} rows (one mesh column's users), and {config.batch_size} x "
                          f"({config.n_draft_tokens} + 1) = {wanted} do not fit; {fix}")
-
-
-def draft_head(head: tuple, target, ckpt, args, config: DemoConfig, pooled=lambda make: make()) -> dict:
-    """The draft head beside the target, as make_drafter takes it: on a TT device `device_head`, a TtnnDraftHead on
-    the device (chains of --n_draft_tokens, one traced replay each, fed the taps the target's steps leave there; the
-    tokens it is fed are looked up on the host in the checkpoint's embedding, or the head's own; built through
-    `pooled`, so runs share it and the pool releases its traces); on torch `head`, a HeadRunner beside the target, on
-    its embedding."""
-    from models.tt_transformers.checkpoints.safetensors_index import read_embedding
-    from models.tt_transformers.torch_backend.eagle3_head import HeadRunner, build_draft_head
-
-    if backend_of(config) == "ttnn":
-        from models.tt_transformers.ttnn_backend.eagle3_head import TtnnDraftHead
-        from models.tt_transformers.ttnn_backend.ttnn_api import ttnn
-
-        config_, weights = head
-        embedding = weights.get("embed_tokens.weight")
-        embedding = read_embedding(ckpt) if embedding is None else embedding
-        return {"device_head": pooled(lambda: TtnnDraftHead(target, config_, weights, embedding, config.n_draft_tokens,
-                                                            args, weights_dtype=getattr(ttnn, dtype_of(config))))}
-    return {"head": HeadRunner(build_draft_head(*head, target.model), config.batch_size, config.max_seq_len, args)}
 
 
 def describe_drafter(config: DemoConfig, checked: CheckedInputs) -> str:

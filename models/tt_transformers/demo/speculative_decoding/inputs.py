@@ -20,12 +20,17 @@ from models.tt_transformers.errors import UserError
 from models.tt_transformers.prompts import load_prompts as read_prompts
 from models.tt_transformers.prompts import split_batches as fill_batches
 from models.tt_transformers.records import PACKAGE_ROOT
-from models.tt_transformers.speculative.config import default_draft_layers
+from models.tt_transformers.speculative.config import NO_DRAFT_HEAD, default_draft_layers
 from models.tt_transformers.speculative.sampling import SamplingParams
 from models.tt_transformers.checkpoints.checkpoint import Checkpoint, resolve_checkpoint
 from models.tt_transformers.torch_backend.cpu_isa import check_cpu_isa
 from models.tt_transformers.torch_backend.device import DEVICES
-from models.tt_transformers.checkpoints.eagle3_format import DRAFT_HEADS
+from models.tt_transformers.checkpoints.eagle3_format import (
+    HeadChoice,
+    choose_draft_head,
+    head_folder,
+    read_head_config,
+)
 from models.tt_transformers.checkpoints.model_shape import ModelShape
 
 SUPPORTED_BATCH_SIZES = (1, 2, 4, 8, 16, 32)  # as TT-Transformers demos
@@ -192,36 +197,26 @@ def check_cache_fits(config: DemoConfig, args, target_layers: int, backend: str)
                              f"{free / 2**30:.1f} GiB of free memory; use at most {free // per_position:,}")
 
 
-def draft_head_folder(config: DemoConfig, model_name: str) -> Optional[Path]:
-    """The draft head the run uses: --draft_head (a folder or a hub id in the local cache), else the one shipped for
-    the target, else None (--draft_mode head then fails with the fix)."""
-    from models.tt_transformers.checkpoints.eagle3_format import DraftHeadError, resolve_head_folder
+def head_flags(config: DemoConfig) -> dict:
+    """The library's draft-head choice (eagle3_format.choose_draft_head), in the demo's flags: whether a head is
+    required (--draft_mode head) and how its errors name the flags."""
+    return dict(required=config.draft_mode == "head", flag="--draft_head", mode_flag="--draft_mode")
 
-    if config.n_draft_tokens == 0 or config.draft_mode not in ("head", "hybrid"):
-        return None
-    if config.draft_head is not None:
-        try:
-            return resolve_head_folder(config.draft_head)
-        except DraftHeadError as e:
-            raise DemoInputError(str(e)) from None
-    shipped = DRAFT_HEADS / model_name
-    if (shipped / "config.json").is_file() and config.draft_model is None:
-        return shipped
-    if config.draft_mode == "head":
-        raise DemoInputError(f"--draft_mode head: no draft head ships for {model_name}; pass --draft_head FOLDER "
-                             "(train one with `make train-draft-head ARGS='--model <checkpoint> --out FOLDER'`) or "
-                             "use --draft_mode suffix or hybrid")
-    return None
+
+def reads_head(config: DemoConfig) -> bool:
+    """Whether the run drafts with a head (SpeculativeConfig.reads_head: --draft_model keeps the shipped head out)."""
+    return speculative_config(config).reads_head(config.draft_model is not None)
+
+
+def draft_head_folder(config: DemoConfig, model_name: str) -> Optional[Path]:
+    """The draft head the run uses (before the target's layers are counted): --draft_head (a folder or a hub id in
+    the local cache), else the one shipped for the target, else None (--draft_mode head then fails with the fix)."""
+    return head_folder(config.draft_head, model_name, **head_flags(config)) if reads_head(config) else None
 
 
 def head_taps(folder: Path, args) -> tuple[int, ...]:
     """The target layers a draft head reads (its config.json), or the flag's one-line error."""
-    from models.tt_transformers.checkpoints.eagle3_format import DraftHeadError, read_head_config
-
-    try:
-        return read_head_config(folder, args).taps
-    except DraftHeadError as e:
-        raise DemoInputError(str(e)) from None
+    return read_head_config(folder, args).taps
 
 
 def draft_layers_for(config: DemoConfig, target_layers: int) -> int:
@@ -268,23 +263,12 @@ def check_inputs(config: DemoConfig) -> CheckedInputs:
                              f"draft is the first layers of the {target_layers}-layer target): {fix}, or leave it "
                              "out")
     check_cache_fits(config, args, target_layers, backend)
-    checked = CheckedInputs(backend, prompts, batches, corpus, ckpt, args, target_layers,
-                            draft_head_folder(config, ckpt.name), None, None)
-    taps = head_taps(checked.head_folder, args) if checked.head_folder is not None else ()
-    unusable = taps and (max(taps) > target_layers or backend == "ttnn" and max(taps) == target_layers)
-    if unusable and config.draft_head is None and config.draft_mode == "hybrid":
-        # the shipped head is for the whole model: a truncated target's hybrid drafts with the draft model instead
-        checked.notes.append(f"The shipped draft head reads layers {list(taps)}, which this target does not run: "
-                             "hybrid drafts with the draft model")
-        checked.head_folder, taps = None, ()
-    if taps and max(taps) > target_layers:
-        head = f"--draft_head {checked.head_folder}" if config.draft_head else "--draft_mode head: the shipped head"
-        raise DemoInputError(f"{head} reads layers {list(taps)}, but --target_layers keeps {target_layers}; leave "
-                             "--target_layers unset or pass a --draft_head for that many layers")
-    if taps and backend == "ttnn" and max(taps) == target_layers:  # the backend captures layers' inputs only
-        raise DemoInputError(f"--draft_head {checked.head_folder}: it reads the last layer's output (tap "
-                             f"{target_layers}), which the ttnn backend does not capture; use a head whose taps are "
-                             f"layers 0 to {target_layers - 1}, or --backend torch")
+    # the library's choice, as make_drafter's (a truncated target's hybrid passes the shipped head over, with a note)
+    head = (choose_draft_head(config.draft_head, ckpt.name, args, target_layers, backend == "torch",
+                              layers_flag="--target_layers", **head_flags(config))
+            if reads_head(config) else HeadChoice(None, None))
+    checked = CheckedInputs(backend, prompts, batches, corpus, ckpt, args, target_layers, head.folder, None, None)
+    checked.notes += [head.note] if head.note else []
     uses_draft_model = config.n_draft_tokens > 0 and (config.draft_mode == "model" or
                                                       config.draft_mode == "hybrid" and checked.head_folder is None)
     if uses_draft_model and config.draft_model:
@@ -313,7 +297,7 @@ def unused_flags(config: DemoConfig, checked: CheckedInputs) -> list[str]:
                        f"--draft_mode {config.draft_mode} builds no draft model")
         why_no_head = f"read by --draft_mode head or hybrid, not {config.draft_mode}"
     unused = []
-    if config.draft_head is not None and checked.head_folder is None:
+    if config.draft_head not in (None, NO_DRAFT_HEAD) and checked.head_folder is None:
         unused.append(f"--draft_head ({why_no_head})")
     if config.draft_model is not None and checked.draft_ckpt is None:
         unused.append(f"--draft_model ({why_no_model})")

@@ -6,7 +6,7 @@ from dataclasses import field, make_dataclass
 from pathlib import Path
 from typing import Optional
 
-from models.tt_transformers.speculative.config import DEFAULT_DRAFT_LAYERS, SpeculativeConfig
+from models.tt_transformers.speculative.config import DEFAULT_DRAFT_LAYERS, NO_DRAFT_HEAD, SpeculativeConfig
 
 DEFAULT_PROMPTS = Path(__file__).resolve().with_name("sample_prompts.json")  # beside the demo, as TT demos keep them
 SPEC = SpeculativeConfig()  # the drafting flags' defaults are the library's
@@ -33,8 +33,9 @@ DEMO_OPTIONS = [
     ("recycle_top_k", int, SPEC.recycle_top_k, "the target's top next tokens kept per token to draft from (token "
                                                "recycling); 0 = off"),
     ("draft_trees", int, int(SPEC.trees), "1: verify token trees (several candidates at once) where the backend can"),
-    ("draft_head", str, None, "EAGLE-3 draft head: a folder or hub id (the EAGLE authors' or speculators' layout); "
-                              "default: the one shipped for the target in models/tt_transformers/draft_heads/<model>"),
+    ("draft_head", str, None, "EAGLE-3 draft head: a folder or hub id (the EAGLE authors' or speculators' layout), or "
+                              f"{NO_DRAFT_HEAD} (hybrid: the draft model); default: the one shipped for the target in "
+                              "models/tt_transformers/draft_heads/<model>"),
     ("draft_layers", int, None, "the draft model is the target's first N layers (weights and cache shared); read by "
                                 "--draft_mode model, and hybrid without a draft head (default: "
                                 f"{DEFAULT_DRAFT_LAYERS}, or half a target of {DEFAULT_DRAFT_LAYERS} layers or fewer)"),
@@ -78,7 +79,7 @@ def speculative_config(config: DemoConfig) -> SpeculativeConfig:
     return SpeculativeConfig(n_draft_tokens=config.n_draft_tokens, draft_mode=config.draft_mode,
                              sa_threshold=config.sa_threshold, draft_memory=config.draft_memory,
                              recycle_top_k=config.recycle_top_k, trees=bool(config.draft_trees),
-                             draft_layers=config.draft_layers)
+                             draft_layers=config.draft_layers, draft_head=config.draft_head)
 
 
 def add_demo_options(parser) -> None:

@@ -46,7 +46,6 @@ from loguru import logger  # noqa: E402
 from models.tt_transformers.demo.speculative_decoding.build import (  # noqa: E402
     ModelPool,
     build,
-    draft_head,
     trace_region_size,
 )
 from models.tt_transformers.demo.speculative_decoding.inputs import (  # noqa: E402
@@ -336,8 +335,7 @@ def device_head(s: Smoke) -> None:
     head = read_draft_head(folder, args) if folder is not None else \
         random_head(args, draft_vocab=min(RANDOM_DRAFT_VOCAB, args.vocab_size))
     k = max(1, s.config.n_draft_tokens)
-    config = DemoConfig(**{**vars(s.config), "n_draft_tokens": k})
-    dev = draft_head(head, s.lm, ckpt, args, config, lambda make: s.pool.get(("smoke head",), make))["device_head"]
+    dev = s.pool.get(("smoke head",), lambda: s.lm.build_head(*head, k))  # as the demo's, pooled
     drafter = make_drafter(SpeculativeConfig(draft_mode="head", n_draft_tokens=k), s.lm, device_head=dev)
     SpeculativeGenerator(s.lm, drafter, k).warm_up()
     out = s.lm.prefill(0, s.tokens, taps=head[0].taps)
