@@ -145,8 +145,11 @@ def check_sequence(name: str, value, fix: str) -> list:
 def check_token_ids(name: str, ids, vocab_size: int, fix: str = "encode the text with the target's tokenizer"
                     ) -> list[int]:
     """`ids` as a list of token ids in [0, vocab_size): a list, tuple or 1-d tensor of whole numbers, never text."""
+    tokens = check_sequence(name, ids, fix)
+    if all(type(t) is int for t in tokens) and (not tokens or 0 <= min(tokens) and max(tokens) < vocab_size):
+        return tokens  # the usual case, at once (a corpus of a million tokens)
     out = []
-    for i, t in enumerate(check_sequence(name, ids, fix)):
+    for i, t in enumerate(tokens):
         if not is_whole_number(t) or not 0 <= operator.index(t) < vocab_size:
             raise refused(f"{name}[{i}]", f"= {described(t)} is not a token id of the model's vocabulary "
                                           f"[0, {vocab_size}); {fix}")
