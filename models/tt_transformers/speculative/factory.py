@@ -9,13 +9,20 @@ and the draft head shipped for the target's checkpoint (or a published EAGLE-3 h
 """
 from typing import Optional, Sequence
 
-from ..errors import UserError
+from ..errors import (
+    UserError,
+    check_implements,
+    check_instance,
+    check_number,
+    check_token_lists,
+)
 from .backend import CausalLM
 from .config import SpeculativeConfig, default_draft_layers
 from .copy_sources.draft_memory import DraftMemory
 from .drafters import Drafter, HeadDrafter, HybridDrafter, ModelDrafter, SuffixDrafter, TracedHeadDrafter
 from .drafters.eagle3 import DraftHeadModel
 from .drafters.eagle3_device import ChainDraftHead
+from .generator import MAKE_TARGET
 
 
 def make_drafter(config: SpeculativeConfig, target: CausalLM, *, draft_lm: Optional[CausalLM] = None,
@@ -45,10 +52,11 @@ def make_drafter(config: SpeculativeConfig, target: CausalLM, *, draft_lm: Optio
         per unit of work.
 
     Raises:
-        UserError: a setting out of range; a draft head that cannot be found or does not fit the target (its hidden
-        size, vocabulary or taps), or none for head mode; draft_head named beside a built head.
+        UserError: a setting out of range, an argument that does not fit the target (check_drafter_inputs); a draft
+            head that cannot be found or does not fit the target (its hidden size, vocabulary or taps), or none for
+            head mode; draft_head named beside a built head.
     """
-    config.check()
+    documents = check_drafter_inputs(config, target, draft_lm, draft_cost, head, device_head, documents)
     if config.n_draft_tokens == 0:
         return None
     heads = head_drafter(head, device_head)
@@ -69,7 +77,7 @@ def make_drafter(config: SpeculativeConfig, target: CausalLM, *, draft_lm: Optio
     if heads is not None and config.draft_mode == "hybrid":
         return HybridDrafter(copied, heads)
     if draft_lm is None:
-        draft_lm = target.draft_view(config.draft_layers or default_draft_layers(target.n_layers))
+        draft_lm = target.draft_view(draft_layers_of(config, target))
     if config.draft_mode == "model":
         return ModelDrafter(draft_lm)  # every draft has the full n_draft_tokens
     # hybrid: the model drafts only while its acceptance pays for its cost
@@ -77,10 +85,56 @@ def make_drafter(config: SpeculativeConfig, target: CausalLM, *, draft_lm: Optio
                                               else draft_lm.n_layers / target.n_layers))
 
 
+def draft_layers_of(config: SpeculativeConfig, target: CausalLM) -> int:
+    """The target's first layers the draft model is made of: config.draft_layers (0 is refused, not the default), or
+    the default fitted to the target."""
+    return config.draft_layers if config.draft_layers is not None else default_draft_layers(target.n_layers)
+
+
+def check_drafter_inputs(config: SpeculativeConfig, target: CausalLM, draft_lm: Optional[CausalLM],
+                         draft_cost: Optional[float], head, device_head, documents) -> list[list[int]]:
+    """make_drafter's arguments, checked before anything is built: each of the right kind, and every model or head
+    given fitting the target (its vocabulary, its batch, its context, its layers). Returns the documents as lists of
+    token ids."""
+    check_instance("config", config, SpeculativeConfig, "pass SpeculativeConfig(draft_mode=..., n_draft_tokens=...)")
+    config.check()
+    check_implements("target", target, CausalLM, ("n_layers", "vocab_size", "max_batch_size", "max_seq_len",
+                                                  "draft_view"), MAKE_TARGET)
+    if draft_cost is not None:
+        check_number("draft_cost", draft_cost, 0, lo_open=True, fix="one draft token's cost in target forwards")
+    if head is not None and device_head is not None:
+        raise UserError("give a draft head beside the target (head) or one on the device (device_head), not both",
+                        "device_head")
+    for name, given in (("head", head), ("device_head", device_head)):
+        if given is not None and given.vocab_size != target.vocab_size:
+            raise UserError(f"{name} drafts over a vocabulary of {given.vocab_size:,} tokens, the target's has "
+                            f"{target.vocab_size:,}; pass a head trained for this target", name)
+        if given is not None and max(given.taps, default=0) > target.n_layers:
+            raise UserError(f"{name} reads the target's layers {list(given.taps)}, but the target has "
+                            f"{target.n_layers}; pass a head trained for this target", name)
+    if draft_lm is not None:
+        check_implements("draft_lm", draft_lm, CausalLM, ("n_layers", "vocab_size", "max_batch_size", "max_seq_len",
+                                                          "prefill", "step"), MAKE_TARGET)
+        if draft_lm.vocab_size != target.vocab_size:
+            raise UserError(f"draft_lm has a vocabulary of {draft_lm.vocab_size:,} tokens, the target "
+                            f"{target.vocab_size:,}; pass a draft model of the target's family, with its tokenizer",
+                            "draft_lm")
+        for name in ("max_batch_size", "max_seq_len"):  # the draft drafts for every user, to the end of the context
+            if getattr(draft_lm, name) < getattr(target, name):
+                raise UserError(f"draft_lm was built for {name} {getattr(draft_lm, name)}, the target for "
+                                f"{getattr(target, name)}; build it with the target's {name}", "draft_lm")
+    elif config.n_draft_tokens and (config.draft_mode == "model" or config.draft_mode == "hybrid" and head is None
+                                    and device_head is None):
+        layers = draft_layers_of(config, target)
+        if layers >= target.n_layers:
+            raise UserError(f"draft_layers {layers}: the draft model is the target's first layers, and the "
+                            f"{target.n_layers}-layer target has {target.n_layers - 1 or 'none'} to spare; lower "
+                            "draft_layers, pass draft_lm, or use draft_mode 'suffix'", "draft_layers")
+    return check_token_lists("documents", documents, target.vocab_size, "pass a list of token id lists")
+
+
 def head_drafter(head: Optional[DraftHeadModel] = None, device_head: Optional[ChainDraftHead] = None):
     """The drafter of whichever head is given: HeadDrafter beside the target, TracedHeadDrafter on the device."""
-    if head is not None and device_head is not None:
-        raise ValueError("give a draft head beside the target or one on the device, not both")
     if device_head is not None:
         return TracedHeadDrafter(device_head)
     return HeadDrafter(head) if head is not None else None

@@ -21,13 +21,28 @@ from typing import Optional, Sequence
 
 from loguru import logger
 
-from ..errors import UserError
+from ..errors import (
+    UserError,
+    check_bool,
+    check_implements,
+    check_instance,
+    check_int,
+    check_sequence,
+    check_token_ids,
+    check_token_lists,
+)
 from .backend import CausalLM, StepOutput, UserRows, extra_cost_curve
 from .config import check_n_draft_tokens
 from .drafters import Draft, Drafter, Verified
 from .results import IterationStats, UserResult
 from .sampling import KeyedSampler, SamplingParams, TargetSamples
 from .verification import verify_chain, verify_tree
+
+# What the loop calls on its target and drafter (a test double or a user's own drafter may leave out the rest).
+TARGET_USES = ("prefill", "step", "commit_path", "step_cost", "max_seq_len", "max_batch_size", "vocab_size",
+               "max_step_rows", "supports_trees")
+DRAFTER_USES = ("start", "propose", "accept", "top_k", "taps")
+MAKE_TARGET = "wrap the model: TorchCausalLM(model, model.args.n_layers, max_batch_size), or TtnnCausalLM on a TT mesh"
 
 
 def describe_sources(drafts: Sequence[Draft]) -> str:
@@ -90,10 +105,15 @@ class Batch:
         return new
 
     def finished(self, user: int) -> bool:
+        """Whether the user is done; if so its result's finish_reason says why (an EOS first, as vLLM's "stop")."""
         result = self.results[user]
-        return (len(result.output_tokens) >= self.max_generated_tokens
-                or len(self.contexts[user]) >= self.max_seq_len
-                or (self.stop_at_eos and result.output_tokens[-1] in self.eos_token_ids))
+        if self.stop_at_eos and result.output_tokens[-1] in self.eos_token_ids:
+            result.finish_reason = "stop"
+        elif len(result.output_tokens) >= self.max_generated_tokens:
+            result.finish_reason = "length"
+        elif len(self.contexts[user]) >= self.max_seq_len:
+            result.finish_reason = "cache_end"
+        return result.finish_reason is not None
 
 
 class SpeculativeGenerator:
@@ -105,40 +125,55 @@ class SpeculativeGenerator:
     them); each iteration is in the results either way.
 
     Raises:
-        UserError: n_draft_tokens out of range (check_prompts and generate: prompts the target cannot take).
+        UserError: an argument of the wrong type or out of range, naming it (check_prompts and generate: prompts the
+            target cannot take).
     """
 
     def __init__(self, target: CausalLM, drafter: Optional[Drafter], n_draft_tokens: int,
                  eos_token_ids: Sequence[int] = (), sampling_params: Optional[SamplingParams] = None,
                  log_iterations: Optional[int] = None, trees: bool = True):
-        check_n_draft_tokens(n_draft_tokens)
+        check_implements("target", target, CausalLM, TARGET_USES, MAKE_TARGET)
+        n_draft_tokens = check_n_draft_tokens(n_draft_tokens)
         if n_draft_tokens > 0 and drafter is None:
-            raise ValueError("n_draft_tokens > 0 needs a drafter")
+            raise UserError(f"n_draft_tokens={n_draft_tokens} needs a drafter: pass make_drafter(config, target), or "
+                            "n_draft_tokens=0 for plain decoding", "drafter")
+        if n_draft_tokens > 0:
+            check_implements("drafter", drafter, Drafter, DRAFTER_USES, "build one with make_drafter(config, target)")
+        eos = check_token_ids("eos_token_ids", eos_token_ids, target.vocab_size,
+                              "pass the tokenizer's end-of-sequence ids, e.g. [tokenizer.eos_token_id]")
+        if sampling_params is not None:
+            check_instance("sampling_params", sampling_params, SamplingParams,
+                           "pass SamplingParams(temperature=..., top_k=..., top_p=..., seed=...), or None for greedy")
+        if log_iterations is not None:
+            check_int("log_iterations", log_iterations, 0, fix="None logs every one")
+        check_bool("trees", trees)
         self.target, self.n_draft_tokens = target, n_draft_tokens
         self.drafter = drafter if n_draft_tokens > 0 else None
-        self.eos_token_ids = set(eos_token_ids)
+        self.eos_token_ids = set(eos)
         self.sampling = sampling_params or SamplingParams()
         self.log_iterations = log_iterations
         self.trees = trees and target.supports_trees
 
-    def check_prompts(self, prompts: Sequence[Sequence[int]]) -> None:
-        """Raises UserError for prompts the target cannot take (too many, empty, outside its vocabulary, too long)."""
+    def check_prompts(self, prompts: Sequence[Sequence[int]]) -> list[list[int]]:
+        """Raises UserError for prompts the target cannot take (not lists of token ids, too many, empty, outside its
+        vocabulary, too long); returns them as lists of ints (a 2-d tensor, numpy ids are taken)."""
+        prompts = check_token_lists("prompts", prompts, self.target.vocab_size, "pass a list of prompts, each a list "
+                                    "of token ids from the target's tokenizer")
         if not prompts:
-            raise UserError("no prompts to generate from")
+            raise UserError("prompts is empty: pass at least one prompt (a list of token ids)", "prompts")
         if len(prompts) > self.target.max_batch_size:
             raise UserError(f"{len(prompts)} prompts but the target was built for max_batch_size "
                             f"{self.target.max_batch_size}; raise max_batch_size or pass fewer prompts",
                             "max_batch_size")
         for i, p in enumerate(prompts):
-            if len(p) == 0:
-                raise UserError(f"prompt {i} is empty")
-            if not all(0 <= t < self.target.vocab_size for t in p):
-                raise UserError(f"prompt {i} has token ids outside the model's vocabulary [0, {self.target.vocab_size})"
-                                "; encode it with the target's own tokenizer")
+            if not p:
+                raise UserError(f"prompts[{i}] is empty; a prompt needs at least one token (the BOS token for an empty "
+                                "text)", "prompts")
             if len(p) >= self.target.max_seq_len:
-                raise UserError(f"prompt {i} has {len(p)} tokens, which leaves no room to generate within "
+                raise UserError(f"prompts[{i}] has {len(p)} tokens, which leaves no room to generate within "
                                 f"max_seq_len={self.target.max_seq_len}; raise max_seq_len or shorten the prompt",
                                 "max_seq_len")
+        return prompts
 
     def warm_up(self) -> dict[str, float]:
         """Compile (on a TT device also trace) every program this generator's runs can use, the target's and the
@@ -164,12 +199,17 @@ class SpeculativeGenerator:
     def generate(self, prompts: Sequence[Sequence[int]], max_generated_tokens: int, stop_at_eos: bool = True,
                  requests: Optional[Sequence[int]] = None) -> list[UserResult]:
         """requests: an id per prompt that keys its random draws (default: its index), so a prompt samples the same
-        tokens whatever batch it runs in."""
-        self.check_prompts(prompts)
-        if max_generated_tokens < 1:
-            raise UserError(f"max_generated_tokens must be >= 1, got {max_generated_tokens}", "max_generated_tokens")
-        if requests is not None and len(requests) != len(prompts):
-            raise UserError(f"{len(requests)} request ids for {len(prompts)} prompts", "requests")
+        tokens whatever batch it runs in. Every argument is checked before anything runs: a refused call changes
+        nothing. Each result's finish_reason says why it ended ("stop", "length" or "cache_end": UserResult)."""
+        prompts = self.check_prompts(prompts)
+        max_generated_tokens = check_int("max_generated_tokens", max_generated_tokens, 1)
+        check_bool("stop_at_eos", stop_at_eos)
+        if requests is not None:
+            requests = [check_int(f"requests[{i}]", r, 0) for i, r in enumerate(
+                check_sequence("requests", requests, "pass one request id per prompt, or None"))]
+            if len(requests) != len(prompts):
+                raise UserError(f"requests has {len(requests)} ids for {len(prompts)} prompts; pass one per prompt, "
+                                "or None", "requests")
         batch = Batch([UserResult(list(p)) for p in prompts], [list(p) for p in prompts],
                       KeyedSampler(self.sampling, requests), max_generated_tokens, stop_at_eos, self.eos_token_ids,
                       self.target.max_seq_len)
@@ -247,20 +287,21 @@ class SpeculativeGenerator:
     def _append(self, batch: Batch, active: list[int], drafts: list[Draft], verified: list[Verified], ms: float,
                 done: float) -> tuple[int, int]:
         """The drafter learns from each verification; each user keeps its new tokens (up to an EOS and its budget) and
-        the iteration's record. Returns the tokens kept and the drafts accepted, over all users."""
+        the iteration's record. Returns the tokens kept and the drafts accepted (up to an EOS), over all users."""
         produced = accepted = 0
         for u, draft, v in zip(active, drafts, verified):
             if self.drafter is not None:
                 self.drafter.accept(u, v)
             new = batch.keep(u, v.new_tokens)
+            n_accepted = min(v.n_accepted, len(new))  # drafts verified past an EOS: neither kept nor counted
             batch.contexts[u].extend(new)
             result = batch.results[u]
             result.output_tokens.extend(new)
             result.decode_s += ms / 1e3
             result.token_times_s.append(done - batch.arrival)
-            result.iterations.append(IterationStats(draft.source, len(draft.tokens), v.n_accepted, ms, draft.match_len))
+            result.iterations.append(IterationStats(draft.source, len(draft.tokens), n_accepted, ms, draft.match_len))
             produced += len(new)
-            accepted += v.n_accepted
+            accepted += n_accepted
         return produced, accepted
 
     def _target_tokens(self, sampler: KeyedSampler, rows: UserRows, out: StepOutput, i: int):

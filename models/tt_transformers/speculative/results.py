@@ -11,6 +11,9 @@ from .metrics import SpecDecodeCounters
 
 @dataclass
 class IterationStats:
+    """One iteration of one user: the draft's source and size, and how many of its tokens were accepted and kept (an
+    EOS ends the count: drafts verified past it are not)."""
+
     draft_source: str
     drafted: int
     accepted: int
@@ -18,8 +21,17 @@ class IterationStats:
     match_len: int = 0
 
 
+FINISH_REASONS = ("stop", "length", "cache_end")
+
+
 @dataclass
 class UserResult:
+    """One prompt's answer. finish_reason, why it ended (None while it runs), as vLLM's where vLLM has one: "stop", an
+    end-of-sequence token (kept last); "length", max_generated_tokens reached; "cache_end", the KV cache's end
+    (max_seq_len: prompt and answer together) came first, so the answer has fewer tokens than asked for and no EOS
+    (vLLM folds this into "length", as max_model_len; here it is told apart because its fix is another: a longer
+    max_seq_len)."""
+
     prompt_tokens: list[int]
     output_tokens: list[int] = field(default_factory=list)
     iterations: list[IterationStats] = field(default_factory=list)
@@ -27,6 +39,7 @@ class UserResult:
     decode_s: float = 0.0  # time after the first token
     token_times_s: list[float] = field(default_factory=list)  # when each step's tokens were ready, from the start of
     # generate() (the batch's arrival): its first token's, then one per iteration (a chunk, as a server streams it)
+    finish_reason: Optional[str] = None  # one of FINISH_REASONS once done
 
     @property
     def decode_tok_s(self) -> float:

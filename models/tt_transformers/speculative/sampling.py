@@ -13,14 +13,13 @@ the same token from q as from p: always when q = p, otherwise a little less ofte
 1 - TV(p, q) (docs/draft_sources.md). Copied, recycled and tree drafts are accepted with
 probability p(x), as under rejection sampling.
 """
-import math
 import secrets
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 
-from ..errors import UserError
+from ..errors import UserError, check_int, check_number
 
 MASK64 = (1 << 64) - 1
 GOLDEN64 = 0x9E3779B97F4A7C15
@@ -36,16 +35,29 @@ class SamplingParams:
     seed: Optional[int] = None
 
     def __post_init__(self):
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):  # nan and inf pass a bare `< 0`
-            raise UserError(f"temperature must be >= 0 and finite, got {self.temperature}", "temperature")
-        if self.top_k < 0:
-            raise UserError(f"top_k must be >= 0 (0 = off), got {self.top_k}", "top_k")
-        if not 0 < self.top_p <= 1:
-            raise UserError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        """Each setting checked and stored as a plain int or float (a numpy or torch scalar would leak into the keyed
+        draws' arithmetic)."""
+        checked = {"temperature": check_number("temperature", self.temperature, 0, fix="0 = greedy"),
+                   "top_k": check_int("top_k", self.top_k, 0, fix="0 = off"),
+                   "top_p": check_number("top_p", self.top_p, 0, 1, lo_open=True, fix="1 = off"),
+                   "seed": None if self.seed is None else check_int("seed", self.seed, 0,
+                                                                    fix="None: fresh randomness each run")}
+        for name, value in checked.items():
+            object.__setattr__(self, name, value)  # frozen: set once, here
+        check_sampling_only("top_k", self.top_k, 0, self.temperature)
+        check_sampling_only("top_p", self.top_p, 1.0, self.temperature)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def check_sampling_only(name: str, value, off, temperature: float) -> None:
+    """A setting only sampling reads (top_k, top_p), given with temperature 0 (greedy), is refused: it would be ignored
+    without a word. (A seed is not: it is harmless under greedy, and a script may pass one always.)"""
+    if temperature == 0 and value != off:
+        raise UserError(f"{name} {value} only applies when sampling, and temperature 0 is greedy; set temperature "
+                        f"above 0 to sample, or leave {name} out", name, ("temperature",))
 
 
 def _mix64(x: int) -> int:

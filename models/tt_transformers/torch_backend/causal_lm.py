@@ -7,6 +7,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..checkpoints.eagle3_format import HeadConfig, find_draft_head
+from ..errors import check_instance, check_int
 from ..speculative.backend import MAX_DRAFT_TOKENS, StepOutput, UserRows
 from .attention import ExactToken
 from .cpu_threads import fit_threads
@@ -37,8 +38,10 @@ class TorchCausalLM:
     """
 
     def __init__(self, model: Transformer, n_layers: int, max_batch_size: int, cache: Optional[KVCache] = None):
-        if not 1 <= n_layers <= model.args.n_layers:
-            raise ValueError(f"n_layers must be in [1, {model.args.n_layers}], got {n_layers}")
+        check_instance("model", model, Transformer, "load one with load_model(resolve_checkpoint(folder), "
+                       "torch.bfloat16, max_seq_len)")
+        check_int("n_layers", n_layers, 1, len(model.layers), fix="the model's layers to run; all for a target")
+        check_int("max_batch_size", max_batch_size, 1, fix="users decoded together")
         self.model = model
         self.cache = cache if cache is not None else model.new_cache(n_layers, max_batch_size)
         self.shares_target_cache = cache is not None

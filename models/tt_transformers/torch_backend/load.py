@@ -9,8 +9,10 @@ from torch import nn
 
 from ..checkpoints.cache import cache_root
 from ..checkpoints.checkpoint import Checkpoint, CheckpointError
+from ..errors import UserError, check_bool, check_choice, check_instance, check_int, described
 from ..checkpoints.model_shape import ModelShape
 from ..checkpoints.safetensors_index import EMBEDDING, SafetensorsIndex, safetensors_files
+from .cpu_isa import PATHS
 from .cpu_kernels import load_cpu_kernels, packed_shape
 from .model import Transformer, can_prepack
 
@@ -71,6 +73,40 @@ def _load_parameters(module: nn.Module, prefix: str, names: dict[str, list[str]]
         setattr(module.get_submodule(owner), attr, nn.Parameter(out, requires_grad=False))
 
 
+DTYPES = (torch.bfloat16, torch.float32)  # what the Transformer runs (bf16 on the CPU kernels)
+
+
+def check_load_arguments(args: ModelShape, dtype, max_seq_len, device, cpu_kernels, n_layers) -> None:
+    """load_model's arguments, before anything is read: each of the right type and within what the model allows."""
+    if dtype not in DTYPES:
+        raise UserError(f"dtype must be torch.bfloat16 or torch.float32, got {described(dtype)}", "dtype")
+    check_int("max_seq_len", max_seq_len, 2, fix="positions of prompt and answer together")
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError):
+        raise UserError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {described(device)}", "device") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"device {device!r}: torch sees no CUDA device here; use 'cpu'", "device")
+    if isinstance(cpu_kernels, str):
+        check_choice("cpu_kernels", cpu_kernels, [p.name for p in PATHS])
+    else:
+        check_bool("cpu_kernels", cpu_kernels)
+    if n_layers is not None:
+        check_int("n_layers", n_layers, 0, args.n_layers, fix="0: the embedding, final norm and LM head alone")
+
+
+def check_vocabulary(ckpt: Checkpoint, args: ModelShape, index: SafetensorsIndex, names: dict) -> None:
+    """config.json's vocab_size and hidden_size against the embedding and LM head in the weights, which the CPU
+    kernels pack from the file as it is: a config that disagrees is named here, not in a kernel at the first step."""
+    tensors = names["tok_embeddings.weight"] + names.get("output.weight", [])
+    for name in tensors:
+        path, _, _, shape = index.entries[name]
+        if tuple(shape) != (args.vocab_size, args.dim):
+            raise CheckpointError(f"{ckpt.folder / 'config.json'} says vocab_size {args.vocab_size:,} and hidden_size "
+                                  f"{args.dim:,}, but {path.name}'s {name} is {list(shape)}; fix config.json or "
+                                  "download the checkpoint again")
+
+
 def load_model(ckpt: Checkpoint, dtype: torch.dtype, max_seq_len: int, device: str = "cpu",
                cpu_kernels: Union[bool, str] = True, n_layers: Optional[int] = None) -> Transformer:
     """Our Transformer with the checkpoint's weights; bf16 on CPU runs on the bf16 CPU kernels where they build
@@ -81,8 +117,14 @@ def load_model(ckpt: Checkpoint, dtype: torch.dtype, max_seq_len: int, device: s
     Streams: one layer at a time is read (tensor by tensor, from whichever shards hold it), converted, fused and
     packed before the next; on the kernels every linear layer is packed a chunk of rows at a time straight from
     the file. Peak memory stays close to the finished model's (tests/checkpoints/test_checkpoint_memory.py).
+
+    Raises:
+        UserError: an argument of the wrong type or out of range (check_load_arguments), a checkpoint that is
+            incomplete or whose config.json disagrees with its weights (CheckpointError).
     """
+    check_instance("ckpt", ckpt, Checkpoint, "find one with resolve_checkpoint(folder, .gguf file or hub id)")
     args = ModelShape.from_hf_config(ckpt.config)
+    check_load_arguments(args, dtype, max_seq_len, device, cpu_kernels, n_layers)
     index = SafetensorsIndex(safetensors_files(ckpt.folder))
     names = hf_tensor_names(args)
     missing = [n for parts in names.values() for n in parts if n not in index.entries]
@@ -90,6 +132,7 @@ def load_model(ckpt: Checkpoint, dtype: torch.dtype, max_seq_len: int, device: s
         raise CheckpointError(f"checkpoint {ckpt.folder} is missing tensor {missing[0]!r}"
                               f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}; is it a complete "
                               f"{args.model_type} checkpoint?")
+    check_vocabulary(ckpt, args, index, names)
     with torch.device("meta"):
         model = Transformer(args, dtype, max_seq_len)
     if n_layers is not None:

@@ -21,7 +21,7 @@ from models.tt_transformers.prompts import load_prompts as read_prompts
 from models.tt_transformers.prompts import split_batches as fill_batches
 from models.tt_transformers.records import PACKAGE_ROOT
 from models.tt_transformers.speculative.config import NO_DRAFT_HEAD, default_draft_layers
-from models.tt_transformers.speculative.sampling import SamplingParams
+from models.tt_transformers.speculative.sampling import SamplingParams, check_sampling_only
 from models.tt_transformers.checkpoints.checkpoint import Checkpoint, resolve_checkpoint
 from models.tt_transformers.torch_backend.cpu_isa import check_cpu_isa
 from models.tt_transformers.torch_backend.device import DEVICES
@@ -48,7 +48,8 @@ TAP_GATHERS = ("device", "host")  # where a mesh's tapped states are gathered (t
 
 DemoInputError = UserError  # bad demo input: the message names the flag or file and the fix
 # The library's parameters whose flag has another name (every other parameter is its flag without the dashes).
-FLAGS = {"trees": "--draft_trees", "max_batch_size": "--batch_size", "chain_len": "--n_draft_tokens"}
+FLAGS = {"trees": "--draft_trees", "max_batch_size": "--batch_size", "chain_len": "--n_draft_tokens",
+         "draft_lm": "--draft_model", "prompts": "--input_prompts"}
 
 
 @contextmanager
@@ -59,7 +60,8 @@ def flags_named():
     except UserError as e:
         if e.parameter is None:
             raise
-        raise e.named_as(FLAGS.get(e.parameter, f"--{e.parameter}")) from None
+        raise e.named_with(lambda parameter: FLAGS.get(parameter, f"--{parameter}")) from None
+
 
 def find_prompts_file(path: str) -> Path:
     """The documented `--input_prompts models/tt_transformers/demo/...` works from the working directory (the
@@ -160,10 +162,13 @@ def check_flags(config: DemoConfig, backend: str) -> None:
 
 
 def sampling_params(config: DemoConfig) -> SamplingParams:
-    try:
-        return SamplingParams(config.temperature, config.top_k, config.top_p, config.seed)
-    except UserError as e:
-        raise DemoInputError(f"bad sampling flags: {e}") from None
+    """The sampling flags, refused in one line where they are out of range or where greedy decoding (--temperature 0)
+    would ignore them: the library refuses --top_k and --top_p then; --seed, which it takes (a script may always
+    pass one), is refused here, where a user typed it."""
+    with flags_named():
+        params = SamplingParams(config.temperature, config.top_k, config.top_p, config.seed)
+        check_sampling_only("seed", config.seed, None, config.temperature)
+    return params
 
 
 def available_memory_bytes() -> Optional[int]:
@@ -257,11 +262,11 @@ def check_inputs(config: DemoConfig) -> CheckedInputs:
     if not 1 <= target_layers <= args.n_layers:
         raise DemoInputError(f"--target_layers {target_layers} is out of range: {ckpt.name} has {args.n_layers} "
                              f"layers; use 1 to {args.n_layers}, or leave it unset for all of them")
-    if config.draft_layers is not None and not 1 <= config.draft_layers < target_layers:  # an explicit value, any mode
-        fix = "raise it to at least 1" if config.draft_layers < 1 else f"lower it to at most {target_layers - 1}"
+    # an explicit value, any mode (below 1 check_flags refused: SpeculativeConfig.check)
+    if config.draft_layers is not None and config.draft_layers >= target_layers:
         raise DemoInputError(f"--draft_layers {config.draft_layers} must be between 1 and {target_layers - 1} (the "
-                             f"draft is the first layers of the {target_layers}-layer target): {fix}, or leave it "
-                             "out")
+                             f"draft is the first layers of the {target_layers}-layer target): lower it to at most "
+                             f"{target_layers - 1}, or leave it out")
     check_cache_fits(config, args, target_layers, backend)
     # the library's choice, as make_drafter's (a truncated target's hybrid passes the shipped head over, with a note)
     head = (choose_draft_head(config.draft_head, ckpt.name, args, target_layers, backend == "torch",
@@ -273,6 +278,11 @@ def check_inputs(config: DemoConfig) -> CheckedInputs:
                                                       config.draft_mode == "hybrid" and checked.head_folder is None)
     if uses_draft_model and config.draft_model:
         checked.draft_ckpt = resolve_checkpoint(config.draft_model, "--draft_model")
+        draft_vocab = ModelShape.from_hf_config(checked.draft_ckpt.config).vocab_size
+        if draft_vocab != args.vocab_size:  # its tokens would index past the other's embedding at the first step
+            raise DemoInputError(f"--draft_model {config.draft_model}: its vocabulary has {draft_vocab:,} tokens, "
+                                 f"{ckpt.name}'s {args.vocab_size:,}; pass a draft model of the target's family (its "
+                                 "tokenizer), or use --draft_mode suffix")
     elif uses_draft_model:
         checked.draft_layers = draft_layers_for(config, target_layers)
         if checked.draft_layers >= target_layers:

@@ -42,9 +42,10 @@ DEMO_OPTIONS = [
     ("target_layers", int, None, "truncate the target to its first N layers (default: all)"),
     ("draft_model", str, None, "separate draft checkpoint (folder or .gguf) with the same tokenizer"),
     ("temperature", float, 0.0, "sampling temperature; 0 = greedy (output identical to plain greedy decoding)"),
-    ("top_k", int, 0, "sample from the k most likely tokens only; 0 = off"),
-    ("top_p", float, 1.0, "sample from the smallest set of tokens with this much probability; 1 = off"),
-    ("seed", int, None, "random seed for sampling: a seeded run is reproducible"),
+    ("top_k", int, 0, "sample from the k most likely tokens only; 0 = off (needs --temperature above 0)"),
+    ("top_p", float, 1.0, "sample from the smallest set of tokens with this much probability; 1 = off (needs "
+                          "--temperature above 0)"),
+    ("seed", int, None, "random seed for sampling: a seeded run is reproducible (needs --temperature above 0)"),
     ("compare_baseline", int, 1, "1: also run plain decoding, check identical tokens and report the speedup"),
     ("output_json", str, None, "write a JSON report here (config, environment, every iteration, summary)"),
     ("log_iterations", int, 5, "Iteration lines logged per batch, the rest counted in one line; -1 logs every one"),

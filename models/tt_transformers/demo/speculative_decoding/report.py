@@ -10,7 +10,6 @@ from models.tt_transformers.speculative.results import LATENCY_PERCENTILES, User
 from models.tt_transformers.torch_backend.cpu_threads import cpu_seconds
 
 
-SPEEDUP_SLACK = 1.15  # a speculative step costs at least a plain one: beyond tokens per forward by this, time lied
 MIN_TIMED_TOKENS = 16  # a prompt's tokens after the first below which its tok/s is mostly start-up and noise
 OTHER_LOAD_CORES = 0.5  # other processes' CPU use (cores) that disturbs a timing
 
@@ -47,13 +46,25 @@ def timing_warnings(summary: dict, load: dict, env: dict) -> list[str]:
             cause = ("the machine's load changed between the speculative and plain runs (other processes: "
                      + ", ".join(f"{v:.1f} cores during {p}" for p, v in phases.items()) + ")")
     warnings = [f"Timing disturbed: {cause}; rerun on a quiet machine to trust the speedup"] if cause else []
-    if "speedup" in summary and summary["speedup"] > SPEEDUP_SLACK * summary["mean_tokens_per_step"]:
+    if speedup_impossible(summary):
         warnings.append(
-            f"Speedup {summary['speedup']:.2f}x is more than {summary['mean_tokens_per_step']:.2f} tokens per target "
-            f"forward can give (a speculative step, {summary['ms_per_step']:.1f} ms, costs at least a plain one, yet "
-            f"plain decoding took {summary['baseline']['ms_per_step']:.1f} ms): the plain run was slowed, by another "
+            f"Speedup {summary['speedup']:.2f}x is more than {speedup_bound(summary):.2f} tokens per target forward "
+            f"can give (a speculative step, {summary['ms_per_step']:.1f} ms, costs at least a plain one, yet plain "
+            f"decoding took {summary['baseline']['ms_per_step']:.1f} ms): the plain run was slowed, by another "
             "process or by OMP_NUM_THREADS above the free cores")
     return warnings
+
+
+def speedup_bound(summary: dict) -> float:
+    """The most the run's speedup can be: its tokens per target forward over plain decoding's, each batch's
+    forwards counted once (at batch 1, its mean tokens per target forward), since a speculative forward costs at
+    least a plain one. (speedup = that ratio x plain ms per forward / speculative ms per forward.)"""
+    return summary["speedup"] * summary["ms_per_step"] / summary["baseline"]["ms_per_step"]
+
+
+def speedup_impossible(summary: dict) -> bool:
+    """A speedup above speedup_bound: a speculative forward measured faster than a plain one, so the timing lied."""
+    return "speedup" in summary and summary["ms_per_step"] < summary["baseline"]["ms_per_step"]
 
 
 def performance_lines(label: str, s: dict) -> list[str]:
@@ -76,9 +87,19 @@ def latency_line(s: dict) -> str:
     return "Mean/P50/P95/P99 ms: " + ", ".join(f"{m.upper()} {figures(m)}" for m in ("tpot", "itl", "e2el"))
 
 
-def speedup_line(summary: dict) -> str:
+IMPOSSIBLE_MARK = "!"  # a speedup beyond what its tokens per target forward can give
+
+
+def speedup_lines(summary: dict) -> list[str]:
+    """The speedup over plain decoding, marked (IMPOSSIBLE_MARK and a line saying why) where it is beyond its tokens
+    per target forward."""
     same = f"; outputs identical: {summary['identical_to_baseline']}" if "identical_to_baseline" in summary else ""
-    return f"Speedup over plain decoding: {summary['speedup']:.2f}x{same}"
+    impossible = speedup_impossible(summary)
+    lines = [f"Speedup over plain decoding: {summary['speedup']:.2f}x{IMPOSSIBLE_MARK * impossible}{same}"]
+    if impossible:
+        lines.append(f"{IMPOSSIBLE_MARK} impossible: more than its {speedup_bound(summary):.2f} tokens per target "
+                     "forward can give; the timing was disturbed (see the warning)")
+    return lines
 
 
 PROMPT_ECHO = 100  # characters of a prompt the log repeats (a code edit's prompt runs to pages)
@@ -106,31 +127,41 @@ def prompt_entries(prompts: list[str], batches: list[list[int]], results: list[l
                      "decode_tok_s": r.decode_tok_s,
                      "tokens_per_step": produced / len(r.iterations) if r.iterations else 0.0,
                      "draft_sources": dict(Counter(it.draft_source for it in r.iterations if it.drafted)),
-                     "too_few_tokens_to_time": produced < MIN_TIMED_TOKENS}
+                     "too_few_tokens_to_time": produced < MIN_TIMED_TOKENS, "finish_reason": r.finish_reason}
             if baseline is not None:
                 entry["baseline_output_tokens"] = baseline[b][u].output_tokens
                 entry["baseline_decode_tok_s"] = baseline[b][u].decode_tok_s
                 entry["speedup"] = r.decode_tok_s / entry["baseline_decode_tok_s"]
-                entry["speedup_beyond_tokens_per_step"] = entry["speedup"] > SPEEDUP_SLACK * entry["tokens_per_step"]
+                # a plain forward gives one token and costs at most a speculative one
+                entry["speedup_beyond_tokens_per_step"] = entry["speedup"] > entry["tokens_per_step"]
             entries.append(entry)
     return entries
 
 
+CACHE_END_MARK = "^"  # an answer cut by the end of its KV cache
+
+
 def prompt_table_lines(entries: list[dict]) -> list[str]:
     """Per prompt: tokens per target forward, speedup over plain decoding, which sources drafted: where it pays. A
-    speedup from too few tokens (*) or beyond what its tokens per forward can give (!) is marked, with why."""
+    speedup from too few tokens (*) or beyond what its tokens per forward can give (!, impossible), and an answer
+    cut by the end of the KV cache (^), are marked, with why."""
     lines = [f"{'prompt':<44} {'tokens/forward':>14} {'speedup':>8}   drafted by"]
     for e in entries:
         speedup, marks = "-", ""
         if "speedup" in e:
             speedup = f"{e['speedup']:.2f}x"
-            marks = "*" * e["too_few_tokens_to_time"] + "!" * e["speedup_beyond_tokens_per_step"]
+            marks = "*" * e["too_few_tokens_to_time"] + IMPOSSIBLE_MARK * e["speedup_beyond_tokens_per_step"]
+        marks += CACHE_END_MARK * (e["finish_reason"] == "cache_end")
         sources = ", ".join(f"{source} {n}" for source, n in sorted(e["draft_sources"].items())) or "nothing"
-        lines.append(f"{shorten(e['prompt'], 44):<44} {e['tokens_per_step']:>14.2f} {speedup:>8}{marks:<2} {sources}")
+        lines.append(f"{shorten(e['prompt'], 44):<44} {e['tokens_per_step']:>14.2f} {speedup:>8}{marks:<3} {sources}")
     if any(e.get("speedup") is not None and e["too_few_tokens_to_time"] for e in entries):
         lines.append(f"* fewer than {MIN_TIMED_TOKENS} tokens after the first: too few to time")
     if any(e.get("speedup_beyond_tokens_per_step") for e in entries):
-        lines.append("! more than its tokens per forward can give: its plain run was slowed (another process?)")
+        lines.append(f"{IMPOSSIBLE_MARK} impossible: beyond its tokens per forward (a speculative forward costs at "
+                     "least a plain one): timing disturbed")
+    if any(e["finish_reason"] == "cache_end" for e in entries):
+        lines.append(f"{CACHE_END_MARK} cut by the end of the KV cache (--max_seq_len) before an EOS or "
+                     "--max_generated_tokens: raise --max_seq_len")
     return lines
 
 
@@ -139,7 +170,7 @@ def result_lines(report: dict) -> list[str]:
     summary = report["summary"]
     lines = performance_lines("speculative", summary)
     if "baseline" in summary:
-        lines += performance_lines("plain decoding", summary["baseline"]) + [speedup_line(summary)]
+        lines += performance_lines("plain decoding", summary["baseline"]) + speedup_lines(summary)
     return lines + summary["warnings"] + ["Per prompt:"] + prompt_table_lines(report["prompts"])
 
 

@@ -49,7 +49,7 @@ try:  # torch and the models import here, for seconds: Ctrl-C meanwhile gets the
         prompt_table_lines,
         result_lines,
         shorten,
-        speedup_line,
+        speedup_lines,
         timing_warnings,
     )
     from models.tt_transformers.errors import UserError
@@ -145,7 +145,8 @@ def decode_and_report(config: DemoConfig, checked: CheckedInputs, mesh_device, p
         if sampling.greedy or sampling.seed is not None:  # a seeded draw depends on (seed, prompt, position) alone
             summary["identical_to_baseline"] = all(
                 r.output_tokens == b.output_tokens for rb, bb in zip(results, baseline) for r, b in zip(rb, bb))
-        logger.info(speedup_line(summary))
+        for line in speedup_lines(summary):
+            logger.info(line)
 
     env = environment(target.device_name)
     summary["load"] = load
