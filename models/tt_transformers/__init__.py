@@ -7,7 +7,7 @@ __path__ = __import__("pkgutil").extend_path(__path__, __name__)
 import os as _os
 import platform as _platform
 
-from .torch_backend.cpu_caps import cap_libraries as _cap_libraries
+from .cpu_caps import cap_libraries as _cap_libraries
 
 # TT_CPU_ISA (torch_backend/cpu_isa.py) forces a CPU path; set here, before torch loads, its caps reach torch's own
 # kernels, oneDNN and MKL alike (cpu_caps.py).

@@ -4,7 +4,7 @@
 Checked before anything is used: a CPU gets the fastest path its flags allow, or the one TT_CPU_ISA names (refused in
 one line if this CPU cannot run it). A forced path makes the process behave as on a CPU that has only it: the
 kernels are built for it alone, torch's oneDNN bf16 prepacking is off unless that CPU would have it, and, set before
-torch loads (models/tt_transformers/__init__.py), its caps (cpu_caps.py) hold torch's own kernels, oneDNN and MKL to
+torch loads (models/tt_transformers/__init__.py), its caps (../cpu_caps.py) hold torch's own kernels, oneDNN and MKL to
 it alike; a process where they came too late is refused in one line.
 """
 import os
@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from ..errors import UserError
-from .cpu_caps import library_caps
+from ..cpu_caps import library_caps
 
 AVX512_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
 AVX2_FLAGS = ("avx2", "fma", "f16c")

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""What a forced CPU path (TT_CPU_ISA, cpu_isa.py) lets each library that dispatches on the CPU use, so that the
+"""What a forced CPU path (TT_CPU_ISA, torch_backend/cpu_isa.py) lets each library that dispatches on the CPU use, so that the
 process runs what a CPU with only that path runs: torch's own kernels, oneDNN (torch's bf16 matmuls and the brgemm
 behind its CPU flash attention) and MKL (torch's float32 BLAS). Without the oneDNN cap, an AMX CPU forced to avx2 ends
 in `pack_vnni2 is only supported when avx512 is supported` in scaled_dot_product_attention: torch's avx2 kernel
