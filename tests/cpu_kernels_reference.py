@@ -101,32 +101,35 @@ def key_dots(q: np.ndarray, keys: np.ndarray, odd_first: bool) -> np.ndarray:
     return tree_sum16(lanes)
 
 
-def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, odd_first: bool) -> np.ndarray:
-    """One query head over its keys and values (bf16 as float32) -> bf16 bits [D] (attend_heads)."""
-    D = q.shape[0]
-    scores = key_dots(q, keys, odd_first) * (F32(1.0) / np.sqrt(F32(D)))
-    e = exp_cephes(scores - scores.max())
-    padded = np.zeros(-(-len(e) // 16) * 16, dtype=F32)
-    padded[: len(e)] = e
-    lanes = np.zeros(16, dtype=F32)
-    for c in range(0, len(padded), 16):
-        lanes = lanes + padded[c : c + 16]
-    inv = F32(1.0) / tree_sum16(lanes)
-    acc = np.zeros(D, dtype=F32)
-    for j in range(len(e)):
-        acc = acc + e[j] * values[j]
-    return to_bf16(acc * inv)
+def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, first: int, odd_first: bool) -> np.ndarray:
+    """One query head over its keys and values (bf16 as float32) -> float32 [D] (attend_rows): key j sits at
+    position first + j, and the positions go in blocks of 16 aligned at multiples of 16, each taken by an online
+    softmax (running maximum m, 16 lanes of sums, the weighted values acc), the keys outside the token's own masked."""
+    D, end = q.shape[0], first + len(keys)
+    scale = F32(1.0) / np.sqrt(F32(D))
+    m, sums, acc = F32(-np.inf), np.zeros(16, dtype=F32), np.zeros(D, dtype=F32)
+    for b0 in range(first // 16 * 16, end, 16):
+        a, z = max(first, b0) - b0, min(end, b0 + 16) - b0
+        scores = np.zeros(16, dtype=F32)
+        scores[a:z] = key_dots(q, keys[b0 + a - first : b0 + z - first], odd_first) * scale
+        new_max = max(m, scores[a:z].max())
+        alpha = exp_cephes(np.array([m - new_max], dtype=F32))[0]  # exactly 1 when the maximum stays
+        p = exp_cephes(scores - new_max)
+        p[:a], p[z:] = 0, 0
+        sums = sums * alpha + p
+        acc = acc * alpha
+        for j in range(a, z):
+            acc = acc + p[j] * values[b0 + j - first]
+        m = new_max
+    return acc * (F32(1.0) / tree_sum16(sums))
 
 
-def decoder_layer(x_bits, args, weights, table, ancestors, cos_bits, sin_bits, k_cache, v_cache, odd_first):
-    """One decoder layer of a packed step (cpu_kernels.c decoder_layer) on unpacked bf16 weights: returns the new
-    residual stream's bits and writes the step's keys and values into k_cache / v_cache (bf16 bits [users, Hk, slots,
-    D], in place). weights: attention norm, wqkv, wo, ffn norm, w_gate_up, w_down as [N, K] bits; table rows: (row,
-    slot, pos, first, run_end, ancestor start, ancestor count)."""
-    H, Hk, D, dim, hidden = args.n_heads, args.n_kv_heads, args.head_dim, args.dim, args.hidden_dim
-    attention_norm, wqkv, wo, ffn_norm, w_gate_up, w_down = weights
-    n = x_bits.shape[0]
-    qkv = widen(to_bf16(linear(rms_norm(x_bits, attention_norm, args.norm_eps), wqkv, odd_first)))
+def attention(qkv: np.ndarray, args, table, ancestors, cos_bits, sin_bits, k_cache, v_cache, odd_first) -> np.ndarray:
+    """The attention of a packed step (cpu_kernels.c attention_f32) from its projections qkv (bf16 as float32 [n,
+    (H + 2 Hk) D]) -> float32 [n, H, D]; writes the step's keys and values into k_cache / v_cache (bf16 bits [users,
+    Hk, slots, D], in place). Table rows: (row, slot, pos, first, run_end, ancestor start, ancestor count)."""
+    H, Hk, D = args.n_heads, args.n_kv_heads, args.head_dim
+    n = qkv.shape[0]
     q_rot = np.zeros((n, H, D), dtype=np.uint16)
     for t, (row, slot, pos, *_) in enumerate(table):
         cos, sin = widen(cos_bits[pos]), widen(sin_bits[pos])
@@ -134,13 +137,25 @@ def decoder_layer(x_bits, args, weights, table, ancestors, cos_bits, sin_bits, k
         q_rot[t] = rotate(heads[:H], cos, sin)
         k_cache[row, :, slot] = rotate(heads[H : H + Hk], cos, sin)
         v_cache[row, :, slot] = to_bf16(heads[H + Hk :])
-    attn = np.zeros((n, H, D), dtype=np.uint16)
+    out = np.zeros((n, H, D), dtype=F32)
     for t, (row, slot, pos, first, run_end, anc_start, anc_count) in enumerate(table):
         slots = list(range(first, run_end)) + list(ancestors[anc_start : anc_start + anc_count])
         for h in range(H):
             kv = h // (H // Hk)
-            attn[t, h] = attend(widen(q_rot[t, h]), widen(k_cache[row, kv, slots]), widen(v_cache[row, kv, slots]),
-                                odd_first)
+            out[t, h] = attend(widen(q_rot[t, h]), widen(k_cache[row, kv, slots]), widen(v_cache[row, kv, slots]),
+                               first, odd_first)
+    return out
+
+
+def decoder_layer(x_bits, args, weights, table, ancestors, cos_bits, sin_bits, k_cache, v_cache, odd_first):
+    """One decoder layer of a packed step (cpu_kernels.c decoder_layer) on unpacked bf16 weights: returns the new
+    residual stream's bits and writes the step's keys and values into k_cache / v_cache (as attention does).
+    weights: attention norm, wqkv, wo, ffn norm, w_gate_up, w_down as [N, K] bits."""
+    H, D = args.n_heads, args.head_dim
+    attention_norm, wqkv, wo, ffn_norm, w_gate_up, w_down = weights
+    n = x_bits.shape[0]
+    qkv = widen(to_bf16(linear(rms_norm(x_bits, attention_norm, args.norm_eps), wqkv, odd_first)))
+    attn = to_bf16(attention(qkv, args, table, ancestors, cos_bits, sin_bits, k_cache, v_cache, odd_first))
     x = to_bf16(widen(x_bits) + widen(to_bf16(linear(attn.reshape(n, H * D), wo, odd_first))))
     gate_up = to_bf16(linear(rms_norm(x, ffn_norm, args.norm_eps), w_gate_up, odd_first))
     down = to_bf16(linear(silu_mul(gate_up), w_down, odd_first))

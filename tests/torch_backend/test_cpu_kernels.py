@@ -3,6 +3,8 @@
 (tests/cpu_kernels_reference.py), close to torch's results, and bit-exact however a step is packed (the property
 lossless verification rests on); a failed build falls back to torch ops and leaves nothing behind."""
 import copy
+import ctypes
+import dataclasses
 
 import numpy as np
 import pytest
@@ -87,15 +89,22 @@ CHAINS = [ExactToken(i, i % 2, 40 + i // 2, 40 + i // 2, 0, 41 + i // 2) for i i
 TREE = [ExactToken(0, 0, 5, 5, 0, 5, (5,)), ExactToken(1, 0, 6, 6, 0, 5, (5, 6)), ExactToken(2, 0, 7, 6, 0, 5, (5, 7)),
         ExactToken(3, 0, 8, 7, 0, 5, (5, 7, 8))]
 WINDOWED = [ExactToken(i, 1, 60 + i, 60 + i, 60 + i - 7, 61 + i) for i in range(5)]  # a sliding window of 8
+# One user's verification step of 1 + 8 rows over 76-84 keys (blocks of 16 positions, the last crossing 80), beside
+# another user's token tree in a sliding window of 58, whose nodes' keys start off a block boundary and at different
+# positions (3, 4, 5 by depth): each user's rows attend in one pass over its cache
+VERIFY = [ExactToken(i, 0, 75 + i, 75 + i, 0, 76 + i) for i in range(9)] + [
+    ExactToken(9, 1, 60, 60, 3, 60, (60,)), ExactToken(10, 1, 61, 61, 4, 60, (60, 61)),
+    ExactToken(11, 1, 62, 61, 4, 60, (60, 62)), ExactToken(12, 1, 63, 62, 5, 60, (60, 62, 63))]
 
 
 @every_cpu_path
 @pytest.mark.parametrize("head_dim,n_heads,n_kv_heads,tokens", [
-    (64, 3, 1, CHAINS), (32, 4, 2, CHAINS), (96, 6, 1, TREE), (128, 2, 1, WINDOWED)],
-    ids=["chains-d64", "chains-d32", "tree-d96", "window-d128"])
+    (64, 3, 1, CHAINS), (32, 4, 2, CHAINS), (96, 6, 1, TREE), (128, 2, 1, WINDOWED), (64, 6, 2, VERIFY)],
+    ids=["chains-d64", "chains-d32", "tree-d96", "window-d128", "verify-d64"])
 def test_decoder_layer_is_the_reference_arithmetic(cpu_path, head_dim, n_heads, n_kv_heads, tokens):
     """A whole decoder layer of a packed step (norms, linears, rotary, cache writes, attention over chains, a tree and
-    a sliding window, SiLU) equals the reference bit for bit: the residual stream and both caches."""
+    a sliding window, a user's verification rows in one pass over its cache, SiLU) equals the reference bit for bit:
+    the residual stream and both caches."""
     kernels = kernels_of(cpu_path)
     model, table, x, (k_cache, v_cache) = layer_case(head_dim, n_heads, n_kv_heads, tokens)
     layer = model.layers[0]
@@ -110,6 +119,95 @@ def test_decoder_layer_is_the_reference_arithmetic(cpu_path, head_dim, n_heads, 
                                 k_cache, v_cache)
     assert np.array_equal(bits(got[0]), want)
     assert np.array_equal(bits(k_cache), want_k) and np.array_equal(bits(v_cache), want_v)
+
+
+def step_qkv(model, n, seed=5):
+    """A packed step's projections [n, (H + 2 Hk) D], bf16 from numpy's PCG64."""
+    args = model.args
+    width = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
+    return torch.from_numpy(np.random.default_rng(seed).normal(0.0, 1.0, (n, width)).astype(np.float32)).bfloat16()
+
+
+def kernel_attention(kernels, model, qkv, tokens, k_cache, v_cache) -> torch.Tensor:
+    """cpu_kernels.c attention_f32 of a step (its float32 output [n, H, D], before decoder_layer rounds it to bf16,
+    which would hide almost any change of order); writes the step's keys and values into the caches."""
+    lib, args, i64, ptr = kernels.lib, model.args, ctypes.c_int64, ctypes.c_void_p
+    lib.attention_workspace_bytes.argtypes, lib.attention_workspace_bytes.restype = [i64, i64, i64, ctypes.c_int], i64
+    lib.attention_f32.argtypes = [ptr, i64, i64, i64, i64] + [ptr] * 6 + [i64, ptr, ptr, ctypes.c_int]
+    table, n, threads = StepTable.of(tokens), len(tokens), torch.get_num_threads()
+    out = torch.empty(n, args.n_heads, args.head_dim)
+    workspace = torch.empty(lib.attention_workspace_bytes(n, args.n_heads, args.head_dim, threads), dtype=torch.uint8)
+    lib.attention_f32(qkv.data_ptr(), n, args.n_heads, args.n_kv_heads, args.head_dim, table.tensor.data_ptr(),
+                      table.ancestors.data_ptr(), model.rope_cos.data_ptr(), model.rope_sin.data_ptr(),
+                      k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[2], out.data_ptr(), workspace.data_ptr(),
+                      threads)
+    return out
+
+
+ATTENTION_CASES = pytest.mark.parametrize("head_dim,n_heads,n_kv_heads,tokens", [
+    (64, 3, 1, CHAINS), (96, 6, 1, TREE), (128, 2, 1, WINDOWED), (64, 6, 2, VERIFY), (32, 16, 2, VERIFY)],
+    ids=["chains-d64", "tree-d96", "window-d128", "verify-d64", "verify-d32-g8"])
+
+
+@every_cpu_path
+@ATTENTION_CASES
+def test_attention_is_the_reference_arithmetic(cpu_path, head_dim, n_heads, n_kv_heads, tokens):
+    """The attention of a packed step in float32 (each user's rows in one pass over its cache, blocks of 16
+    positions, online softmax) equals the reference bit for bit, and so do the caches it writes."""
+    kernels = kernels_of(cpu_path)
+    model, table, _, (k_cache, v_cache) = layer_case(head_dim, n_heads, n_kv_heads, tokens)
+    qkv = step_qkv(model, len(tokens))
+    want_k, want_v = bits(k_cache).copy(), bits(v_cache).copy()
+    want = reference.attention(reference.widen(bits(qkv)), model.args, table.tensor.numpy(), table.ancestors.numpy(),
+                               bits(model.rope_cos), bits(model.rope_sin), want_k, want_v, odd_first(cpu_path))
+    got = kernel_attention(kernels, model, qkv, tokens, k_cache, v_cache).numpy()
+    assert np.array_equal(got, want)
+    assert np.array_equal(bits(k_cache), want_k) and np.array_equal(bits(v_cache), want_v)
+
+
+def test_the_attention_reference_tells_block_alignments_apart(monkeypatch):
+    """The negative control of the test above: blocks counted from each token's first key instead of from multiples of
+    16 change the tree nodes' float32 results (their keys start at 3, 4 and 5), so the test sees the block order."""
+    model, table, _, caches = layer_case(64, 6, 2, VERIFY)
+    qkv = reference.widen(bits(step_qkv(model, len(VERIFY))))
+
+    def run():
+        return reference.attention(qkv, model.args, table.tensor.numpy(), table.ancestors.numpy(),
+                                   bits(model.rope_cos), bits(model.rope_sin), *[bits(c).copy() for c in caches], False)
+    aligned = run()
+    attend = reference.attend
+    monkeypatch.setattr(reference, "attend", lambda q, k, v, first, order: attend(q, k, v, 0, order))
+    unaligned = run()
+    assert np.array_equal(aligned[:9], unaligned[:9])  # the verification rows' keys start at 0 either way
+    assert all(not np.array_equal(aligned[t], unaligned[t]) for t in range(9, 13))
+
+
+@every_cpu_path
+def test_rows_in_one_pass_equal_each_row_alone(cpu_path):
+    """The rows of a user that attend in one pass over its cache (a verification step's 1 + K rows, a token tree's
+    nodes) each get, bit for bit in float32, what they get alone (a one-token step) and beside any number of others,
+    on any number of threads: the lossless contract of the shared pass."""
+    kernels = kernels_of(cpu_path)
+    model, _, _, caches = layer_case(64, 6, 2, VERIFY)
+    qkv = step_qkv(model, len(VERIFY))
+
+    def step(picked, caches):  # the tokens VERIFY[picked] as one step on copies of `caches`
+        tokens = [dataclasses.replace(VERIFY[i], index=n) for n, i in enumerate(picked)]
+        k, v = (c.clone() for c in caches)
+        return kernel_attention(kernels, model, qkv[picked].contiguous(), tokens, k, v), (k, v)
+
+    full, written = step(list(range(len(VERIFY))), caches)  # every row's keys in the cache, as a row alone finds them
+    subsets = [[i] for i in range(len(VERIFY))]  # alone
+    subsets += [list(range(9 - m, 9)) for m in range(2, 9)]  # the last verification row with 1 .. 7 earlier rows
+    subsets += [[0, 8], [9, 12], [10, 11, 12], [3, 10], list(range(len(VERIFY)))]  # tree nodes, two users
+    threads = torch.get_num_threads()
+    try:  # 1 thread: every head of a key/value head in one pass; 8: single heads (more threads than head groups)
+        for n_threads in (threads, 1, 8):
+            torch.set_num_threads(n_threads)
+            for picked in subsets:
+                assert torch.equal(step(picked, written)[0], full[picked]), (n_threads, picked)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_the_layer_reference_tells_the_pair_orders_apart():

@@ -16,12 +16,12 @@ from models.tt_transformers.torch_backend.cpu_kernels import SOURCE, CpuKernels,
 
 from .. import cpu_kernels_reference as reference
 from ..conftest import CPU_PATHS, REPO_ROOT, kernels_of
-from .test_cpu_kernels import CHAINS, TREE, WINDOWED, bits, layer_case
+from .test_cpu_kernels import CHAINS, TREE, VERIFY, WINDOWED, bits, layer_case, step_qkv
 
 CC, QEMU = "aarch64-linux-gnu-gcc", "qemu-aarch64"
 pytestmark = pytest.mark.skipif(not (shutil.which(CC) and shutil.which(QEMU)), reason=(
     f"needs {CC} and {QEMU} (Debian: apt-get install gcc-aarch64-linux-gnu qemu-user; make test does this where it can)"))
-LINEAR, LAYER, ARGMAX = 0, 1, 2
+LINEAR, LAYER, ARGMAX, ATTENTION = 0, 1, 2, 3
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +66,8 @@ def test_neon_linear_is_the_reference_and_row_invariant(driver, n_out, n_in):
 
 
 @pytest.mark.parametrize("head_dim,n_heads,n_kv_heads,tokens", [
-    (64, 3, 1, CHAINS), (96, 6, 1, TREE), (128, 2, 1, WINDOWED)], ids=["chains-d64", "tree-d96", "window-d128"])
+    (64, 3, 1, CHAINS), (96, 6, 1, TREE), (128, 2, 1, WINDOWED), (64, 6, 2, VERIFY)],
+    ids=["chains-d64", "tree-d96", "window-d128", "verify-d64"])
 def test_neon_decoder_layer_is_the_reference(driver, head_dim, n_heads, n_kv_heads, tokens):
     model, table, x, (k_cache, v_cache) = layer_case(head_dim, n_heads, n_kv_heads, tokens)
     args, layer = model.args, model.layers[0]
@@ -76,7 +77,7 @@ def test_neon_decoder_layer_is_the_reference(driver, head_dim, n_heads, n_kv_hea
     eps_bits = int(np.float32(args.norm_eps).view(np.uint32))
     got_x, *_, got_k, got_v = run(driver, LAYER, [
         len(tokens), args.dim, args.hidden_dim, args.n_heads, args.n_kv_heads, args.head_dim, eps_bits,
-        k_cache.shape[2], table.max_keys, 2], [bits(x[0]), *weights, table.tensor.numpy(), table.ancestors.numpy(),
+        k_cache.shape[2], 2], [bits(x[0]), *weights, table.tensor.numpy(), table.ancestors.numpy(),
                                                bits(model.rope_cos), bits(model.rope_sin), bits(k_cache), bits(v_cache)])
     want_k, want_v = bits(k_cache).copy(), bits(v_cache).copy()
     unpacked = [bits(t.data) for t in (layer.attention_norm.weight, linears[0].weight, linears[1].weight,
@@ -84,6 +85,22 @@ def test_neon_decoder_layer_is_the_reference(driver, head_dim, n_heads, n_kv_hea
     want = reference.decoder_layer(bits(x[0]), args, unpacked, table.tensor.numpy(), table.ancestors.numpy(),
                                    bits(model.rope_cos), bits(model.rope_sin), want_k, want_v, odd_first=False)
     assert np.array_equal(got_x, want)
+    assert np.array_equal(got_k, want_k) and np.array_equal(got_v, want_v)
+
+
+@pytest.mark.parametrize("head_dim,n_heads,n_kv_heads,tokens", [(96, 6, 1, TREE), (64, 6, 2, VERIFY)],
+                         ids=["tree-d96", "verify-d64"])
+def test_neon_attention_is_the_reference(driver, head_dim, n_heads, n_kv_heads, tokens):
+    """The attention in float32 (each user's rows in one pass over its cache) equals the reference bit for bit."""
+    model, table, _, (k_cache, v_cache) = layer_case(head_dim, n_heads, n_kv_heads, tokens)
+    qkv, n = step_qkv(model, len(tokens)), len(tokens)
+    *_, got_k, got_v, got = run(driver, ATTENTION, [n, n_heads, n_kv_heads, head_dim, k_cache.shape[2], 2], [
+        bits(qkv), table.tensor.numpy(), table.ancestors.numpy(), bits(model.rope_cos), bits(model.rope_sin),
+        bits(k_cache), bits(v_cache), np.zeros((n, n_heads, head_dim), dtype=np.float32)])
+    want_k, want_v = bits(k_cache).copy(), bits(v_cache).copy()
+    want = reference.attention(reference.widen(bits(qkv)), model.args, table.tensor.numpy(), table.ancestors.numpy(),
+                               bits(model.rope_cos), bits(model.rope_sin), want_k, want_v, odd_first=False)
+    assert np.array_equal(got, want)
     assert np.array_equal(got_k, want_k) and np.array_equal(got_v, want_v)
 
 

@@ -636,9 +636,11 @@ void argmax_topk_f32(const float *logits, int64_t rows, int64_t V, int k, int64_
 // a token tree sees the cache before the tree ([first, start)) and then its ancestors' slots and its own, in depth
 // order, so the keys are the same values in the same order as the chain of its path would have: the results are
 // bit-identical. First every token's q and k are rotated at its position and its k and v written to its slot; then
-// every query head of every token attends over exactly its keys, whatever else shares the step. Caches are [users,
-// Hk, slots, D]; q_rot is bf16 scratch [n, H, D]; D % 32 == 0 and D <= 256.
+// the tokens of each cache row (a user's 1 + K verification rows, or a tree's nodes) attend together in one pass over
+// the cache (attend_rows). Caches are [users, Hk, slots, D]; q_rot is bf16 scratch [n, H, D]; D % 32 == 0, D <= 256.
 enum { ROW, SLOT, POS, FIRST, RUN_END, ANC_START, ANC_COUNT, TABLE_COLUMNS };
+
+static inline int64_t key_count(const int64_t *entry) { return entry[RUN_END] - entry[FIRST] + entry[ANC_COUNT]; }
 
 static inline int64_t key_slot(const int64_t *entry, const int64_t *ancestors, int64_t j) {
     const int64_t run = entry[RUN_END] - entry[FIRST];
@@ -653,13 +655,13 @@ static void rotate(const bf16 *x, const bf16 *cos, const bf16 *sin, int64_t D, b
     }
 }
 
-// q . k for 16 keys (count of them real, the rest 0): each key's 16 lanes summed pairwise over D, a pair of elements
-// per lane for every 32 (as the linear layer sums), then the lanes added by v_sum_lanes16.
-static inline v16 key_dots(const bf16 *const *keys, int64_t count, const bf16 *q, int64_t D) {
+// q . k for 16 keys (a NULL key: 0): each key's 16 lanes summed pairwise over D, a pair of elements per lane for
+// every 32 (as the linear layer sums), then the lanes added by v_sum_lanes16.
+static inline v16 key_dots(const bf16 *const *keys, const bf16 *q, int64_t D) {
     v16 dots[16];
     for (int64_t j = 0; j < 16; j++) {
         dots[j] = v_zero();
-        if (j >= count) continue;
+        if (!keys[j]) continue;
         for (int64_t i = 0; i < D; i += 32) {
 #ifdef TT_ISA_AVX512BF16
             dots[j] = _mm512_dpbf16_ps(dots[j], (__m512bh)_mm512_loadu_si512((const void *)(keys[j] + i)),
@@ -675,33 +677,39 @@ static inline v16 key_dots(const bf16 *const *keys, int64_t count, const bf16 *q
     return v_sum_lanes16(dots);
 }
 
-// The weighted sum of values for up to 4 query heads (probabilities p + gh * stride, gh < NG) over chunks c0 ..
-// c0 + NC - 1 of 16 lanes: each value is loaded and widened once for all heads, and every head's accumulator adds
-// p_j * v_j (rounded, then added) in key order j = 0, 1, ..., so the sums are those of one head at a time. NG and NC are
-// compile-time constants at every call site (see weigh_values), so the NG x NC accumulators live in registers.
+// The online-softmax state of one query head of one token (STATE_FLOATS(D) floats in scratch): the weighted sum of
+// values acc [D], 16 lanes of the sum of exp(score - max), and the running maximum score.
+#define STATE_FLOATS(D) ((D) + 32)
+#define STATE_SUMS(D) (D)
+#define STATE_MAX(D) ((D) + 16)
+
+// acc[g] = acc[g] * alpha[g] + p[g][j] * v_j over keys j = 0 .. len - 1 of a block, in key order (each product
+// rounded, then added), for up to 4 query heads g < NG and chunks c0 .. c0 + NC - 1 of 16 lanes: each value is loaded
+// and widened once for all heads. NG and NC are compile-time constants at every call site (see weigh_values), so the
+// NG x NC accumulators live in registers.
 static inline __attribute__((always_inline)) void weigh_values_tile(const int NG, const int NC, const bf16 *const *vals,
-                                                                    const float *p, int64_t stride, int64_t len,
-                                                                    int64_t c0, v16 (*acc)[16]) {
+                                                                    const float *p, const float *alpha, int64_t len,
+                                                                    int64_t c0, float *acc, int64_t stride) {
     v16 a[4][WEIGH_CHUNKS];
     for (int g = 0; g < NG; g++)
-        for (int c = 0; c < NC; c++) a[g][c] = v_zero();
+        for (int c = 0; c < NC; c++) a[g][c] = v_mul(v_load(acc + g * stride + 16 * (c0 + c)), v_set1(alpha[g]));
     for (int64_t j = 0; j < len; j++) {
         v16 v[WEIGH_CHUNKS];
         for (int c = 0; c < NC; c++) v[c] = v_load_bf16(vals[j] + 16 * (c0 + c));
         for (int g = 0; g < NG; g++) {
-            const v16 pj = v_set1(p[g * stride + j]);
+            const v16 pj = v_set1(p[16 * g + j]);
             for (int c = 0; c < NC; c++) a[g][c] = v_add(a[g][c], v_mul(pj, v[c]));
         }
     }
     for (int g = 0; g < NG; g++)
-        for (int c = 0; c < NC; c++) acc[g][c0 + c] = a[g][c];
+        for (int c = 0; c < NC; c++) v_store(acc + g * stride + 16 * (c0 + c), a[g][c]);
 }
 
 #define WEIGH_CASE(NG, NC) \
-    case (NG - 1) * WEIGH_CHUNKS + NC - 1: weigh_values_tile(NG, NC, vals, p, stride, len, c0, acc); break;
+    case (NG - 1) * WEIGH_CHUNKS + NC - 1: weigh_values_tile(NG, NC, vals, p, alpha, len, c0, acc, stride); break;
 
-static void weigh_values(int ng, int64_t chunks, const bf16 *const *vals, const float *p, int64_t stride,
-                         int64_t len, v16 (*acc)[16]) {
+static void weigh_values(int ng, int64_t chunks, const bf16 *const *vals, const float *p, const float *alpha,
+                         int64_t len, float *acc, int64_t stride) {
     for (int64_t c0 = 0; c0 < chunks; c0 += WEIGH_CHUNKS) {
         const int nc = chunks - c0 < WEIGH_CHUNKS ? (int)(chunks - c0) : WEIGH_CHUNKS;
         switch ((ng - 1) * WEIGH_CHUNKS + nc - 1) {
@@ -717,56 +725,112 @@ static void weigh_values(int ng, int64_t chunks, const bf16 *const *vals, const 
     }
 }
 
-// Up to 4 query heads of one token that share a key/value head: each key and value is read from the cache once for
-// all of them (the step's cost over a long context is reading the cache). Per head the arithmetic is the same
-// whichever heads share the call: the dot products, the softmax and then the values added in key order.
-// p: scratch of 4 x stride floats (stride a multiple of 16), vals: of stride pointers.
-static void attend_heads(const bf16 *q_rot, int ng, int64_t D, const int64_t *e, const int64_t *ancestors,
-                         const bf16 *keys, const bf16 *values, float scale, float *p, int64_t stride,
-                         const bf16 **vals, bf16 *out) {
-    const int64_t len = e[RUN_END] - e[FIRST] + e[ANC_COUNT], padded = (len + 15) / 16 * 16;
-    for (int64_t j0 = 0; j0 < len; j0 += 16) {  // scores of 16 keys at a time
-        const int64_t count = len - j0 < 16 ? len - j0 : 16;
-        const bf16 *block[16];
-        for (int64_t j = 0; j < count; j++) block[j] = keys + key_slot(e, ancestors, j0 + j) * D;
-        for (int g = 0; g < ng; g++)
-            v_store(p + g * stride + j0, v_mul(key_dots(block, count, q_rot + g * D, D), v_set1(scale)));
-    }
-    float inv[4];
-    for (int g = 0; g < ng; g++) {  // p = exp(score - max score) for the real keys, 0 for the padding after them
-        float *pg = p + g * stride, max = -INFINITY;
-        for (int64_t j = 0; j < len; j++) max = pg[j] > max ? pg[j] : max;
-        for (int64_t j = 0; j < len; j += 16) v_store(pg + j, v_exp(v_sub(v_load(pg + j), v_set1(max))));
-        for (int64_t j = len; j < padded; j++) pg[j] = 0.0f;
-        v16 total = v_zero();
-        for (int64_t j = 0; j < len; j += 16) total = v_add(total, v_load(pg + j));
-        inv[g] = 1.0f / v_reduce_add(total);
-    }
-    for (int64_t j = 0; j < len; j++) vals[j] = values + key_slot(e, ancestors, j) * D;
-    v16 acc[4][16];
-    weigh_values(ng, D / 16, vals, p, stride, len, acc);
-    for (int g = 0; g < ng; g++)
-        for (int64_t c = 0; c < D / 16; c++) v_store_bf16(out + g * D + 16 * c, v_mul(acc[g][c], v_set1(inv[g])));
+static inline float exp1(float x) {  // v_exp of one number
+    float lanes[16];
+    v_store(lanes, v_exp(v_set1(x)));
+    return lanes[0];
 }
 
-// Heads per work item: the query heads of one key/value head, in groups of up to 4, or single heads when there
-// are too few tokens x groups to keep every thread busy (a one-token decode step).
-static int64_t heads_per_item(int64_t n, int64_t H, int64_t Hk, int threads) {
+// Tokens t0 .. t1 - 1 of one cache row and up to 4 of their query heads h0 .. h0 + ng - 1 sharing key/value head
+// `keys` / `values`, in one pass over the cache: key j of a token sits at position first + j (a tree node's ancestors
+// continue its run as the chain of its path would), and positions go in blocks of 16 aligned at multiples of 16. Each
+// block's keys and values are read from memory once for every token and head that sees any of them (a verification
+// step of 1 + K rows reads the cache once, not 1 + K times: at 5.8k cached keys, 30 layers and 3 key/value heads of 64,
+// about 133 MB a step instead of 133 MB a row), and each token-head's state takes the block as an online softmax does:
+// the scores of its visible keys there (the others masked), the new maximum m' = max(m, scores), alpha = exp(m - m')
+// (exactly 1 when m' = m), p = exp(score - m') (0 where masked), sums = sums * alpha + p, acc = acc * alpha + sum of
+// p_j v_j; at the end out = acc * (1 / sum of the sums' lanes). Which blocks a token takes and what it does in each
+// depend on its own keys alone, never on the other tokens or heads in the pass or on the threads, so a row's result
+// is the same alone (a one-token decode step) or beside any others: the lossless contract.
+// state: scratch of (t1 - t0) x ng x STATE_FLOATS(D) floats.
+static void attend_rows(const bf16 *q_rot, int64_t t0, int64_t t1, int64_t H, int64_t h0, int ng, int64_t D,
+                        const int64_t *table, const int64_t *ancestors, const bf16 *keys, const bf16 *values,
+                        float scale, float *state, float *out) {
+    const int64_t stride = STATE_FLOATS(D);
+    int64_t lo = INT64_MAX, hi = 0;
+    for (int64_t t = t0; t < t1; t++) {
+        const int64_t *e = table + TABLE_COLUMNS * t, first = e[FIRST], end = first + key_count(e);
+        lo = first < lo ? first : lo;
+        hi = end > hi ? end : hi;
+        for (int g = 0; g < ng; g++) {
+            float *s = state + ((t - t0) * ng + g) * stride;
+            memset(s, 0, STATE_MAX(D) * sizeof(float));
+            s[STATE_MAX(D)] = -INFINITY;
+        }
+    }
+    for (int64_t b0 = lo / 16 * 16; b0 < hi; b0 += 16) {
+        for (int64_t t = t0; t < t1; t++) {
+            const int64_t *e = table + TABLE_COLUMNS * t, first = e[FIRST], end = first + key_count(e);
+            const int64_t a = (first > b0 ? first : b0) - b0, z = (end < b0 + 16 ? end : b0 + 16) - b0;
+            if (a >= z) continue;  // this token sees no key of the block
+            const bf16 *kp[16] = {0}, *vp[16];
+            for (int64_t j = a; j < z; j++) {
+                const int64_t at = key_slot(e, ancestors, b0 + j - first) * D;
+                kp[j] = keys + at;
+                vp[j] = values + at;
+            }
+            float p[4][16], alpha[4];
+            float *s0 = state + (t - t0) * ng * stride;
+            for (int g = 0; g < ng; g++) {
+                float *s = s0 + g * stride, scores[16];
+                v_store(scores, v_mul(key_dots(kp, q_rot + (t * H + h0 + g) * D, D), v_set1(scale)));
+                float m = s[STATE_MAX(D)];
+                for (int64_t j = a; j < z; j++) m = scores[j] > m ? scores[j] : m;
+                alpha[g] = m == s[STATE_MAX(D)] ? 1.0f : exp1(s[STATE_MAX(D)] - m);
+                s[STATE_MAX(D)] = m;
+                v_store(p[g], v_exp(v_sub(v_load(scores), v_set1(m))));
+                for (int64_t j = 0; j < 16; j++)
+                    if (j < a || j >= z) p[g][j] = 0.0f;
+                float *sums = s + STATE_SUMS(D);
+                v_store(sums, v_add(v_mul(v_load(sums), v_set1(alpha[g])), v_load(p[g])));
+            }
+            weigh_values(ng, D / 16, vp + a, &p[0][a], alpha, z - a, s0, stride);
+        }
+    }
+    for (int64_t t = t0; t < t1; t++)
+        for (int g = 0; g < ng; g++) {
+            const float *s = state + ((t - t0) * ng + g) * stride;
+            const v16 inv = v_set1(1.0f / v_reduce_add(v_load(s + STATE_SUMS(D))));
+            for (int64_t c = 0; c < D / 16; c++)
+                v_store(out + (t * H + h0 + g) * D + 16 * c, v_mul(v_load(s + 16 * c), inv));
+        }
+}
+
+// Query heads per work item: the heads of one key/value head in groups of up to 4, each group's cache blocks read
+// once for all of them, unless there are fewer work items of that size than threads (then single heads).
+static int64_t heads_per_item(int64_t row_groups, int64_t H, int64_t Hk, int threads) {
     const int64_t G = H / Hk, group = G < 4 ? G : 4;
-    return n * Hk * ((G + group - 1) / group) >= 2 * threads ? group : 1;
+    return row_groups * Hk * ((G + group - 1) / group) >= threads ? group : 1;
 }
 
-// scratch: per-thread floats (4 x stride of probabilities, then stride key pointers) for `threads` threads.
-static int64_t scratch_floats(int64_t stride) {
-    return 4 * stride + stride * (int64_t)(sizeof(bf16 *) / sizeof(float));
+// Per thread: the online-softmax states of up to n tokens x 4 heads.
+static int64_t scratch_floats(int64_t n, int64_t D) { return n * 4 * STATE_FLOATS(D); }
+
+static int64_t round64(int64_t bytes) { return (bytes + 63) / 64 * 64; }
+
+// The scratch attention_f32 needs, in bytes: the rotated queries (bf16 [n, H, D]), then each thread's states.
+int64_t attention_workspace_bytes(int64_t n, int64_t H, int64_t D, int threads) {
+    return round64(n * H * D * (int64_t)sizeof(bf16)) + threads * scratch_floats(n, D) * (int64_t)sizeof(float);
 }
 
-static void attend_exact(const bf16 *qkv, int64_t n, int64_t H, int64_t Hk, int64_t D, const int64_t *table,
-                         const int64_t *ancestors, const bf16 *cos, const bf16 *sin, bf16 *k_cache, bf16 *v_cache,
-                         int64_t slots, bf16 *q_rot, bf16 *out, float *scratch, int64_t stride, int threads) {
-    const int64_t width = (H + 2 * Hk) * D, G = H / Hk, hp = heads_per_item(n, H, Hk, threads);
-    const int64_t groups = (G + hp - 1) / hp;
+// Whether token t starts a run of the step's tokens on one cache row (a work item of attention_f32).
+static inline int starts_row_group(const int64_t *table, int64_t t) {
+    return t == 0 || table[TABLE_COLUMNS * t + ROW] != table[TABLE_COLUMNS * (t - 1) + ROW];
+}
+
+// The attention of a packed step: out [n, H, D] in float32, which decoder_layer rounds to bf16 (exported so the tests
+// see its arithmetic bit for bit: a bf16 result hides almost every change of order). workspace: as
+// attention_workspace_bytes says.
+void attention_f32(const bf16 *qkv, int64_t n, int64_t H, int64_t Hk, int64_t D, const int64_t *table,
+                   const int64_t *ancestors, const bf16 *cos, const bf16 *sin, bf16 *k_cache, bf16 *v_cache,
+                   int64_t slots, float *out, void *workspace, int threads) {
+    const int64_t width = (H + 2 * Hk) * D, G = H / Hk;
+    bf16 *q_rot = workspace;
+    float *scratch = (float *)((char *)workspace + round64(n * H * D * (int64_t)sizeof(bf16)));
     const float scale = 1.0f / sqrtf((float)D);
+    int64_t row_groups = 0;
+    for (int64_t t = 0; t < n; t++) row_groups += starts_row_group(table, t);
+    const int64_t hp = heads_per_item(row_groups, H, Hk, threads), groups = (G + hp - 1) / hp;
 #pragma omp parallel for num_threads(threads) if (n > 1)
     for (int64_t t = 0; t < n; t++) {
         const int64_t *e = table + TABLE_COLUMNS * t;
@@ -784,17 +848,18 @@ static void attend_exact(const bf16 *qkv, int64_t n, int64_t H, int64_t Hk, int6
 #ifdef _OPENMP
         thread = omp_get_thread_num();
 #endif
-        float *p = scratch + thread * scratch_floats(stride);
-        const bf16 **vals = (const bf16 **)(p + 4 * stride);
+        float *state = scratch + thread * scratch_floats(n, D);
 #pragma omp for collapse(3) schedule(dynamic, 1)
-        for (int64_t t = 0; t < n; t++)
+        for (int64_t t0 = 0; t0 < n; t0++)  // an item per run of tokens on one cache row (the others do nothing)
             for (int64_t kv = 0; kv < Hk; kv++)
                 for (int64_t group = 0; group < groups; group++) {
-                    const int64_t *e = table + TABLE_COLUMNS * t, h = kv * G + group * hp;
+                    if (!starts_row_group(table, t0)) continue;
+                    int64_t t1 = t0 + 1;
+                    while (t1 < n && !starts_row_group(table, t1)) t1++;
                     const int ng = (int)(G - group * hp < hp ? G - group * hp : hp);
-                    const int64_t at = (e[ROW] * Hk + kv) * slots * D;
-                    attend_heads(q_rot + (t * H + h) * D, ng, D, e, ancestors, k_cache + at, v_cache + at, scale, p,
-                                 stride, vals, out + (t * H + h) * D);
+                    const int64_t at = (table[TABLE_COLUMNS * t0 + ROW] * Hk + kv) * slots * D;
+                    attend_rows(q_rot, t0, t1, H, kv * G + group * hp, ng, D, table, ancestors, k_cache + at,
+                                v_cache + at, scale, state, out);
                 }
     }
 }
@@ -806,13 +871,11 @@ static void add_bf16(bf16 *x, const bf16 *delta, int64_t count) {
 }
 
 // The scratch a decoder_layer call needs, in bytes: bf16 activations for n tokens, the widest linear input widened
-// to float, then each of `threads` threads' attention scratch (scratch_floats) over up to max_keys keys. The caller
-// allocates it once and reuses it (cpu_kernels.py).
-static int64_t score_stride(int64_t max_keys) { return (max_keys + 15) / 16 * 16; }
-
+// to float, the attention's float32 output and its workspace. The caller allocates it once and reuses it
+// (cpu_kernels.py).
 static int64_t activation_bytes(int64_t n, int64_t dim, int64_t hidden, int64_t H, int64_t Hk, int64_t D) {
-    const int64_t elems = n * (dim + (H + 2 * Hk) * D + 2 * H * D + 3 * hidden + dim);
-    return (elems * (int64_t)sizeof(bf16) + 63) / 64 * 64;  // the floats after it stay 64-byte aligned
+    const int64_t elems = n * (dim + (H + 2 * Hk) * D + H * D + 3 * hidden + dim);
+    return round64(elems * (int64_t)sizeof(bf16));  // the floats after it stay 64-byte aligned
 }
 
 static int64_t widest_input(int64_t dim, int64_t hidden, int64_t H, int64_t D) {
@@ -820,27 +883,32 @@ static int64_t widest_input(int64_t dim, int64_t hidden, int64_t H, int64_t D) {
     return widest > H * D ? widest : H * D;
 }
 
+static int64_t linear_floats(int64_t n, int64_t dim, int64_t hidden, int64_t H, int64_t D) {
+    return (linear_workspace_floats(n, widest_input(dim, hidden, H, D)) + 15) / 16 * 16;
+}
+
 int64_t decoder_layer_workspace_bytes(int64_t n, int64_t dim, int64_t hidden, int64_t H, int64_t Hk, int64_t D,
-                                      int64_t max_keys, int threads) {
+                                      int threads) {
     return activation_bytes(n, dim, hidden, H, Hk, D) +
-           (linear_workspace_floats(n, widest_input(dim, hidden, H, D)) + 15) / 16 * 16 * (int64_t)sizeof(float) +
-           threads * scratch_floats(score_stride(max_keys)) * (int64_t)sizeof(float);
+           (linear_floats(n, dim, hidden, H, D) + n * H * D) * (int64_t)sizeof(float) +
+           attention_workspace_bytes(n, H, D, threads);
 }
 
 void decoder_layer(bf16 *x, int64_t n, int64_t dim, int64_t hidden, int64_t H, int64_t Hk, int64_t D, float eps,
                    const bf16 *attention_norm, const bf16 *wqkv, const bf16 *wo, const bf16 *ffn_norm,
                    const bf16 *w_gate_up, const bf16 *w_down, const int64_t *table, const int64_t *ancestors,
                    const bf16 *cos, const bf16 *sin, bf16 *k_cache, bf16 *v_cache, int64_t slots, void *workspace,
-                   int64_t max_keys, int threads) {
+                   int threads) {
     const int64_t width = (H + 2 * Hk) * D;
-    bf16 *normed = workspace, *qkv = normed + n * dim, *attn = qkv + n * width, *q_rot = attn + n * H * D;
-    bf16 *gate_up = q_rot + n * H * D, *act = gate_up + n * 2 * hidden, *delta = act + n * hidden;
+    bf16 *normed = workspace, *qkv = normed + n * dim, *attn = qkv + n * width;
+    bf16 *gate_up = attn + n * H * D, *act = gate_up + n * 2 * hidden, *delta = act + n * hidden;
     float *xf = (float *)((char *)workspace + activation_bytes(n, dim, hidden, H, Hk, D));
-    float *scores = xf + (linear_workspace_floats(n, widest_input(dim, hidden, H, D)) + 15) / 16 * 16;
+    float *attn_f32 = xf + linear_floats(n, dim, hidden, H, D);
     rms_norm_bf16(x, attention_norm, normed, n, dim, eps);
     linear_bf16(normed, wqkv, qkv, n, dim, width, 0, xf);
-    attend_exact(qkv, n, H, Hk, D, table, ancestors, cos, sin, k_cache, v_cache, slots, q_rot, attn, scores,
-                 score_stride(max_keys), threads);
+    attention_f32(qkv, n, H, Hk, D, table, ancestors, cos, sin, k_cache, v_cache, slots, attn_f32,
+                  attn_f32 + n * H * D, threads);
+    for (int64_t i = 0; i < n * H * D; i += 16) v_store_bf16(attn + i, v_load(attn_f32 + i));
     linear_bf16(attn, wo, delta, n, H * D, dim, 0, xf);
     add_bf16(x, delta, n * dim);
     rms_norm_bf16(x, ffn_norm, normed, n, dim, eps);

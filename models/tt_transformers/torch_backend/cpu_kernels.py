@@ -5,8 +5,9 @@ packed decode/verification steps.
 They run where torch's own ops fall short on a small CPU: oneDNN streams bf16 weights at about half the
 memory bandwidth for a few rows (and needs AVX-512; without it torch's bf16 matmul of several rows converts to
 float32 first), and attention in a verification step takes one SDPA call per token. The kernels stream the weights
-once per step at close to bandwidth, attend every token of a step in one call, and keep each output's accumulation
-order independent of how many tokens share a step, so verification stays bit-exact.
+once per step at close to bandwidth, attend every token of a step in one call (a user's rows in one pass over its KV
+cache, so a step of 1 + K rows reads the cache once), and keep each output's accumulation order independent of how
+many tokens share a step, so verification stays bit-exact.
 
 Built with the system C compiler (`CC`, default `cc`) on first use, for the path cpu_isa.py picks (AVX512-BF16,
 AVX-512, AVX2, NEON or portable C: every CPU has one), and cached under TT_CACHE_PATH. Without a compiler, or with
@@ -50,7 +51,6 @@ class StepTable:
     ancestors: torch.Tensor
     rows_needed: int  # largest row + 1: the cache must have at least this many rows
     slots_needed: int  # largest slot written or read + 1
-    max_keys: int  # most keys of any token
 
     @classmethod
     def of(cls, tokens) -> "StepTable":
@@ -63,8 +63,7 @@ class StepTable:
             ancestors.extend(t.ancestors)
         slots = max(max(t.slot, t.run_end - 1, *t.ancestors) for t in tokens) + 1
         return cls(torch.tensor(entries, dtype=torch.int64).view(-1, 7), torch.tensor(ancestors or [0], dtype=torch.int64),
-                   1 + max(t.row for t in tokens), max(slots, 1 + max(t.pos for t in tokens)),
-                   max(t.run_end - t.first + len(t.ancestors) for t in tokens))
+                   1 + max(t.row for t in tokens), max(slots, 1 + max(t.pos for t in tokens)))
 
 
 class CpuKernels:
@@ -78,8 +77,8 @@ class CpuKernels:
         lib.linear_workspace_floats.argtypes = [i64, i64]
         lib.linear_workspace_floats.restype = i64
         lib.decoder_layer.argtypes = ([ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float] + [ptr] * 12 +
-                                      [i64, ptr, i64, ctypes.c_int])
-        lib.decoder_layer_workspace_bytes.argtypes = [i64] * 7 + [ctypes.c_int]
+                                      [i64, ptr, ctypes.c_int])
+        lib.decoder_layer_workspace_bytes.argtypes = [i64] * 6 + [ctypes.c_int]
         lib.decoder_layer_workspace_bytes.restype = i64
         lib.argmax_topk_f32.argtypes = [ptr, i64, i64, ctypes.c_int, ptr, ptr]
         self.lib, self.path = lib, path
@@ -197,13 +196,13 @@ class CpuKernels:
                              f"but the cache has {users} rows x {slots} slots")
         threads = torch.get_num_threads()
         size = self.lib.decoder_layer_workspace_bytes(n, args.dim, args.hidden_dim, args.n_heads, args.n_kv_heads, D,
-                                                      table.max_keys, threads)
+                                                      threads)
         workspace = self._workspace(size)
         x = x.contiguous().clone()
         self.lib.decoder_layer(x.data_ptr(), n, args.dim, args.hidden_dim, args.n_heads, args.n_kv_heads, D,
                                args.norm_eps, *(w.data_ptr() for w in weights), table.tensor.data_ptr(),
                                table.ancestors.data_ptr(), cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
-                               v_cache.data_ptr(), slots, workspace.data_ptr(), table.max_keys, threads)
+                               v_cache.data_ptr(), slots, workspace.data_ptr(), threads)
         return x
 
 
