@@ -123,8 +123,9 @@ class HeadChain:
 
 
 class RunCost:
-    """What one head run costs, in target steps, measured on this machine: decayed means of a run's seconds and of a
-    target step's (from the end of a proposal to its verification). Until both are measured, the estimate from the
+    """What one head run costs, in target steps, measured on this machine: decayed means of a drafting run's seconds
+    (feeding the target's verified rows, a prompt's at a first proposal, is the head's prefill and not timed) and of
+    a target step's (from the end of a proposal to its verification). Until both are measured, the estimate from the
     weights each streams, which is low on a CPU (a run's op launches do not shrink with its weights). measure=False
     keeps the estimate (drafts that do not depend on timing, for tests)."""
 
