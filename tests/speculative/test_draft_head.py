@@ -344,7 +344,9 @@ def test_head_run_cost_leaves_out_the_feed(trees, monkeypatch):
 def test_head_feeds_each_verified_row_once_and_drafts_one_row_a_run(monkeypatch):
     """Counting the head's work over a generation (two users, a prompt caught up in chunks): each position's true
     row is fed exactly once, in order; a drafting run carries one row per user, and each such row attends its own
-    cache up to its position (position + 1 keys): nothing is recomputed or fed again. Outputs equal plain decoding."""
+    cache up to its position (position + 1 keys): nothing is recomputed or fed again. After drafts were rejected, the
+    fed slots of the head's cache hold what one run over the true rows writes (no rejected draft kept). Outputs equal
+    plain decoding."""
     import torch.nn.functional as F
 
     model = random_model(torch.float32, max_seq_len=256, dim=64, head_dim=32, hidden_dim=96, vocab_size=50)
@@ -359,8 +361,8 @@ def test_head_feeds_each_verified_row_once_and_drafts_one_row_a_run(monkeypatch)
 
     def recording_feed(users, rows):
         feeding[0] = True
-        for u, (start, states, _) in zip(users, rows):
-            fed[u].append((start, len(states)))
+        for u, (start, states, tokens) in zip(users, rows):
+            fed[u].append((start, len(states), states.clone(), tokens))
         try:
             return feed(users, rows)
         finally:
@@ -386,10 +388,16 @@ def test_head_feeds_each_verified_row_once_and_drafts_one_row_a_run(monkeypatch)
     monkeypatch.setattr(F, "scaled_dot_product_attention", counting_sdpa)
     results = SpeculativeGenerator(target, drafter, 4, (), trees=False).generate(prompts, 40)
     assert [r.output_tokens for r in results] == plain
+    assert any(it.accepted < it.drafted for r in results for it in r.iterations)  # rejected drafts to roll back
+    fresh = HeadRunner(drafter.head.head, 2, model.max_seq_len, model.args)
     for u, prompt in enumerate(prompts):
-        starts = [start for start, _ in fed[u]]
-        assert starts == list(accumulate([0] + [rows for _, rows in fed[u]][:-1])), u  # contiguous, never twice
-        assert sum(rows for _, rows in fed[u]) < len(prompt) + 40
+        starts = [start for start, *_ in fed[u]]
+        assert starts == list(accumulate([0] + [rows for _, rows, *_ in fed[u]][:-1])), u  # contiguous, never twice
+        n = sum(rows for _, rows, *_ in fed[u])
+        assert n < len(prompt) + 40
+        fresh.run([u], [0], [torch.cat([states for *_, states, _ in fed[u]])], [[t for *_, ts in fed[u] for t in ts]])
+        for live, want in ((drafter.head.cache.k[0], fresh.cache.k[0]), (drafter.head.cache.v[0], fresh.cache.v[0])):
+            assert torch.allclose(live[u, :, :n], want[u, :, :n], atol=1e-5, rtol=1e-5), u
     assert drafting and all(set(rows) == {1} for _, rows in drafting)
     assert keys == [[pos + 1 for pos in starts] for starts, _ in drafting]
 
