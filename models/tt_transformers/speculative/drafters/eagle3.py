@@ -123,7 +123,7 @@ class HeadDrafter(HeadDrafterBase):
         if runs:
             self.cost.ran((time.perf_counter() - drafting) / runs)
         if live:
-            self.cost.proposed_at = time.perf_counter()
+            self.cost.proposed(extra_cost)
         return [drafts.get(u, Draft([], "none")) for u in users]
 
     def _chains(self, roots: dict, wanted: dict, extra_cost: ExtraCost, probes: set) -> tuple[dict, int]:
