@@ -8,6 +8,7 @@ import hashlib
 import json
 import shutil
 import sys
+from itertools import accumulate
 
 import pytest
 import torch
@@ -255,6 +256,153 @@ def test_hybrid_takes_the_draft_expected_to_bring_more():
         assert head.accepted == [0]
 
 
+# ---- the head's own cache and what a run costs --------------------------------------------------------------------
+
+@every_cpu_path_and_torch_ops
+def test_head_cache_after_rejected_drafts_equals_an_uncached_run(cpu_path):
+    """The head reads its own KV cache, fed once per verified row: fed in steps with a rejected drafted chain
+    written past the fed rows after each (the next feed rewrites those slots before any row reads them), every fed
+    row's state and logits are those of one uncached run over the whole text from a fresh cache: bit for bit on the
+    kernels (a row's result does not depend on what shares its run), to rounding on float32 torch ops."""
+    dtype = torch.bfloat16 if cpu_path else torch.float32
+    model = random_model(dtype, max_seq_len=96, dim=64, head_dim=32, hidden_dim=96, vocab_size=50)
+    if cpu_path:
+        model.use_cpu_kernels(kernels_of(cpu_path))
+    head = random_head(model)
+    gen = torch.Generator().manual_seed(0)
+    n = 80
+    taps = torch.randn(n, 3 * model.args.dim, generator=gen).to(dtype)
+    tokens = torch.randint(0, 50, (n + 1,), generator=gen).tolist()
+    want_out, want_logits = HeadRunner(head, 1, 96, model.args).run([0], [0], [taps], [tokens[1:]], every_row=True)[0]
+    same = torch.equal if cpu_path else (lambda a, b: torch.allclose(a, b, atol=1e-4, rtol=1e-4))
+    runner, fed = HeadRunner(head, 1, 96, model.args), 0
+    for rows in (37, 1, 3, 2, 5, 1, 4, 8, 19):
+        out, logits = runner.run([0], [fed], [taps[fed : fed + rows]], [tokens[fed + 1 : fed + rows + 1]],
+                                 every_row=True)[0]
+        assert same(out, want_out[fed : fed + rows]) and same(logits, want_logits[fed : fed + rows]), (cpu_path, fed)
+        fed += rows
+        state = out[-1:]  # a chain drafted on the head's own states at positions fed, fed + 1, fed + 2: rejected
+        for k in range(3):
+            state, _ = runner.run([0], [fed + k], [state], [[int(torch.randint(0, 50, (1,), generator=gen))]])[0]
+    assert fed == n
+
+
+class TimedHead:
+    """A stand-in head on a fake clock: a chain run takes 1 ms per row it carries (fed or drafted), a tree's run 1 ms,
+    and it proposes token 3 with a probability of nearly 1."""
+
+    vocab, vocab_size, taps, draft_cost, max_rows, max_tree_nodes = torch.arange(8), 8, (0,), 0.05, 256, 64
+
+    def __init__(self, clock: list):
+        self.clock = clock
+
+    @staticmethod
+    def _outputs(rows: int):
+        logits = torch.full((rows, 8), -30.0)
+        logits[:, 3] = 30.0
+        return torch.zeros(rows, 4), logits
+
+    def run(self, users, start_pos, hidden, next_tokens):
+        self.clock[0] += 1e-3 * sum(map(len, next_tokens))
+        return [(out, logits[-1]) for out, logits in map(self._outputs, map(len, next_tokens))]
+
+    def run_tree(self, nodes, states, tokens):
+        self.clock[0] += 1e-3
+        return self._outputs(len(nodes))
+
+
+@pytest.mark.parametrize("trees", [False, True], ids=["chains", "trees"])
+def test_head_run_cost_leaves_out_the_feed(trees, monkeypatch):
+    """The run cost the policy prices is a drafting run's, measured apart from the feed, against a plain step: after
+    a 1,000-token prompt (the head's prefill, fed at its first proposal) and 30-token gaps between proposals, a
+    drafting run still measures at 1 ms against the target's 10 ms plain step, which the verification step of k
+    drafted rows takes (1 + extra_cost(k)) times."""
+    from models.tt_transformers.speculative.drafters import eagle3_base
+
+    clock = [0.0]
+    monkeypatch.setattr(eagle3_base.time, "perf_counter", lambda: clock[0])  # the `time` module eagle3.py reads too
+    drafter = HeadDrafter(TimedHead(clock))
+    context = list(range(1000))
+    drafter.start([0], [context], KeyedSampler(SamplingParams()), [torch.zeros(1000, 4)])
+    for _ in range(6):
+        draft = drafter.propose([0], [context], [4], linear_cost(0.25), trees)[0]
+        assert draft.tokens
+        parents = draft.parents or list(range(-1, len(draft.tokens) - 1))
+        path = [0]  # the target accepts the path of token 3s (the root's first child, then each node's first child)
+        while path[-1] in parents:
+            path.append(parents.index(path[-1]))
+        assert set(draft.tokens[i] for i in path) == {3}
+        clock[0] += 1e-2 * (1 + 0.25 * len(draft.tokens))  # the target's verification step
+        accepted = [3] * len(path) + [5]
+        drafter.accept(0, Verified(accepted, path, [context[-1], *draft.tokens], None,
+                                   torch.zeros(1 + len(draft.tokens), 4)))
+        gap = list(range(30))  # steps the head did not draft for (a hybrid's copied drafts): fed at the next proposal
+        drafter.known[0].append(torch.zeros(len(gap), 4))
+        context += accepted + gap
+    assert drafter.draft_cost == pytest.approx(0.1)
+
+
+def test_head_feeds_each_verified_row_once_and_drafts_one_row_a_run(monkeypatch):
+    """Counting the head's work over a generation (two users, a prompt caught up in chunks): each position's true
+    row is fed exactly once, in order; a drafting run carries one row per user, and each such row attends its own
+    cache up to its position (position + 1 keys): nothing is recomputed or fed again. After drafts were rejected, the
+    fed slots of the head's cache hold what one run over the true rows writes (no rejected draft kept). Outputs equal
+    plain decoding."""
+    import torch.nn.functional as F
+
+    model = random_model(torch.float32, max_seq_len=256, dim=64, head_dim=32, hidden_dim=96, vocab_size=50)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 50, (n,), generator=gen).tolist() for n in (150, 60)]
+    plain = [run(model, [p], 0, 0, 40)[0] for p in prompts]
+    target = TorchCausalLM(model, model.args.n_layers, 2)
+    drafter = head_drafter(target)
+    drafter.head.max_rows = 32
+    fed, drafting, keys, feeding, in_run = {0: [], 1: []}, [], [], [False], [False]
+    feed, head_run, sdpa = drafter._feed, drafter.head.run, F.scaled_dot_product_attention
+
+    def recording_feed(users, rows):
+        feeding[0] = True
+        for u, (start, states, tokens) in zip(users, rows):
+            fed[u].append((start, len(states), states.clone(), tokens))
+        try:
+            return feed(users, rows)
+        finally:
+            feeding[0] = False
+
+    def recording_run(users, start_pos, hidden, next_tokens, every_row=False):
+        if not feeding[0]:
+            drafting.append((list(start_pos), [len(t) for t in next_tokens]))
+            keys.append([])
+        in_run[0] = True
+        try:
+            return head_run(users, start_pos, hidden, next_tokens, every_row)
+        finally:
+            in_run[0] = False
+
+    def counting_sdpa(q, k, v, *args, **kwargs):
+        if in_run[0] and not feeding[0]:
+            keys[-1].append(k.shape[-2])
+        return sdpa(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(drafter, "_feed", recording_feed)
+    monkeypatch.setattr(drafter.head, "run", recording_run)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", counting_sdpa)
+    results = SpeculativeGenerator(target, drafter, 4, (), trees=False).generate(prompts, 40)
+    assert [r.output_tokens for r in results] == plain
+    assert any(it.accepted < it.drafted for r in results for it in r.iterations)  # rejected drafts to roll back
+    fresh = HeadRunner(drafter.head.head, 2, model.max_seq_len, model.args)
+    for u, prompt in enumerate(prompts):
+        starts = [start for start, *_ in fed[u]]
+        assert starts == list(accumulate([0] + [rows for _, rows, *_ in fed[u]][:-1])), u  # contiguous, never twice
+        n = sum(rows for _, rows, *_ in fed[u])
+        assert n < len(prompt) + 40
+        fresh.run([u], [0], [torch.cat([states for *_, states, _ in fed[u]])], [[t for *_, ts in fed[u] for t in ts]])
+        for live, want in ((drafter.head.cache.k[0], fresh.cache.k[0]), (drafter.head.cache.v[0], fresh.cache.v[0])):
+            assert torch.allclose(live[u, :, :n], want[u, :, :n], atol=1e-5, rtol=1e-5), u
+    assert drafting and all(set(rows) == {1} for _, rows in drafting)
+    assert keys == [[pos + 1 for pos in starts] for starts, _ in drafting]
+
+
 # ---- lossless ------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("mode", ["head", "hybrid-head"])
@@ -474,8 +622,8 @@ def test_a_head_slower_than_the_target_step_is_reported_once(monkeypatch):
         cost = RunCost(0.05)
         for _ in range(2 * RunCost.WARN_AFTER):
             cost.ran(0.004)  # a head run: 4 ms
-            cost.proposed_at = eagle3_base.time.perf_counter()
-            cost.verified()  # the target's step: 1 ms
+            cost.proposed(linear_cost(0.0))
+            cost.verified(0)  # the target's step: 1 ms
     finally:
         logger.remove(sink)
     assert cost.value == pytest.approx(4.0)

@@ -9,7 +9,9 @@ from models.tt_transformers.torch_backend.load import load_model
 from models.tt_transformers.torch_backend.causal_lm import TorchCausalLM
 from models.tt_transformers.speculative.generator import SpeculativeGenerator
 
-from ..conftest import save_tiny_hf_checkpoint
+from models.tt_transformers.torch_backend import model as model_module
+
+from ..conftest import CPU_KERNELS, needs_cpu_kernels, random_model, save_tiny_hf_checkpoint
 
 
 def pcc(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -41,12 +43,15 @@ def test_logits_match_hf_on_random_checkpoints(tmp_path, model_type, overrides):
     assert pcc(ours, ref) > 0.99999
 
 
+@pytest.mark.parametrize("chunk", [model_module.PREFILL_CHUNK, 16], ids=["one-chunk", "chunks-of-16"])
 @pytest.mark.parametrize("model_type,overrides", [("llama", {}), ("mistral", {"sliding_window": 16})],
                          ids=["llama", "mistral-window-16"])
-def test_long_prompts_and_decode_steps_match_hf(tmp_path, model_type, overrides):
-    """A 100-token prompt takes the masked (padded) prefill path, not the packed one of short steps; with Mistral's
-    16-token window the mask cuts every query's past. Then 20 one-token decode steps and a 5-token verification
-    step continue from the cache: every position's logits match Hugging Face's on the whole sequence."""
+def test_long_prompts_and_decode_steps_match_hf(tmp_path, model_type, overrides, chunk, monkeypatch):
+    """A 100-token prompt takes the masked (padded) prefill path, not the packed one of short steps, in one attention
+    call or in chunks of 16 queries (each reading only the keys it sees); with Mistral's 16-token window the mask cuts
+    every query's past. Then 20 one-token decode steps and a 5-token verification step continue from the cache:
+    every position's logits match Hugging Face's on the whole sequence."""
+    monkeypatch.setattr(model_module, "PREFILL_CHUNK", chunk)
     hf = save_tiny_hf_checkpoint(tmp_path, model_type, **overrides)
     tokens = torch.randint(0, 128, (125,), generator=torch.Generator().manual_seed(2)).tolist()
     model = load_model(resolve_checkpoint(str(tmp_path)), torch.float32, 256)
@@ -59,6 +64,51 @@ def test_long_prompts_and_decode_steps_match_hf(tmp_path, model_type, overrides)
         ref = hf(torch.tensor([tokens])).logits[0]
     assert (ours - ref).abs().max().item() < 1e-4
     assert pcc(ours, ref) > 0.99999
+
+
+def test_prefill_attends_in_causal_chunks(monkeypatch):
+    """A prefill's attention is one fused call per chunk of PREFILL_CHUNK queries over the keys its queries see, so
+    a causal prompt costs about half its T x T scores (one call over every key for every query cost all of them,
+    with a mask G times as large), with GQA's heads sharing their K/V."""
+    import torch.nn.functional as F
+
+    monkeypatch.setattr(model_module, "PREFILL_CHUNK", 64)
+    model = random_model(torch.float32, max_seq_len=320, dim=64, head_dim=32, hidden_dim=96, n_heads=4, n_kv_heads=2)
+    calls, sdpa = [], F.scaled_dot_product_attention
+
+    def counting(q, k, v, attn_mask=None, **kwargs):
+        calls.append((q.shape[-2], k.shape[-2], tuple(attn_mask.shape), q.shape[1], k.shape[1]))
+        return sdpa(q, k, v, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", counting)
+    TorchCausalLM(model, model.args.n_layers, 1).prefill(0, [t % 64 for t in range(300)])
+    per_layer = [(q, k, (1, 1, q, k), 4, 2) for q, k in ((64, 64), (64, 128), (64, 192), (64, 256), (44, 300))]
+    assert calls == per_layer * model.args.n_layers
+
+
+@needs_cpu_kernels
+def test_long_prefill_on_the_kernels_is_deterministic_and_close_to_torch_ops():
+    """On the CPU kernels a long prompt's prefill runs the layers' matmuls through torch's oneDNN where it runs bf16
+    (the kernels' row tiles serve decode and verification): its logits are the torch-ops model's to bf16 rounding,
+    and the same run to run and with one thread or all of them (what plain and speculative runs both start from)."""
+    from models.tt_transformers.torch_backend.cpu_isa import onednn_bf16_prepacking
+
+    tokens = torch.randint(0, 64, (200,), generator=torch.Generator().manual_seed(3)).tolist()
+    torch_ops = random_model(torch.bfloat16, max_seq_len=256, dim=64, head_dim=32, hidden_dim=96)
+    kernels = random_model(torch.bfloat16, max_seq_len=256, dim=64, head_dim=32, hidden_dim=96)
+    kernels.use_cpu_kernels(CPU_KERNELS)
+    assert kernels.layers[0].feed_forward.w_down.onednn == onednn_bf16_prepacking()
+    want = TorchCausalLM(torch_ops, 3, 1).forward_logits([tokens], [0], [0])[0].float()
+    threads = torch.get_num_threads()
+    try:
+        runs = []
+        for n in (threads, 1, threads):
+            torch.set_num_threads(n)
+            runs.append(TorchCausalLM(kernels, 3, 1).forward_logits([tokens], [0], [0])[0])
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(run, runs[0]) for run in runs[1:])
+    assert pcc(runs[0], want) > 0.999
 
 
 def test_sharded_checkpoint_loads(tmp_path):

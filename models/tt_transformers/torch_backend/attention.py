@@ -47,7 +47,9 @@ class StepInputs:
     positions: torch.Tensor  # [B, T] cache slot each token writes
     read_rows: Union[slice, torch.Tensor, None]  # rows the masked path reads: a slice when it is a view
     kv_len: int  # attention reads cache slots [0, kv_len)
-    mask: Optional[torch.Tensor]  # [B, 1, G*T, kv_len] bool, None when every slot < kv_len is visible
+    # The masked path (prefill), one fused attention call per chunk of queries: (first query, end, first key, end
+    # key, additive mask [B, 1, queries, keys] in the model's dtype) each, built once a step (Transformer.step_inputs).
+    chunks: Optional[list[tuple[int, int, int, int, torch.Tensor]]]
     # Exact mode, for a packed step [1, N]: every real token with the keys it sees, each attended by its own SDPA
     # call. A token's result then never depends on what else shares the step (CPU flash attention is not
     # row-invariant), so verifying n drafts reproduces n one-token decodes bit for bit. None: one batched, masked
@@ -85,9 +87,10 @@ class Attention(nn.Module):
                 out[0, tok.index] = F.scaled_dot_product_attention(
                     q[0, tok.index].reshape(1, Hk, G, D), keys.unsqueeze(0), values.unsqueeze(0)).reshape(H, D)
             return self.wo(out.view(B, T, H * D))
-        keys = k_cache[step.read_rows, :, : step.kv_len]
-        values = v_cache[step.read_rows, :, : step.kv_len]
-        # Fold each KV group's query heads into the query axis: one SDPA call without repeating K/V.
-        q = q.transpose(1, 2).reshape(B, Hk, G * T, D)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=step.mask)
-        return self.wo(out.view(B, H, T, D).transpose(1, 2).reshape(B, T, H * D))
+        keys, values = k_cache[step.read_rows, :, : step.kv_len], v_cache[step.read_rows, :, : step.kv_len]
+        q = q.transpose(1, 2)
+        out = torch.empty(B, H, T, D, dtype=x.dtype, device=x.device)
+        for q0, q1, k0, k1, mask in step.chunks:  # each chunk reads only the keys it sees (causal: half the work)
+            out[:, :, q0:q1] = F.scaled_dot_product_attention(q[:, :, q0:q1], keys[:, :, k0:k1], values[:, :, k0:k1],
+                                                              attn_mask=mask, enable_gqa=True)
+        return self.wo(out.transpose(1, 2).reshape(B, T, H * D))

@@ -8,6 +8,7 @@ import copy
 from typing import Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..checkpoints.checkpoint import Checkpoint
@@ -17,6 +18,9 @@ from .attention import Attention, ExactToken, StepInputs
 from .cpu_isa import onednn_bf16_prepacking
 from .cpu_kernels import CpuKernels, StepTable, kernels_fit
 from .mlp import MLP
+
+
+PREFILL_CHUNK = 512  # queries per fused attention call in a prefill (its mask: 512 x the keys they see)
 
 
 class RMSNorm(nn.Module):
@@ -68,9 +72,10 @@ class KernelLinear(nn.Module):
     a deep copy or `.to()` carries it along; the kernels take its address at each call, never earlier."""
 
     def __init__(self, packed: torch.Tensor, out_features: int, kernels: CpuKernels,
-                 out_dtype: torch.dtype = torch.bfloat16):
+                 out_dtype: torch.dtype = torch.bfloat16, onednn: bool = False):
         super().__init__()
         self.kernels, self.out_dtype, self.out_features = kernels, out_dtype, out_features
+        self.onednn = onednn  # through torch's oneDNN matmul instead (TransformerBlock's: prefill rows only)
         self.register_buffer("packed", packed, persistent=False)
 
     @classmethod
@@ -78,6 +83,9 @@ class KernelLinear(nn.Module):
         return cls(kernels.pack_weight(linear.weight), linear.out_features, kernels, out_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.onednn:  # the weight unpacked for the call: one copy of it against a prompt's many rows
+            weight = self.kernels.packed_rows(self.packed, torch.arange(self.out_features))
+            return F.linear(x, weight).to(self.out_dtype)
         return self.kernels.linear(x, self.packed, self.out_features, self.out_dtype)
 
     def _apply(self, fn, recurse=True):
@@ -116,11 +124,15 @@ class TransformerBlock(nn.Module):
 
     def use_cpu_kernels(self, kernels: CpuKernels, packed: Optional[dict[str, torch.Tensor]] = None) -> None:
         """Every linear layer on the kernels, and the whole block of a packed step in one kernel call. `packed`: the
-        weights already packed (by name in LINEARS), as load_model reads them; otherwise packed from the layers."""
+        weights already packed (by name in LINEARS), as load_model reads them; otherwise packed from the layers.
+
+        The linear modules then serve only the masked path, a prefill's many rows: where torch's oneDNN runs bf16
+        (onednn_bf16_prepacking) they go through its matmul, whose blocked kernels (AMX tiles on the Xeons that have
+        them) the kernels' row tiles, built to stream the weights for a few rows, do not match in arithmetic."""
+        onednn = onednn_bf16_prepacking()
         for parent, attr, name in self._linears():
-            linear = getattr(parent, attr)
-            setattr(parent, attr, KernelLinear(packed[name], linear.out_features, kernels) if packed else
-                    KernelLinear.from_linear(linear, kernels))
+            weight = packed[name] if packed else kernels.pack_weight(getattr(parent, attr).weight)
+            setattr(parent, attr, KernelLinear(weight, getattr(parent, attr).out_features, kernels, onednn=onednn))
         # The tensors themselves, not their addresses: a deep copy gets its own, and _apply below forbids moves.
         self.kernel_weights = (self.attention_norm.weight, self.attention.wqkv.packed, self.attention.wo.packed,
                                self.ffn_norm.weight, self.feed_forward.w_gate_up.packed, self.feed_forward.w_down.packed)
@@ -230,7 +242,8 @@ class Transformer(nn.Module):
         [B, T]: the position it attends from (padding tokens write the scratch slot and attend like the last real
         token). all_rows: the batch is every cache row in order, so attention reads a view. exact_tokens: see
         StepInputs; when given, no mask is built and rows may differ per token (a packed step). The caller decides
-        these from host-side ints, so nothing here syncs a device.
+        these from host-side ints, so nothing here syncs a device but a masked step's one read of its query
+        positions (prefill_chunks).
         """
         if exact_tokens is not None and self.kernels is not None:  # the kernel gathers the rotary tables itself
             return StepInputs(self.rope_cos, self.rope_sin, rows, positions, None, kv_len, None, exact_tokens,
@@ -240,14 +253,28 @@ class Transformer(nn.Module):
         if exact_tokens is not None:
             return StepInputs(cos, sin, rows, positions, None, kv_len, None, exact_tokens,
                               [tok.key_slots() for tok in exact_tokens])
-        key_pos = torch.arange(kv_len, device=positions.device)
-        visible = key_pos <= query_pos.unsqueeze(-1)  # [B, T, kv_len]
-        if self.args.sliding_window is not None:
-            visible &= key_pos > query_pos.unsqueeze(-1) - self.args.sliding_window
-        groups = self.args.n_heads // self.args.n_kv_heads
-        mask = visible.unsqueeze(1).repeat(1, 1, groups, 1)  # [B, 1, G*T, kv_len], rows ordered g*T + t
         read_rows = slice(None) if all_rows else rows.view(-1)
-        return StepInputs(cos, sin, rows, positions, read_rows, kv_len, mask)
+        return StepInputs(cos, sin, rows, positions, read_rows, kv_len, self.prefill_chunks(query_pos))
+
+    def prefill_chunks(self, query_pos: torch.Tensor) -> list[tuple[int, int, int, int, torch.Tensor]]:
+        """StepInputs.chunks of a masked step: PREFILL_CHUNK queries at a time, each with the keys its queries see
+        (up to the chunk's last position, from its first one's window) and their additive mask in the model's dtype
+        (SDPA would convert a boolean one at every call). Built once a step and shared by the layers; the mask then
+        spans a causal prompt's lower half (about T * T / 2 elements), where one mask for the whole prompt spanned
+        all of it, G times over. Reads the query positions on the host once."""
+        window, dev = self.args.sliding_window, query_pos.device
+        first, last = query_pos.amin(dim=0).tolist(), query_pos.amax(dim=0).tolist()
+        chunks = []
+        for q0 in range(0, query_pos.shape[1], PREFILL_CHUNK):
+            q1 = min(q0 + PREFILL_CHUNK, query_pos.shape[1])
+            k0, k1 = max(0, min(first[q0:q1]) + 1 - window) if window else 0, max(last[q0:q1]) + 1
+            key_pos, seen = torch.arange(k0, k1, device=dev), query_pos[:, q0:q1, None]
+            visible = key_pos <= seen
+            if window is not None:
+                visible &= key_pos > seen - window
+            mask = torch.zeros(visible.shape, dtype=self.dtype, device=dev).masked_fill_(~visible, float("-inf"))
+            chunks.append((q0, q1, k0, k1, mask.unsqueeze(1)))
+        return chunks
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, step: StepInputs, cache: KVCache,

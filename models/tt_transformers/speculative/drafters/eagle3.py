@@ -108,23 +108,28 @@ class HeadDrafter(HeadDrafterBase):
         probes = set()
         live = [(u, ctx) for u, ctx, n in zip(users, contexts, max_tokens)
                 if n > 0 and len(ctx) > 1 and self._gated(u, n, extra_cost, probes)]
-        start = time.perf_counter()
         self._catch_up(live, 1)
         outs = self._feed([u for u, _ in live], [self._rows(u, ctx, len(ctx) - 1) for u, ctx in live]) if live else []
         roots = {u: (len(ctx) - 1, out[0][-1:], out[1]) for (u, ctx), out in zip(live, outs)}  # position, h, logits
         wanted = dict(zip(users, max_tokens))
+        # Only the drafting runs are timed: the feed above is the head's prefill of rows the target verified (a whole
+        # prompt's, or a long gap's, at a first proposal); counted as a run's cost it would price the head at many
+        # target steps at long contexts, and the policy would stop running it.
+        drafting = time.perf_counter()
         if trees:
             drafts, runs = self._trees(roots, wanted, extra_cost, probes)
         else:
             drafts, runs = self._chains(roots, wanted, extra_cost, probes)
-        if live:  # a proposal's head work, per run (catch-up runs of a long gap count in the first)
-            self.cost.ran((time.perf_counter() - start) / runs)
-            self.cost.proposed_at = time.perf_counter()
+        if runs:
+            self.cost.ran((time.perf_counter() - drafting) / runs)
+        if live:
+            self.cost.proposed(extra_cost)
         return [drafts.get(u, Draft([], "none")) for u in users]
 
     def _chains(self, roots: dict, wanted: dict, extra_cost: ExtraCost, probes: set) -> tuple[dict, int]:
-        """Each user's chain, extended while one more token pays for its run and verification."""
-        state, going, runs = dict(roots), list(roots), 1
+        """Each user's chain, extended while one more token pays for its run and verification; and the number of
+        drafting runs (after the feed's)."""
+        state, going, runs = dict(roots), list(roots), 0
         chains = {u: HeadChain() for u in going}
         while going:
             for u in going:
@@ -150,11 +155,12 @@ class HeadDrafter(HeadDrafterBase):
         estimated path acceptance) are run, all users' together, and give TREE_TOP_K children each; then the tree is
         cut to the nodes, likeliest first, whose acceptance pays for their rows (extra_cost: a CPU affords few, a TT
         tile up to its rows), within the budget (--n_draft_tokens counts nodes). Nodes are the head's own choices (its top k),
-        not samples, under sampling too: the child equal to the target's draw at its position is accepted."""
+        not samples, under sampling too: the child equal to the target's draw at its position is accepted. Also
+        returns the number of drafting runs (after the feed's)."""
         K = self.TREE_TOP_K
         trees = {u: HeadTree() for u in roots}
         frontier = {u: [(-1, roots[u][2])] for u in roots}  # (expanded node, its logits) per user
-        runs, depth = 1, 1
+        runs, depth = 0, 1
         while frontier:
             for u, expanded in frontier.items():
                 for parent, logits in expanded:
@@ -185,7 +191,7 @@ class HeadDrafter(HeadDrafterBase):
                 frontier.setdefault(u, []).append((i, logits[j]))
         drafts = {}
         for u, tree in trees.items():
-            chosen = tree.cut(runs * self.draft_cost, extra_cost, wanted[u], force=u in probes)
+            chosen = tree.cut((1 + runs) * self.draft_cost, extra_cost, wanted[u], force=u in probes)
             if chosen:
                 tokens, parents, probs = tree.draft(chosen)
                 self.pending[u] = HeadDraft([tree.nodes[i].confidence for i in chosen], max(

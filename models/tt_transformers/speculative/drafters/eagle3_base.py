@@ -71,7 +71,7 @@ class HeadDrafterBase:
     def _learn(self, user, verified: Verified) -> None:
         """What the verification says of the user's last head draft: acceptance per depth and confidence, and the
         length policy."""
-        self.cost.verified()
+        self.cost.verified(max(0, len(verified.fed) - 1))
         pending = self.pending.pop(user, None)
         if pending is None:
             return
@@ -123,10 +123,13 @@ class HeadChain:
 
 
 class RunCost:
-    """What one head run costs, in target steps, measured on this machine: decayed means of a run's seconds and of a
-    target step's (from the end of a proposal to its verification). Until both are measured, the estimate from the
-    weights each streams, which is low on a CPU (a run's op launches do not shrink with its weights). measure=False
-    keeps the estimate (drafts that do not depend on timing, for tests)."""
+    """What one head run costs, in plain target decode steps, measured on this machine: decayed means of a drafting
+    run's seconds (feeding the target's verified rows, a prompt's at a first proposal, is the head's prefill and not
+    timed) and of a plain step's: the step that verifies a proposal is timed (from the end of the proposal to the
+    first user's verification) and priced in plain steps by the proposal's extra_cost for each user's verified rows
+    (a long verification at a long context costs several plain steps). Until both are measured, the estimate from
+    the weights each streams, which is low on a CPU (a run's op launches do not shrink with its weights).
+    measure=False keeps the estimate (drafts that do not depend on timing, for tests)."""
 
     decay = 0.9
     WARN_AFTER = 8  # verified proposals before a head slower than the target's step is reported (once)
@@ -135,9 +138,13 @@ class RunCost:
         self.estimate, self.measure, self.run_s, self.step_s = estimate, measure, None, None
         self.verifications = 0
         self.proposed_at: Optional[float] = None
+        self.extra_cost: ExtraCost = lambda k: 0.0  # the last proposal's
+        self.step_seconds: Optional[float] = None  # the step being verified, until every user's rows are in
+        self.step_rows: list[int] = []
 
     @property
     def value(self) -> float:
+        self._settle()
         if not self.measure or self.run_s is None or self.step_s is None:
             return self.estimate
         return self.run_s / self.step_s
@@ -145,13 +152,28 @@ class RunCost:
     def ran(self, seconds: float) -> None:
         self.run_s = seconds if self.run_s is None else self.decay * self.run_s + (1 - self.decay) * seconds
 
-    def verified(self) -> None:
-        """The target verified the last proposal (the first call after it times the step)."""
+    def proposed(self, extra_cost: ExtraCost) -> None:
+        """A proposal ends now; its verification step will be priced with extra_cost."""
+        self._settle()
+        self.proposed_at, self.extra_cost = time.perf_counter(), extra_cost
+
+    def verified(self, draft_rows: int) -> None:
+        """A user's verification of the last proposal, with draft_rows rows past its last token (the first call after
+        the proposal times the step)."""
         if self.proposed_at is not None:
-            seconds, self.proposed_at = time.perf_counter() - self.proposed_at, None
-            self.step_s = seconds if self.step_s is None else self.decay * self.step_s + (1 - self.decay) * seconds
-            self.verifications += 1
-            if self.measure and self.verifications == self.WARN_AFTER and self.value > 1.0:
-                logger.warning(f"Draft head: a run takes {1e3 * self.run_s:.1f} ms, {self.value:.1f}x the target's step "
-                               f"({1e3 * self.step_s:.1f} ms): its drafts rarely pay here (it drafts only when its "
-                               "acceptance covers that)")
+            self.step_seconds, self.proposed_at, self.step_rows = time.perf_counter() - self.proposed_at, None, []
+        if self.step_seconds is not None:
+            self.step_rows.append(draft_rows)
+
+    def _settle(self) -> None:
+        """The timed step's seconds per plain step (1 + the users' mean extra cost) into the step's mean."""
+        if self.step_seconds is None:
+            return
+        seconds = self.step_seconds / (1 + sum(map(self.extra_cost, self.step_rows)) / len(self.step_rows))
+        self.step_seconds = None
+        self.step_s = seconds if self.step_s is None else self.decay * self.step_s + (1 - self.decay) * seconds
+        self.verifications += 1
+        if self.measure and self.verifications == self.WARN_AFTER and self.value > 1.0:
+            logger.warning(f"Draft head: a run takes {1e3 * self.run_s:.1f} ms, {self.value:.1f}x the target's step "
+                           f"({1e3 * self.step_s:.1f} ms): its drafts rarely pay here (it drafts only when its "
+                           "acceptance covers that)")

@@ -1,7 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """Drafting with an EAGLE-3 draft head that runs where its target keeps the taps: a TT device
 (ttnn_backend/eagle3_head.py), one traced replay per chain."""
-import time
 from dataclasses import dataclass
 from typing import Optional, Protocol, Sequence
 
@@ -76,7 +75,7 @@ class TracedHeadDrafter(HeadDrafterBase):
         chains = self.head.draft(feeds, list(wanted), k)
         if wanted:  # a chain step's share of the drafting replay (a prompt's feed-only replays are the prefill's)
             self.cost.ran(self.head.last_draft_s / k)
-            self.cost.proposed_at = time.perf_counter()
+            self.cost.proposed(extra_cost)
         drafts = {}
         for u, n in wanted.items():
             chain = HeadChain()
