@@ -90,7 +90,7 @@ def test_prefill_attends_in_causal_chunks(monkeypatch):
 def test_long_prefill_on_the_kernels_is_deterministic_and_close_to_torch_ops():
     """On the CPU kernels a long prompt's prefill runs the layers' matmuls through torch's oneDNN where it runs bf16
     (the kernels' row tiles serve decode and verification): its logits are the torch-ops model's to bf16 rounding,
-    and the same run to run and with one thread or all of them (what plain and speculative runs both start from)."""
+    and the same run to run at one thread count (what plain and speculative runs both start from)."""
     from models.tt_transformers.torch_backend.cpu_isa import onednn_bf16_prepacking
 
     tokens = torch.randint(0, 64, (200,), generator=torch.Generator().manual_seed(3)).tolist()
@@ -107,7 +107,10 @@ def test_long_prefill_on_the_kernels_is_deterministic_and_close_to_torch_ops():
             runs.append(TorchCausalLM(kernels, 3, 1).forward_logits([tokens], [0], [0])[0])
     finally:
         torch.set_num_threads(threads)
-    assert all(torch.equal(run, runs[0]) for run in runs[1:])
+    # oneDNN's matmuls (AMX, where a Xeon has it) promise the same bits run to run at one thread count, not across
+    # thread counts: equal at the same count, close at another
+    assert torch.equal(runs[0], runs[2])
+    assert pcc(runs[1], runs[0]) > 0.9999
     assert pcc(runs[0], want) > 0.999
 
 
