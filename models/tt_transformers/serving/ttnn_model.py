@@ -213,9 +213,10 @@ class PagedVerify:
 
     def check_table(self, rows, page_table, kv_cache, call: str) -> None:
         """What a decode over `rows` (a verify, or TT's own decode) refuses of its cache and page table: no warm-up,
-        another KV cache, a page table of another width than warm-up's (TT's decode trace was captured with it,
-        models/common/warmup/warmup_utils.py), or rows whose blocks contract.check_page_table refuses (TT's
-        paged_update_cache would write them unchecked)."""
+        another KV cache, a page table of another width than warm-up's (TT's decode trace was captured with that
+        width: models/common/warmup/warmup_utils.py, WarmupForwardMixin._create_decode_warmup_inputs), or rows whose
+        blocks contract.check_page_table refuses (tt/attention.py Attention.forward_decode's paged_update_cache
+        writes whatever block the table names)."""
         if self.width is None:
             raise RuntimeError(f"a {call} before warmup_model_decode: its programs are compiled and captured there")
         if kv_cache is not None and kv_cache[0] is not self.tt.kv_cache:
