@@ -457,24 +457,27 @@ def test_slot_remap_moves_the_drafters_requests_once():
         core.slots_moved({0: 1})  # the last submission's remap was the identity: nothing moved
 
 
-def test_a_release_takes_effect_at_the_next_prefill_into_the_slot():
-    """A release names only a slot, and a running request may be left out of a step, so the request stays until the
-    next prefill into its slot: a decode without it (a step that skipped it) keeps it, and it goes on decoding; the
-    prefill then ends it, its whole response in the draft memory once. A slot that is not a decode slot is refused."""
+def test_a_release_sends_the_response_and_the_state_goes_at_the_next_prefill():
+    """A release names only a slot, and a running request may be left out of a step: the response so far joins the
+    draft memory at the release, and the request's state stays until the next prefill into its slot, so a release
+    that was not its own (the request goes on, after a step without it) leaves its drafting intact and sends its
+    response in two parts, each token once. A slot that is not a decode slot is refused."""
     target, core, step = core_with({0: [1, 2, 3]})
     tokens, pos, nv, counts = block({0: (40, 3, [])})
     core.verify(tokens, pos, nv, counts, "argmax_ids", step)
     propose_after(core, {0: (4, [41])})
-    core.release(0)  # a repeated release, or one the runner sends early: the request in slot 0 is running
-    core.plain_decode(t([[0]] * 4), t([-1] * 4), step)  # a step that left slot 0 out
     memory = core.proposer.drafter.memory.responses.docs
     before = list(memory)
-    core.verify(*block({0: (41, 4, [])}), "argmax_ids", step)  # slot 0's request goes on
+    core.release(0)
+    assert list(memory) == before + [[40, 41]]  # at once: the next proposal of any request can draft from it
+    core.plain_decode(t([[0]] * 4), t([-1] * 4), step)  # a step that left slot 0 out
+    core.verify(*block({0: (41, 4, [])}), "argmax_ids", step)  # slot 0's request goes on: the release was not its own
     propose_after(core, {0: (5, [42])})
-    assert list(memory) == before
-    core.prefilled([0], [[7, 8]])  # the next request in slot 0: the last one ended
-    assert list(memory) == before + [[40, 41, 42]] and len(core.proposer.requests) == 1
+    core.release(0)
+    core.prefilled([0], [[7, 8]])  # the next request in slot 0: the last one's state goes
+    assert list(memory) == before + [[40, 41], [42]] and len(core.proposer.requests) == 1
     core.release(torch.tensor(3))  # a slot holding nothing: no change
+    assert list(memory) == before + [[40, 41], [42]]
     for bad in (4, -1, "0", True, 1.0):
         with pytest.raises(ValueError, match=r"release_request slot must be a decode slot in \[0, 4\), got"):
             core.release(bad)

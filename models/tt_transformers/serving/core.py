@@ -145,9 +145,10 @@ class SpecDecodeCore:
         return drafted
 
     def release(self, slot) -> None:
-        """release_request: a decode slot, checked; the drafter keeps the slot's request until the next prefill into
-        the slot (proposer.py: a release names no request, so one repeated after another request took the slot, or
-        a running request left out of a step, must not end the request the slot holds)."""
+        """release_request: a decode slot, checked; the drafter sends the slot's response to the draft memory and
+        keeps the request's state until the next prefill into the slot (CopiedDraftProposer.release: a release names
+        no request, so one repeated after another request took the slot, or a running request left out of a step,
+        must not end the request the slot holds)."""
         try:
             index = None if isinstance(slot, bool) else operator.index(slot)  # an int, numpy's, a one-element tensor
         except TypeError:
@@ -155,3 +156,4 @@ class SpecDecodeCore:
         if index is None or not 0 <= index < self.target.max_batch_size:
             raise ValueError(f"release_request slot must be a decode slot in [0, {self.target.max_batch_size}), got "
                              f"{slot!r}")
+        self.proposer.release(index)

@@ -11,8 +11,10 @@ State is keyed by a request key the slot points to, so a slot move (slot_remap) 
 request went or was never prefilled drafts nothing. Every call checks all its rows before it changes anything, so a
 refused one leaves the state as it was. release_request names only a slot (the contract has no request id), so one
 repeated after another request took the slot reads as that request's own; and a slot a running request holds need not
-be a live row of every decode (a runner may leave it out of a step). So a request goes only when the next request is
-prefilled into its slot (start): nothing else shows that it ended. It speaks only to the CausalLM interface
+be a live row of every decode (a runner may leave it out of a step). So a request's state goes only when the next
+request is prefilled into its slot (start): nothing else shows that it ended. Its response joins the draft memory at
+the release (send_response), so later requests draft from it at once; a release that was not its own can at most send
+a running request's response in two parts. It speaks only to the CausalLM interface
 (step_cost, max_seq_len, vocab_size): the same proposer serves the torch and ttnn backends.
 """
 from dataclasses import dataclass, field
@@ -56,11 +58,18 @@ class CopiedDraftProposer:
     def start(self, slot: int, tokens: Sequence[int]) -> None:
         """A request prefilled into `slot` (new, or resumed after a preemption with its whole history)."""
         if slot in self.slots:
-            self.stop(slot)  # the slot's previous request ended: its response joins the draft memory
+            self.stop(slot)  # the slot's previous request ended: the rest of its response joins the memory
         key = next(self.keys)
         self.slots[slot] = key
         self.requests[key] = RequestState(list(tokens))
         self.drafter.start_request(key, tokens)
+
+    def release(self, slot: int) -> None:
+        """release_request: the slot's request finished or was preempted. Its response so far joins the draft memory
+        now; its state stays until the next prefill into the slot (start). A slot holding nothing: no change."""
+        key = self.slots.get(slot)
+        if key is not None:
+            self.drafter.send_response(key)
 
     def stop(self, slot: int) -> None:
         key = self.slots.pop(slot)
