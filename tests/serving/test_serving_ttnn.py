@@ -502,6 +502,7 @@ def test_a_verify_refuses_what_warm_up_did_not_prepare(monkeypatch, tmp_path, em
     assert not verify.lm.traces and verify.lm.compiled == verify.lm.planned
     rows = [UserRows(0, [1, 2], 3)]
     table = torch.zeros(BATCH, served.width, dtype=torch.int32)
+    table[:, 0] = torch.arange(1, BATCH + 1)  # each row's first block a real one (block 0 is vLLM's null block)
     with pytest.raises(ValueError, match=f"must be \\[B, {served.width}\\]"):
         verify.check(rows, 4, table[:, :-1], served.kv_cache)
     with pytest.raises(ValueError, match="not the one the verify was warmed up on"):
