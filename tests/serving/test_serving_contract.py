@@ -457,20 +457,30 @@ def test_slot_remap_moves_the_drafters_requests_once():
         core.slots_moved({0: 1})  # the last submission's remap was the identity: nothing moved
 
 
-def test_release_frees_the_slot_and_keeps_the_response_for_later_requests():
-    """A release takes effect once the slot stops decoding its request (the next decode without it, or a prefill
-    into the slot): the response joins the draft memory, and the slot then holds nothing."""
+def test_a_release_sends_the_response_and_the_state_goes_at_the_next_prefill():
+    """A release names only a slot, and a running request may be left out of a step: the response so far joins the
+    draft memory at the release, and the request's state stays until the next prefill into its slot, so a release
+    that was not its own (the request goes on, after a step without it) leaves its drafting intact and sends its
+    response in two parts, each token once. A slot that is not a decode slot is refused."""
     target, core, step = core_with({0: [1, 2, 3]})
     tokens, pos, nv, counts = block({0: (40, 3, [])})
     core.verify(tokens, pos, nv, counts, "argmax_ids", step)
     propose_after(core, {0: (4, [41])})
+    memory = core.proposer.drafter.memory.responses.docs
+    before = list(memory)
     core.release(0)
-    core.plain_decode(t([[0]] * 4), t([-1] * 4), step)  # a decode without slot 0's request
-    assert core.proposer.slots == {} and core.proposer.requests == {}
-    assert core.proposer.drafter.memory.responses.docs[-1] == [40, 41]
-    with pytest.raises(ValueError, match="no request was prefilled into slot 0"):
-        core.verify(tokens, pos, nv, counts, "argmax_ids", step)
-    core.release(0)  # releasing an empty slot is a no-op (a request preempted before it decoded)
+    assert list(memory) == before + [[40, 41]]  # at once: the next proposal of any request can draft from it
+    core.plain_decode(t([[0]] * 4), t([-1] * 4), step)  # a step that left slot 0 out
+    core.verify(*block({0: (41, 4, [])}), "argmax_ids", step)  # slot 0's request goes on: the release was not its own
+    propose_after(core, {0: (5, [42])})
+    core.release(0)
+    core.prefilled([0], [[7, 8]])  # the next request in slot 0: the last one's state goes
+    assert list(memory) == before + [[40, 41], [42]] and len(core.proposer.requests) == 1
+    core.release(torch.tensor(3))  # a slot holding nothing: no change
+    assert list(memory) == before + [[40, 41], [42]]
+    for bad in (4, -1, "0", True, 1.0):
+        with pytest.raises(ValueError, match=r"release_request slot must be a decode slot in \[0, 4\), got"):
+            core.release(bad)
 
 
 def test_propose_refuses_a_commit_that_does_not_follow_the_verify():

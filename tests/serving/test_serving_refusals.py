@@ -176,10 +176,12 @@ def test_a_refused_proposal_moves_no_row(clean):
 
 class StaleRelease:
     """After the first prefill into a slot that an earlier request held (and was released from), the earlier
-    request's release_request is sent again: by slot, as the contract has it, so it names the new request's slot."""
+    request's release_request is sent again: by slot, as the contract has it, so it names the new request's slot.
+    skip: the next decode is preceded by one that leaves every slot out (a step in which the runner did not schedule
+    the new request: its slot is not a live row), as a runner splitting a step over two calls sends."""
 
-    def __init__(self, model):
-        self.model, self.released, self.repeated = model, set(), 0
+    def __init__(self, model, skip: bool = False):
+        self.model, self.skip, self.released, self.repeated, self.skipped = model, skip, set(), 0, 0
 
     def __getattr__(self, name):
         return getattr(self.model, name)
@@ -196,9 +198,19 @@ class StaleRelease:
             self.repeated += 1
         return out
 
+    def decode_forward(self, tokens, start_pos, **kwargs):
+        if self.skip and self.repeated and not self.skipped:
+            rows = tokens.shape[0]
+            padding = torch.zeros(rows, 1, dtype=torch.int32), torch.full((rows,), -1, dtype=torch.int32)
+            self.model.decode_forward(*padding, page_table=kwargs["page_table"], kv_cache=kwargs["kv_cache"])
+            self.skipped += 1
+        return self.model.decode_forward(tokens, start_pos, **kwargs)
 
-def test_a_release_repeated_after_the_slot_was_reused_is_ignored(clean):
-    """The new request keeps its drafter state: outputs and counters (every draft) equal the clean run's."""
-    outputs, counters, seen = run(True, StaleRelease)
-    assert seen.repeated == 1
+
+@pytest.mark.parametrize("skip", [False, True], ids=["decoded-next-step", "left-out-of-a-step"])
+def test_a_release_repeated_after_the_slot_was_reused_is_ignored(clean, skip):
+    """The new request keeps its drafter state, also when the next decode leaves it out: outputs and counters (every
+    draft) equal the clean run's."""
+    outputs, counters, seen = run(True, lambda m: StaleRelease(m, skip))
+    assert seen.repeated == 1 and seen.skipped == skip
     assert (outputs, counters) == clean[True]

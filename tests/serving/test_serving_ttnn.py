@@ -28,6 +28,7 @@ from models.tt_transformers.serving.plan import SPEC_CAPABILITIES, plan_speculat
 from models.tt_transformers.serving.reference_runner import BlockPool, ReferenceRunner
 from models.tt_transformers.speculative.backend import UserRows
 from models.tt_transformers.speculative.generator import SpeculativeGenerator
+from models.tt_transformers.speculative.metrics import NUM_DRAFTS
 from models.tt_transformers.ttnn_backend.causal_lm import TtnnCausalLM
 from models.tt_transformers.ttnn_backend.model import build_tt_model, named_checkpoint
 from models.tt_transformers.ttnn_backend.trace_plan import pass_ladder
@@ -470,7 +471,7 @@ def test_the_runners_loop_on_the_stand_in_is_plain_greedy(monkeypatch, tmp_path,
     class through the scheduler's paged blocks, read back as the pinned runner's synchronous path reads it: four
     prompts at 3 concurrent requests (a padding row, the fourth waits), one preempted and replayed, rows compacted
     after departures. Every output equals plain greedy decoding through the package's own 32-row step on the
-    stand-in, token for token, the preempted one with the same recompute (tests/serving/plain.py: TT's prefill and
+    stand-in, token for token, the preempted one with the same recompute (tests/serving/helpers.py: TT's prefill and
     decode programs differ, so a recompute need not give the uninterrupted run's tokens); nothing is compiled or
     captured while serving."""
     k = 3
@@ -501,6 +502,7 @@ def test_a_verify_refuses_what_warm_up_did_not_prepare(monkeypatch, tmp_path, em
     assert not verify.lm.traces and verify.lm.compiled == verify.lm.planned
     rows = [UserRows(0, [1, 2], 3)]
     table = torch.zeros(BATCH, served.width, dtype=torch.int32)
+    table[:, 0] = torch.arange(1, BATCH + 1)  # each row's first block a real one (block 0 is vLLM's null block)
     with pytest.raises(ValueError, match=f"must be \\[B, {served.width}\\]"):
         verify.check(rows, 4, table[:, :-1], served.kv_cache)
     with pytest.raises(ValueError, match="not the one the verify was warmed up on"):
@@ -575,3 +577,63 @@ def test_bundle_classes_resolve_beside_tt_metal(tmp_path, regular):
                                True, True],
         "TTMistralForCausalLM": ["models.tt_transformers.serving.ttnn_model",
                                  "models.tt_transformers.tt.generator_vllm", None, True]}
+
+
+def test_refused_decodes_move_nothing(monkeypatch, tmp_path, embedded_checkpoint, prompts):
+    """TT's ordinary decode and the verify, each carrying a slot_remap that swaps two requests, refused for what the
+    step would refuse or write wrongly: a page table without a live row's row, a column short, a live row's block 0
+    (vLLM's null block), one out of the pool, two rows writing the same block (contract.check_page_table, which the
+    torch class checks too), another KV cache, int64 tokens; and a verify of more rows than the 32-row tile. Each
+    raises one ValueError before the drafter moves: the correct call after them gives the package's own step's ids."""
+    served = Served(monkeypatch, tmp_path, embedded_checkpoint, 3)
+    verify, model = served.model.spec.verify, served.model
+    scheduler = Scheduler(served)
+    chosen = [prompts[0][:40], prompts[1][:35]]
+    n = [len(c) for c in chosen]
+    first = scheduler.prefill(chosen, [0, 1])
+    lm = package_backend(monkeypatch, embedded_checkpoint)
+    for user, prompt in enumerate(chosen):
+        lm.prefill(user, prompt)
+    swap = t([1, 0, 2, 3])
+    greedy = stand_in_tt.SamplingParams(temperature=0.0, top_k=1, top_p=1.0)
+
+    def refused(tokens, start_pos, good, **kwargs):
+        """Each spoiled copy of the call raises, before anything moves."""
+        last = good[:, 0].clone()
+        last[0] = served.num_blocks
+        cases = {"has no row 1": (tokens, good[:1]), "must be \\[B, 8\\]": (tokens, good[:, :-1]),
+                 "block 0 is vLLM's null block": (tokens, torch.cat([good[:, :1] * 0, good[:, 1:]], 1)),
+                 "must be a distinct block in \\[1, 33\\)": (tokens, torch.cat([last[:, None], good[:, 1:]], 1)),
+                 "rows [01] and [01] both hold blocks": (tokens, torch.cat([good[:1], good[:1], good[2:]])),
+                 "must be int32, got torch.int64": (tokens.to(torch.int64), good)}
+        for message, (spoiled, table) in cases.items():
+            with pytest.raises(ValueError, match=message):
+                model.decode_forward(tokens=spoiled, start_pos=start_pos, page_table=table, kv_cache=served.kv_cache,
+                                     slot_remap=swap, enable_trace=True, reset_batch=True, **kwargs)
+        with pytest.raises(ValueError, match="kv_cache is not the one the .* was warmed up on"):
+            model.decode_forward(tokens=tokens, start_pos=start_pos, page_table=good,
+                                 kv_cache=[served.kv_cache[0][:1]], slot_remap=swap, enable_trace=True,
+                                 reset_batch=True, **kwargs)
+
+    # TT's ordinary decode: row 0 takes the request slot 1 held, row 1 slot 0's
+    tokens, start_pos = t([[first[1]], [first[0]], [0], [0]]), t([n[1], n[0], -1, -1])
+    refused(tokens, start_pos, scheduler.table([1, 0, 2, 3]), sampling_params=greedy, read_from_device=True)
+    out = scheduler.decode(tokens, start_pos, slot_remap=swap, read_from_device=True)
+    ids = out[0][:2].tolist()
+    assert [[i] for i in ids] == lm.step([UserRows(1, [first[1]], n[1]), UserRows(0, [first[0]], n[0])]).ids
+    committed, positions = (torch.full((BATCH, 4), -1, dtype=torch.int32) for _ in range(2))
+    committed[:2, 0], positions[:2, 0] = t(ids), t([n[1] + 1, n[0] + 1])
+    model.propose_draft_tokens(3, committed, positions, torch.ones(BATCH, dtype=torch.int32))
+    # a verify swapping them back: row 0 holds slot 0's first request again
+    tokens, start, num_valid, counts = verify_block([[ids[1], 7], [ids[0], 7]], [n[0] + 1, n[1] + 1], 3)
+    side = dict(num_valid_drafts=num_valid, accepted_counts=counts, spec_mode=ACCEPT_MODE_ARGMAX_IDS)
+    refused(tokens, start, scheduler.table([1, 0, 2, 3]), **side)
+    top_k = served.model.spec.core.proposer.top_k
+    many = torch.zeros(9, served.width, dtype=torch.int32)
+    many[:, 0] = torch.arange(1, 10)
+    with pytest.raises(ValueError, match="a step of 36 rows does not fit the decode tile \\(32\\)"):
+        verify.check([UserRows(u, [1] * 4, 3) for u in range(9)], top_k, many, served.kv_cache)
+    assert served.model.spec_decode_metrics()[NUM_DRAFTS] == 0
+    out = scheduler.decode(tokens, start, slot_remap=swap, **side)
+    ref = lm.step([UserRows(0, [ids[1], 7], n[0] + 1), UserRows(1, [ids[0], 7], n[1] + 1)]).ids
+    assert out.argmax_ids[:2, :2].tolist() == ref

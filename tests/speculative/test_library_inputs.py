@@ -76,6 +76,19 @@ def tiny_checkpoint(tmp_path_factory):
     return resolve_checkpoint(str(folder))
 
 
+class OwnTarget:
+    """A CausalLM of an engineer's own, written to the protocol before it had draft_head: the target's members, and
+    no draft_head."""
+
+    def __init__(self, lm):
+        self.lm = lm
+
+    def __getattr__(self, name):
+        if name == "draft_head":
+            raise AttributeError(name)
+        return getattr(self.lm, name)
+
+
 def other_vocab_lm():
     return TorchCausalLM(random_model(vocab_size=VOCAB * 2), 2, 1)
 
@@ -153,6 +166,9 @@ CASES = [
     ("drafter-config-dict", lambda e: make_drafter({"draft_mode": "suffix"}, e.target), "config"),
     ("drafter-config-changed", lambda e: make_drafter(changed(SpeculativeConfig(), trees="no"), e.target), "trees"),
     ("drafter-target-raw-model", lambda e: make_drafter(SpeculativeConfig(), e.model), "target"),
+    ("drafter-target-builds-no-head", lambda e: make_drafter(SpeculativeConfig(), OwnTarget(e.target)), "target"),
+    ("drafter-head-mode-target-builds-no-head", lambda e: make_drafter(SpeculativeConfig(draft_mode="head"),
+                                                                       OwnTarget(e.target)), "target"),
     ("drafter-draft_layers-whole-target", lambda e: make_drafter(
         SpeculativeConfig(draft_mode="model", draft_layers=LAYERS), e.target), "draft_layers"),
     ("drafter-draft_lm-vocab", lambda e: make_drafter(SpeculativeConfig(draft_mode="model"), e.target,

@@ -285,6 +285,41 @@ def check_plain_decode(tokens, start_pos, vocab_size: int) -> list[tuple[int, in
     return live
 
 
+NULL_BLOCK = 0  # vLLM's BlockPool keeps block 0 as its null block (padding in block tables): never a request's
+
+
+def check_page_table(page_table, spans: Sequence[tuple[int, int, int]], num_blocks: int, block_size: int,
+                     call: str) -> torch.Tensor:
+    """The page table a prefill or decode brings, as int64 block ids, after every check that can be made of it: an
+    integer [rows, blocks per request] tensor, and for each span (page-table row, first position written, end) the
+    blocks holding positions [0, end) real (not vLLM's null block 0, within the pool of num_blocks) and distinct, none
+    a row writes held by another row. Both serving models check it before anything changes: torch copies from and to
+    those blocks, TT's paged_update_cache writes into them unchecked."""
+    if not isinstance(page_table, torch.Tensor) or page_table.dim() != 2 or page_table.is_floating_point():
+        shape = list(page_table.shape) if isinstance(page_table, torch.Tensor) else type(page_table).__name__
+        raise ValueError(f"{call} page_table must be an integer tensor [rows, blocks per request], got {shape}")
+    table = page_table.to(torch.int64)
+    held = {}
+    for row, start, end in spans:
+        count = -(-end // block_size)
+        if row >= table.shape[0] or count > table.shape[1]:
+            raise ValueError(f"{call} page_table {list(table.shape)} has no row {row} with {count} blocks: its "
+                             f"positions reach {end - 1} in blocks of {block_size}")
+        blocks = table[row, :count].tolist()
+        bad = [b for b in blocks if not NULL_BLOCK < b < num_blocks]
+        if bad or len(set(blocks)) != len(blocks):
+            raise ValueError(f"{call} page_table row {row} holds blocks {blocks} for positions 0..{end - 1}: each "
+                             f"must be a distinct block in [1, {num_blocks}) (block 0 is vLLM's null block)")
+        held[row] = (set(blocks), set(blocks[start // block_size:]))
+    for row, (_, written) in held.items():
+        for other, (blocks, _) in held.items():
+            if other != row and written & blocks:
+                raise ValueError(f"{call} page_table rows {row} and {other} both hold blocks "
+                                 f"{sorted(written & blocks)}, which row {row} writes: a block another request "
+                                 "holds (a block table of another request?)")
+    return table
+
+
 def check_committed_block(num_drafts: int, committed_tokens, committed_positions, accepted_counts) -> None:
     """A propose call's inputs: the [B, 1+K] committed block (the first accepted_counts[i] columns are row i's
     committed tokens at consecutive positions; padding rows have negative positions) and the counts. int32 as the

@@ -13,6 +13,7 @@ changes; everything here is shared (docs/serving.md: what the ttnn side provides
 (the block, slot_remap, each row against its slot's request, the backend's check) before it applies slot_remap or tells
 the drafter anything: a refused call moves nothing, and its correct retry runs as if it had not been made.
 """
+import operator
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -143,7 +144,16 @@ class SpecDecodeCore:
         check_draft_output(drafted, committed_tokens.shape[0], num_drafts, self.target.vocab_size)
         return drafted
 
-    def release(self, slot: int) -> None:
-        """release_request (proposer.CopiedDraftProposer.release: it takes effect once the slot stops decoding its
-        request)."""
-        self.proposer.release(int(slot))
+    def release(self, slot) -> None:
+        """release_request: a decode slot, checked; the drafter sends the slot's response to the draft memory and
+        keeps the request's state until the next prefill into the slot (CopiedDraftProposer.release: a release names
+        no request, so one repeated after another request took the slot, or a running request left out of a step,
+        must not end the request the slot holds)."""
+        try:
+            index = None if isinstance(slot, bool) else operator.index(slot)  # an int, numpy's, a one-element tensor
+        except TypeError:
+            index = None
+        if index is None or not 0 <= index < self.target.max_batch_size:
+            raise ValueError(f"release_request slot must be a decode slot in [0, {self.target.max_batch_size}), got "
+                             f"{slot!r}")
+        self.proposer.release(index)

@@ -9,10 +9,12 @@ step_cost, with DraftLengthPolicy's probes), capped by K and the end of the cont
 
 State is keyed by a request key the slot points to, so a slot move (slot_remap) moves a pointer, and a slot whose
 request went or was never prefilled drafts nothing. Every call checks all its rows before it changes anything, so a
-refused one leaves the state as it was. release_request names only a slot (the contract has no request id), so a
-release takes effect when the slot's request stops running: at the next decode in which its slot is not a live row, or
-at the next prefill into its slot; a decode that goes on feeding the request shows the release was not its own (one
-repeated after another request took the slot) and it is ignored. It speaks only to the CausalLM interface
+refused one leaves the state as it was. release_request names only a slot (the contract has no request id), so one
+repeated after another request took the slot reads as that request's own; and a slot a running request holds need not
+be a live row of every decode (a runner may leave it out of a step). So a request's state goes only when the next
+request is prefilled into its slot (start): nothing else shows that it ended. Its response joins the draft memory at
+the release (send_response), so later requests draft from it at once; a release that was not its own can at most send
+a running request's response in two parts. It speaks only to the CausalLM interface
 (step_cost, max_seq_len, vocab_size): the same proposer serves the torch and ttnn backends.
 """
 from dataclasses import dataclass, field
@@ -40,7 +42,6 @@ class RequestState:
     proposed: list[int] = field(default_factory=list)
     fed: list[int] = field(default_factory=list)
     top_ids: Optional[list[list[int]]] = None
-    released: bool = False  # release_request named its slot: it goes once its slot stops decoding it
 
 
 class CopiedDraftProposer:
@@ -57,18 +58,18 @@ class CopiedDraftProposer:
     def start(self, slot: int, tokens: Sequence[int]) -> None:
         """A request prefilled into `slot` (new, or resumed after a preemption with its whole history)."""
         if slot in self.slots:
-            self.stop(slot)  # the slot's previous request ended (released, or without a release_request)
+            self.stop(slot)  # the slot's previous request ended: the rest of its response joins the memory
         key = next(self.keys)
         self.slots[slot] = key
         self.requests[key] = RequestState(list(tokens))
         self.drafter.start_request(key, tokens)
 
     def release(self, slot: int) -> None:
-        """release_request: the slot's request finished or was preempted. It goes (its response into the draft memory)
-        once its slot stops decoding it (settle); a slot holding nothing is a no-op."""
+        """release_request: the slot's request finished or was preempted. Its response so far joins the draft memory
+        now; its state stays until the next prefill into the slot (start). A slot holding nothing: no change."""
         key = self.slots.get(slot)
         if key is not None:
-            self.requests[key].released = True
+            self.drafter.send_response(key)
 
     def stop(self, slot: int) -> None:
         key = self.slots.pop(slot)
@@ -104,8 +105,7 @@ class CopiedDraftProposer:
     def fed(self, rows: Sequence[tuple[int, Sequence[int], int]]) -> None:
         """A checked decode (check_fed, slot_remap applied) feeds each slot `tokens` (the last committed token, then
         drafts) from start_pos. The first decode after a prefill brings the prefill's token (not yet in the context);
-        later ones the context's last token. A released request its slot still decodes stays (its release was not
-        its own); one no row feeds goes (settle)."""
+        later ones the context's last token."""
         for slot, tokens, start_pos in rows:
             state = self.requests[self.slots[slot]]
             if state.prefilled and start_pos == len(state.context):
@@ -113,10 +113,6 @@ class CopiedDraftProposer:
             if list(tokens[1:]) != state.proposed:
                 self.drafter.withdraw(self.slots[slot])  # not the draft it proposed (cut or replaced): nothing to learn
             state.fed, state.top_ids, state.proposed, state.prefilled = list(tokens), None, [], False
-            state.released = False
-        live = {slot for slot, _, _ in rows}
-        for slot in [s for s, key in self.slots.items() if self.requests[key].released and s not in live]:
-            self.stop(slot)
 
     def saw(self, slot: int, top_ids: Optional[list[list[int]]]) -> None:
         """The target's top-k next tokens after each row the step fed the slot (recycled drafts learn from them)."""

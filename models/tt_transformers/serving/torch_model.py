@@ -20,13 +20,10 @@ import torch
 
 from ..speculative.backend import StepOutput, UserRows
 from ..torch_backend.causal_lm import TorchCausalLM
-from .contract import DraftOutput
+from .contract import DraftOutput, check_page_table
 from .core import SpecDecodeCore
 from .plan import SPEC_CAPABILITIES, plan_speculation
 from .proposer import CopiedDraftProposer
-
-NULL_BLOCK = 0  # vLLM's BlockPool keeps block 0 as its null block (padding in block tables): never a request's
-
 
 class TorchSpecDecodeModel:
     model_capabilities = dict(SPEC_CAPABILITIES)
@@ -136,35 +133,12 @@ class TorchSpecDecodeModel:
 
     def checked_table(self, page_table, kv_cache, spans: Sequence[tuple[int, int, int]], call: str) -> torch.Tensor:
         """The page table as block ids, after every check that can be made of it: the kv_cache is the one allocated,
-        and for each span (page-table row, first position written, end), the blocks holding positions [0, end) are
-        real (not vLLM's null block 0, within the pool) and distinct, and none a row writes is in another row's."""
+        and the blocks of each span (page-table row, first position written, end) pass contract.check_page_table."""
         if self.kv_cache is None or kv_cache is not self.kv_cache:
             raise ValueError(f"{call} kv_cache must be the one allocate_kv_cache returned (the runner allocates it "
                              "once, then passes it to every prefill and decode)")
-        if not isinstance(page_table, torch.Tensor) or page_table.dim() != 2 or page_table.is_floating_point():
-            shape = list(page_table.shape) if isinstance(page_table, torch.Tensor) else type(page_table).__name__
-            raise ValueError(f"{call} page_table must be an integer tensor [rows, blocks per request], got {shape}")
-        table = page_table.to(torch.int64)
         num_blocks, _, block_size, _ = self.kv_cache[0][0].shape
-        held = {}
-        for row, start, end in spans:
-            count = -(-end // block_size)
-            if row >= table.shape[0] or count > table.shape[1]:
-                raise ValueError(f"{call} page_table {list(table.shape)} has no row {row} with {count} blocks: its "
-                                 f"positions reach {end - 1} in blocks of {block_size}")
-            blocks = table[row, :count].tolist()
-            bad = [b for b in blocks if not NULL_BLOCK < b < num_blocks]
-            if bad or len(set(blocks)) != len(blocks):
-                raise ValueError(f"{call} page_table row {row} holds blocks {blocks} for positions 0..{end - 1}: each "
-                                 f"must be a distinct block in [1, {num_blocks}) (block 0 is vLLM's null block)")
-            held[row] = (set(blocks), set(blocks[start // block_size:]))
-        for row, (_, written) in held.items():
-            for other, (blocks, _) in held.items():
-                if other != row and written & blocks:
-                    raise ValueError(f"{call} page_table rows {row} and {other} both hold blocks "
-                                     f"{sorted(written & blocks)}, which row {row} writes: a block another request "
-                                     "holds (a block table of another request?)")
-        return table
+        return check_page_table(page_table, spans, num_blocks, block_size, call)
 
     def load(self, table: torch.Tensor, row: int, cache_row: int, end: int) -> None:
         """Working cache row `cache_row`, positions [0, end): from the blocks page-table row `row` names."""

@@ -51,7 +51,7 @@ from typing import Any, Optional
 import torch
 from loguru import logger
 
-from .contract import MODEL_OWNED_DRAFTER, SpecReject, to_plugin
+from .contract import MODEL_OWNED_DRAFTER, SpecReject, check_page_table, to_plugin
 from .core import SpecDecodeCore
 from .plan import SPEC_CAPABILITIES, plan_speculation
 
@@ -195,18 +195,12 @@ class PagedVerify:
 
     def check(self, rows, top_k: int, page_table, kv_cache) -> None:
         """What a verify over `rows` (UserRows: user = decode row = page-table row) refuses, before anything runs or
-        changes: no warm-up, another KV cache, a page table of another width, a chain longer than 1 + K, a program
-        warm-up did not prepare (nothing is compiled or captured while serving)."""
+        changes: what check_table refuses, more rows than a step holds, a chain longer than 1 + K, a program warm-up
+        did not prepare (nothing is compiled or captured while serving)."""
         from ..ttnn_backend.trace_plan import passes_for
 
-        if self.width is None:
-            raise RuntimeError("a verify before warmup_model_decode: its programs are compiled and captured there")
-        if kv_cache is not None and kv_cache[0] is not self.tt.kv_cache:
-            raise ValueError("decode_forward's kv_cache is not the one the verify was warmed up on")
-        if not isinstance(page_table, torch.Tensor) or page_table.dim() != 2 or page_table.shape[1] != self.width:
-            shape = list(page_table.shape) if isinstance(page_table, torch.Tensor) else type(page_table).__name__
-            raise ValueError(f"verify page_table must be [B, {self.width}] (the width warm-up was given as "
-                             f"num_blocks), got {shape}")
+        self.check_table(rows, page_table, kv_cache, "verify")
+        self.lm._check_rows(sum(len(r.tokens) for r in rows))
         longest = max(len(r.tokens) for r in rows)
         if longest > self.lm.ladder[-1]:
             raise ValueError(f"a verify row chain of {longest} tokens is longer than 1 + K = {self.lm.ladder[-1]}")
@@ -216,6 +210,24 @@ class PagedVerify:
             raise RuntimeError(f"no verify program for {passes} write passes and top {top_k} was "
                                f"{'captured' if self.lm.trace else 'compiled'} at warm-up: nothing is compiled or "
                                "captured while serving")
+
+    def check_table(self, rows, page_table, kv_cache, call: str) -> None:
+        """What a decode over `rows` (a verify, or TT's own decode) refuses of its cache and page table: no warm-up,
+        another KV cache, a page table of another width than warm-up's (TT's decode trace was captured with that
+        width: models/common/warmup/warmup_utils.py, WarmupForwardMixin._create_decode_warmup_inputs), or rows whose
+        blocks contract.check_page_table refuses (tt/attention.py Attention.forward_decode's paged_update_cache
+        writes whatever block the table names)."""
+        if self.width is None:
+            raise RuntimeError(f"a {call} before warmup_model_decode: its programs are compiled and captured there")
+        if kv_cache is not None and kv_cache[0] is not self.tt.kv_cache:
+            raise ValueError(f"decode_forward's kv_cache is not the one the {call} was warmed up on")
+        if not isinstance(page_table, torch.Tensor) or page_table.dim() != 2 or page_table.shape[1] != self.width:
+            shape = list(page_table.shape) if isinstance(page_table, torch.Tensor) else type(page_table).__name__
+            raise ValueError(f"{call} page_table must be [B, {self.width}] (the width warm-up was given as "
+                             f"num_blocks), got {shape}")
+        blocks = self.tt.kv_cache[0][0].shape  # vLLM's [num_blocks, n_kv_heads, block_size, head_dim]
+        check_page_table(page_table, [(r.user, r.start_pos, r.start_pos + len(r.tokens)) for r in rows],
+                         int(blocks[0]), int(blocks[2]), call)
 
     def step(self, rows, top_k: int, page_table):
         """One checked verify (check) with this step's page table, replaying the program warm-up prepared for the
@@ -244,10 +256,6 @@ class SpecState:
     prefill_warmed: bool = False  # warmup_model_prefill's added prompt lengths have run
     tt_inputs_stale: bool = False  # a verify ran since TT's own decode last wrote its resident inputs
     verify_ids: Any = None  # the last verify's argmax_ids (host), which the runner's read-back may hand back
-
-
-def as_int32(values, shape) -> torch.Tensor:
-    return torch.as_tensor(values).to(torch.int32).reshape(shape)
 
 
 def pad_rows(value, rows: int, fill):
@@ -434,7 +442,8 @@ class SpecDecodeModel:
         (skipped by TT's cache update and attention), page-table row 0, -1 penalty history, each sampling parameter
         list by its last row, slot_remap by the identity; host results are cut back to B rows.
 
-        Outside warm-up the drafter is told each live row's token first (the slot_remap applied to its slots; TT's
+        Outside warm-up each live row is checked first (its slot's request, its page-table blocks and the kv_cache:
+        PagedVerify.check_table), then the drafter is told its token (the slot_remap applied to its slots; TT's
         own per-slot state gets the same remap with its call). After a verify, TT's resident decode inputs (the token
         and position buffers its traced decode keeps when it samples on the device) were not written by the verify, so
         this decode reloads them: under the reload contract's commands (vllm-tt-plugin
@@ -446,8 +455,10 @@ class SpecDecodeModel:
         tokens = torch.as_tensor(kwargs["tokens"])
         batch = tokens.shape[0]
         if not spec.warming:
-            spec.core.plain_decode_rows(as_int32(tokens, (batch, 1)), as_int32(kwargs["start_pos"], (batch,)),
-                                        kwargs.get("slot_remap"))
+            page_table, kv_cache = kwargs.get("page_table"), kwargs.get("kv_cache")
+            spec.core.plain_decode_rows(kwargs["tokens"], kwargs["start_pos"], kwargs.get("slot_remap"),
+                                        lambda rows, top_k: spec.verify.check_table(rows, page_table, kv_cache,
+                                                                                    "decode"))
             if spec.tt_inputs_stale:
                 if "reload_inputs" in kwargs:
                     kwargs["reload_inputs"], kwargs["reload_page_table"] = True, False

@@ -12,6 +12,7 @@ from typing import Optional, Sequence
 from ..errors import (
     UserError,
     check_implements,
+    described,
     check_instance,
     check_number,
     check_token_lists,
@@ -54,7 +55,7 @@ def make_drafter(config: SpeculativeConfig, target: CausalLM, *, draft_lm: Optio
     Raises:
         UserError: a setting out of range, an argument that does not fit the target (check_drafter_inputs); a draft
             head that cannot be found or does not fit the target (its hidden size, vocabulary or taps), or none for
-            head mode; draft_head named beside a built head.
+            head mode; draft_head named beside a built head; a target without draft_head where a head is read.
     """
     documents = check_drafter_inputs(config, target, draft_lm, draft_cost, head, device_head, documents)
     if config.n_draft_tokens == 0:
@@ -105,6 +106,11 @@ def check_drafter_inputs(config: SpeculativeConfig, target: CausalLM, draft_lm: 
     if head is not None and device_head is not None:
         raise UserError("give a draft head beside the target (head) or one on the device (device_head), not both",
                         "device_head")
+    if head is None and device_head is None and config.reads_head(draft_lm is not None) \
+            and not hasattr(target, "draft_head"):  # a CausalLM of its own, written before heads were built by it
+        other = "" if config.draft_mode == "head" else ", or draft_head='none' to draft without a head"
+        raise UserError(f"target ({described(target)}) has no draft_head, so it cannot build the draft head draft_mode "
+                        f"{config.draft_mode!r} reads; pass a built head (head or device_head){other}", "target")
     for name, given in (("head", head), ("device_head", device_head)):
         if given is not None and given.vocab_size != target.vocab_size:
             raise UserError(f"{name} drafts over a vocabulary of {given.vocab_size:,} tokens, the target's has "

@@ -86,15 +86,15 @@ class SuffixDrafter:
                            "copy": MatchAcceptance(prior=[0.3] * len(LENGTH_BUCKETS)),
                            "recycle": MatchAcceptance(prior=[0.45, 0.15, 0.08, 0.05, 0.04, 0.03, 0.02, 0.02, 0.02])}
         self.automata: dict = {}  # user -> its request's suffix automaton
-        self.prompt_lens: dict[int, int] = {}
+        self.unsent: dict[int, int] = {}  # user -> where its response not yet in the draft memory starts
         self.policies: dict[int, DraftLengthPolicy] = {}
         self.cursors: dict[int, CopyCursor] = {}
         self.pending: dict = {}  # user -> (Candidate, length) for a chain, or the tree's nodes
 
     def start(self, users, prompts, sampler, hidden=None):
         if self.memory is not None:
-            self.memory.start_request([sam.tokens[self.prompt_lens[u]:] for u, sam in self.automata.items()])
-        self.automata, self.prompt_lens, self.policies, self.cursors, self.pending = {}, {}, {}, {}, {}
+            self.memory.start_request([sam.tokens[self.unsent[u]:] for u, sam in self.automata.items()])
+        self.automata, self.unsent, self.policies, self.cursors, self.pending = {}, {}, {}, {}, {}
         for u, p in zip(users, prompts):
             self.start_request(u, p)
 
@@ -102,15 +102,25 @@ class SuffixDrafter:
         """One request's state on its own: a server admits and ends requests one at a time (start() begins a whole
         batch). `user` is any hashable key."""
         self.automata[user] = self.sources.SuffixAutomaton(prompt)
-        self.prompt_lens[user] = len(prompt)
+        self.unsent[user] = len(prompt)
         self.policies[user] = DraftLengthPolicy(0.0)
         self.cursors[user] = CopyCursor()
         self.pending.pop(user, None)
 
+    def send_response(self, user) -> None:
+        """The request's response so far joins the draft memory now, its state stays, and stop_request sends only
+        what follows: for a server told that a request ended before it may drop the request's state (serving/
+        proposer.py). Nothing new: no change."""
+        tokens = self.automata[user].tokens
+        if self.memory is not None and len(tokens) > self.unsent[user]:
+            self.memory.start_request([tokens[self.unsent[user]:]])
+            self.unsent[user] = len(tokens)
+
     def stop_request(self, user) -> None:
-        """The request ended: its state goes and its response (what followed the prompt) joins the draft memory."""
-        response = self.automata[user].tokens[self.prompt_lens[user]:]
-        for state in (self.automata, self.prompt_lens, self.policies, self.cursors, self.pending):
+        """The request ended: its state goes and its response (what followed the prompt, less what send_response
+        sent) joins the draft memory."""
+        response = self.automata[user].tokens[self.unsent[user]:]
+        for state in (self.automata, self.unsent, self.policies, self.cursors, self.pending):
             state.pop(user, None)
         if self.memory is not None:
             self.memory.start_request([response])
