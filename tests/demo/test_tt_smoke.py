@@ -154,8 +154,8 @@ def test_a_failing_head_leaves_the_target_paths_verdict_passed_and_the_exit_stat
                                    "skipped": "not run: the draft head failed at an earlier stage"}
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[-2:] == ["tt-smoke verdict: target path passed (exit status 0)",
-                          "tt-smoke draft head: FAILED at stage 'draft head on the device' (RuntimeError: TT_FATAL: the "
-                          "head's decoder layer)"]
+                          "tt-smoke draft head: FAILED at stage 'draft head on the device' (RuntimeError: TT_FATAL: "
+                          "the head's decoder layer)"]
 
     def broken(s):
         raise RuntimeError("TT_FATAL: out of DRAM")

@@ -388,7 +388,8 @@ class SpecDecodeModel:
         bound.arguments["max_batch_size"] = TILE_ROWS
         max_num_seqs = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", max_batch_size)
         # what spec_plan refused at configuration time, checked again on the mesh and arguments TT builds with
-        refusal = cls.launch_refusal(vllm_config, mesh_device.get_num_devices(), bound.arguments.get("tt_data_parallel"))
+        refusal = cls.launch_refusal(vllm_config, mesh_device.get_num_devices(),
+                                     bound.arguments.get("tt_data_parallel"))
         plan = plan_speculation(vllm_config, max_num_seqs, k)
         if refusal is not None or isinstance(plan, SpecReject):
             raise ValueError(refusal or plan.reason)

@@ -593,8 +593,8 @@ def main(argv=None) -> int:
                              "collective of ours) or device (one all-gather inside each tapped trace, the demo's "
                              "default: run it once host passes); the same on one device")
     parser.add_argument("--full", action="store_true",
-                        help="the second run: also the tapped-states stage and taps in the eager stage, every trace the "
-                             "stages use (the taps' and the head's target steps too) captured once up front; the "
+                        help="the second run: also the tapped-states stage and taps in the eager stage, every trace "
+                             "the stages use (the taps' and the head's target steps too) captured once up front; the "
                              "default (the first run) captures only the target path's traces before its verdict")
     parser.add_argument("--trace_region_size", type=int, help="bytes of trace region to open the mesh with (default: "
                                                                 "the traces' estimate x 2.5; a run whose traces outgrow "
