@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """`make tt-smoke` (demo/speculative_decoding/tt_smoke.py) on the stand-in (a TEST DOUBLE for ttnn and TT-Transformers, not a device):
-every stage runs and reports, and a failing stage stops the run there with the failure in the report."""
+every stage runs and reports, a failing target-path stage stops the run there with the failure in the report, and the
+draft head's failure is its own verdict."""
 import json
 import subprocess
 import sys
@@ -51,32 +52,67 @@ def test_every_stage_runs_and_reports(monkeypatch, tmp_path):
     assert json.loads((tmp_path / "report.json").read_text())["ok"]
 
 
-def test_each_trace_is_captured_once_across_the_stages(monkeypatch, tmp_path):
-    """Review 3, item 6: the stages used to plan new shapes one by one (the tapped states' step, the head's target
-    steps, the run's again after the head's warm-up), each releasing and capturing every trace on the mesh again.
-    compile_and_capture now keeps them all planned: after it, only the head stage captures (its head is built with
-    the traces live), and the tapped-states, lossless and perf stages capture nothing."""
-    stand_in_machine(monkeypatch, tmp_path)
-    captures = []
+def captures_per_stage(monkeypatch, stages):
+    """The stages wrapped to count the trace captures each makes (stand-in ttnn.begin_trace_capture); (the wrapped
+    stages, {stage: captures}, {"top_k": the run's drafter's top k, "traced": keys captured after each stage})."""
+    captures, per_stage, seen = [], {}, {"traced": {}}
     begin = stand_in_ttnn.begin_trace_capture
 
     def counted(*args, **kwargs):
         captures.append(1)
         return begin(*args, **kwargs)
     monkeypatch.setattr(stand_in_ttnn, "begin_trace_capture", counted)
-    per_stage = {}
 
     def counting(name, stage):
         def run(s):
             before = len(captures)
             stage(s)
             per_stage[name] = len(captures) - before
+            if s.drafter is not None:
+                seen["top_k"], seen["traced"][name] = s.drafter.top_k, set(s.lm.traces)
         return run
-    stages = [(name, counting(name, stage)) for name, stage in tt_smoke.STAGES]
-    report = tt_smoke.run(smoke_config(tmp_path), tmp_path / "report.json", stages)
-    assert report["ok"], report["stages"][-1]
+    wrapped = [(name, counting(name, stage)) for name, stage in stages]
+    # the wrappers stand for the stages: the head's stay head stages
+    heads = {stage: wrapper for (_, stage), (_, wrapper) in zip(stages, wrapped) if stage in tt_smoke.HEAD_STAGES}
+    monkeypatch.setattr(tt_smoke, "HEAD_STAGES", tuple(heads.values()))
+    return wrapped, per_stage, seen
+
+
+def test_the_first_run_captures_only_the_target_paths_traces_before_its_verdict(monkeypatch, tmp_path):
+    """Issue 46, item 3: a first run's target path captures the traces it steps (the run's write-pass counts with the
+    drafter's top k, and the plain step), not the tapped states' or the head's target steps; the head stage plans
+    and captures its own after the target path's verdict. (The full set is the second run, --full.)"""
+    from models.tt_transformers.ttnn_backend.trace_plan import trace_keys
+
+    stand_in_machine(monkeypatch, tmp_path)
+    config = smoke_config(tmp_path)
+    stages, per_stage, seen = captures_per_stage(monkeypatch, tt_smoke.STAGES)
+    report = tt_smoke.run(config, tmp_path / "report.json", stages)
+    assert report["ok"] and report["head"]["verdict"] == "passed", report["stages"][-1]
+    target = set(trace_keys(config.n_draft_tokens + 1, seen["top_k"], ()))
+    assert seen["traced"]["perf keys"] == target  # every trace live at the verdict is one the target path steps
+    assert per_stage["compile and trace capture"] == len(target), per_stage
+    assert [name for name, n in per_stage.items() if n] == ["compile and trace capture", "draft head on the device"]
+    print(f"first run: {len(target)} traces captured before the verdict; the head stage {per_stage}")
+
+
+def test_each_trace_is_captured_once_across_the_stages(monkeypatch, tmp_path):
+    """Review 3, item 6 (the second run, --full): the stages used to plan new shapes one by one (the tapped states'
+    step, the head's target steps, the run's again after the head's warm-up), each releasing and capturing every
+    trace on the mesh again. compile_and_capture keeps them all planned with --full: after it, only the head stage
+    captures (its head is built with the traces live), and the tapped-states, lossless and perf stages capture
+    nothing."""
+    from models.tt_transformers.ttnn_backend.trace_plan import trace_keys
+
+    stand_in_machine(monkeypatch, tmp_path)
+    config = smoke_config(tmp_path)
+    stages, per_stage, seen = captures_per_stage(monkeypatch, tt_smoke.FULL_STAGES)
+    report = tt_smoke.run(config, tmp_path / "report.json", stages, full=True)
+    assert report["ok"] and report["head"]["verdict"] == "passed", report["stages"][-1]
     captured = {name: n for name, n in per_stage.items() if n}
     assert list(captured) == ["compile and trace capture", "draft head on the device"], per_stage
+    assert captured["compile and trace capture"] > len(trace_keys(config.n_draft_tokens + 1, seen["top_k"], ()))
+    print(f"--full: {captured['compile and trace capture']} traces captured before the verdict; {per_stage}")
 
 
 def test_a_failing_stage_stops_the_run(monkeypatch, tmp_path):
@@ -91,6 +127,44 @@ def test_a_failing_stage_stops_the_run(monkeypatch, tmp_path):
     assert report["stages"][-1]["error"] == "RuntimeError: TT_FATAL: out of DRAM"
     assert "out of DRAM" in report["stages"][-1]["traceback"]
     assert stand_in_ttnn.FABRIC["open_meshes"] == 0  # the mesh was closed on the way out
+
+
+def test_a_failing_head_leaves_the_target_paths_verdict_passed_and_the_exit_status_0(monkeypatch, tmp_path, capsys):
+    """Issue 46, item 3: the draft head runs after the target path with its own verdict. A head stage that raises is
+    recorded as the head's failure (report "head", its stage's error, the last line printed), its later stages are
+    not run, and the target path's verdict (report "ok") and the exit status stay passed (0); a target-path stage that
+    fails gives exit status 1 and leaves the head not run."""
+    stand_in_machine(monkeypatch, tmp_path)
+    ran = []
+
+    def no_head(*args):
+        raise RuntimeError("TT_FATAL: the head's decoder layer")
+    monkeypatch.setattr(tt_smoke, "smoke_head_folder", no_head)  # the device head stage fails where it starts
+    stages = [("target", lambda s: ran.append("target")), ("draft head on the device", tt_smoke.device_head),
+              ("tapped states", tt_smoke.tapped_states), ("after", lambda s: ran.append("after"))]
+    run = tt_smoke.run
+    monkeypatch.setattr(tt_smoke, "run", lambda config, path, **kwargs: run(config, path, stages, **kwargs))
+    path = tmp_path / "r.json"
+    assert tt_smoke.main(["--report", str(path)]) == 0
+    report = json.loads(path.read_text())
+    assert report["ok"] and ran == ["target", "after"]
+    assert report["head"] == {"verdict": "failed", "stage": "draft head on the device",
+                              "error": "RuntimeError: TT_FATAL: the head's decoder layer"}
+    assert report["stages"][2] == {"stage": "tapped states",
+                                   "skipped": "not run: the draft head failed at an earlier stage"}
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-2:] == ["tt-smoke verdict: target path passed (exit status 0)",
+                          "tt-smoke draft head: FAILED at stage 'draft head on the device' (RuntimeError: TT_FATAL: "
+                          "the head's decoder layer)"]
+
+    def broken(s):
+        raise RuntimeError("TT_FATAL: out of DRAM")
+    stages[0] = ("target", broken)
+    assert tt_smoke.main(["--report", str(path)]) == 1
+    report = json.loads(path.read_text())
+    assert not report["ok"] and report["head"] == {"verdict": "not run"} and len(report["stages"]) == 1
+    assert capsys.readouterr().out.strip().splitlines()[-2:] == [
+        "tt-smoke verdict: target path FAILED at stage 'target' (exit status 1)", "tt-smoke draft head: not run"]
 
 
 def test_the_report_survives_a_failed_teardown(monkeypatch, tmp_path):
@@ -177,6 +251,27 @@ def test_the_surface_stage_stops_only_for_what_the_backend_calls(monkeypatch, tm
         tt_smoke.tt_transformers_surface(smoke)
 
 
+def test_a_literal_string_missing_from_tts_source_is_a_warning_not_a_stop(monkeypatch, tmp_path):
+    """Issue 46, item 3: the Galaxy probe reads two literal strings of TT's attention.py (how a prefill fills the mesh
+    columns' caches), which the lossless stage checks by running; the count prepare_decode_inputs_host returns is read
+    from its source, which the first step checks. Missing (the stand-in has neither Galaxy string), each is a warning
+    and the surface stage passes, where it used to stop make tt-smoke at stage 2 on a Galaxy."""
+    from ..tt_stand_in import install
+
+    install(monkeypatch)
+    monkeypatch.setenv("MESH_DEVICE", "TG")
+    smoke = tt_smoke.Smoke(smoke_config(tmp_path), None)
+    tt_smoke.tt_transformers_surface(smoke)  # no LookupError
+    surface = smoke.facts["tt_transformers_surface"]
+    assert "missing" in surface["Galaxy: decode users grouped per mesh column"]
+    def five_inputs(self, tokens, current_pos, page_table=None):  # as tt/model.py@000ec121 returns them
+        return tokens, current_pos, None, None, page_table
+    monkeypatch.setattr(stand_in_tt.Transformer, "prepare_decode_inputs_host", five_inputs)
+    tt_smoke.tt_transformers_surface(smoke)
+    assert "returns 5 values" in smoke.facts["tt_transformers_surface"]["prepare_decode_inputs_host returns 4 device "
+                                                                        "inputs"]
+
+
 def test_a_galaxy_skips_the_stages_that_need_taps(monkeypatch, tmp_path):
     """Issue 37 point 1: the backend refuses taps on a Galaxy (its residual is split over the mesh columns and
     replicated over the rows), so the eager, tapped-states and draft-head stages are reported skipped (Galaxy) there
@@ -189,7 +284,7 @@ def test_a_galaxy_skips_the_stages_that_need_taps(monkeypatch, tmp_path):
         s.lm.tt.args.is_galaxy = True
     needs_taps = ["eager prefill and verify step", "tapped states", "draft head on the device"]
     stages = [("device open", tt_smoke.open_device), ("model build", tt_smoke.build_model), ("Galaxy", on_a_galaxy),
-              *((name, stage) for name, stage in tt_smoke.STAGES if name in needs_taps),
+              *((name, stage) for name, stage in tt_smoke.FULL_STAGES if name in needs_taps),
               ("after", lambda s: ran.append(1))]
     report = tt_smoke.run(smoke_config(tmp_path), tmp_path / "report.json", stages)
     assert report["ok"], report["stages"][-1]

@@ -9,6 +9,7 @@ The plugin's side is played by a small scheduler written here (Scheduler: vLLM's
 tables, block 0 its null block, blocks handed out shuffled) and by serving/reference_runner.py's loop.
 """
 import importlib.util
+import os
 import re
 import sys
 import types
@@ -494,17 +495,25 @@ def test_the_runners_loop_on_the_stand_in_is_plain_greedy(monkeypatch, tmp_path,
 
 
 def test_a_verify_refuses_what_warm_up_did_not_prepare(monkeypatch, tmp_path, embedded_checkpoint):
-    """Before warm-up there is no verify program; a page table of another width than warm-up's, or another KV cache,
-    is refused (PagedVerify.check, which SpecDecodeCore.verify runs before anything changes); only phase 1 (no
-    traces: a launch that does not trace decode) serves its verify eagerly with the compiled programs."""
+    """Before warm-up there is no verify program; a page table wider than warm-up's, one whose blocks do not reach a
+    row's last position, or another KV cache, is refused (PagedVerify.check, which SpecDecodeCore.verify runs before
+    anything changes); a narrower one is padded with -1 as TT pads a prefill's page table (issue 46: it used to be
+    refused), giving the full width's ids; only phase 1 (no traces: a launch that does not trace decode) serves its
+    verify eagerly with the compiled programs."""
     served = Served(monkeypatch, tmp_path, embedded_checkpoint, 3, trace=False)
     verify = served.model.spec.verify
     assert not verify.lm.traces and verify.lm.compiled == verify.lm.planned
     rows = [UserRows(0, [1, 2], 3)]
     table = torch.zeros(BATCH, served.width, dtype=torch.int32)
     table[:, 0] = torch.arange(1, BATCH + 1)  # each row's first block a real one (block 0 is vLLM's null block)
-    with pytest.raises(ValueError, match=f"must be \\[B, {served.width}\\]"):
-        verify.check(rows, 4, table[:, :-1], served.kv_cache)
+    with pytest.raises(ValueError, match=f"must be \\[B, <= {served.width}\\]"):
+        verify.check(rows, 4, torch.ones(BATCH, served.width + 1, dtype=torch.int32), served.kv_cache)
+    with pytest.raises(ValueError, match=f"has no row 0 with 2 blocks: its positions reach {BLOCK} in blocks of "
+                                         f"{BLOCK}"):
+        verify.check([UserRows(0, [1, 2], BLOCK - 1)], 4, table[:, :1], served.kv_cache)
+    verify.check(rows, 4, table[:, :1], served.kv_cache)
+    narrow = verify.step(rows, 4, table[:, :1]).ids
+    assert narrow == verify.step(rows, 4, table).ids
     with pytest.raises(ValueError, match="not the one the verify was warmed up on"):
         verify.check(rows, 4, table, [list(served.kv_cache[0])])
     with pytest.raises(RuntimeError, match="no verify program for 2 write passes and top 0"):
@@ -518,6 +527,105 @@ def test_a_verify_refuses_what_warm_up_did_not_prepare(monkeypatch, tmp_path, em
                                    verify.tt.config, "performance")
     with pytest.raises(RuntimeError, match="before warmup_model_decode"):
         fresh.check(rows, 4, table, served.kv_cache)
+
+
+def test_ordered_writes_reach_a_transformer_built_any_way(monkeypatch, tmp_path, embedded_checkpoint):
+    """Issue 46, item 4: the ordered cache writes are injected by wrapping TT's Transformer.__init__ (tt/model.py),
+    not by replacing generator_vllm's module-level name: a generator_vllm that builds its Transformer by position
+    through another import path still gets the ordered-write attention with use_qk_fused False (the old injection
+    handed such a builder an attention_class keyword it does not take), TT's class is unwrapped after the build, and a
+    builder that brings its own attention_class is refused in one line."""
+    import importlib
+
+    def by_position(args, mesh_device, dtype, state_dict, weight_cache_path, use_paged_kv_cache):
+        transformer = importlib.import_module("models.tt_transformers.tt.model").Transformer
+        return transformer(args, dtype, mesh_device, state_dict, weight_cache_path, None, use_paged_kv_cache)
+    install(monkeypatch)
+    monkeypatch.setattr(stand_in_generator_vllm, "Transformer", by_position)
+    init = stand_in_tt.Transformer.__init__
+    served = Served(monkeypatch, tmp_path, embedded_checkpoint, 3, trace=False)
+    tt_model = served.model.model[0]
+    attention = tt_model.layers[0].attention
+    assert type(attention) is not stand_in_tt.Attention and isinstance(attention, stand_in_tt.Attention)
+    assert type(attention).__name__ == "Attention" and not tt_model.args.use_qk_fused
+    assert stand_in_tt.Transformer.__init__ is init
+    own = type("Attention", (stand_in_tt.Attention,), {})
+    monkeypatch.setattr(stand_in_generator_vllm, "Transformer",
+                        lambda **kwargs: stand_in_tt.Transformer(**kwargs, attention_class=own))
+    with pytest.raises(RuntimeError, match="^TT-Transformers built its Transformer with attention_class Attention: "):
+        ttnn_model.SpecLlamaForCausalLM.initialize_vllm_model(
+            types.SimpleNamespace(_name_or_path=os.environ["HF_MODEL"]), served.mesh, BATCH,
+            MAX_SEQ_LEN, n_layers=N_LAYERS, vllm_config=vllm_config(3))
+    assert stand_in_tt.Transformer.__init__ is init
+
+
+def test_spec_plan_refuses_a_galaxy_or_tt_data_parallel_at_configuration_time(monkeypatch):
+    """Issue 46, item 4: a Galaxy (MESH_DEVICE TG or BHGLX: the mesh the plugin opens) or a TT data-parallel launch
+    (the plugin's tt_data_parallel_size, or the lane count it resolved) is refused by spec_plan, at configuration
+    time, in one line, where it used to be refused only when the model loaded; and a TT class that declares the
+    decode-reload contract's version 1 is refused there too (this class serves the legacy reload, and says so:
+    decode_input_update_contract 0)."""
+    install(monkeypatch)
+    monkeypatch.setattr(ttnn_model, "_CLASSES", {})
+    cls = ttnn_model.SpecLlamaForCausalLM
+    assert cls.decode_input_update_contract == 0
+    monkeypatch.setenv("MESH_DEVICE", "T3K")
+    assert not isinstance(cls.spec_plan(vllm_config(3), BATCH, 3), SpecReject)
+    refusals = []
+    for mesh in ("TG", "BHGLX"):
+        monkeypatch.setenv("MESH_DEVICE", mesh)
+        refusals.append(cls.spec_plan(vllm_config(3), BATCH, 3))
+    monkeypatch.setenv("MESH_DEVICE", "T3K")
+    for additional in ({"tt": {"tt_data_parallel_size": 2}}, {"_tt_resolved_lane_count": 4}):
+        config = vllm_config(3)
+        config.additional_config = additional
+        refusals.append(cls.spec_plan(config, BATCH, 3))
+    assert all(isinstance(r, SpecReject) and "\n" not in r.reason for r in refusals)
+    assert [r.reason.split(":")[0] for r in refusals[:2]] == ["speculative decoding on a Galaxy is not served yet"] * 2
+    assert "tt_data_parallel 2 is not supported" in refusals[2].reason
+    assert "tt_data_parallel 4 is not supported" in refusals[3].reason
+    monkeypatch.setattr(stand_in_generator_vllm.LlamaForCausalLM, "decode_input_update_contract", 1, raising=False)
+    monkeypatch.setattr(ttnn_model, "_CLASSES", {})
+    reject = ttnn_model.SpecLlamaForCausalLM.spec_plan(vllm_config(3), BATCH, 3)
+    assert isinstance(reject, SpecReject) and "declares decode_input_update_contract = 1" in reject.reason
+
+
+def test_a_verifys_slot_remap_reaches_tt_transformers_next_decode(monkeypatch, tmp_path, embedded_checkpoint,
+                                                                  prompts):
+    """Issue 46, item 4: the reload contract has every slot-indexed state moved by a slot_remap exactly once before
+    it is read (DECODE_RELOAD_CONTRACT.md@1f10755a); TT's per-slot state (its sampler's, its resident tokens) is read
+    by its decode only. A verify that swaps two requests' slots moves the drafter's state, and TT's next decode gets
+    that remap (composed with its own: none here) with reset_batch; the decode after it gets none."""
+    served = Served(monkeypatch, tmp_path, embedded_checkpoint, 3)
+    calls = []
+    tt_decode = stand_in_generator_vllm.LlamaForCausalLM.decode_forward
+
+    def recorded(self, *args, **kwargs):
+        remap = kwargs.get("slot_remap")
+        calls.append((kwargs.get("reset_batch"), None if remap is None else remap.tolist()))
+        return tt_decode(self, *args, **kwargs)
+    monkeypatch.setattr(stand_in_generator_vllm.LlamaForCausalLM, "decode_forward", recorded)
+    scheduler = Scheduler(served)
+    chosen = [prompts[0][:40], prompts[1][:35]]
+    n = [len(c) for c in chosen]
+    first = scheduler.prefill(chosen, [0, 1])
+    swap = t([1, 0, 2, 3])  # the two requests trade slots
+    tokens, start, num_valid, counts = verify_block([[first[1]], [first[0]]], [n[1], n[0]], 3)
+    verified = scheduler.decode(tokens, start, num_valid_drafts=num_valid, accepted_counts=counts,
+                                spec_mode=ACCEPT_MODE_ARGMAX_IDS, slot_remap=swap)
+    committed, kept = accept_greedy_drafts(verified.argmax_ids, tokens[:, 1:], num_valid)
+    positions = torch.full((BATCH, 4), -1, dtype=torch.int32)
+    positions[:2, 0] = t([n[1] + 1, n[0] + 1])
+    served.model.propose_draft_tokens(3, committed, positions, kept)
+    ids = committed[:2, 0].tolist()
+    out = scheduler.decode(t([[ids[0]], [ids[1]], [0], [0]]), t([n[1] + 1, n[0] + 1, -1, -1]), read_from_device=True)
+    assert calls == [(True, [1, 0, *range(2, 32)])]  # TT's 32 rows: the remap, the rows past B in place
+    ids = out[0][:2].tolist()
+    committed[:, 1:], committed[:2, 0], positions[:2, 0] = -1, t(ids), t([n[1] + 2, n[0] + 2])
+    served.model.propose_draft_tokens(3, committed, positions, torch.ones(BATCH, dtype=torch.int32))
+    scheduler.decode(t([[ids[0]], [ids[1]], [0], [0]]), t([n[1] + 2, n[0] + 2, -1, -1]))
+    assert calls[-1] == (False, None)
+    assert ttnn_model.compose_remaps([1, 0, 2], [0, 2, 1]) == [1, 2, 0]  # row 1 reads what slot 2 held before both
 
 
 def test_the_plugins_rows_pad_to_tt_transformers_tile_and_back():

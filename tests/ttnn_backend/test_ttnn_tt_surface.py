@@ -231,15 +231,16 @@ class FiveInputs(stand_in_tt.Transformer):
 def test_the_probe_stops_for_a_decode_interface_the_backend_cannot_drive(monkeypatch, tt):
     """Issue 37's third review, F5: the backend unpacks four inputs from prepare_decode_inputs_host and calls
     ttnn_decode_forward(x, current_pos, rot_mat_idxs=, page_table=, kv_cache=); the version at 000ec121 returns five
-    and names the rotary inputs apart, which failed with a TypeError at the first step. The probe names both as
-    missing calls (make tt-smoke stops at stage 2), and a step that gets another count says so in one line."""
+    and names the rotary inputs apart, which failed with a TypeError at the first step. The probe names the signature
+    as a missing call (make tt-smoke stops at stage 2) and the count, read from TT's source, as a warning (issue 46:
+    the step checks it), and a step that gets another count says so in one line."""
     from models.tt_transformers.speculative.backend import UserRows
 
     lm = tt(1)
     monkeypatch.setattr(stand_in_tt, "Transformer", FiveInputs)
-    missing = {line.name: line for line in tt_surface.probe() if not line.found and line.called}
-    assert set(missing) == {"prepare_decode_inputs_host returns 4 device inputs",
-                            "ttnn_decode_forward(x, current_pos, rot_mat_idxs=, page_table=, kv_cache=)"}
+    missing = {line.name: line for line in tt_surface.probe() if not line.found}
+    assert {name for name, line in missing.items() if line.called} == {
+        "ttnn_decode_forward(x, current_pos, rot_mat_idxs=, page_table=, kv_cache=)"}
     assert "returns 5 values where the backend unpacks 4" in missing["prepare_decode_inputs_host returns 4 device "
                                                                     "inputs"].text
     four = lm.tt.model.prepare_decode_inputs_host  # the built model's: now as 000ec121's returns them
@@ -286,8 +287,8 @@ def test_a_step_whose_cache_writes_bypass_the_ordered_writer_is_refused(monkeypa
 def test_the_galaxy_probe_is_called_on_a_galaxy_only(monkeypatch):
     """F1: on a Galaxy the backend keeps a step's rows in mesh column 0's users, which is right when TT's Attention
     groups the decode users per mesh column (batch_size_per_device_group) and fills column 0's caches in a prefill;
-    the probe reads that from tt/attention.py where MESH_DEVICE names a Galaxy (stopping make tt-smoke when it cannot),
-    and is not needed elsewhere."""
+    the probe reads that from tt/attention.py where MESH_DEVICE names a Galaxy (a warning when it cannot, issue 46:
+    the lossless stage checks it), and is not needed elsewhere."""
     from ..tt_stand_in import install
 
     install(monkeypatch)
@@ -297,7 +298,7 @@ def test_the_galaxy_probe_is_called_on_a_galaxy_only(monkeypatch):
     assert line.found and not line.called and "not needed" in line.text
     monkeypatch.setenv("MESH_DEVICE", "TG")
     line = next(line for line in tt_surface.probe() if line.name == name)  # the stand-in has no Galaxy path
-    assert not line.found and line.called and "models/tt_transformers/tt/attention.py" in line.text
+    assert not line.found and not line.called and "models/tt_transformers/tt/attention.py" in line.text
 
     class OlderGalaxyAttention(stand_in_tt.Attention):  # the one-column fill, tt/attention.py@00b769dd
         def forward_prefill(self, x, *args, **kwargs):
@@ -317,7 +318,7 @@ def test_the_galaxy_probe_is_called_on_a_galaxy_only(monkeypatch):
                                                                                      "fills every column")):
         monkeypatch.setattr(stand_in_tt, "Attention", attention)
         line = next(line for line in tt_surface.probe() if line.name == name)
-        assert line.found and line.called and fills in line.text, line
+        assert line.found and fills in line.text, line
 
 
 def test_tt_decode_baseline_leaves_no_trace_id_for_a_destructor(tt, prompts, embedded_checkpoint, monkeypatch):

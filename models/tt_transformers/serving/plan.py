@@ -48,6 +48,45 @@ def drafter_refusal(vllm_config) -> Optional[str]:
             f"\"num_speculative_tokens\": K}}'")
 
 
+def tt_data_parallel_size(vllm_config) -> int:
+    """The TT data-parallel lanes a launch asks for, read from its vLLM config as the plugin reads it
+    (vllm-tt-plugin src/vllm_tt_plugin/config.py, get_tt_config and get_tt_data_parallel_size, versions differ): the
+    user's `--additional-config '{"tt": {"tt_data_parallel_size": N}}'` (or the deprecated plugin_config's "tt"), and
+    the lane count the plugin resolved for a Galaxy (additional_config["_tt_resolved_lane_count"]); 1 when neither is
+    set. vLLM's own data_parallel_size is not: each such rank is an engine with its own mesh and model."""
+    sizes = [1]
+    for name in ("additional_config", "plugin_config"):
+        config = getattr(vllm_config, name, None) or {}
+        if isinstance(config, dict):
+            tt = config.get("tt") if isinstance(config.get("tt"), dict) else {}
+            sizes += [value for value in (tt.get("tt_data_parallel_size"), config.get("_tt_resolved_lane_count"))
+                      if is_count(value)]
+    return max(sizes)
+
+
+def tt_layout_refusal(vllm_config, num_devices: Optional[int] = None, tt_data_parallel: Optional[int] = None):
+    """Why a speculative launch cannot run on this TT layout, in one line naming the fix; None when it can. At
+    configuration time (spec_plan: the plugin's vllm_config carries no TT platform state) the layout is the mesh
+    MESH_DEVICE names (TG and BHGLX are 8 x 4 Galaxies; the plugin opens the mesh it names) and the launch's TT
+    data-parallel size (tt_data_parallel_size); when the model loads, also the mesh TT builds on (num_devices: 32 on a
+    Galaxy, as TT's Attention tells one, `self.TG = self.num_devices == 32`) and initialize_vllm_model's
+    tt_data_parallel."""
+    import os
+
+    from ..ttnn_backend.device import MESH_SHAPES
+
+    if MESH_SHAPES.get(os.environ.get("MESH_DEVICE", "")) == (8, 4) or num_devices == 32:
+        return ("speculative decoding on a Galaxy is not served yet: there a verify step's rows must stay in one mesh "
+                "column's 8 users (ttnn_backend/causal_lm.py, max_step_rows), and this class verifies on the whole "
+                "32-row tile; launch without --speculative-config")
+    lanes = max(tt_data_parallel_size(vllm_config), tt_data_parallel if is_count(tt_data_parallel) else 1)
+    if lanes > 1:
+        return (f"speculative decoding serves one TT-Transformers model per engine: tt_data_parallel {lanes} is not "
+                "supported with a speculative config; launch with tt_data_parallel_size 1 (vLLM's "
+                "--data-parallel-size runs one engine per rank) or without --speculative-config")
+    return None
+
+
 def is_count(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 

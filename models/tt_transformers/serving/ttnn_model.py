@@ -40,6 +40,7 @@ What speculating adds (docs/serving.md; the contract: serving/contract.py, pinne
 import contextlib
 import copy
 import dataclasses
+import functools
 import importlib
 import inspect
 import json
@@ -53,7 +54,7 @@ from loguru import logger
 
 from .contract import MODEL_OWNED_DRAFTER, SpecReject, check_page_table, to_plugin
 from .core import SpecDecodeCore
-from .plan import SPEC_CAPABILITIES, plan_speculation
+from .plan import SPEC_CAPABILITIES, plan_speculation, tt_layout_refusal
 
 TT_GENERATOR_VLLM = "models.tt_transformers.tt.generator_vllm"
 # HF architecture -> (this module's class, TT-Transformers' class it subclasses in generator_vllm.py)
@@ -94,33 +95,39 @@ def speculative_k(vllm_config) -> Optional[int]:
 
 
 @contextlib.contextmanager
-def ordered_write_models(generator_vllm, passes):
-    """While TT-Transformers' generator_vllm builds its models, each `Transformer` is built with ordered cache writes:
-    TT's initialize_vllm_text_transformer (generator_vllm.py) calls the module's `Transformer(args=..., mesh_device=...,
-    dtype=..., state_dict=..., weight_cache_path=..., use_paged_kv_cache=True)` by keyword for each data-parallel
-    submesh; here that name builds the same Transformer with `attention_class` set (tt/model.py Transformer takes it)
-    after `args.use_qk_fused = False` (read once by TT's Attention.__init__: the fused update cannot be split into
-    ordered passes). Yields the list of models built so, to check that TT's path went through it."""
+def ordered_write_models(passes):
+    """While TT-Transformers builds its models, each `Transformer` is built with ordered cache writes: TT's
+    Transformer.__init__ (tt/model.py: args, dtype, mesh_device, state_dict, weight_cache_path, ...,
+    attention_class=None, ...) is wrapped on the class itself, so whatever builds it (generator_vllm's
+    initialize_vllm_text_transformer, by keyword or position, through any import path or a subclass) gets
+    `attention_class` set after `args.use_qk_fused = False` (read once by TT's Attention.__init__: the fused update
+    cannot be split into ordered passes). A caller that brings its own attention_class is refused: the verify's writes
+    would not be ordered. Yields the list of models built so, to check that TT's path went through it."""
     from models.tt_transformers.tt.attention import Attention
+    from models.tt_transformers.tt.model import Transformer
 
     from ..ttnn_backend.attention import ordered_write_attention
 
-    original, built = generator_vllm.Transformer, []
+    original, built = Transformer.__init__, []
+    signature, attention = inspect.signature(original), ordered_write_attention(Attention, passes)
 
-    def transformer(*args, **kwargs):
-        if args or "args" not in kwargs:
-            raise TypeError("generator_vllm built a Transformer other than by keyword (args=...): this tt-metal's "
-                            "initialize_vllm_text_transformer differs from the version read (ordered_write_models)")
-        kwargs["args"].use_qk_fused = False
-        model = original(**kwargs, attention_class=ordered_write_attention(Attention, passes))
-        built.append(model)
-        return model
+    @functools.wraps(original)
+    def init(self, *args, **kwargs):
+        call = signature.bind(self, *args, **kwargs)
+        if call.arguments.get("attention_class") is not None:
+            raise RuntimeError(f"TT-Transformers built its Transformer with attention_class "
+                               f"{call.arguments['attention_class'].__name__}: the verify's ordered cache writes "
+                               "(ttnn_backend/attention.py) cannot replace it")
+        call.arguments["args"].use_qk_fused = False
+        call.arguments["attention_class"] = attention
+        original(*call.args, **call.kwargs)
+        built.append(self)
 
-    generator_vllm.Transformer = transformer
+    Transformer.__init__ = init
     try:
         yield built
     finally:
-        generator_vllm.Transformer = original
+        Transformer.__init__ = original
 
 
 def checkpoint_shapes(hf_config):
@@ -195,11 +202,12 @@ class PagedVerify:
 
     def check(self, rows, top_k: int, page_table, kv_cache) -> None:
         """What a verify over `rows` (UserRows: user = decode row = page-table row) refuses, before anything runs or
-        changes: what check_table refuses, more rows than a step holds, a chain longer than 1 + K, a program warm-up
-        did not prepare (nothing is compiled or captured while serving)."""
+        changes: what check_table refuses (a page table narrower than warm-up's is padded: step), more rows than a step
+        holds, a chain longer than 1 + K, a program warm-up did not prepare (nothing is compiled or captured while
+        serving)."""
         from ..ttnn_backend.trace_plan import passes_for
 
-        self.check_table(rows, page_table, kv_cache, "verify")
+        self.check_table(rows, page_table, kv_cache, "verify", narrower=True)
         self.lm._check_rows(sum(len(r.tokens) for r in rows))
         longest = max(len(r.tokens) for r in rows)
         if longest > self.lm.ladder[-1]:
@@ -211,27 +219,37 @@ class PagedVerify:
                                f"{'captured' if self.lm.trace else 'compiled'} at warm-up: nothing is compiled or "
                                "captured while serving")
 
-    def check_table(self, rows, page_table, kv_cache, call: str) -> None:
+    def check_table(self, rows, page_table, kv_cache, call: str, narrower: bool = False) -> None:
         """What a decode over `rows` (a verify, or TT's own decode) refuses of its cache and page table: no warm-up,
         another KV cache, a page table of another width than warm-up's (TT's decode trace was captured with that
-        width: models/common/warmup/warmup_utils.py, WarmupForwardMixin._create_decode_warmup_inputs), or rows whose
-        blocks contract.check_page_table refuses (tt/attention.py Attention.forward_decode's paged_update_cache
-        writes whatever block the table names)."""
+        width: models/common/warmup/warmup_utils.py, WarmupForwardMixin._create_decode_warmup_inputs; `narrower`: a
+        verify pads a narrower one, step), or rows whose blocks contract.check_page_table refuses (tt/attention.py
+        Attention.forward_decode's paged_update_cache writes whatever block the table names; a row's blocks must
+        reach its last position)."""
         if self.width is None:
             raise RuntimeError(f"a {call} before warmup_model_decode: its programs are compiled and captured there")
         if kv_cache is not None and kv_cache[0] is not self.tt.kv_cache:
             raise ValueError(f"decode_forward's kv_cache is not the one the {call} was warmed up on")
-        if not isinstance(page_table, torch.Tensor) or page_table.dim() != 2 or page_table.shape[1] != self.width:
+        if not isinstance(page_table, torch.Tensor) or page_table.dim() != 2 or not (
+                page_table.shape[1] <= self.width if narrower else page_table.shape[1] == self.width):
             shape = list(page_table.shape) if isinstance(page_table, torch.Tensor) else type(page_table).__name__
-            raise ValueError(f"{call} page_table must be [B, {self.width}] (the width warm-up was given as "
-                             f"num_blocks), got {shape}")
+            raise ValueError(f"{call} page_table must be [B, {'<= ' if narrower else ''}{self.width}] (the width "
+                             f"warm-up was given as num_blocks), got {shape}")
         blocks = self.tt.kv_cache[0][0].shape  # vLLM's [num_blocks, n_kv_heads, block_size, head_dim]
         check_page_table(page_table, [(r.user, r.start_pos, r.start_pos + len(r.tokens)) for r in rows],
                          int(blocks[0]), int(blocks[2]), call)
 
     def step(self, rows, top_k: int, page_table):
         """One checked verify (check) with this step's page table, replaying the program warm-up prepared for the
-        rows' longest chain."""
+        rows' longest chain. A table narrower than warm-up's is padded to it with -1, as TT pads a prefill's page table
+        to the width its program was built for (tt/generator.py _pad_or_create_page_table; TT's decode stages the
+        table it is given into its trace's input as it is, _decode_forward_trace_text): the padded blocks lie past
+        every row's last position (check), which is as far as the cache update and the attention of a row read its
+        page-table row."""
+        extra = self.width - page_table.shape[1]
+        if extra > 0:
+            page_table = torch.cat([page_table, torch.full((page_table.shape[0], extra), -1, dtype=page_table.dtype)],
+                                   dim=1)
         try:
             return self.lm.step(rows, top_k=top_k, page_table=page_table)
         finally:
@@ -255,7 +273,22 @@ class SpecState:
     warming: bool = False  # inside TT's own decode warm-up: its calls carry no request
     prefill_warmed: bool = False  # warmup_model_prefill's added prompt lengths have run
     tt_inputs_stale: bool = False  # a verify ran since TT's own decode last wrote its resident inputs
+    # the slot_remaps of the verifies since TT's last decode, composed (compose_remaps): TT's per-slot state (its
+    # sampler's seeds and penalties, its resident tokens) is read only by its decode, which gets it with its own remap
+    tt_remap: Optional[list] = None
     verify_ids: Any = None  # the last verify's argmax_ids (host), which the runner's read-back may hand back
+
+
+def compose_remaps(first, then) -> Optional[list]:
+    """Two slot_remaps (row i reads the state slot remap[i] held) applied one after the other, as one: row i reads what
+    slot first[then[i]] held before both; None when neither is given."""
+    if first is None or then is None:
+        given = then if first is None else first
+        return None if given is None else torch.as_tensor(given).tolist()
+    then = torch.as_tensor(then).tolist()
+    if len(then) != len(first):
+        raise ValueError(f"slot_remap of {len(then)} rows after a verify's of {len(first)}: the decode batch changed")
+    return [first[j] for j in then]
 
 
 def pad_rows(value, rows: int, fill):
@@ -309,8 +342,26 @@ class SpecDecodeModel:
 
     @classmethod
     def spec_plan(cls, vllm_config, max_num_seqs, requested_k):
-        """The contract's classmethod: plan.plan_speculation (never raises), as the installed plugin's own classes."""
-        return to_plugin(plan_speculation(vllm_config, max_num_seqs, requested_k))
+        """The contract's classmethod: plan.plan_speculation (never raises), as the installed plugin's own classes;
+        what this class cannot serve on the launch's layout refused here, at configuration time (launch_refusal)."""
+        refusal = cls.launch_refusal(vllm_config)
+        return to_plugin(SpecReject(refusal) if refusal else plan_speculation(vllm_config, max_num_seqs, requested_k))
+
+    @classmethod
+    def launch_refusal(cls, vllm_config, num_devices=None, tt_data_parallel=None) -> Optional[str]:
+        """Why a speculative launch of this class cannot run, in one line; None when it can: a Galaxy or TT data
+        parallelism (plan.tt_layout_refusal), or a TT class that declares the decode-reload contract's version 1
+        (vllm-tt-plugin docs/DECODE_RELOAD_CONTRACT.md@1f10755a: its commands, not reset_batch). This class declares
+        version 0 over a TT class that declares none, as TT's LlamaForCausalLM at 622c6fb9 (generator_vllm.py; its
+        Generator.decode_forward takes reset_batch and slot_remap): the contract lets a class that overrides
+        decode_forward stay legacy. Under version 1 a verify would carry the four commands, which TT's decode, the
+        only thing that executes them, does not see."""
+        version = int(getattr(cls, "decode_input_update_contract", 0))
+        if version >= 1:
+            return (f"this tt-metal's {cls.__bases__[-1].__name__} declares decode_input_update_contract = {version}, "
+                    "and speculative decoding serves the legacy reload (reset_batch) only: use tt-metal v0.81.1's "
+                    "TT-Transformers, or launch without --speculative-config")
+        return tt_layout_refusal(vllm_config, num_devices, tt_data_parallel)
 
     @classmethod
     def initialize_vllm_model(cls, hf_config, mesh_device, max_batch_size, max_seq_len, *args, vllm_config=None,
@@ -337,23 +388,20 @@ class SpecDecodeModel:
         # every row of the 32-row tile carries a verify row: TT's model is built for it (ModelArgs max_batch_size 32,
         # one of TT's supported batch sizes, as ttnn_backend/model.py builds it); its own decode gets B rows padded
         bound.arguments["max_batch_size"] = TILE_ROWS
-        if mesh_device.get_num_devices() == 32:  # a Galaxy (TT's Attention: self.TG = num_devices == 32)
-            raise ValueError("speculative decoding on a Galaxy is not served yet: there a verify step's rows must stay "
-                             "in one mesh column's 8 users (ttnn_backend/causal_lm.py, max_step_rows), and this class "
-                             "verifies on the whole 32-row tile; launch without --speculative-config")
-        if bound.arguments.get("tt_data_parallel", 1) != 1:
-            raise ValueError(f"speculative decoding serves one TT-Transformers model per engine: tt_data_parallel "
-                             f"{bound.arguments['tt_data_parallel']} is not supported with a speculative config")
         max_num_seqs = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", max_batch_size)
+        # what spec_plan refused at configuration time, checked again on the mesh and arguments TT builds with
+        refusal = cls.launch_refusal(vllm_config, mesh_device.get_num_devices(),
+                                     bound.arguments.get("tt_data_parallel"))
         plan = plan_speculation(vllm_config, max_num_seqs, k)
-        if isinstance(plan, SpecReject):
-            raise ValueError(f"speculative config refused: {plan.reason}")
+        if refusal is not None or isinstance(plan, SpecReject):
+            raise ValueError(refusal or plan.reason)
         passes = KVWritePasses()
-        with ordered_write_models(importlib.import_module(TT_GENERATOR_VLLM), passes) as built:
+        with ordered_write_models(passes) as built:
             model = base(*bound.args, **bound.kwargs)
-        if len(built) != 1 or model.model[0] is not built[0]:
-            raise RuntimeError(f"TT-Transformers' initialize_vllm_model built {len(built)} models through "
-                               "initialize_vllm_text_transformer's Transformer: the verify needs the one it serves")
+        if not any(m is model.model[0] for m in built):
+            raise RuntimeError(f"TT-Transformers' initialize_vllm_model served a model not built through "
+                               f"Transformer.__init__ ({len(built)} were): its cache writes are not the verify's "
+                               "ordered ones")
         tt_model = model.model[0]
         optimizations = bound.arguments.get("optimizations")
         verify = PagedVerify(tt_model, model.model_args[0], tt_model.mesh_device, passes, max_seq_len, k,
@@ -433,6 +481,7 @@ class SpecDecodeModel:
                                lambda rows, top_k: spec.verify.step(rows, top_k, page_table), kwargs.get("slot_remap"),
                                lambda rows, top_k: spec.verify.check(rows, top_k, page_table, kv_cache))
         spec.tt_inputs_stale, spec.verify_ids = True, out.argmax_ids
+        spec.tt_remap = compose_remaps(spec.tt_remap, kwargs.get("slot_remap"))
         return to_plugin(out)
 
 
@@ -443,12 +492,15 @@ class SpecDecodeModel:
         list by its last row, slot_remap by the identity; host results are cut back to B rows.
 
         Outside warm-up each live row is checked first (its slot's request, its page-table blocks and the kv_cache:
-        PagedVerify.check_table), then the drafter is told its token (the slot_remap applied to its slots; TT's
-        own per-slot state gets the same remap with its call). After a verify, TT's resident decode inputs (the token
-        and position buffers its traced decode keeps when it samples on the device) were not written by the verify, so
-        this decode reloads them: under the reload contract's commands (vllm-tt-plugin
-        docs/DECODE_RELOAD_CONTRACT.md@1f10755a) reload_inputs is set; with the legacy keyword, reset_batch (TT's
-        Generator reloads its trace inputs on it); neither present, TT reloads every step (host sampling)."""
+        PagedVerify.check_table), then the drafter is told its token (the slot_remap applied to its slots). TT's own
+        per-slot state gets the remaps of the verifies since its last decode composed with this call's
+        (compose_remaps): the reload contract has every slot-indexed state moved exactly once before it is read
+        (vllm-tt-plugin docs/DECODE_RELOAD_CONTRACT.md@1f10755a, "slot_remap"), and TT's decode reads it (its sampler's
+        seeds and penalties, its resident tokens gathered by the remap: tt/generator.py Generator.decode_forward and
+        sample_decode_on_device). After a verify, TT's resident decode inputs (the token and position buffers its traced
+        decode keeps when it samples on the device) were not written by the verify, so this decode reloads them with
+        the legacy command this class declares (decode_input_update_contract 0): reset_batch, on which TT's Generator
+        copies the host's inputs into its trace's (_decode_forward_trace_text)."""
         from ..ttnn_backend.model import TILE_ROWS
 
         spec.passes.positions = []
@@ -460,10 +512,10 @@ class SpecDecodeModel:
                                         lambda rows, top_k: spec.verify.check_table(rows, page_table, kv_cache,
                                                                                     "decode"))
             if spec.tt_inputs_stale:
-                if "reload_inputs" in kwargs:
-                    kwargs["reload_inputs"], kwargs["reload_page_table"] = True, False
-                elif "reset_batch" in kwargs:
-                    kwargs["reset_batch"] = True
+                kwargs["reset_batch"] = True
+            remap = compose_remaps(spec.tt_remap, kwargs.get("slot_remap"))
+            if remap is not None:
+                kwargs["slot_remap"] = torch.tensor(remap, dtype=torch.int32)
         if batch < TILE_ROWS:
             fills = {"tokens": 0, "start_pos": -1, "page_table": 0, "prompt_tokens": -1, "output_tokens": -1}
             for name, fill in fills.items():
@@ -475,7 +527,7 @@ class SpecDecodeModel:
             kwargs["sampling_params"] = pad_sampling_params(kwargs.get("sampling_params"), batch, TILE_ROWS)
         out = super().decode_forward(**kwargs)
         if not spec.warming:
-            spec.tt_inputs_stale = False
+            spec.tt_inputs_stale, spec.tt_remap = False, None
         return first_rows(out, batch) if kwargs.get("read_from_device", True) else out
 
     def warmup_model_decode(self, *args, **kwargs):
@@ -554,8 +606,10 @@ def spec_class(arch: str) -> type:
     base = getattr(importlib.import_module(TT_GENERATOR_VLLM), base_name)
     capabilities = {**getattr(base, "model_capabilities", {}), **SPEC_CAPABILITIES}
     mixins = (SpecDecodeModel, VerifyReadBack) if hasattr(base, "process_decode_output_host") else (SpecDecodeModel,)
-    return type(name, (*mixins, base), {"model_capabilities": capabilities, "__module__": __name__,
-                                        "__qualname__": name})
+    attributes = {"model_capabilities": capabilities, "__module__": __name__, "__qualname__": name}
+    if int(getattr(base, "decode_input_update_contract", 0)) < 1:  # legacy, said so (SpecDecodeModel.launch_refusal)
+        attributes["decode_input_update_contract"] = 0
+    return type(name, (*mixins, base), attributes)
 
 
 _CLASSES: dict = {}

@@ -12,7 +12,7 @@ import inspect
 import math
 import re
 from dataclasses import dataclass
-from typing import Callable, Optional, Union
+from typing import Callable, Optional
 
 from .ttnn_api import ttnn
 
@@ -125,8 +125,8 @@ class Detail:
     check: Callable[[], Optional[str]]  # the variant found (a short description), or raises / returns None: missing
     # True: a signature or method the backend calls (missing: the run would fail there, so the probe stops it); False:
     # a detail read from TT-Transformers' source text or attributes, which a property, a rename or a refactor can hide
-    # while the run works (missing: a warning, and the later stages tell); a function: which of the two on this mesh
-    called: Union[bool, Callable[[], bool]] = True
+    # while the run works, and which a later stage checks by running it (missing: a warning, and that stage tells)
+    called: bool = True
 
 
 def _source(obj) -> str:
@@ -300,12 +300,15 @@ DETAILS = [
     Detail("prepare_decode_inputs_host(tokens, current_pos, page_table)", "tt/model.py",
            lambda: _signature_has(_tt("model").Transformer.prepare_decode_inputs_host, "tokens", "current_pos",
                                   "page_table")),
-    Detail("prepare_decode_inputs_host returns 4 device inputs", "tt/model.py", _decode_inputs_returned),
+    # read from TT's source: the first step checks the count it gets (TtnnCausalLM._run_inputs), so a warning here
+    Detail("prepare_decode_inputs_host returns 4 device inputs", "tt/model.py", _decode_inputs_returned,
+           called=False),
     Detail("ttnn_decode_forward(x, current_pos, rot_mat_idxs=, page_table=, kv_cache=)", "tt/model.py",
            lambda: _signature_has(_tt("model").Transformer.ttnn_decode_forward, "rot_mat_idxs", "page_table",
                                   "kv_cache")),
-    Detail("Galaxy: decode users grouped per mesh column", "tt/attention.py", _galaxy_columns,
-           called=galaxy_mesh),
+    # literal strings of TT's attention.py: the Galaxy's lossless check (a verify step against plain decoding through
+    # the same step) tells whether its rows sit in the users TT gives mesh column 0, so a warning here
+    Detail("Galaxy: decode users grouped per mesh column", "tt/attention.py", _galaxy_columns, called=False),
     Detail("use_qk_fused", "tt/attention.py", _qk_fused, called=False),
     Detail("paged_update_cache looked up at call time", "tt/attention.py", _update_cache_at_call_time, called=False),
     Detail("layers called as LightweightModules (taps)", "models/common/lightweightmodule.py, tt/model.py",
@@ -341,5 +344,5 @@ def probe() -> list[ProbeLine]:
             error = "not found"
         where = d.where if d.where.startswith("models/") else f"models/tt_transformers/{d.where}"
         text = variant or f"missing ({error}): look at {where}"
-        lines.append(ProbeLine(d.name, variant is not None, text, d.called() if callable(d.called) else d.called))
+        lines.append(ProbeLine(d.name, variant is not None, text, d.called))
     return lines

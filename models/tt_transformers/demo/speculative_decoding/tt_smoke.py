@@ -4,17 +4,25 @@ with its time, stopping at the first failure with what to send back.
 
     MESH_DEVICE=N150 HF_MODEL=meta-llama/Llama-3.1-8B-Instruct make tt-smoke
 
-Stages: ttnn import and version; the TT-Transformers details the backend relies on, probed without a device
-(tt_surface.py: one line each); device open (the fabric on meshes of several devices); model build (weight
-conversion into the cache folder, logged); a prefill and a verify step run eagerly (--trace 0: a failure names the
-op, not a trace); compile and trace capture (TT's prefill warm-up and every decode trace
-the run uses); prefill of one prompt; one plain traced decode step; one verify step with
-drafts; the tapped hidden states an EAGLE-3 head reads (layers 0, 2, N/2 and N-3: the prompt's read back from the
-prefill, a step's left in the tap tile); speculative decoding identical to plain decoding through the same
-verify-shaped step for 32 tokens; the TT perf keys of a short demo run; last, the draft head on the device (the run's
-head, else a random EAGLE-3 head: its chain against the torch head fed the same states). On a Galaxy (8 x 4 mesh), whose decode
-residual the backend does not gather for taps, the three stages that need taps (the eager stage, tapped states, the
-draft head) are reported `skipped (Galaxy)` and the rest run.
+The target path, whose verdict is the run's (the report's "ok", the exit status): ttnn import and version; the
+TT-Transformers details the backend relies on, probed without a device (tt_surface.py: one line each); device open
+(the fabric on meshes of several devices); model build (weight conversion into the cache folder, logged); a prefill and
+a verify step run eagerly (--trace 0: a failure names the op, not a trace); compile and trace capture (TT's prefill
+warm-up and the target path's decode traces, no more); prefill of one prompt; one plain traced decode step; one verify
+step with drafts; speculative decoding identical to plain decoding through the same verify-shaped step for 32 tokens;
+the TT perf keys of a short demo run.
+
+Then the draft head, with its own verdict (the report's "head") that never changes the target path's: the draft head on
+the device (the run's head, else a random EAGLE-3 head: its chain against the torch head fed the same states; its
+traces captured in its stage). A head failure leaves exit status 0 when the target path passed: a TT CI job gates on
+the path that serves (the target's), and the head's verdict is the last line printed and `jq -e '.head.verdict ==
+"passed"' REPORT` for a job that gates on it too.
+
+The second run, --full, adds the tapped hidden states an EAGLE-3 head reads (layers 0, 2, N/2 and N-3: the prompt's
+read back from the prefill, a step's left in the tap tile; a head stage), taps in the eager stage, and captures every
+trace the stages use (the target's, the taps', the head's target steps) once, up front. On a Galaxy (8 x 4 mesh), whose
+decode residual the backend does not gather for taps, the stages that need taps are reported `skipped (Galaxy)` and
+the rest run.
 
 The report (every stage, its seconds, the failure with its traceback, the versions) is written to --report as JSON
 before and after every stage, with `"running": <stage>` while one runs, so a hang or a hard crash still leaves it
@@ -69,8 +77,9 @@ WATCHDOG_S = 600  # while one stage runs, every thread's traceback into the trac
 class Smoke:
     """What the stages build on one another: the mesh, the model, the prompt's tokens."""
 
-    def __init__(self, config: DemoConfig, exits: ExitStack, draft_head=None):
+    def __init__(self, config: DemoConfig, exits: ExitStack, draft_head=None, full: bool = False):
         self.config, self.exits, self.draft_head = config, exits, draft_head  # draft_head: --draft_head (else None)
+        self.full = full  # --full: the second run (taps, every trace captured up front)
         self.mesh = self.lm = self.drafter = self.tokens = None
         self.pool = ModelPool()  # the perf stage's demo run and the head stage reuse the model built here
         self.facts: dict = {}
@@ -193,9 +202,10 @@ def smoke_head_taps(config: DemoConfig, draft_head=None) -> tuple[int, ...]:
     return tuple(read_head_config(folder, args).taps if folder is not None else default_taps(args.n_layers))
 
 
-def stages_region(config: DemoConfig, shape, draft_head=None, margin: float = SMOKE_REGION_MARGIN) -> int:
-    """Trace region for the traces the stages add to the run's: the taps stage's (1 write pass, smoke_taps), and the
-    head stage's (the target's steps with the head's taps and the head's own traces), with the margin."""
+def stages_region(config: DemoConfig, shape, draft_head=None, margin: float = SMOKE_REGION_MARGIN,
+                  full: bool = False) -> int:
+    """Trace region for the traces the stages add to the run's: the head stage's (the target's steps with the head's
+    taps and the head's own traces), and with `full` the taps stage's (1 write pass, smoke_taps), with the margin."""
     from models.tt_transformers.checkpoints.checkpoint import resolve_checkpoint
     from models.tt_transformers.checkpoints.model_shape import ModelShape
     from models.tt_transformers.ttnn_backend.trace_plan import (
@@ -210,10 +220,11 @@ def stages_region(config: DemoConfig, shape, draft_head=None, margin: float = SM
     devices, n = device_names_for(shape, os.environ.get("MESH_DEVICE")), shape[0] * shape[1]
     k = max(1, config.n_draft_tokens)
     head_taps = smoke_head_taps(config, draft_head)
-    traces = model_trace_bytes(ckpt.name, devices, n, args.n_layers, args.n_layers, args.vocab_size, 1, 0,
-                               smoke_taps(args.n_layers))
-    traces += model_trace_bytes(ckpt.name, devices, n, args.n_layers, args.n_layers, args.vocab_size, k + 1, 0,
-                                head_taps)
+    traces = model_trace_bytes(ckpt.name, devices, n, args.n_layers, args.n_layers, args.vocab_size, k + 1, 0,
+                               head_taps)
+    if full:
+        traces += model_trace_bytes(ckpt.name, devices, n, args.n_layers, args.n_layers, args.vocab_size, 1, 0,
+                                    smoke_taps(args.n_layers))
     return region_bytes(traces + head_region_bytes(ckpt.name, devices, args.n_layers, k), margin)
 
 
@@ -224,7 +235,7 @@ def open_device(s: Smoke) -> None:
 
     shape = mesh_shape()
     region = s.config.trace_region_size or (trace_region_size(s.config, shape, SMOKE_REGION_MARGIN)
-                                            + stages_region(s.config, shape, s.draft_head))
+                                            + stages_region(s.config, shape, s.draft_head, full=s.full))
     s.mesh = s.exits.enter_context(open_mesh(trace_region_size=region))
     s.exits.callback(s.pool.close)  # traces released before the mesh closes
     s.facts.update(mesh=list(shape), fabric=str(fabric_config_for(shape)), trace_region_size=region)
@@ -238,13 +249,13 @@ def build_model(s: Smoke) -> None:
 
 
 def eager_steps(s: Smoke) -> None:
-    """A prefill with taps and a verify step with the top k and taps, run op by op (--trace 0) before anything is
+    """A prefill and a verify step with the top k (and with --full taps), run op by op (--trace 0) before anything is
     captured: a failure here is an op's, not a trace's."""
     from models.tt_transformers.speculative.backend import UserRows
 
     s.lm.trace = False
     try:
-        taps = smoke_taps(s.lm.n_layers)
+        taps = smoke_taps(s.lm.n_layers) if s.full else ()
         first = s.lm.prefill(0, s.tokens, taps=taps).ids[0][0]
         rows = [first, *s.tokens[-4:]]
         s.facts["eager_verify_ids"] = s.lm.step([UserRows(0, rows, len(s.tokens))], top_k=s.drafter.top_k,
@@ -254,14 +265,15 @@ def eager_steps(s: Smoke) -> None:
 
 
 def compile_and_capture(s: Smoke) -> None:
-    """The run's programs, with every shape the later stages step kept planned (TtnnCausalLM.keep_planned: the
-    tapped states' step, the draft head's target steps, the run's own through the head stage's warm-up), compiled and
-    captured once here: no later stage releases and captures the target's traces again, but the head stage, whose
-    head is built (its weights allocated) with the traces live. The trace region is sized for all of them
-    (stages_region)."""
+    """The target path's programs (the run's, kept planned through the lossless and perf stages' warm-ups:
+    TtnnCausalLM.keep_planned) compiled and captured here, no more: a first run captures what its verdict needs, and
+    the head stage plans its own shapes after it. With --full every shape the later stages step is kept planned too
+    (the tapped states' step, the draft head's target steps) and captured once here: no later stage releases and
+    captures the target's traces again, but the head stage, whose head is built (its weights allocated) with the
+    traces live. The trace region is sized for all of them (stages_region)."""
     k = max(1, s.config.n_draft_tokens)
     s.lm.keep_planned(k + 1, s.drafter.top_k, ())
-    if not s.galaxy():
+    if s.full and not s.galaxy():
         s.lm.keep_planned(1, 0, smoke_taps(s.lm.n_layers))
         s.lm.keep_planned(k + 1, 0, smoke_head_taps(s.config, s.draft_head))
     s.facts.update(SpeculativeGenerator(s.lm, s.drafter, s.config.n_draft_tokens).warm_up())
@@ -415,14 +427,16 @@ def perf_keys(s: Smoke) -> None:
     s.facts["perf"] = {k: report["summary"].get(k) for k in keys}
 
 
-STAGES: list[tuple[str, Callable[[Smoke], None]]] = [
+TARGET_STAGES: list[tuple[str, Callable[[Smoke], None]]] = [
     ("ttnn import", import_ttnn), ("TT-Transformers surface", tt_transformers_surface), ("device open", open_device),
     ("model build", build_model), ("eager prefill and verify step", eager_steps),
     ("compile and trace capture", compile_and_capture), ("prefill", prefill), ("plain decode step", decode_step),
-    ("verify step", verify_step), ("tapped states", tapped_states), (f"lossless over {SMOKE_TOKENS} tokens", lossless),
-    ("perf keys", perf_keys), ("draft head on the device", device_head)]
-# The draft head runs last: its stage builds the most code never run on silicon (a custom decoder layer), so a failure
-# there still leaves the target path's lossless check and perf keys in the report.
+    ("verify step", verify_step), (f"lossless over {SMOKE_TOKENS} tokens", lossless), ("perf keys", perf_keys)]
+# The head's stages run after the target path: the draft head's builds the most code never run on silicon (a custom
+# decoder layer), so its failure is its own verdict (report["head"]) and never hides a passing target path.
+HEAD_STAGES = (tapped_states, device_head)
+STAGES = [*TARGET_STAGES, ("draft head on the device", device_head)]  # the first run (the default)
+FULL_STAGES = [*TARGET_STAGES, ("tapped states", tapped_states), ("draft head on the device", device_head)]  # --full
 # The stages that ask for taps: a Galaxy's residual is split over its mesh columns and replicated over its rows, which
 # the backend does not gather (TtnnCausalLM._check_taps refuses), so there they are skipped and the rest run.
 NEEDS_TAPS = (eager_steps, tapped_states, device_head)
@@ -436,13 +450,21 @@ def side_files(report_path: Path) -> dict[str, Path]:
 
 
 def run_stages(smoke: Smoke, stages, report: dict, report_path: Path, tracebacks, watchdog_s: float) -> None:
-    """Every stage in order until one fails, each recorded in the report, which is written before it starts (naming
-    it as running: a hang or a hard crash leaves that) and after it ends. While a stage runs, every thread's traceback
-    goes to `tracebacks` every watchdog_s seconds."""
+    """Every stage in order, each recorded in the report, which is written before it starts (naming it as running: a
+    hang or a hard crash leaves that) and after it ends. A target-path stage that fails stops the run (report "ok"
+    False); a head stage (HEAD_STAGES) that fails sets the head's verdict (report "head") and the head's later stages
+    are not run, the target path's verdict unchanged. While a stage runs, every thread's traceback goes to
+    `tracebacks` every watchdog_s seconds."""
+    head = report["head"]
     for i, (name, stage) in enumerate(stages, 1):
-        if stage in NEEDS_TAPS and smoke.galaxy():
-            report["stages"].append({"stage": name, "skipped": GALAXY_SKIP})
-            logger.warning(f"stage {i} ({name}) {GALAXY_SKIP}")
+        skip = (GALAXY_SKIP if stage in NEEDS_TAPS and smoke.galaxy() else
+                "not run: the draft head failed at an earlier stage" if stage in HEAD_STAGES and
+                head["verdict"] == "failed" else None)
+        if skip:
+            report["stages"].append({"stage": name, "skipped": skip})
+            logger.warning(f"stage {i} ({name}) {skip}")
+            if stage in HEAD_STAGES and head["verdict"] == "not run":
+                head["verdict"] = skip
             continue
         report["running"] = name
         write_report(report, smoke, report_path)
@@ -455,11 +477,16 @@ def run_stages(smoke: Smoke, stages, report: dict, report_path: Path, tracebacks
         try:
             stage(smoke)
         except Exception as e:  # noqa: BLE001: any failure is the finding this tool reports
-            seconds = time.perf_counter() - start
-            report["stages"].append({"stage": name, "seconds": seconds, "error": f"{type(e).__name__}: {e}",
+            seconds, error = time.perf_counter() - start, f"{type(e).__name__}: {e}"
+            report["stages"].append({"stage": name, "seconds": seconds, "error": error,
                                      "traceback": traceback.format_exc()})
+            logger.error(f"stage {i} ({name}) FAILED after {seconds:.1f}s: {error}")
+            if stage in HEAD_STAGES:
+                head.update(verdict="failed", stage=name, error=error)
+                logger.error(f"the draft head failed; the target path's verdict stands; {SEND_BACK}: {report_path}")
+                write_report(report, smoke, report_path)
+                continue
             report["ok"] = False
-            logger.error(f"stage {i} ({name}) FAILED after {seconds:.1f}s: {type(e).__name__}: {e}")
             logger.error(f"stopped there; {SEND_BACK}: {report_path}")
             return
         finally:
@@ -467,16 +494,18 @@ def run_stages(smoke: Smoke, stages, report: dict, report_path: Path, tracebacks
             report["running"] = None
         seconds = time.perf_counter() - start
         report["stages"].append({"stage": name, "seconds": seconds})
+        if stage in HEAD_STAGES and head["verdict"] != "failed":
+            head["verdict"] = "passed"
         write_report(report, smoke, report_path)
         logger.info(f"stage {i} ({name}) passed in {seconds:.1f}s")
 
 
-def smoke_settings(config: DemoConfig, draft_head=None) -> dict:
+def smoke_settings(config: DemoConfig, draft_head=None, full: bool = False) -> dict:
     """What this run was asked for, in the report: the settings that change which programs run (--tap_gather: whether
-    the tapped traces hold our all-gather), so a report says which form hung or passed."""
+    the tapped traces hold our all-gather; --full), so a report says which form hung or passed."""
     return {"tap_gather": config.tap_gather, "max_seq_len": config.max_seq_len, "precision": config.precision,
             "n_draft_tokens": config.n_draft_tokens, "draft_head": draft_head,
-            "trace_region_size": config.trace_region_size}
+            "trace_region_size": config.trace_region_size, "full": full}
 
 
 def write_report(report: dict, smoke: Smoke, report_path: Path) -> None:
@@ -487,22 +516,25 @@ def write_report(report: dict, smoke: Smoke, report_path: Path) -> None:
     write_json_atomic(report_path, report)
 
 
-def run(config: DemoConfig, report_path: Path, stages=None, draft_head=None, watchdog_s: float = WATCHDOG_S) -> dict:
-    """Every stage in order until one fails; the report, also written to report_path before and after every stage
+def run(config: DemoConfig, report_path: Path, stages=None, draft_head=None, watchdog_s: float = WATCHDOG_S,
+        full: bool = False) -> dict:
+    """Every stage in order (STAGES, or FULL_STAGES with `full`) until a target-path stage fails, the head's stages
+    with their own verdict (run_stages); the report, also written to report_path before and after every stage
     (run_stages), before the teardown (the models released, the mesh closed), so that a teardown that crashes or hangs
     after a failed capture cannot lose it, and again after it, with the teardown's own failure if it had one. The
     files beside it (side_files) are set up first: this tool's log, tt-metal's (TT_LOGGER_FILE, read when ttnn loads:
     not when it is loaded already, or set by the caller), and the tracebacks of a crash or a stage that runs long."""
     files = side_files(report_path)
-    report = {"stages": [], "ok": True, "running": None, "files": {kind: str(path) for kind, path in files.items()},
-              "settings": smoke_settings(config, draft_head)}
+    report = {"stages": [], "ok": True, "head": {"verdict": "not run"}, "running": None,
+              "files": {kind: str(path) for kind, path in files.items()},
+              "settings": smoke_settings(config, draft_head, full)}
     sets_ttnn_log = "ttnn" not in sys.modules and "TT_LOGGER_FILE" not in os.environ
     if sets_ttnn_log:
         os.environ["TT_LOGGER_FILE"] = str(files["ttnn_log"])
     else:
         report["files"]["ttnn_log"] = os.environ.get("TT_LOGGER_FILE", "stdout (ttnn was loaded before the smoke)")
     print(f"tt-smoke: report {report_path}; beside it {', '.join(str(p) for p in files.values())}", flush=True)
-    smoke = Smoke(config, None, draft_head)
+    smoke = Smoke(config, None, draft_head, full)
     sink = logger.add(files["log"], level="DEBUG")
     crash_handler_was_on = faulthandler.is_enabled()
     with open(files["tracebacks"], "a") as tracebacks:
@@ -510,7 +542,8 @@ def run(config: DemoConfig, report_path: Path, stages=None, draft_head=None, wat
         try:
             with ExitStack() as exits:
                 smoke.exits = exits
-                run_stages(smoke, stages or STAGES, report, report_path, tracebacks, watchdog_s)
+                run_stages(smoke, stages or (FULL_STAGES if full else STAGES), report, report_path, tracebacks,
+                           watchdog_s)
                 write_report(report, smoke, report_path)
         except Exception as e:  # noqa: BLE001: the teardown's failure is reported beside the stages'
             report["ok"] = False
@@ -524,10 +557,23 @@ def run(config: DemoConfig, report_path: Path, stages=None, draft_head=None, wat
             logger.remove(sink)
             if sets_ttnn_log:  # read once, when ttnn loads: this process's later imports are not ours to redirect
                 os.environ.pop("TT_LOGGER_FILE", None)
+    for line in verdict_lines(report):
+        print(line, flush=True)
     if report["ok"]:
-        logger.info(f"all {len(report['stages'])} stages passed: {json.dumps(smoke.facts.get('perf'))}; report "
-                    f"{report_path}")
+        logger.info(f"target path passed: {json.dumps(smoke.facts.get('perf'))}; report {report_path}")
     return report
+
+
+def verdict_lines(report: dict) -> list[str]:
+    """The run's two verdicts, the last lines it prints: the target path's (the exit status) and the draft head's."""
+    failed = next((s["stage"] for s in report["stages"] if "error" in s and s["stage"] != report["head"].get("stage")),
+                  None)
+    target = ("passed" if report["ok"] else f"FAILED at stage {failed!r}" if failed else
+              f"FAILED in the teardown ({report.get('teardown')})")
+    head = report["head"]
+    verdict = f"FAILED at stage {head['stage']!r} ({head['error']})" if head["verdict"] == "failed" else head["verdict"]
+    return [f"tt-smoke verdict: target path {target} (exit status {0 if report['ok'] else 1})",
+            f"tt-smoke draft head: {verdict}"]
 
 
 def main(argv=None) -> int:
@@ -546,6 +592,10 @@ def main(argv=None) -> int:
                              "default: read back and written to the tap tile after each replay, so no trace holds a "
                              "collective of ours) or device (one all-gather inside each tapped trace, the demo's "
                              "default: run it once host passes); the same on one device")
+    parser.add_argument("--full", action="store_true",
+                        help="the second run: also the tapped-states stage and taps in the eager stage, every trace "
+                             "the stages use (the taps' and the head's target steps too) captured once up front; the "
+                             "default (the first run) captures only the target path's traces before its verdict")
     parser.add_argument("--trace_region_size", type=int, help="bytes of trace region to open the mesh with (default: "
                                                                 "the traces' estimate x 2.5; a run whose traces outgrow "
                                                                 "the region names the size to pass here)")
@@ -553,7 +603,8 @@ def main(argv=None) -> int:
     config = DemoConfig(backend="ttnn", max_seq_len=args.max_seq_len, precision=args.precision,
                         draft_mode="suffix", max_generated_tokens=SMOKE_TOKENS, tap_gather=args.tap_gather,
                         trace_region_size=args.trace_region_size)
-    return 0 if run(config, Path(args.report), draft_head=args.draft_head, watchdog_s=args.watchdog_s)["ok"] else 1
+    report = run(config, Path(args.report), draft_head=args.draft_head, watchdog_s=args.watchdog_s, full=args.full)
+    return 0 if report["ok"] else 1  # the target path's verdict; the head's is in the report (module docstring)
 
 
 if __name__ == "__main__":
