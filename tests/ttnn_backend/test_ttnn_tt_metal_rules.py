@@ -537,3 +537,16 @@ def test_the_warm_up_runs_tt_prefill_sweep_without_tt_sampling(stand_in, tiny):
     assert all(param is None for _, param in calls), [param for _, param in calls]
     assert lm.tt.generator.already_warmed_up_prefill
     assert [n for n, _ in calls[: len(swept)]] == swept
+
+
+def test_a_model_over_a_whole_galaxy_is_refused_before_anything_is_built(stand_in, tiny):
+    """Issue 46 (Galaxy): TT-Transformers' tensor parallelism over all 32 devices of a Galaxy fails TT's own checks at
+    622c6fb9 (prefill's rotary embedding, decode's QKV matmul); TT runs models there on 1 x 8 submeshes. A build over
+    the whole mesh is refused in one line naming the fix, before TT's ModelArgs is made."""
+    made = []
+    stand_in.setattr(stand_in_ttnn, "AVAILABLE_DEVICES", 32)  # a Galaxy's system
+    stand_in.setattr(stand_in_tt.ModelArgs, "__init__", lambda self, *a, **k: made.append(a))
+    with pytest.raises(UserError) as refused:
+        build_tt_model(mesh_of((8, 4)), tiny.folder, tiny.name, 8, 1024, True)
+    assert refused.value.parameter == "mesh_device" and "\n" not in str(refused.value)
+    assert "submesh of 8 devices" in str(refused.value) and not made
