@@ -156,7 +156,9 @@ def prefill_warm_prompts(args, max_seq_len: int) -> list[int]:
       (Generator._get_prefill_user_page_table), and paged_fill_cache keys its program by the page table's width: a
       prompt of 32 b tokens has b blocks and its last token in tile b - 1.
     A prompt stands for its (padded length, blocks) class; the classes TT's sweep already ran (its lengths as whole
-    prompts) and the one-token prefill that triggers the sweep are left out. Without
+    prompts) and the one-token prefill that triggers the sweep are left out, and so are the prompts TT cannot prefill
+    on these ModelArgs: a padded length past args.max_seq_len (tt/model.py prepare_inputs_prefill asserts it fits the
+    rotary tables; build_tt_model sizes them for every prompt, TT's vLLM path takes vLLM's max_model_len). Without
     get_warmup_prefill_supported_seq_lens (older ModelArgs) every padded length is prefilled."""
     from models.tt_transformers.tt.common import get_padded_prefill_len
 
@@ -170,7 +172,7 @@ def prefill_warm_prompts(args, max_seq_len: int) -> list[int]:
     candidates += [min(b * BLOCK_SIZE, per_tile) for b in range(1, math.ceil(per_tile / BLOCK_SIZE) + 1)]
     prompts = {}
     for n in candidates:
-        if kind(n) not in done:
+        if kind(n) not in done and get_padded_prefill_len(n) <= args.max_seq_len:
             prompts.setdefault(kind(n), n)
     return sorted(prompts.values())
 
@@ -187,7 +189,7 @@ def tt_prefill_warm_up(generator, kv_cache) -> None:
     length, sampling_params None), which marks it done for every later prefill_forward_text. A Generator without that
     argument (older tags) keeps its own warm-up, run by its first prefill."""
     warm = getattr(generator, "warmup_model_prefill", None)
-    if warm is not None and "can_sample_on_device" in inspect.signature(warm).parameters:
+    if warm is not None and supported_kwargs(warm, can_sample_on_device=False):
         warm(kv_cache=kv_cache, enable_trace=False, can_sample_on_device=False)
 
 
