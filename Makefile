@@ -95,7 +95,9 @@ check-ttnn-api:
 	@$(TTNN_SETUP); $(TTNN_VENV)/bin/python tools/check_ttnn_api.py
 
 # Every ttnn call the project makes, through the real ttnn on tt-metal's Mock Device (a mock N150, N300 1x2, T3K 1x8
-# and Galaxy 8x4), eagerly, at Llama-3.1-8B's and the embedded model's shapes (tests/tt_mock/run.py). .ci/run runs it.
+# and Galaxy 8x4), eagerly, at Llama-3.1-8B's and the embedded model's shapes (tests/tt_mock/run.py), over a double of
+# TT-Transformers and over tt-metal's real one ($TT_METAL_HOME, else ../shared/reference/tt-metal-622c6fb9; skipped
+# with the reason without either: tests/tt_mock/real_tree.py). ARGS="--trees real" runs one side. .ci/run runs it.
 tt-mock:
 	@$(TTNN_SETUP); $(TTNN_VENV)/bin/python -m tests.tt_mock.run $(ARGS)
 

@@ -19,11 +19,13 @@ TT-Transformers' attention ops (paged SDPA decode over each verify row's positio
 SDPA) on the real ttnn as well. Readback is all zeros there: the ids
 are not checked, the calls are.
 
-On the Galaxy the backend runs what it runs there (run_galaxy_shape): Llama-3.1-8B (8 KV heads, one a device over the
-mesh rows; SmolLM2's 3 do not split there) with a step's rows in one mesh column's 8 users (max_step_rows 8, the
-positions, page table and write passes split over the columns), the logits gathered as TT-Transformers gathers them on
-a Galaxy, prefill and recycling's top k; what it refuses there by design is checked to be refused in one line (a batch
-or a step larger than a mesh column, the taps a device draft head needs, a speculative serving launch).
+On the Galaxy a model tensor-parallel over the whole mesh is refused in one line (device.check_tensor_parallel),
+as is a speculative serving launch; what TT runs there (data parallel, a model on each 1 x 8 submesh) runs over the
+real TT-Transformers (real_tree.py).
+
+The same backend also runs over tt-metal's REAL TT-Transformers where a tree is at hand (real_tree.py: $TT_METAL_HOME,
+else ../shared/reference/tt-metal-622c6fb9; skipped with the reason otherwise): Llama-3.1-8B's shapes with TT's dummy
+weights and the embedded SmolLM2 with its real weights, on N150, N300 1x2, T3K 1x8 and a 1 x 8 submesh of the Galaxy.
 
 Each mesh runs in its own process (the mock cluster is chosen by an environment variable before ttnn loads). A call
 is counted where the project's own code (models/tt_transformers) makes it; the double's calls are reported apart.
@@ -41,6 +43,7 @@ import traceback
 from collections import Counter
 from functools import partial
 from pathlib import Path
+from typing import Optional
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -50,9 +53,7 @@ MESHES = {"N150": ("wormhole_N150.yaml", (1, 1)), "N300": ("wormhole_N300.yaml",
 # The MESH_DEVICE a mesh opens as (device.MESH_SHAPES, from tt-metal's own table): its name, but TG for the Wormhole
 # Galaxy (8 x 4)
 MESH_DEVICE = {"Galaxy": "TG"}
-# A Galaxy step's rows: one mesh column's users (tt/attention.py batch_size_per_device_group = 32 // (32 // 8 KV
-# heads); the backend's max_step_rows, tt_surface.mesh_column_rows)
-GALAXY_COLUMN_USERS = 8
+GALAXY_COLUMN_USERS = 8  # a Galaxy mesh column's users (tt/attention.py batch_size_per_device_group)
 # HF config.json fields the double's ModelArgs and our torch ModelArgs read
 LLAMA_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
             "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
@@ -76,10 +77,12 @@ SERVING = [("Llama-3.1-8B-Instruct", LLAMA_8B, 1024, 7), ("SmolLM2-135M-Instruct
 
 
 class CallCounter:
-    """Wraps ttnn's callables to count the calls made from the project's code and from the double."""
+    """Wraps ttnn's callables to count the calls made from the project's code and, apart, from the double or from
+    tt-metal's real TT-Transformers (`tree`: its root; models/tt_transformers and models/common)."""
 
-    def __init__(self):
+    def __init__(self, tree: Optional[Path] = None):
         self.ours, self.double = Counter(), Counter()
+        self.tree = str(tree) if tree is not None else None
 
     def install(self, ttnn) -> None:
         for module in (ttnn, ttnn.experimental, ttnn.transformer):
@@ -93,7 +96,10 @@ class CallCounter:
     def _wrap(self, name, fn):
         def counted(*args, **kwargs):
             caller = sys._getframe(1).f_code.co_filename
-            (self.ours if caller.startswith(PROJECT) else self.double)[name] += 1
+            if caller.startswith(PROJECT):
+                self.ours[name] += 1
+            elif self.tree is None or caller.startswith(self.tree):
+                self.double[name] += 1
             return fn(*args, **kwargs)
         counted.__wrapped__ = fn
         counted.__doc__ = fn.__doc__
@@ -191,56 +197,13 @@ def refused(call, message: str) -> None:
     raise AssertionError(f"not refused: expected {message!r}")
 
 
-def run_galaxy_shape(mesh, name: str, config: dict, max_seq_len: int, batch: int, form: str, work: Path) -> None:
-    """One model shape on a Galaxy, what the backend runs there: the target (its double's ttnn_decode_forward of the
-    given form, the logits gathered as TT gathers them on a Galaxy) through every program a run without taps plans,
-    TT's prefill, a verify step of two users in one mesh column's rows (5 + 3 = max_step_rows, logits and top k) and
-    a plain step. Refused by design, each with one line: a batch larger than a mesh column's users, a step of more
-    rows, and the draft head's taps (in the warm-up, a prefill and a step: the device head needs them)."""
-    import ttnn
-
-    from models.tt_transformers.checkpoints.eagle3_format import default_taps
-    from models.tt_transformers.speculative.backend import UserRows
-    from models.tt_transformers.ttnn_backend.causal_lm import TtnnCausalLM
+def galaxy_refused(mesh, name: str, config: dict, work: Path) -> None:
+    """A model tensor-parallel over the whole Galaxy: refused in one line before TT-Transformers builds anything
+    (device.check_tensor_parallel: TT's own path there fails TT's checks, real_tree.py runs what TT runs instead)."""
     from models.tt_transformers.ttnn_backend.model import build_tt_model
-    from models.tt_transformers.ttnn_backend.traces import MeshTraces
-    from tests.tt_mock import tt_transformers
 
-    built = tt_transformers.Transformer
-    tt_transformers.Transformer = {"C": built, "A/B": tt_transformers.TransformerAB}[form]
-    try:
-        tt = build_tt_model(mesh, checkpoint(work, name, config), name, batch, max_seq_len, True)
-    finally:
-        tt_transformers.Transformer = built
-    mesh_traces = MeshTraces(mesh)
-    refused(lambda: TtnnCausalLM(tt, 32, max_seq_len, mesh_traces=mesh_traces, trace=False),
-            f"max_batch_size 32: on a Galaxy a decode step's rows must sit in one mesh column's {GALAXY_COLUMN_USERS} "
-            "users")
-    lm = TtnnCausalLM(tt, batch, max_seq_len, mesh_traces=mesh_traces, trace=False)
-    try:
-        assert lm.max_step_rows == GALAXY_COLUMN_USERS, lm.max_step_rows
-        taps = default_taps(config["num_hidden_layers"])  # an EAGLE-3 head's (random_head's) taps
-        refused(lambda: lm.warm_up(N_DRAFT + 1, 4, taps), "taps on a Galaxy: ")
-        lm.warm_up(N_DRAFT + 1, 4, ())  # a run without a draft head: recycling's top k
-        lm.prepare_traces()
-        prompt = list(range(1, 41))
-        users = list(range(min(batch, 2)))
-        for user in users:
-            lm.prefill(user, prompt)
-        refused(lambda: lm.prefill(users[0], prompt, taps=taps), "taps on a Galaxy: ")
-        rows = [UserRows(0, [7, 8, 9, 10, 11], len(prompt)), UserRows(1, [7, 8, 9], len(prompt))][: len(users)]
-        step = lm.step(rows, logits=True, top_k=4)
-        assert [len(ids) for ids in step.ids] == [len(r.tokens) for r in rows]
-        inputs = lm.inputs.step  # each device holds its mesh column's 8 rows of the positions, page table and passes
-        for tensor in (inputs.current_pos, inputs.page_table, *inputs.pass_positions):
-            shapes = {tuple(t.shape) for t in ttnn.get_device_tensors(tensor)}
-            assert {shape[0] for shape in shapes} == {GALAXY_COLUMN_USERS}, shapes
-        refused(lambda: lm.step(rows, taps=taps), "taps on a Galaxy: ")
-        refused(lambda: lm.step([UserRows(0, [7] * (GALAXY_COLUMN_USERS + 1), len(prompt))]),
-                f"a step of {GALAXY_COLUMN_USERS + 1} rows does not fit one Galaxy mesh column's rows")
-        lm.step([UserRows(0, [3], len(prompt) + N_DRAFT + 1)])  # a plain decode step
-    finally:
-        lm.release()
+    refused(lambda: build_tt_model(mesh, checkpoint(work, name, config), name, GALAXY_COLUMN_USERS, 1024, True),
+            "mesh_device: a 8 x 4 Galaxy mesh: ")
 
 
 def serving_refused(mesh) -> None:
@@ -373,28 +336,37 @@ def on_mesh(shapes: list, mesh) -> list:
     return [shape for shape in shapes if shape[1]["num_key_value_heads"] % devices == 0]
 
 
-def mesh_env(mesh_name: str, jit: str) -> dict:
-    """The environment a mesh's worker runs in: the mock cluster (chosen before ttnn loads), the JIT cache."""
+def mesh_env(mesh_name: str, jit: str, tree: Optional[Path] = None) -> dict:
+    """The environment a mesh's worker runs in: the mock cluster (chosen before ttnn loads), the JIT cache, and with
+    `tree` tt-metal's models on the path after ours (real_tree.py)."""
     return {"ARCH_NAME": "wormhole_b0", "TT_METAL_MOCK_CLUSTER_DESC_PATH": str(HERE / MESHES[mesh_name][0]),
-            "TT_METAL_CACHE": os.environ.get("TT_METAL_CACHE", jit + "/"), "PYTHONPATH": str(REPO),
+            "TT_METAL_CACHE": os.environ.get("TT_METAL_CACHE", jit + "/"),
+            "PYTHONPATH": os.pathsep.join(map(str, [REPO] + ([tree] if tree else []))),
             "TT_METAL_LOGGER_LEVEL": os.environ.get("TT_METAL_LOGGER_LEVEL", "WARNING")}
 
 
-def worker(mesh_name: str, out: Path) -> int:
-    """The cases on one mock mesh; a JSON summary written to `out` (tt-metal logs to stdout). Run by hand (`--mesh
-    NAME --summary FILE`, no mock cluster set) it sets its mesh's environment itself, the JIT cache in a temporary
-    folder removed when it exits unless TT_METAL_CACHE names one."""
+def worker(mesh_name: str, out: Path, real: bool = False) -> int:
+    """The cases on one mock mesh (real: over tt-metal's real TT-Transformers, real_tree.py; else over the double);
+    a JSON summary written to `out` (tt-metal logs to stdout). Run by hand (`--mesh NAME --summary FILE [--real]`, no
+    mock cluster set) it sets its mesh's environment itself, the JIT cache in a temporary folder removed when it exits
+    unless TT_METAL_CACHE names one."""
+    from tests.tt_mock import real_tree
+
+    tree = real_tree.source()[0] if real else None
     if "TT_METAL_MOCK_CLUSTER_DESC_PATH" not in os.environ:
         jit = None if "TT_METAL_CACHE" in os.environ else tempfile.TemporaryDirectory(prefix="tt-mock-jit-")
-        os.environ.update(mesh_env(mesh_name, jit.name if jit else ""))
+        os.environ.update(mesh_env(mesh_name, jit.name if jit else "", tree))
+        sys.path[1:1] = [str(tree)] if tree else []  # after ours, before anything imports models
     import ttnn
 
     from models.tt_transformers.ttnn_backend import device
     from tests.tt_mock import primitives
 
-    counter = CallCounter()
+    counter = CallCounter(tree)
     counter.install(ttnn)
-    install_double()
+    embedded = real_tree.embedded_folder() if real else None  # under the caller's TT_CACHE_PATH, moved below
+    if not real:
+        install_double()
     device.tt_device_present = lambda: True  # the mock device stands in for /dev/tenstorrent*
     results = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -403,17 +375,18 @@ def worker(mesh_name: str, out: Path) -> int:
         assert device.mesh_shape(name_as) == MESHES[mesh_name][1], (name_as, device.mesh_shape(name_as))
         with device.open_mesh(name_as, trace_region_size=50_000_000) as mesh:
             galaxy = tuple(mesh.shape) == (8, 4)
+            if real:
+                run_cases(real_tree.cases(mesh_name, mesh, Path(tmp), embedded), counter, results)
+                return write_summary(out, mesh_name, results, counter, real)
             cases = [(f"{mesh_name} negative control (a refused matmul)", partial(negative_control, mesh)),
                      (f"{mesh_name} bfloat8_b storage (bfp8_round = ttnn's host conversion)", bfp8_storage),
                      (f"{mesh_name} speculative primitives (measured, not adopted)",
                       partial(primitives.measure, mesh))]
             for name, config, max_seq_len, batch, draft_vocab, form in on_mesh(SHAPES, mesh):
-                if galaxy:  # a step's rows in one mesh column: no taps, no device head, no more users than its rows
-                    batch = min(batch, GALAXY_COLUMN_USERS)
-                    cases.append((f"{mesh_name} {name} max_seq_len {max_seq_len} batch {batch}, decode form {form} "
-                                  "(no taps or device head: refused on a Galaxy)",
-                                  partial(run_galaxy_shape, mesh, name, config, max_seq_len, batch, form, Path(tmp))))
-                    continue
+                if galaxy:  # TT runs a model data-parallel there, on submeshes: real_tree.py
+                    cases.append((f"{mesh_name} {name} tensor-parallel over the whole mesh (refused)",
+                                  partial(galaxy_refused, mesh, name, config, Path(tmp))))
+                    break
                 cases.append((f"{mesh_name} {name} max_seq_len {max_seq_len} batch {batch}, decode form {form}",
                               partial(run_shape, mesh, name, config, max_seq_len, batch, draft_vocab, form,
                                       Path(tmp))))
@@ -423,16 +396,27 @@ def worker(mesh_name: str, out: Path) -> int:
             for name, config, max_seq_len, k in (() if galaxy else on_mesh(SERVING, mesh)):
                 cases.append((f"{mesh_name} {name} serving verify on vLLM's cache (blocks of {VLLM_BLOCK}), K={k}",
                               partial(serving_verify, mesh, name, config, max_seq_len, k, Path(tmp))))
-            for case, run in cases:
-                before, start, notes = sum(counter.ours.values()), time.perf_counter(), None
-                try:
-                    notes = run()  # a measurement's findings, one line each (the checks return None)
-                    error = None
-                except Exception as e:  # noqa: BLE001: a validation error is the finding
-                    error = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
-                results.append({"case": case, "calls": sum(counter.ours.values()) - before, "error": error,
-                                "seconds": round(time.perf_counter() - start, 1), "notes": notes or []})
-    out.write_text(json.dumps({"mesh": mesh_name, "results": results, "ours": dict(counter.ours),
+            run_cases(cases, counter, results)
+    return write_summary(out, mesh_name, results, counter, real)
+
+
+def run_cases(cases: list, counter: CallCounter, results: list) -> None:
+    """Each (name, call) run, its calls counted (ours and the double's or TT's), its failure recorded."""
+    for case, run in cases:
+        before, start, notes = sum(counter.ours.values()), time.perf_counter(), None
+        theirs = sum(counter.double.values())
+        try:
+            notes = run()  # a measurement's findings, one line each (the checks return None)
+            error = None
+        except Exception as e:  # noqa: BLE001: a validation error is the finding
+            error = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+        results.append({"case": case, "calls": sum(counter.ours.values()) - before,
+                        "their_calls": sum(counter.double.values()) - theirs, "error": error,
+                        "seconds": round(time.perf_counter() - start, 1), "notes": notes or []})
+
+
+def write_summary(out: Path, mesh_name: str, results: list, counter: CallCounter, real: bool) -> int:
+    out.write_text(json.dumps({"mesh": mesh_name, "real": real, "results": results, "ours": dict(counter.ours),
                                "double": sum(counter.double.values())}))
     return 0
 
@@ -441,16 +425,33 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mesh", choices=list(MESHES), help="run one mesh's cases in this process (internal)")
     parser.add_argument("--summary", help="where --mesh writes its summary (internal)")
+    parser.add_argument("--real", action="store_true", help="with --mesh: the cases over the real TT-Transformers")
+    parser.add_argument("--trees", choices=["both", "double", "real"], default="both",
+                        help="run the cases over the double, over tt-metal's real TT-Transformers (real_tree.py), or "
+                             "both (default)")
     parser.add_argument("--json", help="also write the summary here")
     args = parser.parse_args(argv)
     if args.mesh:
-        return worker(args.mesh, Path(args.summary))
-    summaries, failures, calls = [], 0, Counter()
+        return worker(args.mesh, Path(args.summary), args.real)
+    from tests.tt_mock import real_tree
+
+    runs = [(mesh_name, None) for mesh_name in MESHES] if args.trees != "real" else []
+    if args.trees != "double":
+        tree, where = real_tree.source()
+        missing = real_tree.missing_modules() if tree else []
+        if tree is None or missing:
+            why = where if tree is None else f"this venv lacks {', '.join(missing)} (tests/tt_mock/setup.sh adds them)"
+            print(f"  REAL TT-Transformers: skipped: {why}")
+        else:
+            print(f"  REAL TT-Transformers from {where}")
+            runs += [(mesh_name, tree) for mesh_name in real_tree.meshes()]
+    summaries, failures, calls, theirs = [], 0, Counter(), Counter()
     with tempfile.TemporaryDirectory() as jit:
-        for mesh_name in MESHES:
-            env = {**os.environ, **mesh_env(mesh_name, jit)}
-            out = Path(jit) / f"{mesh_name}.json"
-            done = subprocess.run([sys.executable, "-m", "tests.tt_mock.run", "--mesh", mesh_name, "--summary", str(out)],
+        for mesh_name, tree in runs:
+            env = {**os.environ, **mesh_env(mesh_name, jit, tree)}
+            out = Path(jit) / f"{mesh_name}{'-real' if tree else ''}.json"
+            worker_args = ["--mesh", mesh_name, "--summary", str(out)] + (["--real"] if tree else [])
+            done = subprocess.run([sys.executable, "-m", "tests.tt_mock.run", *worker_args],
                                   cwd=jit, env=env, capture_output=True, text=True)  # tt-metal writes generated/ here
             try:
                 summary = json.loads(out.read_text())
@@ -463,7 +464,9 @@ def main(argv=None) -> int:
             calls.update(summary["ours"])
             for r in summary["results"]:
                 status = "ok" if r["error"] is None else "FAILED"
-                print(f"  {r['case']}: {r['calls']} calls, {r['seconds']} s, {status}")
+                theirs["TT-Transformers" if tree else "the double"] += r["their_calls"]
+                print(f"  {r['case']}: {r['calls']} calls (+{r['their_calls']} by "
+                      f"{'TT-Transformers' if tree else 'the double'}), {r['seconds']} s, {status}")
                 for note in r["notes"]:
                     print(f"    {note}")
                 if r["error"]:
@@ -474,7 +477,7 @@ def main(argv=None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(summaries, indent=1))
     print(f"tt-mock: {sum(calls.values())} calls through ttnn 0.81.1 on mock N150, N300 1x2, T3K 1x8 and "
-          f"Galaxy 8x4, {failures} failures")
+          f"Galaxy 8x4 ({', '.join(f'{n} by {who}' for who, n in theirs.items())}), {failures} failures")
     return 1 if failures else 0
 
 

@@ -39,6 +39,13 @@ if [ ! -f "$VENV/.installed" ]; then
   touch "$VENV/.installed"
 fi
 
+# TT-Transformers' own Python dependencies, for the cases over tt-metal's real TT-Transformers (real_tree.py): tt-metal's
+# pins at 622c6fb9 (tt_metal/python_env/requirements-dev.txt; model_config.py imports pytest)
+if [ ! -f "$VENV/.installed-tt-transformers" ]; then
+  "$VENV/bin/python" -m pip install -q "pydantic==2.9.2" "tqdm==4.66.3" "pytest" "transformers==5.10.2"
+  touch "$VENV/.installed-tt-transformers"
+fi
+
 # tt-metal's JIT build looks for the SFPI toolchain in the wheel's runtime folder
 BIN=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/ttnn/runtime/sfpi/compiler/bin
 mkdir -p "$BIN"

@@ -33,10 +33,10 @@ Mirrored from tt-metal's sources (the pinned v0.81.1 is not in the searchable in
   right shape. use_qk_fused read into an attribute.
 - tt/ccl.py TT_CCL and tt_all_gather (013eaee3): double-buffered global semaphores per axis slot, all_gather_async
   over the whole mesh (cluster_axis None), the input to DRAM first and deallocated after.
-- tt/common.py copy_host_to_device, PagedAttentionConfig, get_padded_prefill_len (553f842d).
-- tt/generator.py Generator.prefill_forward_text: the prompt padded, the user's page table cut to its blocks
-  (_get_prefill_user_page_table), prefill_forward_single_user_text: chunks of get_max_prefill_chunk_size rows past
-  max_prefill_chunk_size (tt/model_config.py's table: 4k on N150 for Llama-3.1-8B), the page table padded with zeros
+- tt/common.py copy_host_to_device, PagedAttentionConfig, get_padded_prefill_len (622c6fb9).
+- tt/generator.py Generator.prefill_forward_text: the prompt padded, the user's page table cut to the padded prompt's
+  blocks and padded with -1 (_get_prefill_user_page_table at 622c6fb9), prefill_forward_single_user_text: chunks of
+  get_max_prefill_chunk_size rows past max_prefill_chunk_size (tt/model_config.py's table: 4k on N150 for Llama-3.1-8B), the page table padded with zeros
   and each chunk's slice of it paging the fill, as the stand-in's mirror; the layers run on x [1, 1, S, dim /
   devices] in DRAM (the taps' prefill reads), the last token's logits to the host.
 - On a Galaxy (32 devices, 8 x 4; the paths the backend takes there, each rule commented where it is made): the
@@ -47,7 +47,7 @@ Mirrored from tt-metal's sources (the pinned v0.81.1 is not in the searchable in
   (tt/model.py@5cd1b56c prepare_decode_inputs_host); the logits gathered along cluster axis 0 and untilized in place
   (tt/model.py@5cd1b56c ttnn_decode_forward; the LM head's output split over the mesh rows in L1, tt/lm_head.py);
   every column's cache filled by a paged prefill (the 2026 attention.py); ccl.py get_num_links' TG (4, 3) and
-  model_config.py ccl_topology (Linear). Its weights' CCLs (the QKV all-reduce, the user-selection matmul, the output
+  model_config.py ccl_topology (Ring). Its weights' CCLs (the QKV all-reduce, the user-selection matmul, the output
   all-reduce) are not modelled, as nowhere here.
 One KV-cache pair is shared by every layer (the shapes and configs are what is checked; 32 layers of an 8B cache at
 8,192 positions would not fit the mock device's DRAM). Every layer runs its decode attention (the backend counts each
@@ -78,6 +78,7 @@ from tests.tt_stand_in.tt_transformers import (  # noqa: F401: the names TT-Tran
     get_block_size,
     get_max_prefill_chunk_size,
     get_padded_prefill_len,
+    prefill_user_page_table,
     num_blocks_in_seq,
 )
 
@@ -132,12 +133,16 @@ class ModelArgs:
             ttnn.ShardStrategy.WIDTH, ttnn.ShardOrientation.ROW_MAJOR, use_height_and_width_as_shard_shape=True)
 
     def ccl_topology(self):
-        """tt/model_config.py ModelArgs.ccl_topology as several versions read have it: Ring on a T3K (`num_devices
-        == 8 and os.getenv("ACTUAL_DEVICE", "") != "TG"`), Linear on every other mesh of several devices (a Galaxy
-        included), None on one device. A later version keys it on ttnn.cluster.get_cluster_type() (its Galaxy branch
-        not read to the end)."""
-        if self.num_devices == 8:
+        """tt/model_config.py ModelArgs.ccl_topology (622c6fb9): keyed on ttnn.cluster.get_cluster_type(): on a T3K or
+        a Galaxy (GALAXY, TG, BLACKHOLE_GALAXY) Ring with 8 devices or more (a smaller submesh Linear), Ring on
+        P300_X2 and P150_X4/X8, Linear on every other mesh of several devices, None on one device (observed on the
+        mock: N150 None, N300 Linear, T3K Ring)."""
+        cluster = ttnn.cluster.get_cluster_type()
+        kinds = ttnn.cluster.ClusterType
+        if cluster in (kinds.P300_X2, kinds.P150_X4, kinds.P150_X8):
             return ttnn.Topology.Ring
+        if cluster in (kinds.T3K, kinds.GALAXY, kinds.TG, kinds.BLACKHOLE_GALAXY):
+            return ttnn.Topology.Ring if self.num_devices >= 8 else ttnn.Topology.Linear
         return ttnn.Topology.Linear if self.num_devices > 1 else None
 
     def get_state_dict_prefix(self, module_name, layer_num, is_vision=False):
@@ -432,9 +437,11 @@ class Transformer(LightweightModule):
             return ttnn.from_torch(torch.zeros(1, 1, 32, self.lm_head_width), dtype=ttnn.bfloat8_b,
                                    layout=ttnn.TILE_LAYOUT, device=self.mesh_device,
                                    memory_config=ttnn.L1_MEMORY_CONFIG, mesh_mapper=self._mapper((3, None)))
+        # tt/lm_head.py LMHead.forward (622c6fb9): the splits' outputs concatenated into L1_MEMORY_CONFIG (observed
+        # [1, 1, 32, 128256 / devices] bfloat8_b TILE, L1 interleaved, on the mock N150, N300 and T3K)
         return ttnn.from_torch(torch.zeros(1, 1, 32, self.lm_head_width), dtype=ttnn.bfloat8_b,
                                layout=ttnn.TILE_LAYOUT, device=self.mesh_device,
-                               memory_config=ttnn.DRAM_MEMORY_CONFIG, mesh_mapper=self._mapper((None, 3)))
+                               memory_config=ttnn.L1_MEMORY_CONFIG, mesh_mapper=self._mapper((None, 3)))
 
     def _device_shares(self, logits, current_pos, rot_mat_idxs):
         assert self.sampling is not None
@@ -487,9 +494,9 @@ class Generator:
                              return_hidden_states=False, warmup_prefill=True, **kwargs):
         block_size = get_block_size(kv_cache[0])
         for idx, n in enumerate(prompt_lens):
-            page_table_user = page_table[idx : idx + 1, : num_blocks_in_seq(int(n), block_size)]
-            self.prefill_forward_single_user_text(get_padded_prefill_len(int(n)), page_table_user, int(n) - 1,
-                                                  kv_cache[0])
+            padded_len = get_padded_prefill_len(int(n))
+            page_table_user = prefill_user_page_table(page_table[idx : idx + 1], block_size, padded_len)
+            self.prefill_forward_single_user_text(padded_len, page_table_user, int(n) - 1, kv_cache[0])
         return torch.zeros(tokens.shape[0], 1, self.model[0].vocab_size)
 
     def prefill_forward_single_user_text(self, seq_len: int, page_table, last_token_idx: int, kv_cache):

@@ -96,6 +96,17 @@ def num_blocks_in_seq(seq_len: int, block_size: int) -> int:  # tt/common.py
     return math.ceil(seq_len / block_size)
 
 
+def prefill_user_page_table(page_table, block_size: int, prefill_seq_len: int):
+    """tt/generator.py Generator._get_prefill_user_page_table (622c6fb9, not batched): the user's page table cut to the
+    padded prompt's blocks, padded with -1 where the row is narrower ("prefill kernels run on the padded prefill
+    length ... so the page table must expose blocks for that padded length"); paged_fill_cache skips -1 entries."""
+    num_blocks = num_blocks_in_seq(prefill_seq_len, block_size)
+    if page_table.shape[1] < num_blocks:
+        padding = torch.full((page_table.shape[0], num_blocks - page_table.shape[1]), -1, dtype=torch.int32)
+        page_table = torch.cat([page_table, padding], dim=1)
+    return page_table[:, :num_blocks]
+
+
 def get_max_prefill_chunk_size(seq_len: int, max_prefill_seq_len: int) -> int:
     """tt/common.py get_max_prefill_chunk_size: "the largest multiple of 2048 that divides `seq_len` and is less than
     or equal to `max_prefill_seq_len`" (both must be multiples of 2048)."""
@@ -106,11 +117,13 @@ def get_max_prefill_chunk_size(seq_len: int, max_prefill_seq_len: int) -> int:
 
 
 def get_padded_prefill_len(seq_len: int) -> int:
-    """tt/common.py get_padded_prefill_len (553f842d, 001cd078): 128, else "whichever is smaller: a power of 2 or a
-    multiple of 2048"."""
+    """tt/common.py get_padded_prefill_len (622c6fb9, "TODO #34117"): 128, else 1,024, else the next power of two
+    (553f842d's "whichever is smaller: a power of 2 or a multiple of 2048" is gone there)."""
     if seq_len <= 128:
         return 128
-    return min(2 ** math.ceil(math.log2(seq_len)), 2048 * math.ceil(seq_len / 2048))
+    if seq_len <= 1024:
+        return 1024
+    return 2 ** (seq_len - 1).bit_length()
 
 
 def get_base_model_name(model_name: str) -> str:
@@ -433,11 +446,12 @@ class Attention:
         if page_table is not None:
             fill_page_table = chunk_page_table if chunk_page_table is not None else page_table
             page_len = min(fill_page_table.shape[1] * block, S)
-            positions = torch.arange(page_len)
-            blocks = fill_page_table.data[user_id].long()[positions // block]
+            blocks = fill_page_table.data[user_id].long()[torch.arange(page_len) // block]
+            positions = torch.arange(page_len)[blocks >= 0]  # -1: skipped (writer_fill_cache_interleaved.cpp)
+            blocks = blocks[blocks >= 0]
 
             def fill(cache, new):  # ttnn.experimental.paged_fill_cache(cache, new[:, :, :page_len], page table)
-                cache.data[blocks, :, positions % block] = ttnn.stored(new.data[0, :page_len],
+                cache.data[blocks, :, positions % block] = ttnn.stored(new.data[0, positions],
                                                                        cache.dtype).to(cache.data.dtype)
             # the fill page table is an input of the op: its width is part of the program (module docstring)
             for cache, new in ((keys, k), (values, v)):
@@ -672,6 +686,9 @@ class Transformer:
         assert tokens.dim() == 2, "tokens must be a 2D tensor"
         tokens = tokens.reshape(1, 1, 1, -1)
         S = tokens.shape[-1]
+        # tt/model.py prepare_inputs_prefill (622c6fb9): the rotary tables hold ModelArgs.max_seq_len positions
+        # (RotarySetup(max_seq_len=args.max_seq_len)) and the padded prompt must fit them
+        assert self.args.max_seq_len >= S, f"Sequence length {S} exceeds max seq len {self.args.max_seq_len}"
         replicated = ttnn.ReplicateTensorToMesh(self.mesh_device)
         tokens = ttnn.from_torch(tokens, device=self.mesh_device, dtype=ttnn.uint32, layout=ttnn.ROW_MAJOR_LAYOUT,
                                  mesh_mapper=replicated)
@@ -786,6 +803,16 @@ class WarmupForwardMixin:
         page_table = torch.zeros(max_batch_size, num_blocks, dtype=torch.int32)
         return tokens, start_pos, page_table
 
+    def _create_sampling_params(self, can_sample_on_device, batch_size, greedy_only=False):
+        """warmup_utils.py _create_sampling_params (622c6fb9): [None] without on-device sampling; else a non-greedy
+        configuration for each of penalties and log-probs on and off (unless greedy_only), a greedy one, and None."""
+        if not can_sample_on_device:
+            return [None]
+        non_greedy = [] if greedy_only else [SamplingParams(temperature=[1.0] * batch_size, top_k=[10] * batch_size,
+                                                            top_p=[0.9] * batch_size) for _ in range(4)]
+        return non_greedy + [SamplingParams(temperature=[0.0] * batch_size, top_k=[1] * batch_size,
+                                            top_p=[1.0] * batch_size), None]
+
     def warmup_model_decode(self, kv_cache, enable_trace, max_batch_size, num_blocks, can_sample_on_device,
                             can_sample_device_grammar=False, read_from_device=True, greedy_only=False,
                             skip_trace_precompile=False, sampling_trace_variants_prepared=False):
@@ -814,27 +841,33 @@ class Generator(WarmupForwardMixin):
         self.trace_ids_decode = defaultdict(lambda: None)  # {sampling on device: {model: trace id}}
         self.trace_inputs_decode, self.trace_output_decode = {}, {}
 
-    def warmup_model_prefill(self, kv_cache, enable_trace, can_sample_on_device=False,
-                             non_greedy_decoding_on_device=False):
+    def warmup_model_prefill(self, kv_cache, enable_trace, can_sample_on_device, greedy_only=False):
+        """tt/generator.py warmup_model_prefill (622c6fb9): each supported length once through prefill_forward_text;
+        the first of them once per sampling configuration (sampling_parameters_sweeped: the sweep runs once), which
+        with can_sample_on_device is WarmupForwardMixin._create_sampling_params' (warmup_utils.py): four non-greedy
+        ones (penalties and log-probs on and off) unless greedy_only, a greedy one, and None."""
         if self.already_warmed_up_prefill:
             return
         self.already_warmed_up_prefill = True
-        for seq_len in self.model_args[0].get_warmup_prefill_supported_seq_lens():
+        for i, seq_len in enumerate(self.model_args[0].get_warmup_prefill_supported_seq_lens()):
             blocks = num_blocks_in_seq(seq_len, get_block_size(kv_cache[0]))
-            self.prefill_forward_text(torch.zeros(1, seq_len, dtype=torch.long), kv_cache=kv_cache,
-                                      page_table=torch.zeros(1, blocks, dtype=torch.int32), prompt_lens=[seq_len],
-                                      empty_slots=[0], enable_trace=enable_trace, model_id_warmup=0)
+            for param in (self._create_sampling_params(can_sample_on_device, 1, greedy_only) if i == 0 else [None]):
+                self.prefill_forward_text(torch.zeros(1, seq_len, dtype=torch.long), kv_cache=kv_cache,
+                                          page_table=torch.zeros(1, blocks, dtype=torch.int32), prompt_lens=[seq_len],
+                                          empty_slots=[0], enable_trace=enable_trace, model_id_warmup=0,
+                                          sampling_params=param)
 
-    def _get_prefill_user_page_table(self, page_table, kv_cache, prefill_len):
-        """"Ensure page_table is not padded with extra blocks for paged_fill_cache to work properly"."""
-        return page_table[:, : num_blocks_in_seq(prefill_len, get_block_size(kv_cache))]
+    def _get_prefill_user_page_table(self, page_table, kv_cache, prefill_len, prefill_seq_len=None):
+        return prefill_user_page_table(page_table, get_block_size(kv_cache),
+                                       prefill_seq_len if prefill_seq_len is not None else prefill_len)
 
     def prefill_forward_text(self, tokens, page_table=None, kv_cache=None, prompt_lens=None, empty_slots=None,
                              enable_trace=True, model_id_warmup=None, sampling_params=None, start_pos=None,
                              return_hidden_states=False, warmup_prefill=True, **kwargs):
         self.mode = Mode.PREFILL
-        if warmup_prefill:
-            self.warmup_model_prefill(kv_cache=kv_cache, enable_trace=enable_trace)
+        if warmup_prefill:  # generator.py: on-device sampling enabled when the model built TT's sampling module
+            self.warmup_model_prefill(kv_cache=kv_cache, enable_trace=enable_trace, can_sample_on_device=getattr(
+                self.model[0], "_supports_on_device_sampling", False) and self.model[0].sampling is not None)
         assert page_table is not None, "stand-in: prefill with a page table"
         batch_size = tokens.shape[0]
         out = torch.zeros(batch_size, 1, self.model_args[0].vocab_size)
@@ -843,7 +876,8 @@ class Generator(WarmupForwardMixin):
             seq_len = int(prompt_lens[idx])
             last_token_idx = seq_len - 1
             prefill_ids = F.pad(tokens[idx : idx + 1, :seq_len], (0, get_padded_prefill_len(seq_len) - seq_len))
-            page_table_user = self._get_prefill_user_page_table(page_table[idx : idx + 1], kv_cache[model_id], seq_len)
+            page_table_user = self._get_prefill_user_page_table(page_table[idx : idx + 1], kv_cache[model_id], seq_len,
+                                                                prefill_ids.shape[-1])
             with torch.no_grad():
                 logits = self.prefill_forward_single_user_text(prefill_ids, page_table=page_table_user, user_id=0,
                                                                last_token_idx=last_token_idx,

@@ -1443,10 +1443,10 @@ def _paged_fill_cache(cache_tensor, input_tensor, page_table, *, batch_idx=0, ba
     if x.shape[2] > cache.shape[2] * table.shape[1]:
         raise RuntimeError("Input seq_len must fit in max_num_blocks_per_seq")
 
-    def fn(c, t, p):
-        positions = torch.arange(t.data.shape[2])
-        blocks = p.data[batch_idx][positions // BLOCK]
-        c.data[blocks, :, positions % BLOCK] = stored(t.data[0].transpose(0, 1), c.dtype)
+    def fn(c, t, p):  # -1 entries skipped (writer_fill_cache_interleaved.cpp: SKIP_PAGE_TABLE_ENTRY)
+        blocks = p.data[batch_idx].long()[torch.arange(t.data.shape[2]) // BLOCK]
+        positions = torch.arange(t.data.shape[2])[blocks >= 0]
+        c.data[blocks[blocks >= 0], :, positions % BLOCK] = stored(t.data[0].transpose(0, 1)[positions], c.dtype)
     run_op("paged_fill_cache", fn, cache, x, table, inplace=True)
 
 

@@ -98,13 +98,13 @@ def test_copy_into_a_persistent_tensor_replays(mesh):
 
 def test_rules_taken_from_the_code_they_cite(mesh):
     """Issue 30's review finding 6: where the stand-in differed from the tt-metal code it cites, it follows the code:
-    prefill padding (tt/common.py get_padded_prefill_len: the smaller of the next power of two and a multiple of
-    2,048), top k over fewer than 64 columns (padded to 64 by the host wrapper, with float's smallest positive value:
+    prefill padding (tt/common.py get_padded_prefill_len at 622c6fb9: 128, else 1,024, else the next power of
+    two), top k over fewer than 64 columns (padded to 64 by the host wrapper, with float's smallest positive value:
     negative logits lose to the padding), and TT_CCL's semaphores handed out in turn per axis slot."""
     from ..tt_stand_in import tt_transformers as tt
 
     assert [tt.get_padded_prefill_len(n) for n in (5, 128, 200, 1500, 3000, 5000, 9000)] == \
-        [128, 128, 256, 2048, 4096, 6144, 10240]
+        [128, 128, 1024, 2048, 4096, 8192, 16384]
     values, ids = t.topk(dev(torch.full((1, 1, 32, 40), -1.0), mesh), k=2)
     assert (t.to_torch(ids).int() >= 40).all() and (t.to_torch(values) > 0).all()  # the padded columns win
     ccl = tt.TT_CCL(mesh)

@@ -440,7 +440,7 @@ class SimpleResult:
 
 def test_prefill_warm_prompts_cover_every_padded_length_and_the_short_prompts_tiles(stand_in, tiny):
     """F2: the warm-up prefills one prompt of every padded length TT's sweep leaves out (get_padded_prefill_len pads to
-    the smaller of a power of two and a multiple of 2,048: 256, 512, then 6,144, 10,240 ...), not only the lengths
+    128, 1,024, then powers of two; the sweep stops at the 4k chunk: 8,192 and 16,384 are left), not only the lengths
     TT chunks, and every (padded length, blocks) class of the prompts up to PER_TILE_WARM_POSITIONS tokens."""
     from models.tt_transformers.ttnn_backend.model import PER_TILE_WARM_POSITIONS, prefill_warm_prompts
 
@@ -449,7 +449,7 @@ def test_prefill_warm_prompts_cover_every_padded_length_and_the_short_prompts_ti
     prompts = prefill_warm_prompts(args, 12000)
     padded = {stand_in_tt.get_padded_prefill_len(n) for n in prompts} | set(args.get_warmup_prefill_supported_seq_lens())
     assert padded == {stand_in_tt.get_padded_prefill_len(n) for n in range(1, 12001)}
-    assert {6144, 10240, 12000} <= set(prompts)  # 12,000 stands for 10,241..12,000 (padded to 12,288, past the cache)
+    assert {8192, 12000} <= set(prompts)  # 12,000 stands for 8,193..12,000 (padded to 16,384, past the cache)
     short = {(stand_in_tt.get_padded_prefill_len(n), -(-n // 32)) for n in prompts if n <= PER_TILE_WARM_POSITIONS}
     swept = {(n, n // 32) for n in args.get_warmup_prefill_supported_seq_lens()} | {(128, 1)}
     assert short | swept >= {(stand_in_tt.get_padded_prefill_len(n), -(-n // 32))
@@ -498,3 +498,55 @@ def test_a_prefill_that_compiles_under_live_traces_has_them_made_again(stand_in,
     lm.prefill(0, long_prompt(1100))  # the same programs again, after a replay
     assert lm.step([UserRows(0, [3], 1100)]).ids
 
+
+
+def test_a_prompt_over_128_tokens_below_1024_max_seq_len(stand_in, tiny):
+    """Issue 46 (prompt padding): TT pads a prompt of 129..1,024 tokens to 1,024 (tt/common.py get_padded_prefill_len
+    at 622c6fb9) and prepare_inputs_prefill asserts the padded prompt fits ModelArgs' rotary tables: ModelArgs got the
+    next power of two of --max_seq_len (256 for 192), so TT's warm-up and every prompt over 128 tokens stopped there
+    ("Sequence length 1024 exceeds max seq len 256"). Now it gets the padded length, and the prompt's logits are the
+    same as in a model built for 1,024 positions."""
+    users = 2
+    lm = build(mesh_of((1, 1)), tiny, users=users, max_seq_len=192)
+    assert lm.tt.args.max_seq_len == 1024 and lm.max_seq_len == 192
+    lm.warm_up(2, 0, ())
+    prompt = long_prompt(150)
+    got = lm.prefill(1, prompt, logits=True).logits[0]
+    wide = build(mesh_of((1, 1)), tiny, users=users, max_seq_len=1024)
+    assert torch.equal(got, wide.prefill(1, prompt, logits=True).logits[0])
+    assert torch.equal(lm.step([UserRows(1, [5], 150)], logits=True).logits[0],
+                       wide.step([UserRows(1, [5], 150)], logits=True).logits[0])
+
+
+def test_the_warm_up_runs_tt_prefill_sweep_without_tt_sampling(stand_in, tiny):
+    """Issue 46 (TT's warm-up on ttnn 0.81.1): TT's first prefill_forward_text runs Generator.warmup_model_prefill,
+    whose first length is prefilled once per on-device sampling configuration when the model has TT's sampling module;
+    on one device that sweep's top k is refused by the 0.81.1 wheel, and this backend never samples through TT's
+    module. The backend runs TT's warm-up itself, every length once, with no sampling parameters."""
+    calls = []
+    prefill = stand_in_tt.Generator.prefill_forward_text
+
+    def recorded(self, tokens, *args, **kwargs):
+        calls.append((tokens.shape[-1], kwargs.get("sampling_params")))
+        return prefill(self, tokens, *args, **kwargs)
+    stand_in.setattr(stand_in_tt.Generator, "prefill_forward_text", recorded)
+    lm = build(mesh_of((1, 1)), tiny, max_seq_len=1024)
+    assert lm.tt.model.sampling is not None  # TT built its sampling module: its own warm-up would sweep it
+    lm.warm_up(2, 0, ())
+    swept = lm.tt.args.get_warmup_prefill_supported_seq_lens()
+    assert all(param is None for _, param in calls), [param for _, param in calls]
+    assert lm.tt.generator.already_warmed_up_prefill
+    assert [n for n, _ in calls[: len(swept)]] == swept
+
+
+def test_a_model_over_a_whole_galaxy_is_refused_before_anything_is_built(stand_in, tiny):
+    """Issue 46 (Galaxy): TT-Transformers' tensor parallelism over all 32 devices of a Galaxy fails TT's own checks at
+    622c6fb9 (prefill's rotary embedding, decode's QKV matmul); TT runs models there on 1 x 8 submeshes. A build over
+    the whole mesh is refused in one line naming the fix, before TT's ModelArgs is made."""
+    made = []
+    stand_in.setattr(stand_in_ttnn, "AVAILABLE_DEVICES", 32)  # a Galaxy's system
+    stand_in.setattr(stand_in_tt.ModelArgs, "__init__", lambda self, *a, **k: made.append(a))
+    with pytest.raises(UserError) as refused:
+        build_tt_model(mesh_of((8, 4)), tiny.folder, tiny.name, 8, 1024, True)
+    assert refused.value.parameter == "mesh_device" and "\n" not in str(refused.value)
+    assert "submesh of 8 devices" in str(refused.value) and not made

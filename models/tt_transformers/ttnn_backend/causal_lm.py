@@ -30,7 +30,7 @@ from ..checkpoints.eagle3_format import HeadConfig, find_draft_head
 from ..checkpoints.safetensors_index import read_embedding
 from ..errors import UserError
 from ..speculative.backend import DeviceRows, StepOutput, UserRows
-from .model import TILE_ROWS, TTModel, prefill_into_sink, prefill_warm_prompts, supported_kwargs
+from .model import TILE_ROWS, TTModel, prefill_into_sink, prefill_warm_prompts, supported_kwargs, tt_prefill_warm_up
 from .taps import TapCapture, gather_taps_on_host, prefill_state_to_host, prompt_taps, write_taps
 from .trace_plan import TraceKey, pass_ladder, passes_for, trace_bytes, trace_keys
 from .traces import MeshTraces, TracedModel, captured, device_tensors, program_cache_entries
@@ -277,6 +277,8 @@ class TtnnCausalLM(TracedModel):
         generator = self.tt.generator
         if taps and not self.prefilled:  # TT's first prefill runs its warm-up sweep: not under the taps' host reads
             self.prefill(user, list(tokens[:1]))
+        if not self.prefilled:  # TT's warm-up without its sampling sweep, before its first prefill runs it with it
+            tt_prefill_warm_up(generator, [self.tt.kv_cache])
         self.prefilled = True
         programs = program_cache_entries(self.tt.mesh_device)
         mesh, dim = self.tt.mesh_device, self.tt.args.dim

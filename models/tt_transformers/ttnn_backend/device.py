@@ -8,6 +8,7 @@ import os
 from contextlib import contextmanager
 from typing import Optional
 
+from ..errors import UserError
 from .ttnn_api import ttnn
 
 # MESH_DEVICE -> mesh shape, as models/tt_transformers/conftest.py (device_params) and TT's text generation
@@ -22,6 +23,27 @@ TRACE_REGIONS: dict[int, int] = {}
 
 def tt_device_present() -> bool:
     return bool(glob.glob("/dev/tenstorrent*"))
+
+
+# A Galaxy's devices (8 x 4): TT-Transformers' ModelArgs.is_galaxy (tt/model_config.py: num_devices == 32)
+GALAXY_DEVICES = 32
+
+
+def check_tensor_parallel(mesh_device) -> None:
+    """A model is not built tensor-parallel over a whole Galaxy: at tt-metal 622c6fb9 TT-Transformers' own path there
+    (ModelArgs.is_galaxy) fails TT's checks for Llama-3.1-8B on the mock Galaxy, in prefill (tt/attention.py
+    forward_prefill hands rotary_embedding_llama the bfloat8_b ccl_dtype output of its QKV all-reduce:
+    rotary_embedding_llama_device_operation.cpp "All input tensors must have dtype = bfloat16") and in decode (its
+    QKV linear gets a DRAM-sharded program config over DRAM-interleaved wqkv: matmul_device_operation.cpp "Input B
+    memory layout must be WIDTH_SHARDED"). TT runs such models on a Galaxy data-parallel, tensor-parallel within a
+    submesh (tt/generator.py create_submeshes, simple_text_demo.py's data_parallel). One line, before anything is
+    built."""
+    if mesh_device.get_num_devices() == GALAXY_DEVICES:
+        raise UserError(f"mesh_device: a {' x '.join(map(str, tuple(mesh_device.shape)))} Galaxy mesh: "
+                        "TT-Transformers' tensor parallelism over all 32 devices fails TT's own checks (prefill's "
+                        "rotary embedding, decode's QKV matmul); build the model on a submesh of 8 devices, as TT runs "
+                        "models on a Galaxy (data parallel: tt/generator.py create_submeshes(mesh_device, 4))",
+                        "mesh_device")
 
 
 def mesh_shape(name: Optional[str] = None) -> tuple[int, int]:

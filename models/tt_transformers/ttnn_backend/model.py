@@ -31,6 +31,7 @@ from ..checkpoints.cache import cache_root
 from ..checkpoints.checkpoint import Checkpoint
 from ..checkpoints.model_shape import ModelShape
 from .attention import KVWritePasses, ordered_write_attention
+from .device import check_tensor_parallel
 from .tt_surface import full_layers
 from .ttnn_api import ttnn
 
@@ -116,12 +117,18 @@ def precision(optimizations: str):
 
 
 def model_args_seq_len(max_seq_len: int) -> int:
-    """What ModelArgs gets as max_seq_len: the next power of two. Its prefill warm-up (the first
+    """What ModelArgs gets as max_seq_len: the length TT pads a prompt of max_seq_len tokens to
+    (tt/common.py get_padded_prefill_len: at 622c6fb9 128, else 1,024, else the next power of two), at least the next
+    power of two. ModelArgs' max_seq_len sizes the rotary tables, and Transformer.prepare_inputs_prefill (tt/model.py)
+    asserts the padded prompt fits them ("Sequence length 1024 exceeds max seq len 256": TT's own prefill warm-up and
+    any prompt over 128 tokens would stop there at --max_seq_len 256); TT's prefill warm-up (the first
     Generator.prefill_forward_text) asserts that min(max_prefill_chunk_size, max_seq_len) is a power of two
-    (tt/model_config.py, get_warmup_prefill_supported_seq_lens), so --max_seq_len 1280 would stop there. ModelArgs'
-    max_seq_len sizes the rotary tables and bounds prefill; the KV cache is our paged one, sized by the real
-    max_seq_len."""
-    return 1 << (max_seq_len - 1).bit_length()
+    (tt/model_config.py get_warmup_prefill_supported_seq_lens), so --max_seq_len 1280 would stop there. Both rules give
+    a power of two. The KV cache is our paged one, sized by the real max_seq_len: a padded prompt's positions past a
+    user's blocks are skipped (-1) or go to SINK_BLOCK (zeros), as TT pads the page table."""
+    from models.tt_transformers.tt.common import get_padded_prefill_len
+
+    return max(1 << (max_seq_len - 1).bit_length(), get_padded_prefill_len(max_seq_len))
 
 
 # Prompts up to this many tokens have every last-token tile warmed (prefill_warm_prompts): one prefill per 32
@@ -149,7 +156,9 @@ def prefill_warm_prompts(args, max_seq_len: int) -> list[int]:
       (Generator._get_prefill_user_page_table), and paged_fill_cache keys its program by the page table's width: a
       prompt of 32 b tokens has b blocks and its last token in tile b - 1.
     A prompt stands for its (padded length, blocks) class; the classes TT's sweep already ran (its lengths as whole
-    prompts) and the one-token prefill that triggers the sweep are left out. Without
+    prompts) and the one-token prefill that triggers the sweep are left out, and so are the prompts TT cannot prefill
+    on these ModelArgs: a padded length past args.max_seq_len (tt/model.py prepare_inputs_prefill asserts it fits the
+    rotary tables; build_tt_model sizes them for every prompt, TT's vLLM path takes vLLM's max_model_len). Without
     get_warmup_prefill_supported_seq_lens (older ModelArgs) every padded length is prefilled."""
     from models.tt_transformers.tt.common import get_padded_prefill_len
 
@@ -163,15 +172,33 @@ def prefill_warm_prompts(args, max_seq_len: int) -> list[int]:
     candidates += [min(b * BLOCK_SIZE, per_tile) for b in range(1, math.ceil(per_tile / BLOCK_SIZE) + 1)]
     prompts = {}
     for n in candidates:
-        if kind(n) not in done:
+        if kind(n) not in done and get_padded_prefill_len(n) <= args.max_seq_len:
             prompts.setdefault(kind(n), n)
     return sorted(prompts.values())
+
+
+def tt_prefill_warm_up(generator, kv_cache) -> None:
+    """TT's own prefill warm-up without its on-device sampling sweep. TT's first prefill_forward_text runs
+    Generator.warmup_model_prefill (tt/generator.py), a prefill of every get_warmup_prefill_supported_seq_lens length,
+    the first of them once per sampling configuration when the model has TT's sampling module
+    (models/common/warmup/warmup_utils.py _create_sampling_params: penalties, log-probs, top k/p). This backend never
+    samples through TT's module (its argmax and top k run on the logits, vocab.py), and that sweep fails on one device
+    with the ttnn 0.81.1 wheel: at tt-metal 622c6fb9, tt_sampling.py's multi-step reduction (on a 1x1 mesh) hands
+    ttnn.topk an indices tensor half its input's width, which 0.81.1's topk refuses ("indices_tensor->logical_shape()
+    == input_tensor.logical_shape()"). So the warm-up runs here first with can_sample_on_device=False (one pass per
+    length, sampling_params None), which marks it done for every later prefill_forward_text. A Generator without that
+    argument (older tags) keeps its own warm-up, run by its first prefill."""
+    warm = getattr(generator, "warmup_model_prefill", None)
+    if warm is not None and supported_kwargs(warm, can_sample_on_device=False):
+        warm(kv_cache=kv_cache, enable_trace=False, can_sample_on_device=False)
 
 
 def prefill_into_sink(generator, kv_cache, blocks: int, lengths) -> None:
     """One prefill of each length (zeros) through TT's prefill_forward_text into SINK_BLOCK (a page-table row of
     `blocks` sink entries, which TT cuts to the prompt's blocks as it cuts a user's), for the programs it compiles:
-    the warm-ups of TtnnCausalLM and of the serving class (serving/ttnn_model.py)."""
+    the warm-ups of TtnnCausalLM and of the serving class (serving/ttnn_model.py), after TT's own
+    (tt_prefill_warm_up)."""
+    tt_prefill_warm_up(generator, kv_cache)
     sink = torch.full((1, blocks), SINK_BLOCK, dtype=torch.int32)
     for n in lengths:
         generator.prefill_forward_text(torch.zeros(1, n, dtype=torch.long), **supported_kwargs(
@@ -251,6 +278,7 @@ def build_tt_model(mesh_device, checkpoint_folder: Path, name: str, max_users: i
     from models.tt_transformers.tt.model import Transformer
     from models.tt_transformers.tt.model_config import ModelArgs
 
+    check_tensor_parallel(mesh_device)
     weights_dtype = weights_dtype or ttnn.bfloat8_b
     with model_env(Path(checkpoint_folder), name):
         args = ModelArgs(mesh_device, instruct=instruct, max_batch_size=TILE_ROWS,
