@@ -391,13 +391,7 @@ def test_plain_steps_are_tt_transformers_decode(monkeypatch, tmp_path, embedded_
         calls.append((kwargs.get("reset_batch"), list(served.model.spec.passes.positions)))
         return tt_decode(self, *args, **kwargs)
     monkeypatch.setattr(stand_in_generator_vllm.LlamaForCausalLM, "decode_forward", recorded)
-    scheduler = Scheduler(served)
-    chosen = [prompts[0][:40], prompts[1][:35]]
-    n = [len(c) for c in chosen]
-    first = scheduler.prefill(chosen, [0, 1])
-    lm = package_backend(monkeypatch, embedded_checkpoint)
-    for user, prompt in enumerate(chosen):
-        lm.prefill(user, prompt)
+    scheduler, n, first, lm = two_prefilled(monkeypatch, served, embedded_checkpoint, prompts)
 
     def plain(last, pos, **kwargs):
         """One TT decode of rows 0 and 1 (last tokens at positions pos), then the drafter's proposal after it."""
@@ -687,6 +681,19 @@ def test_bundle_classes_resolve_beside_tt_metal(tmp_path, regular):
                                  "models.tt_transformers.tt.generator_vllm", None, True]}
 
 
+def two_prefilled(monkeypatch, served, embedded_checkpoint, prompts):
+    """Two requests (40 and 35 prompt tokens) prefilled into slots 0 and 1 through the scheduler, and the same into
+    the package's own backend (whose steps the served ids are compared with): the scheduler, the prompt lengths, the
+    served first tokens and that backend."""
+    scheduler = Scheduler(served)
+    chosen = [prompts[0][:40], prompts[1][:35]]
+    first = scheduler.prefill(chosen, [0, 1])
+    lm = package_backend(monkeypatch, embedded_checkpoint)
+    for user, prompt in enumerate(chosen):
+        lm.prefill(user, prompt)
+    return scheduler, [len(c) for c in chosen], first, lm
+
+
 def test_refused_decodes_move_nothing(monkeypatch, tmp_path, embedded_checkpoint, prompts):
     """TT's ordinary decode and the verify, each carrying a slot_remap that swaps two requests, refused for what the
     step would refuse or write wrongly: a page table without a live row's row, a live row's block 0 (vLLM's null
@@ -696,13 +703,7 @@ def test_refused_decodes_move_nothing(monkeypatch, tmp_path, embedded_checkpoint
     the package's own step's ids."""
     served = Served(monkeypatch, tmp_path, embedded_checkpoint, 3)
     verify, model = served.model.spec.verify, served.model
-    scheduler = Scheduler(served)
-    chosen = [prompts[0][:40], prompts[1][:35]]
-    n = [len(c) for c in chosen]
-    first = scheduler.prefill(chosen, [0, 1])
-    lm = package_backend(monkeypatch, embedded_checkpoint)
-    for user, prompt in enumerate(chosen):
-        lm.prefill(user, prompt)
+    scheduler, n, first, lm = two_prefilled(monkeypatch, served, embedded_checkpoint, prompts)
     swap = t([1, 0, 2, 3])
     greedy = stand_in_tt.SamplingParams(temperature=0.0, top_k=1, top_p=1.0)
 
