@@ -10,7 +10,7 @@ DEMO := models/tt_transformers/demo/speculative_decoding/speculative_demo.py
 
 ARCTIC := $(VENV)/.arctic-installed
 
-.PHONY: demo test test-slow check-ttnn-api tt-mock check-eagle3 check-tt-env tt-smoke train-draft-head bench bench-suffix bench-batch bench-verify-cost bench-contention bench-cpu install
+.PHONY: demo test test-slow check-ttnn-api tt-mock check-eagle3 check-tt-env tt-smoke train-draft-head bench bench-suffix bench-batch bench-verify-cost bench-contention bench-cpu bench-long install
 install: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
@@ -60,6 +60,11 @@ bench-verify-cost: $(STAMP)
 # Quiet and beside a CPU-bound process, the package's thread count and OMP_NUM_THREADS=1 (one run, fresh processes).
 bench-contention: $(STAMP)
 	$(PY) benchmarks/bench_contention.py $(ARGS)
+
+# Speculative vs plain decoding at 1k-16k tokens of context (copy, summarize and question-answer prompts over long
+# documents), with Hugging Face's prefill of the same prompts (benchmarks/bench_long.py; docs/results.md).
+bench-long: $(STAMP)
+	$(PY) benchmarks/bench_long.py $(ARGS)
 
 # Every CPU path this machine runs against the memory floor, Hugging Face transformers and llama.cpp, on the embedded
 # model (benchmarks/bench_cpu.py). llama.cpp is built from source (llama-cpp-python) in venvs of its own: as this CPU

@@ -3,6 +3,7 @@
 included text generated past the end of the answer), each run starts from a fresh drafter, and interleaving the
 methods prompt by prompt keeps each one's outputs."""
 import argparse
+import json
 import sys
 
 from .conftest import REPO_ROOT
@@ -105,3 +106,84 @@ def test_bench_cpu_records_a_path_of_ours_the_demo_refuses(tmp_path):
 
     failed = bench_cpu.attempt(lambda: bench_cpu.cli_figures({"TT_CPU_ISA": "avx3"}, 2, tmp_path / "r.json"))
     assert failed["failed"].startswith("exit status ") and "TT_CPU_ISA='avx3' is not one of" in failed["failed"]
+
+
+def long_text(paragraphs: int) -> str:
+    """A generated document for bench_long's tests: paragraphs of numbered facts, three sentences each."""
+    return "\n\n".join(f"On day {i} the river at station {i % 7} rose by {3 * i} centimetres. The ferry ran "
+                       f"{i % 4} times; the keeper logged {11 * i} visitors. Rain fell for {i % 5} hours."
+                       for i in range(paragraphs))
+
+
+def test_bench_long_prompts_fill_their_length_with_a_prefix_and_carry_their_task(embedded_tokenizer):
+    import bench_long
+
+    text = long_text(60)
+    for task, instruction in bench_long.TASKS.items():
+        prompt = bench_long.build_prompt(embedded_tokenizer, text, task, 256)
+        assert 256 - 40 < len(prompt) <= 256  # within a sentence of the length
+        assert prompt == bench_long.build_prompt(embedded_tokenizer, text, task, 256)  # deterministic
+        decoded = embedded_tokenizer.decode(prompt)
+        assert decoded.count(instruction) == 1 and decoded.count(bench_long.NEEDLE) == (task == "qa")
+        document = "On day 0" + decoded.split("On day 0", 1)[1].split("\n\n" + instruction)[0]
+        if task == "qa":  # the needle is a paragraph of its own near the middle, the rest the text's start
+            before, after = document.split(bench_long.NEEDLE)
+            assert before.endswith("\n\n") and after.startswith("\n\n") and abs(len(before) - len(after)) < 200
+            document = before[:-2] + after
+        assert text.startswith(document) and document.endswith(".")  # a prefix of the text, cut at a sentence end
+
+
+def test_bench_long_refuses_lengths_and_documents_it_cannot_fill(embedded_tokenizer, tmp_path):
+    import pytest
+
+    import bench_long
+    from models.tt_transformers.errors import UserError
+
+    with pytest.raises(UserError, match=r"^--lengths 30: too short for the copy task's prompt"):
+        bench_long.build_prompt(embedded_tokenizer, long_text(60), "copy", 30)
+    with pytest.raises(UserError, match=r"^--documents hold \d+ tokens of summarize prompt, not more than --lengths 2,000"):
+        bench_long.build_prompt(embedded_tokenizer, long_text(20), "summarize", 2000)
+    with pytest.raises(UserError, match=r"^--documents .*missing.txt does not exist"):
+        bench_long.read_documents([tmp_path / "missing.txt"])
+    assert bench_long.split_lengths([1000, 8100, 16000], 128, 8192, "M") == (
+        [1000], {8100: "8,100 prompt tokens + 128 generated exceed M's 8,192 positions (max_position_embeddings)",
+                 16000: "16,000 prompt tokens + 128 generated exceed M's 8,192 positions (max_position_embeddings)"})
+
+
+def run_bench_long(monkeypatch, tmp_path, *flags):
+    import bench_long
+
+    (tmp_path / "doc.txt").write_text(long_text(60))
+    monkeypatch.setattr(sys, "argv", ["bench_long.py", "--documents", str(tmp_path / "doc.txt"), "--output_json",
+                                      str(tmp_path / "long.json"), "--max_generated_tokens", "12", *flags])
+    bench_long.main()
+    return json.loads((tmp_path / "long.json").read_text())
+
+
+def test_bench_long_measures_every_row_against_plain_decoding_and_skips_lengths_beyond_the_model(
+        monkeypatch, tmp_path, capsys):
+    report = run_bench_long(monkeypatch, tmp_path, "--lengths", "300", "9000", "--tasks", "copy", "qa")
+    skipped, *rows = sorted(report["rows"], key=lambda r: -r["length"])
+    assert skipped == {"length": 9000, "skipped": "9,000 prompt tokens + 12 generated exceed SmolLM2-135M-Instruct's "
+                                                  "8,192 positions (max_position_embeddings)"}
+    assert [(r["length"], r["task"], r["draft_mode"]) for r in rows] == [(300, "copy", "hybrid"), (300, "qa", "hybrid")]
+    for r in rows:
+        assert r["identical_to_plain"] and 280 < r["prompt_tokens"] <= 300 and r["tokens_per_forward"] >= 1.0
+        assert r["hf_ttft_s"] > 0 and r["plain_ttft_s"] > 0 and r["speedup"] > 0
+    table = capsys.readouterr().out
+    assert "| 9,000 |  | all |  | skipped: 9,000 prompt tokens" in table
+    assert (tmp_path / "long.png").stat().st_size > 0
+
+
+def test_bench_long_fails_a_run_whose_speculative_outputs_differ(monkeypatch, tmp_path):
+    """Its table, JSON and chart are written first; then it exits with the rows named."""
+    import pytest
+
+    import bench_long
+
+    measured = bench_long.measure
+    monkeypatch.setattr(bench_long, "measure", lambda *a: {mode: {**row, "identical_to_plain": False}
+                                                           for mode, row in measured(*a).items()})
+    with pytest.raises(SystemExit, match="differ from plain decoding's in 300 copy hybrid$"):
+        run_bench_long(monkeypatch, tmp_path, "--lengths", "300", "--tasks", "copy", "--skip_hf")
+    assert json.loads((tmp_path / "long.json").read_text())["rows"][0]["identical_to_plain"] is False
