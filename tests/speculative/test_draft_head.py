@@ -145,7 +145,7 @@ def test_llama8b_shaped_head_is_lossless_in_both_layouts(tmp_path):
         for trees in (False, True):
             target = TorchCausalLM(model, 32, 2)
             target.supports_trees = trees
-            target.step_cost = lambda n_rows, context_len: 1.0  # rows are free: trees grow as far as they may
+            target.step_cost = lambda n_users, n_rows, context_len: 1.0  # rows are free: trees grow as far as they may
             drafter = head_drafter(target, head)
             assert drafter.taps == (2, 16, 29)
             recording = RecordingDrafter(drafter)

@@ -205,7 +205,7 @@ class TileBackend:
     max_step_rows = 32
 
     @staticmethod
-    def step_cost(n_rows, context_len):
+    def step_cost(n_users, n_rows, context_len):
         return float(-(-n_rows // 32))
 
 
@@ -259,3 +259,18 @@ def test_torch_backend_verification_cost_grows_with_batch_and_context():
     lm = TorchCausalLM(random_model(), 3, 8)
     extra = [extra_cost_curve(lm, b, ctx)(1) for b, ctx in ((1, 100), (8, 100), (8, 1000))]
     assert extra == sorted(extra) and extra[-1] < 1 and len(set(extra)) == 3
+
+
+def test_torch_step_cost_reads_each_users_cache_once(monkeypatch):
+    """The CPU kernels attend a user's 1 + K rows in one pass over its cache: a step is priced by counting the users
+    whose caches it reads and the rows it computes, so a verified row adds its own arithmetic, never a cache read."""
+    from models.tt_transformers.torch_backend import causal_lm
+
+    lm = TorchCausalLM(random_model(), 3, 8)
+    lm.costs = causal_lm.StepCost(token=0.1, key=1e-4, read=3e-4)
+    row, read = 0.1 + 1e-4 * 2000, 3e-4 * 2000  # a row's work and a user's cache read over 2,000 cached positions
+    assert lm.step_cost(1, 1, 2000) == pytest.approx(1 + read + row)
+    assert lm.step_cost(1, 9, 2000) == pytest.approx(1 + read + 9 * row)  # one user verifying 8 drafts: one read
+    assert lm.step_cost(4, 12, 2000) == pytest.approx(1 + 4 * read + 12 * row)
+    share = (1 + 4 * read + 4 * row) / 4  # a user's share of a plain step of 4 users
+    assert extra_cost_curve(lm, 4, 2000)(3) == pytest.approx(3 * row / share)

@@ -93,9 +93,10 @@ class CausalLM(Protocol):
         """After a tree step: the accepted rows `path` (row 0 first, one per depth) move to positions start_pos,
         start_pos + 1, ... so the cache holds the accepted text where a chain would have put it."""
 
-    def step_cost(self, n_rows: int, context_len: float) -> float:
-        """Time of a step computing n_rows tokens over contexts of about context_len tokens, in units of the part
-        that does not depend on the rows (streaming the weights once)."""
+    def step_cost(self, n_users: int, n_rows: int, context_len: float) -> float:
+        """Time of a step computing n_rows tokens of n_users users over contexts of about context_len tokens, in
+        units of the part that does not depend on the rows (streaming the weights once). The users count apart from
+        the rows because attention may read each user's cache once for all of its rows (the CPU kernels do)."""
 
     def warm_up(self, max_rows_per_user: int, top_k: int, taps: Sequence[int], logits: bool = False) -> dict:
         """Compile (on a TT device also capture the traces of) every program that prefills and steps of up to
@@ -114,6 +115,6 @@ class CausalLM(Protocol):
 def extra_cost_curve(lm: CausalLM, n_users: int, context_len: float):
     """k -> what verifying k more tokens for one user costs this step, in units of one user's share of a plain
     step (one row per user): the price the draft-length policy weighs against expected acceptance."""
-    base = lm.step_cost(n_users, context_len)
+    base = lm.step_cost(n_users, n_users, context_len)
     share = base / n_users
-    return lambda k: (lm.step_cost(n_users + k, context_len) - base) / share
+    return lambda k: (lm.step_cost(n_users, n_users + k, context_len) - base) / share
