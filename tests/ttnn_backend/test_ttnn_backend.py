@@ -326,7 +326,7 @@ def test_sampling_through_the_verify_step_follows_the_target(monkeypatch, tmp_pa
     ckpt = resolve_checkpoint(str(folder))
     expected = exact_joint(load_model(ckpt, torch.float32, 64, cpu_kernels=False), SETTINGS)
     lm = backend_builder(monkeypatch, ckpt)(8, 64, float32=True)
-    lm.step_cost = lambda n_users, n_rows, context_len: 1.0  # draft whole chains: this tests verification, not the policy
+    lm.step_cost = lambda n_users, n_rows, context_len: 1.0  # whole chains: this tests verification, not the policy
     drafter = draft_source(lm, "model" if kind == "model" else "suffix")
     if kind == "accept-all":
         monkeypatch.setattr(speculative_generator, "verify_chain", lambda draft, target: draft + [target[len(draft)]])

@@ -112,9 +112,16 @@ class CausalLM(Protocol):
         """Give back device resources (a TT device's traces) before the model is dropped."""
 
 
+# What the draft-length policy adds to the step model's price of a verified row: the fit's error (a row priced low
+# drafts at a loss; issue 47: never measurably slower than plain decoding). Small where rows are cheap (a short
+# context), a few % of a step where they are not.
+COST_MARGIN = 0.1
+
+
 def extra_cost_curve(lm: CausalLM, n_users: int, context_len: float):
     """k -> what verifying k more tokens for one user costs this step, in units of one user's share of a plain
-    step (one row per user): the price the draft-length policy weighs against expected acceptance."""
+    step (one row per user), plus COST_MARGIN of it: the price the draft-length policy weighs against expected
+    acceptance."""
     base = lm.step_cost(n_users, n_users, context_len)
-    share = base / n_users
+    share = base / (1 + COST_MARGIN) / n_users
     return lambda k: (lm.step_cost(n_users, n_users + k, context_len) - base) / share
