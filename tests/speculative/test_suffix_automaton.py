@@ -317,7 +317,8 @@ def test_policy_never_drafts_at_a_loss_at_long_context():
     curves = one_pass_curves()
     assert 0.35 < curves[LONG](1) < 0.5 and curves[SHORT](1) < 0.11
     for acceptance in (0.0, 0.2, 0.35, 0.45):
-        assert simulate(DraftLengthPolicy(), curves[LONG], acceptance)[0] > 0.985, acceptance
+        speed, drafted = simulate(DraftLengthPolicy(), curves[LONG], acceptance)
+        assert speed > 0.985 and (drafted <= 15 or acceptance > 0.4), acceptance  # the prior's first drafts, probes
     speed, drafted = simulate(DraftLengthPolicy(), curves[LONG], 0.9)
     assert speed > 1.5 and drafted == 400
     speed, drafted = simulate(DraftLengthPolicy(), curves[SHORT], 0.45)
