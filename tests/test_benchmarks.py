@@ -6,6 +6,9 @@ import argparse
 import json
 import sys
 
+import pytest
+import torch
+
 from .conftest import REPO_ROOT
 
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
@@ -187,3 +190,49 @@ def test_bench_long_fails_a_run_whose_speculative_outputs_differ(monkeypatch, tm
     with pytest.raises(SystemExit, match="differ from plain decoding's in 300 copy hybrid$"):
         run_bench_long(monkeypatch, tmp_path, "--lengths", "300", "--tasks", "copy", "--skip_hf")
     assert json.loads((tmp_path / "long.json").read_text())["rows"][0]["identical_to_plain"] is False
+
+
+def test_bench_verify_cost_fit_recovers_the_step_model():
+    """Steps timed exactly as W + users x c x R + rows x (T + c x K) give back W, T, K and R, and the STEP_COSTS
+    entry divides each by W."""
+    import bench_verify_cost
+
+    truth = {"weights_ms": 9.0, "token_ms": 0.8, "key_ms": 4e-4, "read_ms": 1.2e-3}
+    measured = {(c, u, k): sum(f * truth[t] for f, t in zip(bench_verify_cost.features(c, u, k),
+                                                             bench_verify_cost.TERMS))
+                for c in (128, 1024, 8000) for u, k in bench_verify_cost.SHAPES}
+    fitted = bench_verify_cost.fit(measured)
+    assert fitted == pytest.approx(truth, rel=1e-6)
+    assert bench_verify_cost.costs_of(fitted) == pytest.approx({"token": 0.8 / 9, "key": 4e-4 / 9, "read": 1.2e-3 / 9})
+
+
+def test_bench_verify_cost_runs_every_shape_at_every_context(tmp_path, capsys, monkeypatch):
+    """The bench end to end at tiny settings: every shape at every context, the fit and the STEP_COSTS entry printed,
+    the JSON written; the other users' caches are user 0's prefill."""
+    import json
+
+    import bench_verify_cost
+
+    caches = []
+    measure = bench_verify_cost.measure
+
+    def measure_and_keep(lm, *args):
+        out = measure(lm, *args)
+        caches.append(lm.cache)
+        return out
+
+    monkeypatch.setattr(bench_verify_cost, "measure", measure_and_keep)
+    out = tmp_path / "verify_cost.json"
+    monkeypatch.setattr(sys, "argv", ["bench_verify_cost.py", "--context_lens", "8", "24", "--steps", "1",
+                                      "--repeats", "1", "--output_json", str(out)])
+    bench_verify_cost.main()
+    data = json.loads(out.read_text())
+    shapes = {(s["context_len"], s["users"], s["rows_per_user"]) for s in data["steps"]}
+    assert shapes == {(c, u, k) for c in (8, 24) for u, k in bench_verify_cost.SHAPES}
+    assert all(s["ms"] > 0 for s in data["steps"])
+    assert set(data["fit"]) == {*bench_verify_cost.TERMS, "token_cost", "key_cost", "read_cost"}
+    assert f'"{data["cpu_path"]}": StepCost(' in capsys.readouterr().out
+    (cache,) = caches
+    for k in cache.k:
+        assert all(torch.equal(k[u, :, :8], k[0, :, :8]) for u in range(1, 4))
+    assert cache.k[0][0, :, :8].abs().sum() > 0

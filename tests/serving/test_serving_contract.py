@@ -59,7 +59,7 @@ class RuleTarget:
         top = [[[i, (i + 1) % 97][:top_k] for i in row] for row in ids] if top_k else None
         return StepOutput(ids, top_ids=top)
 
-    def step_cost(self, n_rows, context_len):
+    def step_cost(self, n_users, n_rows, context_len):
         return 1 + 0.01 * n_rows
 
 

@@ -244,7 +244,7 @@ def test_longest_drafts_are_lossless(embedded_bf16, embedded_tokenizer):
     prompt = encode(embedded_tokenizer, f"Repeat exactly, twice: {text} {text}", True)
     plain = run(embedded_bf16, [prompt], 0, 0, 96, eos=eos)[0]
     target = TorchCausalLM(embedded_bf16, embedded_bf16.args.n_layers, 1)
-    target.step_cost = lambda n_rows, context_len: 1.0
+    target.step_cost = lambda n_users, n_rows, context_len: 1.0
     suffix = SpeculativeGenerator(target, SuffixDrafter(1), 64, eos, trees=False).generate([prompt], 96)[0]
     model = run_results(embedded_bf16, [prompt], 64, 28, 96, eos=eos, mode="model")[0]
     for result, longest in ((suffix, 32), (model, 64)):

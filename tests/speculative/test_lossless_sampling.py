@@ -152,7 +152,8 @@ def sampled_counts(model, kind, n_draft, params, n_batches) -> tuple[torch.Tenso
     """kind: see draft_source, or a function target -> drafter. Counts of each sampled sequence, how many iterations verified a chain of N_DRAFT drafted tokens, and how
     many verified a branching token tree, and the accepted drafted tokens per source."""
     target = TorchCausalLM(model, model.args.n_layers, BATCH)
-    target.step_cost = lambda n_rows, context_len: 1.0  # at batch 32 the CPU cost model would draft little; the tests need drafts
+    # at batch 32 the CPU cost model would draft little; the tests need drafts
+    target.step_cost = lambda n_users, n_rows, context_len: 1.0
     drafter = kind(target) if callable(kind) else draft_source(target, kind)
     counts = torch.zeros(VOCAB ** N_TOKENS)
     full_chains = trees = 0

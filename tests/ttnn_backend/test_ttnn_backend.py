@@ -326,7 +326,7 @@ def test_sampling_through_the_verify_step_follows_the_target(monkeypatch, tmp_pa
     ckpt = resolve_checkpoint(str(folder))
     expected = exact_joint(load_model(ckpt, torch.float32, 64, cpu_kernels=False), SETTINGS)
     lm = backend_builder(monkeypatch, ckpt)(8, 64, float32=True)
-    lm.step_cost = lambda n_rows, context_len: 1.0  # draft whole chains: this tests verification, not the policy
+    lm.step_cost = lambda n_users, n_rows, context_len: 1.0  # whole chains: this tests verification, not the policy
     drafter = draft_source(lm, "model" if kind == "model" else "suffix")
     if kind == "accept-all":
         monkeypatch.setattr(speculative_generator, "verify_chain", lambda draft, target: draft + [target[len(draft)]])
@@ -359,7 +359,7 @@ def test_step_cost_prices_cached_positions_from_the_models_bytes(tt, embedded_ch
     positions = lm.tt.kv_cache[0][0].data.shape[0] * lm.tt.kv_cache[0][0].data.shape[2]  # blocks x block size
     assert {v.dtype for layer in lm.tt.kv_cache for v in layer} == {"bfloat8_b"}
     kv = sum(v.data.numel() for layer in lm.tt.kv_cache for v in layer) / positions * bfp8
-    assert lm.step_cost(5, 1000) - lm.step_cost(5, 0) == pytest.approx(5 * 1000 * kv / streamed, rel=1e-9)
+    assert lm.step_cost(1, 5, 1000) - lm.step_cost(1, 5, 0) == pytest.approx(5 * 1000 * kv / streamed, rel=1e-9)
 
 
 def test_greedy_traces_slice_no_logits(tt):

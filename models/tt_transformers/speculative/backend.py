@@ -93,9 +93,10 @@ class CausalLM(Protocol):
         """After a tree step: the accepted rows `path` (row 0 first, one per depth) move to positions start_pos,
         start_pos + 1, ... so the cache holds the accepted text where a chain would have put it."""
 
-    def step_cost(self, n_rows: int, context_len: float) -> float:
-        """Time of a step computing n_rows tokens over contexts of about context_len tokens, in units of the part
-        that does not depend on the rows (streaming the weights once)."""
+    def step_cost(self, n_users: int, n_rows: int, context_len: float) -> float:
+        """Time of a step computing n_rows tokens of n_users users over contexts of about context_len tokens, in
+        units of the part that does not depend on the rows (streaming the weights once). The users count apart from
+        the rows because attention may read each user's cache once for all of its rows (the CPU kernels do)."""
 
     def warm_up(self, max_rows_per_user: int, top_k: int, taps: Sequence[int], logits: bool = False) -> dict:
         """Compile (on a TT device also capture the traces of) every program that prefills and steps of up to
@@ -111,9 +112,16 @@ class CausalLM(Protocol):
         """Give back device resources (a TT device's traces) before the model is dropped."""
 
 
+# What the draft-length policy adds to the step model's price of a verified row: the fit's error (a row priced low
+# drafts at a loss; issue 47: never measurably slower than plain decoding). Small where rows are cheap (a short
+# context), a few % of a step where they are not.
+COST_MARGIN = 0.1
+
+
 def extra_cost_curve(lm: CausalLM, n_users: int, context_len: float):
     """k -> what verifying k more tokens for one user costs this step, in units of one user's share of a plain
-    step (one row per user): the price the draft-length policy weighs against expected acceptance."""
-    base = lm.step_cost(n_users, context_len)
-    share = base / n_users
-    return lambda k: (lm.step_cost(n_users + k, context_len) - base) / share
+    step (one row per user), plus COST_MARGIN of it: the price the draft-length policy weighs against expected
+    acceptance."""
+    base = lm.step_cost(n_users, n_users, context_len)
+    share = base / (1 + COST_MARGIN) / n_users
+    return lambda k: (lm.step_cost(n_users, n_users + k, context_len) - base) / share

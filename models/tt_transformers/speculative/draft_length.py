@@ -11,7 +11,15 @@ a step function of 32-row tiles on a TT device, where tokens that fit the tile a
 decayed count of accepted and rejected draft tokens, estimates a, and picks the best k up to the iteration's
 maximum. When drafting does not pay (k = 0) it still drafts one token after `probe_every` idle iterations, so the
 estimate can recover; the wait doubles after each probe that does not bring drafting back (up to
-`max_probe_every`), so a draft source that never agrees costs almost nothing.
+`max_probe_every`), and a probe waits until the plain steps it waited for cover what it is expected to lose (its
+price less the tokens it is expected to bring) at PROBE_BUDGET: at a long context a verified row costs a sizeable share
+of a step, and a draft source that never agrees costs at most that share, while one that only just stopped paying is
+probed as often as before.
+
+Speculative decoding must never be measurably slower than plain decoding, at any context: the backend's price of
+a row carries a margin for the step model's error (backend.COST_MARGIN), and probes wait for their loss as above.
+The acceptance estimates are not discounted for their error: one that runs high above the break-even drafts once or
+twice before the rejections bring it down (docs/draft_sources.md, "Draft length", has the simulation).
 
 Copied drafts (the suffix automaton, earlier responses) know more than one acceptance rate: each token has its own
 estimate (MatchAcceptance), and best_length weighs those directly.
@@ -21,6 +29,8 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, Sequence
 
 ExtraCost = Callable[[int], float]  # k -> extra cost of verifying k more tokens (units of a user's plain step)
+
+PROBE_BUDGET = 0.01  # the share of the plain steps a probe waits for that may pay for its loss (DraftLengthPolicy.gate)
 
 
 def linear_cost(per_token: float) -> ExtraCost:
@@ -74,14 +84,16 @@ class DraftLengthPolicy:
         """Draft length for the next iteration, at most max_tokens, from the estimated per-token acceptance."""
         a = min(self.acceptance, 0.999)
         return self.gate(best_length((a ** i for i in range(1, max_tokens + 1)), extra_cost, self.draft_cost),
-                         max_tokens)
+                         max_tokens, self.draft_cost + extra_cost(1) - a)
 
-    def gate(self, k: int, max_tokens: int) -> int:
-        """The chosen length, except that after `wait` iterations without drafting a 1-token probe goes out (the wait
-        doubling while drafting does not pay): counts iterations without drafting."""
+    def gate(self, k: int, max_tokens: int, probe_loss: float) -> int:
+        """The chosen length, except that a 1-token probe goes out after `wait` iterations without drafting (the wait
+        doubling while drafting does not pay) once those iterations' plain steps cover probe_loss at PROBE_BUDGET:
+        what the probe is expected to lose, in a user's plain steps (its price less the probability that its token is
+        accepted). Counts iterations without drafting."""
         if k == 0:
             self.idle += 1
-            if self.idle >= self.wait:
+            if self.idle >= self.wait and self.idle * PROBE_BUDGET >= probe_loss:
                 self.idle, self.wait = 0, min(2 * self.wait, self.max_probe_every)
                 return min(1, max_tokens)
         else:

@@ -2,7 +2,7 @@
 """Torch implementation of the `CausalLM` backend interface over a `Transformer` and a KV cache."""
 import time
 from itertools import accumulate
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 
@@ -15,14 +15,26 @@ from .eagle3_head import HeadRunner, build_draft_head
 from .model import KVCache, Transformer
 
 
-# Compute cost of one token relative to streaming the weights once (step_cost), by CPU path (cpu_isa.PATHS; torch
-# ops and CUDA take avx512bf16's): (TOKEN_COST, KEY_COST per cached token it attends to). `make bench-verify-cost`
-# (TT_CPU_ISA=<path>) fits both from steps of 1 user x 1-17 tokens and 8 users x 1-3 tokens over 100-1,000 cached
-# tokens; on the 2-core AMD Zen 4 (docs/results.md) one quiet run per path gave 7.8-10.3 ms per step to stream the
-# weights on the vector paths and 0.8 (avx512bf16) to 1.8 (avx2) ms per token (4.1 and 8.8 ms portable, which is bound
-# by its arithmetic instead). neon takes avx2's (no aarch64 machine measured).
-STEP_COSTS = {"avx512bf16": (0.078, 1.1e-4), "avx512": (0.178, 1.5e-4), "avx2": (0.231, 2.0e-4),
-              "neon": (0.231, 2.0e-4), "portable": (2.17, 7.1e-4)}
+class StepCost(NamedTuple):
+    """What a step costs beyond streaming the weights once, in units of that (TorchCausalLM.step_cost): `token` per
+    row computed, `key` per row per cached position it attends to (the scores and the weighing of the values), and
+    `read` per user per cached position (reading its K and V: the CPU kernels read a user's cache once for all of
+    its rows, attend_rows in cpu_kernels.c)."""
+
+    token: float
+    key: float
+    read: float
+
+
+# Step costs by CPU path (cpu_isa.PATHS; torch ops and CUDA take avx512bf16's). `make bench-verify-cost`
+# (TT_CPU_ISA=<path>) fits all three from steps of 1 user x 1-17 rows and 4 users x 1-4 rows over 128-8,000 cached
+# positions. The numbers below are an older fit (steps of 1 user x 1-17 tokens and 8 users x 1-3 tokens over 100-1,000
+# cached tokens, on the 2-core AMD Zen 4 of docs/results.md, when each row read the cache itself): its per-row key
+# cost holds the cache read too, and read is 0 until the bench is rerun on the one-pass kernels, which prices extra
+# rows at long context high (drafts err short). neon takes avx2's (no aarch64 machine measured).
+STEP_COSTS = {"avx512bf16": StepCost(0.078, 1.1e-4, 0.0), "avx512": StepCost(0.178, 1.5e-4, 0.0),
+              "avx2": StepCost(0.231, 2.0e-4, 0.0), "neon": StepCost(0.231, 2.0e-4, 0.0),
+              "portable": StepCost(2.17, 7.1e-4, 0.0)}
 
 # Steps of up to this many tokens per user (decode, verification of the longest draft, draft catch-up) are packed
 # and attend token by token, so a token's result is bit-identical whatever else shares the step; longer ones
@@ -49,7 +61,7 @@ class TorchCausalLM:
         self.max_seq_len, self.vocab_size = model.max_seq_len, model.args.vocab_size
         self.max_step_rows = max_batch_size * (MAX_DRAFT_TOKENS + 1)  # no tile to fill: any step the loop makes
         self.supports_trees = True
-        self.token_cost, self.key_cost = STEP_COSTS[model.kernels.path.name if model.kernels else "avx512bf16"]
+        self.costs = STEP_COSTS[model.kernels.path.name if model.kernels else "avx512bf16"]
         self.device = model.device
         self.device_name = str(model.device)
 
@@ -89,8 +101,9 @@ class TorchCausalLM:
         return HeadRunner(build_draft_head(config, weights, self.model), self.max_batch_size, self.max_seq_len,
                           self.model.args)
 
-    def step_cost(self, n_rows: int, context_len: float) -> float:
-        return 1 + n_rows * (self.token_cost + self.key_cost * context_len)
+    def step_cost(self, n_users: int, n_rows: int, context_len: float) -> float:
+        costs = self.costs
+        return 1 + n_users * costs.read * context_len + n_rows * (costs.token + costs.key * context_len)
 
     def prefill(self, user: int, tokens: Sequence[int], logits: bool = False, taps: Sequence[int] = (),
                 start_pos: int = 0) -> StepOutput:

@@ -172,9 +172,10 @@ class TtnnCausalLM(TracedModel):
         return TtnnDraftHead(self, config, weights, embedding, chain_len, self.tt.config,
                              weights_dtype=getattr(ttnn, self.tt.weights_dtype))
 
-    def step_cost(self, n_rows: int, context_len: float) -> float:
+    def step_cost(self, n_users: int, n_rows: int, context_len: float) -> float:
         """A step of n_rows rows: the passes are those of one user holding every row beyond the first (an upper
-        bound for several users)."""
+        bound for several users). Paged SDPA decode reads each row's K and V on its own, so the users do not count
+        apart from their rows."""
         passes = passes_for(min(n_rows, self.ladder[-1]), self.ladder)
         return 1 + WRITE_PASS_COST * passes + self.key_cost * n_rows * context_len
 

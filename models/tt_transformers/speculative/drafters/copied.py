@@ -181,7 +181,8 @@ class SuffixDrafter:
         if self.recycled is not None:
             candidates += [c for c in [self._recycled_chain(context[-1], n, floor)] if c is not None]
         best = max(candidates, key=lambda c: sum(c.probs), default=None)
-        k = self.policies[user].gate(best_length(best.probs, extra_cost) if best else 0, n)
+        k = self.policies[user].gate(best_length(best.probs, extra_cost) if best else 0, n,
+                                     extra_cost(1) - (best.probs[0] if best else 0.0))
         if best is None or k == 0:
             return None
         self.pending[user] = best, k
@@ -196,7 +197,7 @@ class SuffixDrafter:
         tokens, parents, probs, origins, offsets = self.sources.build_tree(
             context[-1], [(c.tokens, c.probs) for c in candidates], self.recycled, recycle.rates(),
             min(n, self.MAX_TREE_NODES), floor)  # at most n nodes, parents first
-        k = self.policies[user].gate(best_length(probs, extra_cost), n)
+        k = self.policies[user].gate(best_length(probs, extra_cost), n, extra_cost(1) - (probs[0] if probs else 0.0))
         if k == 0 or not tokens:
             return None
         tree = self.pending[user] = PendingTree(candidates, parents[:k], origins[:k], offsets[:k])

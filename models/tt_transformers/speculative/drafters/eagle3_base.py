@@ -55,7 +55,8 @@ class HeadDrafterBase:
     def _gated(self, user: int, n: int, extra_cost: ExtraCost, probes: set) -> bool:
         """Whether the user's head drafts this step: they pay, or a 1-token probe is due (then it joins `probes`)."""
         pays = self.draft_value(user, n, extra_cost) > 1.0
-        if not self.policies[user].gate(int(pays), n):
+        policy = self.policies[user]  # a probe: 2 runs and a row, for a token accepted at the policy's estimate
+        if not policy.gate(int(pays), n, 2 * self.draft_cost + extra_cost(1) - policy.acceptance):
             return False
         if not pays:
             probes.add(user)
