@@ -287,6 +287,53 @@ def test_head_cache_after_rejected_drafts_equals_an_uncached_run(cpu_path):
     assert fed == n
 
 
+@every_cpu_path_and_torch_ops
+def test_head_tree_nodes_read_the_cache_in_place_as_their_chains(cpu_path, monkeypatch):
+    """A tree node's attention reads the head's cache where it lies, as a chain token's does: each node's keys are a
+    view of its user's row (no copy of the context per node: gathered, a run's bytes grew as 3 passes over the cache
+    per node), its position + 1 of them; and each node's state and logits are those of the chain of its path, bit
+    for bit. Two users, a second depth whose nodes share the first's."""
+    import torch.nn.functional as F
+
+    dtype = torch.bfloat16 if cpu_path else torch.float32
+    model = random_model(dtype, max_seq_len=96, dim=64, head_dim=32, hidden_dim=96, vocab_size=50)
+    if cpu_path:
+        model.use_cpu_kernels(kernels_of(cpu_path))
+    head = random_head(model)
+    gen = torch.Generator().manual_seed(2)
+    fed = {0: 41, 1: 23}
+    taps = {u: torch.randn(n, 3 * model.args.dim, generator=gen).to(dtype) for u, n in fed.items()}
+    tokens = {u: torch.randint(0, 50, (n + 3,), generator=gen).tolist() for u, n in fed.items()}
+    trees, chains = HeadRunner(head, 2, 96, model.args), HeadRunner(head, 2, 96, model.args)
+    roots = {}
+    for runner in (trees, chains):
+        for u, n in fed.items():
+            out, _ = runner.run([u], [0], [taps[u]], [tokens[u][1 : n + 1]])[0]
+            roots[u] = out[-1:]
+    storage, seen, sdpa = trees.cache.k[0].untyped_storage().data_ptr(), [], F.scaled_dot_product_attention
+
+    def counting_sdpa(q, k, v, *args, **kwargs):
+        seen.append((k.untyped_storage().data_ptr() == storage, k.shape[-2]))
+        return sdpa(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", counting_sdpa)
+    # depth 1: nodes 0, 1 (user 0) and 2 (user 1) at each user's next position; depth 2: nodes 3, 4 under 1 and 0
+    depth1 = [(0, fed[0], 0, ()), (0, fed[0], 1, ()), (1, fed[1], 2, ())]
+    states1 = torch.cat([roots[0], roots[0], roots[1]])
+    out1, logits1 = trees.run_tree(depth1, states1, [7, 9, 11])
+    depth2 = [(0, fed[0] + 1, 3, (1,)), (0, fed[0] + 1, 4, (0,))]
+    out2, logits2 = trees.run_tree(depth2, torch.cat([out1[1:2], out1[0:1]]), [5, 6])
+    assert seen == [(True, pos + 1) for _, pos, *_ in depth1 + depth2]
+    same = torch.equal if cpu_path else (lambda a, b: torch.allclose(a, b, atol=1e-5, rtol=1e-5))
+    for u, path, tree_out, tree_logits in ((0, [7], out1[0], logits1[0]), (0, [9], out1[1], logits1[1]),
+                                           (1, [11], out1[2], logits1[2]), (0, [9, 5], out2[0], logits2[0]),
+                                           (0, [7, 6], out2[1], logits2[1])):
+        state = roots[u]
+        for k, token in enumerate(path):  # the chain of the node's path, one run a token, as _chains drafts
+            state, logits = chains.run([u], [fed[u] + k], [state], [[token]])[0]
+        assert same(state[0], tree_out) and same(logits, tree_logits), (cpu_path, u, path)
+
+
 class TimedHead:
     """A stand-in head on a fake clock: a chain run takes 1 ms per row it carries (fed or drafted), a tree's run 1 ms,
     and it proposes token 3 with a probability of nearly 1."""

@@ -34,7 +34,9 @@ class ExactToken:
 
     def key_slots(self) -> Optional[torch.Tensor]:
         """The slots to gather for a tree node; None for a chain token (a contiguous slice)."""
-        return torch.tensor([*range(self.first, self.run_end), *self.ancestors]) if self.ancestors else None
+        if not self.ancestors:
+            return None
+        return torch.cat((torch.arange(self.first, self.run_end), torch.tensor(self.ancestors, dtype=torch.long)))
 
 
 @dataclass
@@ -81,8 +83,7 @@ class Attention(nn.Module):
         if step.exact_tokens is not None:
             out = torch.zeros(B, T, H, D, dtype=x.dtype, device=x.device)  # padding tokens attend to nothing
             for tok, slots in zip(step.exact_tokens, step.exact_keys):
-                keys = k_cache[tok.row, :, tok.first : tok.run_end] if slots is None else k_cache[tok.row][:, slots]
-                values = v_cache[tok.row, :, tok.first : tok.run_end] if slots is None else v_cache[tok.row][:, slots]
+                keys, values = self.token_keys(tok, slots, k_cache, v_cache)
                 # reshape, not view: on CUDA the query rows and SDPA's output need not be contiguous there
                 out[0, tok.index] = F.scaled_dot_product_attention(
                     q[0, tok.index].reshape(1, Hk, G, D), keys.unsqueeze(0), values.unsqueeze(0)).reshape(H, D)
@@ -94,3 +95,11 @@ class Attention(nn.Module):
             out[:, :, q0:q1] = F.scaled_dot_product_attention(q[:, :, q0:q1], keys[:, :, k0:k1], values[:, :, k0:k1],
                                                               attn_mask=mask, enable_gqa=True)
         return self.wo(out.transpose(1, 2).reshape(B, T, H * D))
+
+    def token_keys(self, tok: ExactToken, slots: Optional[torch.Tensor], k_cache: torch.Tensor,
+                   v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values [Hk, n, D] an exact step's token sees: a view of its row's run, or a tree node's
+        slots gathered (slots: ExactToken.key_slots)."""
+        if slots is None:
+            return k_cache[tok.row, :, tok.first : tok.run_end], v_cache[tok.row, :, tok.first : tok.run_end]
+        return k_cache[tok.row][:, slots], v_cache[tok.row][:, slots]

@@ -19,6 +19,28 @@ from .model import KernelLinear, KVCache, RMSNorm, Transformer
 TREE_SLOTS = 64  # cache slots past max_seq_len for the nodes of a draft tree (each writes its own)
 
 
+class HeadAttention(Attention):
+    """The head layer's attention. A tree node reads its user's cache in place, as a chain token does: its path's K/V
+    (ancestors' and its own tree slots, a few) are copied into the row's slots right after the cache before the tree,
+    which then holds exactly its path's chain, read as one view (bit for bit the chain's keys). Gathering them as the
+    target's tree nodes do copies the whole context once per node and run: three passes over the cache instead of
+    one, a cost that grows with the context. Those slots are past the rows the head was fed: drafts write there, and
+    the next feed rewrites them before any fed row reads them; nodes are attended one by one, so siblings taking
+    turns in the slots do not meet."""
+
+    def token_keys(self, tok: ExactToken, slots: Optional[torch.Tensor], k_cache: torch.Tensor,
+                   v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if slots is None:
+            return super().token_keys(tok, slots, k_cache, v_cache)
+        path = slots[tok.run_end - tok.first :].to(k_cache.device)
+        end = tok.run_end + len(path)
+        if end > int(path.min()):
+            raise ValueError(f"a tree node at position {tok.pos} would overwrite its own path's slots")
+        for cache in (k_cache, v_cache):
+            cache[tok.row, :, tok.run_end : end] = cache[tok.row][:, path]
+        return k_cache[tok.row, :, tok.first : end], v_cache[tok.row, :, tok.first : end]
+
+
 class Eagle3Layer(nn.Module):
     """The head's decoder layer: attention over [input_layernorm(embedding) ; hidden_norm(state)], the state (or its
     norm, norm_before_residual) as the residual, then the usual post-attention norm and SwiGLU MLP."""
@@ -28,7 +50,7 @@ class Eagle3Layer(nn.Module):
         self.norm_before_residual = norm_before_residual
         self.input_layernorm = RMSNorm(args.dim, args.norm_eps, dtype)
         self.hidden_norm = RMSNorm(args.dim, args.norm_eps, dtype)
-        self.attention = Attention(args, dtype, in_dim=2 * args.dim)
+        self.attention = HeadAttention(args, dtype, in_dim=2 * args.dim)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps, dtype)
         self.feed_forward = MLP(args, dtype)
 
