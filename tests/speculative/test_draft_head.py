@@ -288,6 +288,36 @@ def test_head_cache_after_rejected_drafts_equals_an_uncached_run(cpu_path):
 
 
 @every_cpu_path_and_torch_ops
+def test_head_feed_attends_only_each_users_last_row(cpu_path, monkeypatch):
+    """A feed (a prompt's catch-up, a verified step's rows) attends only each user's last row, whose state and
+    logits the drafter reads: one attention call per user and run instead of one per row (over the whole cache: a
+    cost quadratic in the prompt), its results those of a run where every row attends (bit for bit on the kernels),
+    and the cache the same."""
+    from models.tt_transformers.torch_backend import attention
+
+    dtype = torch.bfloat16 if cpu_path else torch.float32
+    model = random_model(dtype, max_seq_len=96, dim=64, head_dim=32, hidden_dim=96, vocab_size=50)
+    if cpu_path:
+        model.use_cpu_kernels(kernels_of(cpu_path))
+    head = random_head(model)
+    gen = torch.Generator().manual_seed(1)
+    taps = [torch.randn(n, 3 * model.args.dim, generator=gen).to(dtype) for n in (40, 7)]
+    tokens = [torch.randint(0, 50, (len(t),), generator=gen).tolist() for t in taps]
+    every = HeadRunner(head, 2, 96, model.args)
+    want = every.run([0, 1], [0, 0], taps, tokens, every_row=True)
+    calls = []
+    sdpa = attention.F.scaled_dot_product_attention
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", lambda *a, **k: calls.append(1) or sdpa(*a, **k))
+    last = HeadRunner(head, 2, 96, model.args)
+    got = last.run([0, 1], [0, 0], taps, tokens)
+    assert len(calls) == 2
+    same = torch.equal if cpu_path else (lambda a, b: torch.allclose(a, b, atol=1e-4, rtol=1e-4))  # oneDNN: M
+    for (out, logits), (want_out, want_logits) in zip(got, want):
+        assert out.shape[0] == 1 and same(out, want_out[-1:]) and same(logits, want_logits[-1])
+    assert all(torch.equal(a, b) for a, b in zip(last.cache.k + last.cache.v, every.cache.k + every.cache.v))
+
+
+@every_cpu_path_and_torch_ops
 def test_head_tree_nodes_read_the_cache_in_place_as_their_chains(cpu_path, monkeypatch):
     """A tree node's attention reads the head's cache where it lies, as a chain token's does: each node's keys are a
     view of its user's row (no copy of the context per node: gathered, a run's bytes grew as 3 passes over the cache

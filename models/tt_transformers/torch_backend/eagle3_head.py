@@ -181,8 +181,12 @@ class HeadRunner:
     @torch.inference_mode()
     def _forward(self, exact: list[ExactToken], states: torch.Tensor, tokens: list[int], every_row: bool,
                  ends: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The head over packed rows: the layer's outputs [n, h] and the logits after each row or each user's last."""
+        """The head over packed rows: the layer's outputs [n, h] and the logits after each row or each user's last.
+        Without every_row only each user's last row attends: the others write their K/V (which depend on the row
+        alone) and their outputs, unread, are not those of the head. A catch-up over a long prompt then costs a
+        projection per row, not an attention over the whole cache per row (quadratic in the prompt)."""
         dev, n = self.cos.device, len(exact)
+        attending = exact if every_row else [exact[end - 1] for end in ends]
         rows, slots, pos = [t.row for t in exact], [t.slot for t in exact], [t.pos for t in exact]
         if n == 1 and self.head.kernels is None:
             # a padding partner writing the scratch slot, as TorchCausalLM._packed_step (oneDNN's M == 1 kernel)
@@ -190,16 +194,16 @@ class HeadRunner:
             states, tokens = torch.cat([states, states]), tokens * 2
         at = torch.tensor(pos, device=dev)
         step = StepInputs(self.cos[at].view(1, len(pos), 1, -1), self.sin[at].view(1, len(pos), 1, -1),
-                          torch.tensor([rows], device=dev), torch.tensor([slots], device=dev), None, 0, None, exact,
-                          [t.key_slots() for t in exact])
+                          torch.tensor([rows], device=dev), torch.tensor([slots], device=dev), None, 0, None,
+                          attending, [t.key_slots() for t in attending])
         out = self.head.features(states.unsqueeze(0).to(dev, self.head.dtype), torch.tensor([tokens], device=dev),
                                  step, self.cache.k[0], self.cache.v[0])[0, :n]
         return out, self.head.logits(out if every_row else out[[end - 1 for end in ends]])
 
     def run(self, users: Sequence[int], start_pos: Sequence[int], hidden: Sequence[torch.Tensor],
             next_tokens: Sequence[Sequence[int]], every_row: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per user, chain rows at start_pos, start_pos + 1, ...: the layer's outputs [n, h] and the draft-vocabulary
-        logits after its last row [V'] (after every row [n, V'] with every_row)."""
+        """Per user, chain rows at start_pos, start_pos + 1, ...: the layer's output after its last row [1, h] and the
+        draft-vocabulary logits after it [V'] (after every row, [n, h] and [n, V'], with every_row)."""
         window = self.head.args.sliding_window or self.max_seq_len
         exact = []
         for u, start, toks in zip(users, start_pos, next_tokens):
@@ -209,8 +213,9 @@ class HeadRunner:
         ends = list(accumulate(len(toks) for toks in next_tokens))
         out, logits = self._forward(exact, torch.cat(list(hidden)), [t for toks in next_tokens for t in toks],
                                     every_row, ends)
-        return [(out[end - len(toks) : end], logits[end - len(toks) : end] if every_row else logits[i])
-                for i, (toks, end) in enumerate(zip(next_tokens, ends))]
+        if every_row:
+            return [(out[end - len(toks) : end], logits[end - len(toks) : end]) for toks, end in zip(next_tokens, ends)]
+        return [(out[end - 1 : end], logits[i]) for i, end in enumerate(ends)]
 
     def run_tree(self, nodes: Sequence[tuple[int, int, int, tuple[int, ...]]], states: torch.Tensor,
                  tokens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -32,8 +32,9 @@ class DraftHeadModel(Protocol):
     def run(self, users: Sequence[int], start_pos: Sequence[int], hidden: Sequence[torch.Tensor],
             next_tokens: Sequence[Sequence[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """For each user, rows (tapped states at t, or the head's own state, and token t+1) at t = start_pos,
-        start_pos + 1, ...: the head's state after each row [n, h] and the logits over the draft vocabulary after its
-        last row [V']. A row's results do not depend on how many rows share the run."""
+        start_pos + 1, ...: the head's state after its last row [1, h] and the logits over the draft vocabulary after
+        it [V']; the rows before it only feed the head's cache. A row's results do not depend on how many rows share
+        the run."""
 
     def run_tree(self, nodes: Sequence[tuple[int, int, int, tuple[int, ...]]], states: torch.Tensor,
                  tokens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
