@@ -749,3 +749,21 @@ def test_refused_decodes_move_nothing(monkeypatch, tmp_path, embedded_checkpoint
     out = scheduler.decode(tokens, start, slot_remap=swap, **side)
     ref = lm.step([UserRows(0, [ids[1], 7], n[0] + 1), UserRows(1, [ids[0], 7], n[1] + 1)]).ids
     assert out.argmax_ids[:2, :2].tolist() == ref
+
+
+def test_a_prompt_tt_pads_past_max_model_len_is_served(monkeypatch, tmp_path, embedded_checkpoint, prompts):
+    """At max_model_len 256 (MAX_SEQ_LEN) TT pads a prompt over 128 tokens to 1,024 (tt/common.py
+    get_padded_prefill_len), past a ModelArgs sized 256 (tt/model.py prepare_inputs_prefill asserts it fits the rotary
+    tables): the speculating class sizes ModelArgs as the demo does (model_args_seq_len), so a 200-token prompt
+    prefills through TT's prefill_forward_text, and its first token and a verify after it are the package's own."""
+    served = Served(monkeypatch, tmp_path, embedded_checkpoint, 3, trace=False)
+    long = [token for prompt in prompts for token in prompt][:200]
+    assert len(long) == 200
+    scheduler = Scheduler(served)
+    first = scheduler.prefill([long], [0])
+    lm = package_backend(monkeypatch, embedded_checkpoint)
+    assert [first] == lm.prefill(0, long).ids
+    tokens, start, num_valid, counts = verify_block([[first[0], 7, 8]], [len(long)], 3)
+    out = scheduler.decode(tokens, start, num_valid_drafts=num_valid, accepted_counts=counts,
+                           spec_mode=ACCEPT_MODE_ARGMAX_IDS)
+    assert out.argmax_ids[0, :3].tolist() == lm.step([UserRows(0, [first[0], 7, 8], len(long))], top_k=4).ids[0]

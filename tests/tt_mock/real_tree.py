@@ -11,7 +11,11 @@ its real weights (the converted folder the package caches; skipped with the reas
 through the backend as the demo builds it: build_tt_model, TT's own prefill warm-up and the backend's, every planned
 decode program once (each write-pass count, top k), a short prompt, one over 128 tokens (TT pads it to 1,024), a prompt
 TT prefills in chunks where the mesh's chunk size allows, a verify step of several users with logits and top k, and a
-plain step. Eager: the mock device cannot capture traces."""
+plain step. On the cases marked so (N150's), also the taps on TT's real residual stream (each layer the model runs, at
+most three) and a random EAGLE-3 head on the device reading them (run.exercise: its feed, chains and feed-only replay,
+the prompts' taps, the tap tile gathered on the device and through the host), then the serving class's verify on a
+KV cache allocated as TT's vLLM adapter allocates vLLM's (run.paged_verify), over the same model. Eager: the mock
+device cannot capture traces."""
 import os
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,12 +24,15 @@ from typing import Optional
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 REFERENCE = REPO.parent / "shared" / "reference" / "tt-metal-622c6fb9"
-# (mesh, model, max_seq_len, users): N150's chunk size (4,096 for Llama-3.1-8B, tt/model_config.py
-# get_max_prefill_chunk_size) lets an 8,192 max_seq_len prefill in chunks; N300's and T3K's (64k) do not;
-# get_max_prefill_chunk_size); on the Galaxy the model runs as TT runs it there, on one of its 1 x 8 submeshes
-CASES = [("N150", "Llama-3.1-8B-Instruct", 8192, 4), ("N150", "SmolLM2-135M-Instruct", 1024, 4),
-         ("N300", "Llama-3.1-8B-Instruct", 1024, 4), ("T3K", "Llama-3.1-8B-Instruct", 1024, 4),
-         ("Galaxy", "Llama-3.1-8B-Instruct", 1024, 4)]
+# (mesh, model, max_seq_len, users, the device head and taps and the serving verify's K, or None): N150's chunk size
+# (4,096 for Llama-3.1-8B, tt/model_config.py get_max_prefill_chunk_size) lets an 8,192 max_seq_len prefill in chunks;
+# N300's and T3K's (64k) do not; on the Galaxy the model runs as TT runs it there, on one of its 1 x 8 submeshes. The
+# head, taps and serving verify run on N150 (the double runs them on every mesh; here they would add minutes a mesh)
+CASES = [("N150", "Llama-3.1-8B-Instruct", 8192, 4, 7), ("N150", "SmolLM2-135M-Instruct", 1024, 4, 3),
+         ("N300", "Llama-3.1-8B-Instruct", 1024, 4, None), ("T3K", "Llama-3.1-8B-Instruct", 1024, 4, None),
+         ("Galaxy", "Llama-3.1-8B-Instruct", 1024, 4, None)]
+# the random head's draft vocabulary (run.SHAPES'); the target's where not named
+HEAD_DRAFT_VOCAB = {"Llama-3.1-8B-Instruct": 32000}
 GALAXY_DATA_PARALLEL = 4  # TT's data_parallel on a Galaxy for an 8-device model: four 1 x 8 submeshes
 N_LAYERS = 1  # dummy 8B layers cost ~1 GB of host memory each (an fp32 HF model)
 EMBEDDED = "SmolLM2-135M-Instruct.Q4_1"  # checkpoints/checkpoint.py EMBEDDED_GGUF's stem
@@ -76,12 +83,19 @@ def dummy_weights():
         model_config.ModelArgs.__init__ = init
 
 
-def run_case(mesh, name: str, max_seq_len: int, users: int, folder: Path) -> list[str]:
-    """One model through the backend over the real tree; returns notes (TT's settings as it built them)."""
+def run_case(mesh, name: str, max_seq_len: int, users: int, folder: Path, k: Optional[int], work: Path
+             ) -> list[str]:
+    """One model through the backend over the real tree; with k, the device head and taps first and the serving
+    verify for K = k after; returns notes (TT's settings as it built them)."""
+    import torch
+
+    from models.tt_transformers.checkpoints.eagle3_format import random_head
     from models.tt_transformers.speculative.backend import UserRows
     from models.tt_transformers.ttnn_backend.causal_lm import TtnnCausalLM
+    from models.tt_transformers.ttnn_backend.eagle3_head import TtnnDraftHead
     from models.tt_transformers.ttnn_backend.model import build_tt_model
     from models.tt_transformers.ttnn_backend.traces import MeshTraces
+    from tests.tt_mock.run import N_DRAFT, exercise, paged_verify
 
     if mesh.get_num_devices() == 32:  # a Galaxy: TT's own data-parallel split (tt/generator.py create_submeshes)
         from models.tt_transformers.tt.generator import create_submeshes
@@ -93,24 +107,36 @@ def run_case(mesh, name: str, max_seq_len: int, users: int, folder: Path) -> lis
         with dummy_weights():
             tt = build_tt_model(mesh, folder, name, users, max_seq_len, True, n_layers=N_LAYERS)
     lm = TtnnCausalLM(tt, users, max_seq_len, mesh_traces=MeshTraces(mesh), trace=False)
-    args = tt.args
+    args, shape = tt.args, tt.config
+    taps = tuple(range(min(3, tt.n_layers))) if k else ()  # EAGLE-3 reads three layers; these models run one or two
     try:
-        lm.warm_up(5, 4, ())  # TT's warm-up (no on-device sampling), the backend's prompts; recycling's top k
-        lm.prepare_traces()  # eager: every planned decode program once (each write-pass count, with and without top k)
+        lm.warm_up(N_DRAFT + 1, 4, taps)  # TT's warm-up (no on-device sampling), the backend's; top k, the taps
+        if k:
+            head_config, weights = random_head(shape, draft_vocab=HEAD_DRAFT_VOCAB.get(name), taps=taps)
+            embedding = torch.zeros(shape.vocab_size, shape.dim, dtype=torch.bfloat16)
+            head = TtnnDraftHead(lm, head_config, weights, embedding, N_DRAFT, shape, cache_dir=work / "head" / name)
+            try:
+                exercise(lm, head, taps, shape.dim)  # every program once, a chunked prompt's taps, drafts, a verify
+            finally:
+                head.release()
+        else:
+            lm.prepare_traces()  # every planned decode program once (each write-pass count, with and without top k)
         prompts = [list(range(1, 41)), [i % 1000 + 1 for i in range(200)]]  # padded to 128 and to 1,024
-        if args.max_prefill_chunk_size < max_seq_len - 8:
+        if not k and args.max_prefill_chunk_size < max_seq_len - 8:  # (exercise prefilled one)
             prompts.append([i % 1000 + 1 for i in range(args.max_prefill_chunk_size + 100)])  # chunked
         for user, prompt in enumerate(prompts):
-            lm.prefill(user % users, prompt)
+            lm.prefill(user % users, prompt, taps=taps)
         rows = [UserRows(u, [7, 8, 9, 10, 11][: 5 - u], len(prompts[u])) for u in range(min(users, len(prompts)))]
-        step = lm.step(rows, logits=True, top_k=4)
+        step = lm.step(rows, logits=True, top_k=4, taps=taps)
         assert [len(ids) for ids in step.ids] == [len(r.tokens) for r in rows]
         lm.step([UserRows(0, [3], len(prompts[0]) + 5)])  # a plain decode step
     finally:
         lm.release()
+    if k:
+        paged_verify(tt, min(max_seq_len, 1024), k, work)  # run.SERVING's max_model_len
     return [f"{args.model_name} on {args.device_name} {tuple(mesh.shape)}: {tt.n_layers} layer(s), "
             f"max_prefill_chunk_size {args.max_prefill_chunk_size}, ccl_topology {args.ccl_topology()}, prompts of "
-            f"{[len(p) for p in prompts]}"]
+            f"{[len(p) for p in prompts]}" + (f", taps {list(taps)}, serving verify K={k}" if k else "")]
 
 
 def cases(mesh_name: str, mesh, work: Path, embedded: Optional[Path]) -> list[tuple]:
@@ -121,20 +147,21 @@ def cases(mesh_name: str, mesh, work: Path, embedded: Optional[Path]) -> list[tu
     from tests.tt_mock.run import LLAMA_8B, checkpoint
 
     out = []
-    for case_mesh, name, max_seq_len, users in CASES:
+    for case_mesh, name, max_seq_len, users, k in CASES:
         if case_mesh != mesh_name:
             continue
-        label = f"{mesh_name} REAL TT-Transformers {name} max_seq_len {max_seq_len} batch {users}"
+        label = f"{mesh_name} REAL TT-Transformers {name} max_seq_len {max_seq_len} batch {users}" + (
+            f", device head and taps, serving verify on vLLM's cache K={k}" if k else "")
         if name.startswith("SmolLM2"):
             if embedded is None:
                 out.append((label + " (real weights)", partial(skip, "the embedded model is not converted yet "
                                                                     "(make demo or make test converts it)")))
                 continue
             out.append((label + " (real weights, 2 layers)", partial(run_case, mesh, name, max_seq_len, users,
-                                                                      embedded)))
+                                                                      embedded, k, work)))
         else:
             out.append((label + f" (dummy weights, {N_LAYERS} layer)",
-                        partial(run_case, mesh, name, max_seq_len, users, checkpoint(work, name, LLAMA_8B))))
+                        partial(run_case, mesh, name, max_seq_len, users, checkpoint(work, name, LLAMA_8B), k, work)))
     return out
 
 

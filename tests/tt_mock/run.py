@@ -238,30 +238,60 @@ VLLM_BLOCK = 64  # vLLM's KV block size on TT (the plugin's default --block_size
 
 
 def serving_verify(mesh, name: str, config: dict, max_seq_len: int, k: int, work: Path) -> None:
-    """The serving class's verify (serving/ttnn_model.py PagedVerify) on a KV cache allocated as TT-Transformers'
-    generator_vllm.allocate_vllm_kv_cache allocates vLLM's ([blocks, kv heads / devices, 64, head_dim] bfloat8_b
-    per layer, replicated), warmed for K (every write-pass count of pass_ladder(1 + K) compiled), then two verify steps
-    of 32 // (1 + K) requests, each with the page table a scheduler would send (shuffled blocks, grown between the
-    steps; max_model_len / 64 blocks a row, as the runner's warm-up passes num_blocks), staged into the persistent
-    page-table input, the rows' chains from 1 to 1 + K long across a block boundary. Eager (trace False)."""
+    """paged_verify over the double's model of the shape (all its layers)."""
+    from models.tt_transformers.ttnn_backend.model import build_tt_model
+
+    paged_verify(build_tt_model(mesh, checkpoint(work, name, config), name, 32, max_seq_len, True), max_seq_len, k,
+                 work, buffers=1)
+
+
+def allocate_vllm_kv_cache(kv_cache_shape, dtype, num_layers: int, dp_model, tt_cache_path: Path, buffers: int):
+    """tt/generator_vllm.py allocate_vllm_kv_cache (622c6fb9, through allocate_vllm_kv_cache_per_layer; that module
+    imports vLLM, which the ttnn venv lacks): per data-parallel model, per distinct buffer (tensor_idx), [k, v] of
+    ttnn.as_tensor(torch.zeros(kv_cache_shape, dtype=dtype), device=submesh, mesh_mapper=ReplicateTensorToMesh,
+    layout=TILE, memory_config=DRAM, dtype=bfloat8_b (the performance preset's KV_CACHE, tt/model_config.py),
+    cache_file_name=tt_cache_path / f"empty_{kv}cache_paged_attention{shape}_t{tensor_idx}"), layer i on buffer
+    i % buffers. TT gives every layer its own (buffers = num_layers); the double's layers share one (its own caches
+    do too: 32 layers of an 8B cache would not fit the mock device's DRAM, and each layer's calls are the same)."""
+    import torch
+    import ttnn
+
+    kv_cache = []
+    for model in dp_model:
+        submesh = model.mesh_device
+        pairs = [[ttnn.as_tensor(torch.zeros(kv_cache_shape, dtype=dtype), device=submesh,
+                                 mesh_mapper=ttnn.ReplicateTensorToMesh(submesh), layout=ttnn.TILE_LAYOUT,
+                                 memory_config=ttnn.DRAM_MEMORY_CONFIG, dtype=ttnn.bfloat8_b,
+                                 cache_file_name=Path(tt_cache_path) / f"empty_{kv}cache_paged_attention"
+                                                                       f"{tuple(kv_cache_shape)}_t{i}")
+                  for kv in ("k", "v")] for i in range(buffers)]
+        kv_cache.append([pairs[i % buffers] for i in range(num_layers)])
+    return kv_cache
+
+
+def paged_verify(tt, max_seq_len: int, k: int, work: Path, buffers: Optional[int] = None) -> None:
+    """The serving class's verify (serving/ttnn_model.py PagedVerify) over a built model, on a KV cache allocated as
+    TT-Transformers' vLLM adapter allocates vLLM's (allocate_vllm_kv_cache: [blocks, kv heads / devices, 64, head_dim]
+    bfloat8_b, replicated; `buffers` distinct layer buffers, default one a layer), warmed for K (every write-pass count
+    of pass_ladder(1 + K) compiled), then two verify steps of 32 // (1 + K) requests, each with the page table a
+    scheduler would send (shuffled blocks, grown between the steps; max_model_len / 64 blocks a row, as the runner's
+    warm-up passes num_blocks), staged into the persistent page-table input, the rows' chains from 1 to 1 + K long
+    across a block boundary. Eager (trace False)."""
     import random
 
     import torch
 
     from models.tt_transformers.serving.ttnn_model import PagedVerify
     from models.tt_transformers.speculative.backend import UserRows
-    from models.tt_transformers.ttnn_backend.model import build_tt_model
-    from tests.tt_mock.tt_transformers import allocate_vllm_kv_cache
 
-    tt = build_tt_model(mesh, checkpoint(work, name, config), name, 32, max_seq_len, True)
     users, width = 32 // (1 + k), -(-max_seq_len // VLLM_BLOCK)
-    heads = config["num_key_value_heads"] // mesh.get_num_devices()
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    heads = tt.config.n_kv_heads // tt.mesh_device.get_num_devices()
     blocks = users * width + 1  # block 0: vLLM's null block
-    (work / "vllm_cache" / name).mkdir(parents=True, exist_ok=True)
-    kv_cache = allocate_vllm_kv_cache((blocks, heads, VLLM_BLOCK, head_dim), torch.bfloat16, tt.args.n_layers,
-                                      [tt.model], work / "vllm_cache" / name)
-    verify = PagedVerify(tt.model, tt.args, mesh, tt.passes, max_seq_len, k, tt.config, tt.optimizations)
+    folder = work / "vllm_cache" / tt.args.model_name
+    folder.mkdir(parents=True, exist_ok=True)
+    kv_cache = allocate_vllm_kv_cache((blocks, heads, VLLM_BLOCK, tt.config.head_dim), torch.bfloat16,
+                                      tt.args.n_layers, [tt.model], folder, buffers or tt.args.n_layers)
+    verify = PagedVerify(tt.model, tt.args, tt.mesh_device, tt.passes, max_seq_len, k, tt.config, tt.optimizations)
     try:
         verify.warm(kv_cache, width, 4, trace=False)
         free = list(range(1, blocks))

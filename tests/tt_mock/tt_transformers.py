@@ -314,26 +314,6 @@ class Attention(LightweightModule):
         return x
 
 
-def allocate_vllm_kv_cache(kv_cache_shape, dtype, num_layers, dp_model, tt_cache_path):
-    """generator_vllm.py allocate_vllm_kv_cache (2026, through allocate_vllm_kv_cache_per_layer): per data-parallel
-    model, per layer, [k, v] of ttnn.as_tensor(torch.zeros(kv_cache_shape, dtype=dtype), device=submesh,
-    mesh_mapper=ReplicateTensorToMesh, layout=TILE, memory_config=DRAM, dtype=bfloat8_b (the preset's KV_CACHE dtype,
-    None here), cache_file_name=tt_cache_path / f"empty_{kv}cache_paged_attention{shape}_t{i}"). As this double's own
-    caches (SHARED_CACHES, module docstring) one [k, v] pair stands for every layer: 32 layers of an 8B cache would not
-    fit the mock device's DRAM, and each layer's calls are the same."""
-    kv_cache = []
-    for model in dp_model:
-        submesh = model.mesh_device
-        pair = [ttnn.as_tensor(torch.zeros(kv_cache_shape, dtype=dtype), device=submesh,
-                               mesh_mapper=ttnn.ReplicateTensorToMesh(submesh), layout=ttnn.TILE_LAYOUT,
-                               memory_config=ttnn.DRAM_MEMORY_CONFIG, dtype=ttnn.bfloat8_b,
-                               cache_file_name=Path(tt_cache_path) / f"empty_{kv}cache_paged_attention"
-                                                                     f"{tuple(kv_cache_shape)}_t0")
-                for kv in ("k", "v")]
-        kv_cache.append([pair] * num_layers)
-    return kv_cache
-
-
 class TransformerBlock(LightweightModule):
     """tt/decoder.py TransformerBlock: checks its input's memory config, runs the attention (decode)."""
 

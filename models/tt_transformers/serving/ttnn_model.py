@@ -12,11 +12,13 @@ What speculating adds (docs/serving.md; the contract: serving/contract.py, pinne
 - `model_capabilities` gains plan.SPEC_CAPABILITIES; `spec_plan` is plan.plan_speculation (the 32-row tile rule).
 - `initialize_vllm_model(..., vllm_config=None)` (the plugin's loader passes vllm_config: vllm-tt-plugin
   src/vllm_tt_plugin/loader.py@0cd06959, TTModelLoader.load_model) reads K from the launch's speculative config and
-  builds TT's model through TT's own `initialize_vllm_model`, with two changes: each layer's attention is
+  builds TT's model through TT's own `initialize_vllm_model`, with three changes: each layer's attention is
   TT-Transformers' `Attention` with ordered cache writes (ttnn_backend/attention.py, through `Transformer`'s
   `attention_class` hook), built with `use_qk_fused = False` (outside a verify it issues TT's own single cache
   update); and the model is built for the 32-row tile (max_batch_size 32, one of TT's batch sizes), every row of
-  which a verify can fill, so TT's ordinary decode gets the plugin's B rows padded to 32 and its results cut back.
+  which a verify can fill, so TT's ordinary decode gets the plugin's B rows padded to 32 and its results cut back;
+  and its ModelArgs hold max_model_len's longest prompt as TT pads it (ttnn_backend.model.model_args_seq_len: 1,024
+  at a max_model_len of 129 to 1,023), as the demo's do.
 - `decode_forward` with `spec_mode` is the verify: the [B, 1+K] block (or the [B, 1] one-column verify the runner
   pinned, model_runner.py@02f45e5f, sends on a step without drafts: the one-pass program) becomes rows of ONE decode
   step of the 32-row tile (serving/core.py SpecDecodeCore.verify over ttnn_backend's TtnnCausalLM.step: ordered cache
@@ -379,7 +381,7 @@ class SpecDecodeModel:
         if k is None:
             return base(hf_config, mesh_device, max_batch_size, max_seq_len, *args, **kwargs)
         from ..ttnn_backend.attention import KVWritePasses
-        from ..ttnn_backend.model import TILE_ROWS
+        from ..ttnn_backend.model import TILE_ROWS, model_args_seq_len
 
         bound = inspect.signature(base).bind(hf_config, mesh_device, max_batch_size, max_seq_len, *args, **kwargs)
         bound.apply_defaults()
@@ -388,6 +390,10 @@ class SpecDecodeModel:
         # every row of the 32-row tile carries a verify row: TT's model is built for it (ModelArgs max_batch_size 32,
         # one of TT's supported batch sizes, as ttnn_backend/model.py builds it); its own decode gets B rows padded
         bound.arguments["max_batch_size"] = TILE_ROWS
+        # TT's ModelArgs sized for the longest prompt padded as TT pads it, as the demo's (model.model_args_seq_len:
+        # tt/common.py get_padded_prefill_len takes a prompt over 128 tokens to 1,024, and at max_model_len 256 TT's
+        # prepare_inputs_prefill would refuse it); vLLM's cache and the verify keep max_model_len
+        bound.arguments["max_seq_len"] = model_args_seq_len(max_seq_len)
         max_num_seqs = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", max_batch_size)
         # what spec_plan refused at configuration time, checked again on the mesh and arguments TT builds with
         refusal = cls.launch_refusal(vllm_config, mesh_device.get_num_devices(),

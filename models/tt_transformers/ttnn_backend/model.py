@@ -156,9 +156,8 @@ def prefill_warm_prompts(args, max_seq_len: int) -> list[int]:
       (Generator._get_prefill_user_page_table), and paged_fill_cache keys its program by the page table's width: a
       prompt of 32 b tokens has b blocks and its last token in tile b - 1.
     A prompt stands for its (padded length, blocks) class; the classes TT's sweep already ran (its lengths as whole
-    prompts) and the one-token prefill that triggers the sweep are left out, and so are the prompts TT cannot prefill
-    on these ModelArgs: a padded length past args.max_seq_len (tt/model.py prepare_inputs_prefill asserts it fits the
-    rotary tables; build_tt_model sizes them for every prompt, TT's vLLM path takes vLLM's max_model_len). Without
+    prompts) and the one-token prefill that triggers the sweep are left out. args' rotary tables hold every padded
+    prompt (model_args_seq_len, build_tt_model's and the serving class's sizing). Without
     get_warmup_prefill_supported_seq_lens (older ModelArgs) every padded length is prefilled."""
     from models.tt_transformers.tt.common import get_padded_prefill_len
 
@@ -172,7 +171,7 @@ def prefill_warm_prompts(args, max_seq_len: int) -> list[int]:
     candidates += [min(b * BLOCK_SIZE, per_tile) for b in range(1, math.ceil(per_tile / BLOCK_SIZE) + 1)]
     prompts = {}
     for n in candidates:
-        if kind(n) not in done and get_padded_prefill_len(n) <= args.max_seq_len:
+        if kind(n) not in done:
             prompts.setdefault(kind(n), n)
     return sorted(prompts.values())
 
