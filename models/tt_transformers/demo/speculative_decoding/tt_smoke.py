@@ -92,8 +92,9 @@ class Smoke:
 def tt_transformers_surface(s: Smoke) -> None:
     """Every TT-Transformers detail the backend relies on, probed against the installed tt-metal without opening a
     device (ttnn_backend/tt_surface.py): one line each, found with its variant or missing with the file to look at.
-    The stage stops the run only for a signature the backend calls; a detail read from TT's source text or attributes
-    (a property, a rename or a refactor can hide it while the run works) is a warning, and the later stages tell."""
+    The stage stops the run only for a signature the target path calls; a detail read from TT's source text or
+    attributes (a property, a rename or a refactor can hide it while the run works) or called only by the stages after
+    the target path (tt_all_gather: the taps) is a warning, and the later stages tell."""
     from models.tt_transformers.ttnn_backend.tt_surface import probe
 
     lines = probe()
@@ -101,8 +102,8 @@ def tt_transformers_surface(s: Smoke) -> None:
         if line.found:
             logger.info(f"  found: {line.name}: {line.text}")
         else:
-            (logger.error if line.called else logger.warning)(
-                f"  {'MISSING' if line.called else 'not found (read, not called: going on)'}: {line.name}: {line.text}")
+            status = "MISSING" if line.called else "not found (not called by the target path: going on)"
+            (logger.error if line.called else logger.warning)(f"  {status}: {line.name}: {line.text}")
     s.facts["tt_transformers_surface"] = {line.name: line.text for line in lines}
     missing = [line.name for line in lines if line.called and not line.found]
     if missing:
