@@ -44,6 +44,8 @@ def test_every_stage_runs_and_reports(monkeypatch, tmp_path):
     assert facts["device"] == "N150" and facts["model"] == "SmolLM2-135M-Instruct" and facts["mesh"] == [1, 1]
     assert facts["weight_cache"].startswith(str(tmp_path / "cache"))
     assert len(facts["verify_ids"]) == 5 and facts["perf"]["identical_to_baseline"]
+    reference = facts["tt_reference"]  # TT's own decode of the prompt, the plain continuation beside it
+    assert reference["ids"] == reference["plain_ids"] and reference["agreed"] == tt_smoke.REFERENCE_TOKENS
     head = facts["draft_head"]  # the shipped head on the device, its chain beside the torch head's
     assert head["head"].endswith("SmolLM2-135M-Instruct") and len(head["device_chain"]) == len(head["torch_chain"]) == 4
     assert head["first_logits_max_rel_diff"] < 0.05
@@ -113,6 +115,33 @@ def test_each_trace_is_captured_once_across_the_stages(monkeypatch, tmp_path):
     assert list(captured) == ["compile and trace capture", "draft head on the device"], per_stage
     assert captured["compile and trace capture"] > len(trace_keys(config.n_draft_tokens + 1, seen["top_k"], ()))
     print(f"--full: {captured['compile and trace capture']} traces captured before the verdict; {per_stage}")
+
+
+def test_a_consistently_wrong_step_passes_lossless_but_not_tts_own_decode(monkeypatch, tmp_path):
+    """Review 46, finding 5: the lossless stage compares speculative with plain decoding through the same step, so a
+    step that is wrong the same way every time (here: every id one past the right one) passed the target path. The
+    plain continuation is also compared with TT-Transformers' own untraced decode of the prompt
+    (Generator.decode_forward, host argmax), recorded before any capture; the agreement is reported either way."""
+    from models.tt_transformers.ttnn_backend.causal_lm import TtnnCausalLM
+
+    stand_in_machine(monkeypatch, tmp_path)
+    step = TtnnCausalLM.step
+
+    def off_by_one(self, *args, **kwargs):
+        out = step(self, *args, **kwargs)
+        out.ids = [[(i + 1) % self.vocab_size for i in row] for row in out.ids]
+        return out
+    monkeypatch.setattr(TtnnCausalLM, "step", off_by_one)
+    stages = [("device open", tt_smoke.open_device), ("model build", tt_smoke.build_model),
+              ("reference", tt_smoke.tt_reference), ("capture", tt_smoke.compile_and_capture),
+              ("lossless", tt_smoke.lossless)]
+    report = tt_smoke.run(smoke_config(tmp_path), tmp_path / "report.json", stages)
+    reference = report["facts"]["tt_reference"]
+    assert not report["ok"] and report["stages"][-1]["stage"] == "lossless", report["stages"][-1]
+    assert reference["agreed"] == 1 and reference["plain_ids"][0] == reference["ids"][0]  # the prefill's: TT's own
+    assert report["stages"][-1]["error"].startswith(
+        "AssertionError: plain decoding's first 8 ids agree in place with TT-Transformers' own decode of the prompt "
+        "on 1 (at least 6 needed)")
 
 
 def test_a_failing_stage_stops_the_run(monkeypatch, tmp_path):

@@ -8,6 +8,7 @@ page table a scheduler sends each step, gives the package's own verify's greedy 
 The plugin's side is played by a small scheduler written here (Scheduler: vLLM's block pool and per-request block
 tables, block 0 its null block, blocks handed out shuffled) and by serving/reference_runner.py's loop.
 """
+import functools
 import importlib.util
 import os
 import re
@@ -523,6 +524,63 @@ def test_a_verify_refuses_what_warm_up_did_not_prepare(monkeypatch, tmp_path, em
         fresh.check(rows, 4, table, served.kv_cache)
 
 
+def test_warm_up_names_the_trace_region_first_and_the_plugins_option_when_it_is_outgrown(
+        monkeypatch, tmp_path, embedded_checkpoint):
+    """Review 46, finding 2: vllm-tt-plugin opens the mesh with a trace region sized for TT's own traces unless
+    additional_config["tt"]["trace_region_size"] names one (worker.py@074b07f8 device_params_from_tt_config), and the
+    verify's traces come on top. Phase 1 of warm-up, before any capture, logs the region the launch needs and the
+    option; a capture that outgrows the region stops with one line naming that option, not the CLI's flag."""
+    from loguru import logger
+
+    messages = []
+    sink = logger.add(lambda m: messages.append(m.record["message"]), level="INFO")
+    try:
+        served = Served(monkeypatch, tmp_path, embedded_checkpoint, 3, trace=False)
+    finally:
+        logger.remove(sink)
+    verify = served.model.spec.verify
+    assert not served.mesh.traces and not verify.lm.traces  # phase 1: nothing captured yet
+    planned = [m for m in messages if m.startswith("speculative verify, K=3: 3 traces planned (write passes "
+                                                   "[1, 2, 4])")]
+    assert len(planned) == 1, messages
+    size = int(re.search(r"the mesh needs about ([0-9]+) B of trace region", planned[0]).group(1))
+    assert size > verify.trace_bytes() and planned[0].endswith(
+        f"""unless launched with --additional-config '{{"tt": {{"trace_region_size": {size}}}}}')""")
+    warm_up = stand_in_tt.Generator.warmup_model_decode
+
+    @functools.wraps(warm_up)  # its signature: the class binds its calls by it
+    def tt_warm_up_then_full(self, *args, **kwargs):  # TT's own decode trace fits; the region has no room past it
+        result = warm_up(self, *args, **kwargs)
+        served.mesh.trace_region_size = sum(served.mesh.trace_sizes.values()) + 1
+        return result
+    monkeypatch.setattr(stand_in_tt.Generator, "warmup_model_decode", tt_warm_up_then_full)
+    with pytest.raises(ValueError, match=r"^the decode traces outgrew the trace region: .* relaunch vLLM with "
+                                         r"""--additional-config '\{"tt": \{"trace_region_size": [0-9]+\}\}'$"""):
+        served.model.warmup_model_decode(kv_cache=served.kv_cache, enable_trace=True, max_batch_size=BATCH,
+                                         num_blocks=served.width, can_sample_on_device=True)
+
+
+def test_the_serving_docs_trace_region_table_is_trace_plans():
+    """Review 46, finding 2: docs/serving.md's per-mesh trace regions for Llama-3.1-8B (32 layers, 128,256 tokens,
+    the proposer's top 4, the vocabulary split per device as TT pads it) are trace_plan's numbers, as warm-up logs
+    them: TT's own region plus the verify traces' estimate with its margin."""
+    import math
+    from pathlib import Path
+
+    from models.tt_transformers.ttnn_backend.trace_plan import region_bytes, trace_bytes, trace_keys, tt_trace_region
+
+    text = (Path(__file__).parents[2] / "docs" / "serving.md").read_text()
+    for device, n_devices in (("N150", 1), ("N300", 2), ("T3K", 8)):
+        share = math.ceil(128256 / (32 * n_devices)) * 32 if n_devices > 1 else 128256
+        own = tt_trace_region("Llama-3.1-8B-Instruct", device)
+        cells = [device, f"{own / 1e6:.0f} MB"]
+        for k in (3, 7):
+            verify = sum(trace_bytes("Llama-3.1-8B-Instruct", device, 32, 32, key, share)
+                         for key in trace_keys(1 + k, 4, ()) if key.top_k == 4)
+            cells += [f"{verify / 1e6:.0f} MB", str(own + region_bytes([verify]))]
+        assert f"| {' | '.join(cells)} |" in text, cells
+
+
 def test_ordered_writes_reach_a_transformer_built_any_way(monkeypatch, tmp_path, embedded_checkpoint):
     """Issue 46, item 4: the ordered cache writes are injected by wrapping TT's Transformer.__init__ (tt/model.py),
     not by replacing generator_vllm's module-level name: a generator_vllm that builds its Transformer by position
@@ -620,6 +678,73 @@ def test_a_verifys_slot_remap_reaches_tt_transformers_next_decode(monkeypatch, t
     scheduler.decode(t([[ids[0]], [ids[1]], [0], [0]]), t([n[1] + 2, n[0] + 2, -1, -1]))
     assert calls[-1] == (False, None)
     assert ttnn_model.compose_remaps([1, 0, 2], [0, 2, 1]) == [1, 2, 0]  # row 1 reads what slot 2 held before both
+
+
+def test_a_request_a_verify_moved_after_its_prefill_gets_its_own_token_from_tt_decode(
+        monkeypatch, tmp_path, embedded_checkpoint, prompts):
+    """Review 46, finding 6: on reset_batch TT's Generator.decode_forward keeps its device token and position for a
+    row whose device position (after the slot_remap) equals the host's or the host's + 1, except for the slots
+    prefilled since its last decode, which it excludes by row index after the remap (tt/generator.py@622c6fb9
+    l.1237-1300; the slots recorded in prefill_forward_text, l.550-556; mirrored below on the stand-in, whose
+    `resident` holds what TT's trace inputs hold). A request A prefilled into the slot of a request X that left,
+    moved to another row by a verify's remap, with X's last device position equal to A's, was fed X's token there.
+    After a verify the class has TT take the host's inputs in every row."""
+    served = Served(monkeypatch, tmp_path, embedded_checkpoint, 3)
+    generator = stand_in_tt.Generator
+    prefill_text, tt_decode, fed = generator.prefill_forward_text, generator.decode_forward, []
+
+    @functools.wraps(prefill_text)  # its signature: the class binds its calls by it
+    def prefill_forward_text(self, tokens, *args, empty_slots=None, **kwargs):  # generator.py:550-556
+        prefilled = getattr(self, "_slots_prefilled_since_decode", set())
+        self._slots_prefilled_since_decode = prefilled | set(range(tokens.shape[0]) if empty_slots is None
+                                                            else [int(s) for s in empty_slots])
+        return prefill_text(self, tokens, *args, empty_slots=empty_slots, **kwargs)
+
+    @functools.wraps(tt_decode)
+    def decode_forward(self, tokens, start_pos, *args, reset_batch=False, slot_remap=None, **kwargs):
+        host_tok, host_pos = tokens.reshape(-1).long(), start_pos.reshape(-1).long()
+        merge = (kwargs.get("sampling_params") is not None and kwargs.get("enable_trace", True)
+                 and (reset_batch or self.mode != stand_in_tt.Mode.DECODE) and self.resident is not None)
+        if merge:  # generator.py:1243-1297, one data-parallel chunk
+            dev_tok, dev_pos = (x.long() for x in self.resident)
+            if slot_remap is not None:
+                remap = torch.as_tensor(slot_remap).long()
+                dev_tok, dev_pos = dev_tok[remap], dev_pos[remap]
+            use_dev = (dev_pos == host_pos) | (dev_pos == host_pos + 1)
+            for slot in getattr(self, "_slots_prefilled_since_decode", ()):
+                use_dev[slot] = False
+            tokens = torch.where(use_dev, dev_tok, host_tok).to(tokens.dtype).view(tokens.shape)
+            start_pos = torch.where(use_dev, dev_pos, host_pos).to(start_pos.dtype).view(start_pos.shape)
+        self._slots_prefilled_since_decode = set()  # generator.py:1300
+        fed.append((tokens.reshape(-1).tolist(), start_pos.reshape(-1).tolist()))
+        return tt_decode(self, tokens, start_pos, *args, reset_batch=reset_batch, slot_remap=slot_remap, **kwargs)
+    monkeypatch.setattr(generator, "prefill_forward_text", prefill_forward_text)
+    monkeypatch.setattr(generator, "decode_forward", decode_forward)
+    scheduler = Scheduler(served)
+    x, y = prompts[0][:40], prompts[1][:35]
+    first = scheduler.prefill([x, y], [0, 1])
+    out = scheduler.decode(t([[first[0]], [first[1]], [0], [0]]), t([40, 35, -1, -1]), read_from_device=True)
+    x_token, y_token = out[0][:2].tolist()  # TT's device now holds X's next token at position 41, Y's at 36
+    committed, positions = (torch.full((BATCH, 4), -1, dtype=torch.int32) for _ in range(2))
+    committed[:2, 0], positions[:2, 0] = t([x_token, y_token]), t([41, 36])
+    served.model.propose_draft_tokens(3, committed, positions, torch.ones(BATCH, dtype=torch.int32))
+    scheduler.release(0)
+    served.model.release_request(0)
+    a = prompts[2][:40]  # A in X's slot, verified at 40: its next decode position, 41, is X's device position
+    a_first = scheduler.prefill([a], [0])[0]
+    swap = t([1, 0, 2, 3])  # the verify moves A to row 1, Y to row 0
+    tokens, start, num_valid, counts = verify_block([[y_token], [a_first]], [36, 40], 3)
+    verified = scheduler.decode(tokens, start, num_valid_drafts=num_valid, accepted_counts=counts,
+                                spec_mode=ACCEPT_MODE_ARGMAX_IDS, slot_remap=swap)
+    committed, kept = accept_greedy_drafts(verified.argmax_ids, tokens[:, 1:], num_valid)
+    positions = torch.full((BATCH, 4), -1, dtype=torch.int32)
+    positions[:2, 0] = t([37, 41])
+    served.model.propose_draft_tokens(3, committed, positions, kept)
+    ids = committed[:2, 0].tolist()
+    assert ids[1] != x_token  # else X's token would be A's by chance
+    scheduler.decode(t([[ids[0]], [ids[1]], [0], [0]]), t([37, 41, -1, -1]), read_from_device=True)
+    tokens_fed, positions_fed = fed[-1]
+    assert (tokens_fed[:2], positions_fed[:2]) == (ids, [37, 41])  # each row its own token, not X's in row 1
 
 
 def test_the_plugins_rows_pad_to_tt_transformers_tile_and_back():

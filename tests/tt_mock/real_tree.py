@@ -130,6 +130,7 @@ def run_case(mesh, name: str, max_seq_len: int, users: int, folder: Path, k: Opt
         step = lm.step(rows, logits=True, top_k=4, taps=taps)
         assert [len(ids) for ids in step.ids] == [len(r.tokens) for r in rows]
         lm.step([UserRows(0, [3], len(prompts[0]) + 5)])  # a plain decode step
+        assert len(lm.tt_greedy(0, prompts[0], 3)) == 3  # TT's own untraced decode: make tt-smoke's reference
     finally:
         lm.release()
     if k:

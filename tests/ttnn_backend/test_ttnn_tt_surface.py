@@ -98,13 +98,16 @@ def test_the_probe_names_every_detail(monkeypatch):
         def forward_decode(self, x, *args, **kwargs):
             return x
     monkeypatch.setattr(stand_in_tt, "Attention", Attention)
+    monkeypatch.delattr(stand_in_tt, "tt_all_gather")
     missing = {line.name: line for line in tt_surface.probe() if not line.found}
     assert set(missing) == {"prepare_decode_inputs_host(tokens, current_pos, page_table)",
                             "prepare_decode_inputs_host returns 4 device inputs",
-                            "paged_update_cache looked up at call time"}
+                            "paged_update_cache looked up at call time", "tt_all_gather"}
     called = missing["prepare_decode_inputs_host(tokens, current_pos, page_table)"]
     assert "models/tt_transformers/tt/model.py" in called.text and called.called
     assert not missing["paged_update_cache looked up at call time"].called
+    # review 46, finding 3: only the taps (the head stages, --full) call it, so it does not stop the target path
+    assert not missing["tt_all_gather"].called and "models/tt_transformers/tt/ccl.py" in missing["tt_all_gather"].text
 
 
 def test_eager_mode_equals_traced_and_captures_nothing(tt, prompts, plain_outputs, monkeypatch):

@@ -63,6 +63,14 @@ TT_GENERATOR_VLLM = "models.tt_transformers.tt.generator_vllm"
 SPEC_CLASSES = {"LlamaForCausalLM": ("SpecLlamaForCausalLM", "LlamaForCausalLM"),
                 "MistralForCausalLM": ("SpecMistralForCausalLM", "MistralForCausalLM")}
 SPEC_ARGUMENTS = ("num_valid_drafts", "accepted_counts", "spec_mode")  # they come together or not at all
+# the trace region vllm-tt-plugin opens the mesh with unless its TT config names one (src/vllm_tt_plugin/worker.py
+# @074b07f8 device_params_from_tt_config: additional_config["tt"]["trace_region_size"], config.py get_tt_config)
+PLUGIN_TRACE_REGION = 50_000_000
+
+
+def plugin_region_flag(size: int) -> str:
+    """The vLLM launch option that has vllm-tt-plugin open the mesh with a trace region of `size` bytes."""
+    return f"""--additional-config '{{"tt": {{"trace_region_size": {size}}}}}'"""
 
 
 def launch_config(vllm_config):
@@ -161,7 +169,8 @@ class PagedVerify:
         self.tt = TTModel(model=model, args=args, mesh_device=mesh_device, kv_cache=None, page_table=None,
                           passes=passes, generator=None, full_layers=full_layers(args), config=config,
                           weights_dtype="bfloat8_b", optimizations=optimizations)
-        self.lm = TtnnCausalLM(self.tt, TILE_ROWS, max_seq_len, mesh_traces=MeshTraces(mesh_device), trace=False)
+        mesh_traces = MeshTraces(mesh_device, region_fix=lambda size: f"relaunch vLLM with {plugin_region_flag(size)}")
+        self.lm = TtnnCausalLM(self.tt, TILE_ROWS, max_seq_len, mesh_traces=mesh_traces, trace=False)
         self.num_drafts = num_drafts
         self.width: Optional[int] = None  # the page table's blocks per row, fixed at warm-up
 
@@ -172,8 +181,10 @@ class PagedVerify:
         which a verify never uses, is left out). trace False compiles them (each run once, writing nothing to the
         cache); trace True captures each once (ttnn_backend.traces.MeshTraces.prepare). Until a step brings the
         scheduler's page table the inputs hold a table of zeros, as TT's own decode warm-up pages every row into
-        block 0 (models/common/warmup/warmup_utils.py, WarmupForwardMixin._create_decode_warmup_inputs)."""
-        from ..ttnn_backend.trace_plan import pass_ladder, trace_keys
+        block 0 (models/common/warmup/warmup_utils.py, WarmupForwardMixin._create_decode_warmup_inputs). Phase 1 logs
+        the trace region the launch needs before anything is captured (the plugin's default is sized for TT's traces
+        only), and a region error at capture names the plugin's option."""
+        from ..ttnn_backend.trace_plan import pass_ladder, region_bytes, trace_keys, tt_trace_region
 
         if self.tt.kv_cache is None:
             self.tt.kv_cache, self.width = kv_cache[0], int(num_blocks)
@@ -185,6 +196,13 @@ class PagedVerify:
             raise ValueError(f"warm-up with another KV cache or page-table width ({num_blocks}, first {self.width}): "
                              "the verify programs are bound to the first")
         self.lm.trace = bool(trace)
+        if not trace:
+            args, planned = self.tt.args, self.trace_bytes()
+            size = tt_trace_region(args.model_name, args.device_name) + region_bytes([planned])
+            logger.info(f"speculative verify, K={self.num_drafts}: {len(self.lm.planned)} traces planned (write passes "
+                        f"{self.lm.ladder}), about {planned / 1e6:.0f} MB of trace region beyond TT-Transformers' own "
+                        f"decode trace: the mesh needs about {size} B of trace region (vllm-tt-plugin opens it with "
+                        f"{PLUGIN_TRACE_REGION} B unless launched with {plugin_region_flag(size)})")
         try:
             self.lm.mesh_traces.prepare()
         finally:
@@ -506,7 +524,8 @@ class SpecDecodeModel:
         sample_decode_on_device). After a verify, TT's resident decode inputs (the token and position buffers its traced
         decode keeps when it samples on the device) were not written by the verify, so this decode reloads them with
         the legacy command this class declares (decode_input_update_contract 0): reset_batch, on which TT's Generator
-        copies the host's inputs into its trace's (_decode_forward_trace_text)."""
+        copies the host's inputs into its trace's (_decode_forward_trace_text), every row's (not its device tokens at
+        continuing positions: those are the last TT decode's, not the verify's)."""
         from ..ttnn_backend.model import TILE_ROWS
 
         spec.passes.positions = []
@@ -519,6 +538,13 @@ class SpecDecodeModel:
                                                                                     "decode"))
             if spec.tt_inputs_stale:
                 kwargs["reset_batch"] = True
+                # TT's reset merge keeps its device token and position for a row whose device position continues the
+                # host's, except for the slots prefilled since its last decode, named as they were before this
+                # remap (tt/generator.py@622c6fb9 Generator.decode_forward, l.1237-1300; set in prefill_forward_text,
+                # l.550-556). After a verify those buffers are stale and a remap may have moved a fresh slot, so
+                # every row takes the host's inputs (authoritative under --no-async-scheduling, docs/serving.md).
+                self._slots_prefilled_since_decode = (set(getattr(self, "_slots_prefilled_since_decode", ()))
+                                                      | set(range(TILE_ROWS)))
             remap = compose_remaps(spec.tt_remap, kwargs.get("slot_remap"))
             if remap is not None:
                 kwargs["slot_remap"] = torch.tensor(remap, dtype=torch.int32)

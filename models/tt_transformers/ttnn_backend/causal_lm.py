@@ -293,6 +293,29 @@ class TtnnCausalLM(TracedModel):
         states = [prompt_taps(capture.outputs, taps, len(tokens))] if taps else None
         return StepOutput([row.argmax(dim=-1).tolist()], [row] if logits else None, hidden=states)
 
+    def tt_greedy(self, user: int, tokens: Sequence[int], n: int) -> list[int]:
+        """n greedy ids after `tokens` by TT-Transformers' own path, a reference for this backend's steps: this
+        prefill (TT's prefill_forward_text), then TT's Generator.decode_forward untraced with host sampling
+        (enable_trace False, sampling_params None: tt/generator.py@622c6fb9 _decode_forward_no_trace_text, its
+        logits gathered and read back, argmax here) for the user's row in row 0, the other rows idle (token 0,
+        position -1, as _run_inputs) and TT's single cache update (no write passes). TT's eager decode compiles its
+        own programs: live traces are made again after it (remake_after), so call it before capturing."""
+        first = self.prefill(user, tokens).ids[0][0]
+        generator, ids = self.tt.generator, [first]
+        self.tt.passes.positions = []
+        programs = program_cache_entries(self.tt.mesh_device)
+        token, positions = torch.zeros(TILE_ROWS, 1, dtype=torch.int64), torch.full((TILE_ROWS,), -1)
+        page_table = self.tt.page_table[user].repeat(TILE_ROWS, 1)
+        for j in range(n - 1):
+            token[0, 0], positions[0] = ids[-1], len(tokens) + j
+            out = generator.decode_forward(token, positions, **supported_kwargs(
+                generator.decode_forward, page_table=page_table, kv_cache=[self.tt.kv_cache], enable_trace=False,
+                read_from_device=True, sampling_params=None))
+            logits = torch.as_tensor(decode_logits(out)).reshape(TILE_ROWS, -1)[0, : self.vocab_size]
+            ids.append(int(logits.float().argmax()))
+        self.mesh_traces.remake_after(programs, "TT's reference decode")
+        return ids
+
     def commit_path(self, user: int, start_pos: int, path: Sequence[int]) -> None:
         raise NotImplementedError("the ttnn backend verifies chains only (supports_trees is False)")
 

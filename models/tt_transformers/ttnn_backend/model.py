@@ -144,17 +144,18 @@ def prefill_warm_prompts(args, max_seq_len: int) -> list[int]:
     max_seq_len tokens compiles a prefill program while decode traces are live, as far as that is cheap:
     - one prompt of each padded length (TT's get_padded_prefill_len of 1..max_seq_len) that TT's own warm-up sweep
       does not run (ModelArgs.get_warmup_prefill_supported_seq_lens, tt/model_config.py: 128 and 1024 x 2^k up to
-      capped_warmup_seq_len, plus the trace-supported lengths): tt/common.py@553f842d pads to "whichever is smaller: a
-      power of 2 or a multiple of 2048", so 256 and 512, and past 4,096 the multiples of 2,048 (6,144, 10,240, ...),
-      which also covers the lengths TT prefills in chunks (past max_prefill_chunk_size: chunked SDPA compiles once
-      per chunk_start_idx and page-table width in real ttnn 0.81.1, counted with num_program_cache_entries on the
-      mock device). A prompt of the padded length runs every chunk a shorter one of that length runs;
+      capped_warmup_seq_len, plus the trace-supported lengths): tt/common.py@622c6fb9 pads to 128 up to 128 tokens,
+      to 1,024 up to 1,024, then to the next power of two (older trees padded to powers of 2 or multiples of 2,048;
+      the function is TT's, so either rule is followed), which also covers the lengths TT prefills in chunks (past
+      max_prefill_chunk_size: chunked SDPA compiles once per chunk_start_idx and page-table width in real ttnn
+      0.81.1, counted with num_program_cache_entries on the mock device). A prompt of the padded length runs every
+      chunk a shorter one of that length runs;
     - one prompt of 32 b tokens for every block count b of the prompts up to PER_TILE_WARM_POSITIONS: TT's
       Transformer.forward slices the last token's 32 rows, `ttnn.slice(x, (0, 0, get_last_token, 0), (1, 1,
-      get_last_token + 32, x.shape[-1]))` (tt/model.py@00a9ba8f), and ttnn keys a slice's program by its offsets;
-      its attention fills the cache through the user's page table cut to the prompt's blocks
-      (Generator._get_prefill_user_page_table), and paged_fill_cache keys its program by the page table's width: a
-      prompt of 32 b tokens has b blocks and its last token in tile b - 1.
+      get_last_token + 32, x.shape[-1]))` (tt/model.py@622c6fb9), and ttnn keys a slice's program by its offsets: a
+      prompt of 32 b tokens has its last token in tile b - 1. (Its attention fills the cache through the user's page
+      table, which Generator._get_prefill_user_page_table cuts to the padded length's blocks and pads with -1 at
+      622c6fb9, to the prompt's blocks in older trees, where paged_fill_cache's program also follows b.)
     A prompt stands for its (padded length, blocks) class; the classes TT's sweep already ran (its lengths as whole
     prompts) and the one-token prefill that triggers the sweep are left out. args' rotary tables hold every padded
     prompt (model_args_seq_len, build_tt_model's and the serving class's sizing). Without

@@ -124,10 +124,14 @@ def base_model_name(model_name: str) -> str:
     return match.group(1) if match else model_name
 
 
+def tt_trace_region(model_name: str, device_name: Optional[str]) -> int:
+    """The trace region TT-Transformers opens the mesh with for its own traces (trace_region_config.py)."""
+    return TT_TRACE_REGION.get(base_model_name(model_name), {}).get(device_name, TT_DEFAULT_TRACE_REGION)
+
+
 def op_bytes(model_name: str, device_name: Optional[str], full_layers: int) -> float:
     """Trace region per op: TT's region for the whole model (trace_region_config.py) over its decode step's ops."""
-    tt_region = TT_TRACE_REGION.get(base_model_name(model_name), {}).get(device_name, TT_DEFAULT_TRACE_REGION)
-    return tt_region / (full_layers * OPS_PER_LAYER + HEAD_OPS)
+    return tt_trace_region(model_name, device_name) / (full_layers * OPS_PER_LAYER + HEAD_OPS)
 
 
 def trace_bytes(model_name: str, device_name: Optional[str], full_layers: int, n_layers: int,

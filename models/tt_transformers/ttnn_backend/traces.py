@@ -24,12 +24,18 @@ from .trace_plan import region_bytes
 from .ttnn_api import ttnn
 
 
+def cli_region_fix(size: int) -> str:
+    """How a user of the CLI, make tt-smoke or the pytest fixture opens the mesh with a trace region of `size`."""
+    return f"rerun with --trace_region_size {size} (or device_params' trace_region_size)"
+
+
 class MeshTraces:
     """The traced models on one mesh: planned apart, made together (prepare), remade after host work that compiled
-    under live traces (remake_after), checked together against the trace region (check_region)."""
+    under live traces (remake_after), checked together against the trace region (check_region). region_fix: the
+    words naming how this mesh's user opens it with a region of N bytes (cli_region_fix; serving names vLLM's)."""
 
-    def __init__(self, mesh):
-        self.mesh = mesh
+    def __init__(self, mesh, region_fix=cli_region_fix):
+        self.mesh, self.region_fix = mesh, region_fix
         self.models = weakref.WeakSet()  # a dropped model leaves (its destructor releases its traces)
 
     def add(self, model) -> None:
@@ -58,7 +64,7 @@ class MeshTraces:
                 try:
                     lm.capture(key)
                 except RuntimeError as e:
-                    error = region_error(e, models, lm, key)
+                    error = region_error(e, models, lm, key, self.region_fix)
                     if error is None:
                         raise
                     raise error from e
@@ -88,9 +94,8 @@ class MeshTraces:
         needed = sum(lm.trace_bytes(key) for lm in self.models if lm.trace for key in lm.planned)
         if region and needed > region:
             raise ValueError(f"the planned decode traces take about {needed / 1e6:.0f} MB of trace region and the mesh "
-                             f"was opened with {region / 1e6:.0f} MB: rerun with --trace_region_size "
-                             f"{region_bytes([needed])} (or device_params' trace_region_size), or plan fewer traces "
-                             "(lower --n_draft_tokens)")
+                             f"was opened with {region / 1e6:.0f} MB: {self.region_fix(region_bytes([needed]))}, "
+                             "or plan fewer traces (lower --n_draft_tokens)")
 
 
 class TracedModel:
@@ -120,10 +125,12 @@ TRACE_REGION_FULL = re.compile(r"Creating trace buffers of size (\d+)B on MeshDe
                                r"for trace region")
 
 
-def region_error(error: RuntimeError, models: list, failing, failing_key) -> Optional[ValueError]:
-    """tt-metal's trace-region refusal as one line naming the size to open the mesh with, or None for any other
-    error. tt-metal reports what the traces captured so far took on the device; trace_plan's estimate for the same
-    traces says how far off it was, and every planned trace scaled by that, with trace_plan's margin, is the size."""
+def region_error(error: RuntimeError, models: list, failing, failing_key,
+                 region_fix=cli_region_fix) -> Optional[ValueError]:
+    """tt-metal's trace-region refusal as one line naming the size to open the mesh with (in region_fix's words), or
+    None for any other error. tt-metal reports what the traces captured so far took on the device; trace_plan's
+    estimate for the same traces says how far off it was, and every planned trace scaled by that, with trace_plan's
+    margin, is the size."""
     found = TRACE_REGION_FULL.search(str(error))
     if not found:
         return None
@@ -134,8 +141,7 @@ def region_error(error: RuntimeError, models: list, failing, failing_key) -> Opt
     size = region_bytes([math.ceil(needed * sum(planned) / max(estimated_done, 1))])
     return ValueError(f"the decode traces outgrew the trace region: {len(done)} of the {len(planned)} planned traces "
                       f"took {needed / 1e6:.0f} MB on the device and the mesh was opened with {region / 1e6:.0f} MB "
-                      f"(trace_plan estimated {estimated_done / 1e6:.0f} MB for them); rerun with --trace_region_size "
-                      f"{size} (or device_params' trace_region_size)")
+                      f"(trace_plan estimated {estimated_done / 1e6:.0f} MB for them); {region_fix(size)}")
 
 
 def program_cache_entries(mesh) -> Optional[int]:

@@ -125,7 +125,8 @@ class Detail:
     check: Callable[[], Optional[str]]  # the variant found (a short description), or raises / returns None: missing
     # True: a signature or method the backend calls (missing: the run would fail there, so the probe stops it); False:
     # a detail read from TT-Transformers' source text or attributes, which a property, a rename or a refactor can hide
-    # while the run works, and which a later stage checks by running it (missing: a warning, and that stage tells)
+    # while the run works, and which a later stage checks by running it (missing: a warning, and that stage tells);
+    # also False for a function only the stages after the target path call (they fail naming it)
     called: bool = True
 
 
@@ -320,7 +321,9 @@ DETAILS = [
     Detail("Generator.prefill_forward_text(tokens, page_table, kv_cache, prompt_lens)", "tt/generator.py",
            lambda: _signature_has(_tt("generator").Generator.prefill_forward_text, "page_table", "kv_cache",
                                   "prompt_lens")),
-    Detail("tt_all_gather", "tt/ccl.py", _all_gather),
+    # called only by the device taps (taps.py, tap_gather="device": --full and the draft-head stages), never by the
+    # target path, whose verdict a missing one must not stop: those stages fail with its name
+    Detail("tt_all_gather", "tt/ccl.py", _all_gather, called=False),
 ]
 
 

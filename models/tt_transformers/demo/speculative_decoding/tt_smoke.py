@@ -7,10 +7,11 @@ with its time, stopping at the first failure with what to send back.
 The target path, whose verdict is the run's (the report's "ok", the exit status): ttnn import and version; the
 TT-Transformers details the backend relies on, probed without a device (tt_surface.py: one line each); device open
 (the fabric on meshes of several devices); model build (weight conversion into the cache folder, logged); a prefill and
-a verify step run eagerly (--trace 0: a failure names the op, not a trace); compile and trace capture (TT's prefill
-warm-up and the target path's decode traces, no more); prefill of one prompt; one plain traced decode step; one verify
-step with drafts; speculative decoding identical to plain decoding through the same verify-shaped step for 32 tokens;
-the TT perf keys of a short demo run.
+a verify step run eagerly (--trace 0: a failure names the op, not a trace); TT-Transformers' own greedy decode of the
+prompt (its Generator.decode_forward untraced, a reference); compile and trace capture (TT's prefill warm-up and the
+target path's decode traces, no more); prefill of one prompt; one plain traced decode step; one verify step with
+drafts; speculative decoding identical to plain decoding through the same verify-shaped step for 32 tokens, the plain
+continuation's first 8 ids agreeing with TT's reference in at least 6 places; the TT perf keys of a short demo run.
 
 Then the draft head, with its own verdict (the report's "head") that never changes the target path's: the draft head on
 the device (the run's head, else a random EAGLE-3 head: its chain against the torch head fed the same states; its
@@ -72,6 +73,12 @@ PROMPT = "Repeat this list exactly: apples, pears, plums, figs, dates, limes, ap
 SEND_BACK = ("send back the report file and the files beside it, `pip show ttnn`, the tt-metal commit "
              "(git -C $TT_METAL_HOME rev-parse HEAD), MESH_DEVICE and HF_MODEL")
 WATCHDOG_S = 600  # while one stage runs, every thread's traceback into the tracebacks file this often
+# review 46, finding 5: the lossless stage compares speculative with plain decoding through the same step, which a
+# consistently wrong step passes; the plain continuation's first REFERENCE_TOKENS ids are also compared in place with
+# TT-Transformers' own decode of the prompt, at least MIN_REFERENCE_AGREEMENT agreeing (a bfloat16 near-tie between
+# TT's gathered logits and the backend's per-device argmax may flip a late one)
+REFERENCE_TOKENS = 8
+MIN_REFERENCE_AGREEMENT = 6
 
 
 class Smoke:
@@ -92,8 +99,9 @@ class Smoke:
 def tt_transformers_surface(s: Smoke) -> None:
     """Every TT-Transformers detail the backend relies on, probed against the installed tt-metal without opening a
     device (ttnn_backend/tt_surface.py): one line each, found with its variant or missing with the file to look at.
-    The stage stops the run only for a signature the backend calls; a detail read from TT's source text or attributes
-    (a property, a rename or a refactor can hide it while the run works) is a warning, and the later stages tell."""
+    The stage stops the run only for a signature the target path calls; a detail read from TT's source text or
+    attributes (a property, a rename or a refactor can hide it while the run works) or called only by the stages after
+    the target path (tt_all_gather: the taps) is a warning, and the later stages tell."""
     from models.tt_transformers.ttnn_backend.tt_surface import probe
 
     lines = probe()
@@ -101,8 +109,8 @@ def tt_transformers_surface(s: Smoke) -> None:
         if line.found:
             logger.info(f"  found: {line.name}: {line.text}")
         else:
-            (logger.error if line.called else logger.warning)(
-                f"  {'MISSING' if line.called else 'not found (read, not called: going on)'}: {line.name}: {line.text}")
+            status = "MISSING" if line.called else "not found (not called by the target path: going on)"
+            (logger.error if line.called else logger.warning)(f"  {status}: {line.name}: {line.text}")
     s.facts["tt_transformers_surface"] = {line.name: line.text for line in lines}
     missing = [line.name for line in lines if line.called and not line.found]
     if missing:
@@ -264,6 +272,13 @@ def eager_steps(s: Smoke) -> None:
         s.lm.trace = True
 
 
+def tt_reference(s: Smoke) -> None:
+    """TT-Transformers' own greedy decode of the prompt (TtnnCausalLM.tt_greedy: TT's Generator.decode_forward
+    untraced, host argmax), run before any trace is captured so that its eager programs compile outside every trace;
+    the lossless stage compares the plain continuation with it."""
+    s.facts["tt_reference"] = {"ids": s.lm.tt_greedy(0, s.tokens, REFERENCE_TOKENS)}
+
+
 def compile_and_capture(s: Smoke) -> None:
     """The target path's programs (the run's, kept planned through the lossless and perf stages' warm-ups:
     TtnnCausalLM.keep_planned) compiled and captured here, no more: a first run captures what its verdict needs, and
@@ -413,11 +428,18 @@ def lossless(s: Smoke) -> None:
     from models.tt_transformers.speculative.generator import SpeculativeGenerator
 
     plain = SpeculativeGenerator(s.lm, None, 0).generate([s.tokens], SMOKE_TOKENS, False)[0]
+    reference, ours = s.facts["tt_reference"]["ids"], plain.output_tokens[:REFERENCE_TOKENS]
+    agreed = sum(a == b for a, b in zip(ours, reference))
+    s.facts["tt_reference"].update(plain_ids=ours, agreed=agreed)  # reported whatever follows
     spec = SpeculativeGenerator(s.lm, s.drafter, s.config.n_draft_tokens).generate([s.tokens], SMOKE_TOKENS, False)[0]
     s.facts["tokens_per_step"] = round(len(spec.output_tokens) / max(1, len(spec.iterations) + 1), 2)
     if spec.output_tokens != plain.output_tokens:
         raise AssertionError(f"speculative output differs from plain decoding through the same step: "
                              f"{spec.output_tokens} vs {plain.output_tokens}")
+    if agreed < MIN_REFERENCE_AGREEMENT:
+        raise AssertionError(f"plain decoding's first {len(ours)} ids agree in place with TT-Transformers' own decode "
+                             f"of the prompt on {agreed} (at least {MIN_REFERENCE_AGREEMENT} needed): {ours} vs TT's "
+                             f"{reference}")
 
 
 def perf_keys(s: Smoke) -> None:
@@ -430,7 +452,8 @@ def perf_keys(s: Smoke) -> None:
 TARGET_STAGES: list[tuple[str, Callable[[Smoke], None]]] = [
     ("ttnn import", import_ttnn), ("TT-Transformers surface", tt_transformers_surface), ("device open", open_device),
     ("model build", build_model), ("eager prefill and verify step", eager_steps),
-    ("compile and trace capture", compile_and_capture), ("prefill", prefill), ("plain decode step", decode_step),
+    ("TT-Transformers' own decode (reference)", tt_reference), ("compile and trace capture", compile_and_capture),
+    ("prefill", prefill), ("plain decode step", decode_step),
     ("verify step", verify_step), (f"lossless over {SMOKE_TOKENS} tokens", lossless), ("perf keys", perf_keys)]
 # The head's stages run after the target path: the draft head's builds the most code never run on silicon (a custom
 # decoder layer), so its failure is its own verdict (report["head"]) and never hides a passing target path.
