@@ -1214,7 +1214,8 @@ def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale
     """Attention of query rows [..., rows, head_dim] over keys and values [..., n, head_dim], in float64 and returned
     in the query's dtype: a row's result does not depend on which other rows share the call (float32 or bfloat16
     matmuls on a CPU sum in an order that depends on the shapes), so the per-row op and spec_multi_pos_tiles give a
-    row the same values, as the device does when the two reduce alike (module docstring of attention.py)."""
+    row the same values, as the device does when both split the flash reduction alike (tt-metal's
+    test_sdpa_decode_spec_multi_pos.py: bit-identical then)."""
     return F.scaled_dot_product_attention(query.double(), keys.double(), values.double(), scale=scale).to(query.dtype)
 
 
