@@ -231,3 +231,14 @@ def test_grouped_attention_is_the_per_row_attention(mesh, monkeypatch, heads, kv
     with pytest.raises(RuntimeError, match="must be non-decreasing"):
         op(stacked, t.reshape(k, one_head), t.reshape(v, one_head), page_table_tensor=group.page_table,
            cur_pos_tensor=dev(backwards, mesh, **int_rows), spec_multi_pos_tiles=tiles)
+
+
+def test_group_sizes_follow_the_ops_limits():
+    """attention.group_tiles: the power of two at or above the rows, where the wheel's spec_multi_pos_tiles accepts
+    it on a Wormhole under TT's SDPA decode config (checked on the mock N150): T <= 8 (L1), users x T <= 32 (the tile),
+    KV heads x 32 / T <= 64 (a core per group); per row (1) elsewhere."""
+    from models.tt_transformers.ttnn_backend.attention import group_tiles
+
+    assert [group_tiles(p, 1, 3) for p in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, 1]  # 16 overflows L1
+    assert group_tiles(5, 4, 8) == 8 and group_tiles(5, 5, 8) == 1  # 5 users of 8 rows: past the tile
+    assert group_tiles(2, 4, 8) == 1 and group_tiles(3, 4, 8) == 4  # 8 KV heads x 16 groups: past 64 cores

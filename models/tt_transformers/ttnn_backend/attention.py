@@ -34,7 +34,9 @@ to exactly the positions up to its own. Its constraints, as the wheel's validati
 - the circular buffers in L1: with TT-Transformers' SDPA decode config (8 x 8 cores, dynamic K chunks:
   get_attn_sdpa_decode_program_config) T = 16 needs 1,583,392 B per core at head_dim 64 and T = 32 3,123,488 B,
   where Wormhole has 1,393,312 B ("spec_multi_pos_tiles=16: circular buffers need ... Reduce spec_multi_pos_tiles",
-  the wheel on the mock N150); T <= 8 fits at head_dim 64 and 128 (MAX_GROUP_TILES).
+  the wheel on the mock N150); T <= 8 fits at head_dim 64 and 128 (MAX_GROUP_TILES);
+- a core per group: "Cores available (64) must be >= batch size (128)" (the 8 x 8 grid of that config, SDPA_CORES),
+  so KV heads x 32 / T <= 64: Llama-3.1-8B's 8 KV heads on an N150 group at T >= 4 only.
 The groups are reshapes of the 32-row tile, so T divides 32 and a user's rows sit at T x its slot (group_tiles).
 
 Built through TT-Transformers' `Transformer(..., attention_class=...)` hook. The model is built with
@@ -49,14 +51,17 @@ from .ttnn_api import ttnn
 TILE = 32  # rows of a tile: the decode batch, and one candidate's Q heads in a group
 # The most candidates a group holds on Wormhole under TT's SDPA decode config (module docstring: L1)
 MAX_GROUP_TILES = 8
+SDPA_CORES = 64  # TT-Transformers' SDPA decode grid (get_attn_sdpa_decode_program_config: 8 x 8): a core per group
 
 
-def group_tiles(passes: int, max_users: int) -> int:
+def group_tiles(passes: int, max_users: int, kv_heads: int) -> int:
     """Candidates per group for a step program of `passes` write passes, each of up to max_users users holding a
-    group of that many rows: the power of two >= passes (the groups are reshapes of the 32-row tile), or 1 (TT's
-    per-row call) where that exceeds MAX_GROUP_TILES, the groups do not fit the tile, or a group would hold one row."""
+    group of that many rows, on a device holding kv_heads KV heads: the power of two >= passes (the groups are
+    reshapes of the 32-row tile), or 1 (TT's per-row call) where that exceeds MAX_GROUP_TILES, the groups do not fit
+    the tile or the cores (kv_heads x 32 / T groups), or a group would hold one row."""
     tiles = 1 << (passes - 1).bit_length()
-    return tiles if 1 < tiles <= MAX_GROUP_TILES and max_users * tiles <= TILE else 1
+    fits = max_users * tiles <= TILE and kv_heads * (TILE // tiles) <= SDPA_CORES
+    return tiles if 1 < tiles <= MAX_GROUP_TILES and fits else 1
 
 
 @dataclass

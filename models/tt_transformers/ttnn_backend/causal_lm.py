@@ -188,7 +188,7 @@ class TtnnCausalLM(TracedModel):
     def group_tiles(self, passes: int) -> int:
         """Candidates per attention group in the program of `passes` write passes (attention.group_tiles), 1: per
         row. A Galaxy keeps per row: each mesh column computes its own 8 users (max_step_rows)."""
-        return 1 if self.tt.args.is_galaxy else group_tiles(passes, self.max_batch_size)
+        return 1 if self.tt.args.is_galaxy else group_tiles(passes, self.max_batch_size, self._local_kv_heads())
 
     # ---- warm-up, traces and the trace region ----------------------------------------------------------------
 
