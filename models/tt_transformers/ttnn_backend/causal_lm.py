@@ -45,7 +45,8 @@ from .vocab import VocabShares
 # What a step costs, in units of streaming the weights once (a decode step of the tile, which computes all 32 rows
 # whatever is in them): each cache-write pass adds two paged_update_cache ops per layer, and paged SDPA decode reads
 # the cached K and V once per scan, so its work grows with scans x context (model.key_cost, from the model's shapes
-# and dtypes): a scan per row, or per group of rows where attention runs grouped (step_cost). Estimates (no device here): the hardware perf test records the step time of every traced shape
+# and dtypes): a scan per row, or per group of rows where attention runs grouped (step_cost). Estimates (no device
+# here): the hardware perf test records the step time of every traced shape
 # (TtnnCausalLM.step_times) to replace them.
 WRITE_PASS_COST = 0.01
 # Row counts a sampled step reads its logits in: each program a sampled run traces (TraceKey.logits) also slices the
