@@ -29,7 +29,8 @@ def backend_builder(monkeypatch, checkpoint, shape=(1, 1)):
         if float32:
             monkeypatch.setitem(stand_in_tt.COMPUTE_DTYPES, stand_in_ttnn.bfloat8_b, torch.float32)
         model = build_tt_model(mesh, checkpoint.folder, checkpoint.name, max_users, max_seq_len, True)
-        return TtnnCausalLM(model, max_users, max_seq_len, mesh_traces=mesh_traces(mesh))
+        # grouped verify attention (--grouped_verify 1): bit-identical to per row in the stand-in's float64 attention
+        return TtnnCausalLM(model, max_users, max_seq_len, mesh_traces=mesh_traces(mesh), grouped_attention=True)
     return build
 
 

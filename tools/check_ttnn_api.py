@@ -19,8 +19,12 @@ REPO = Path(__file__).resolve().parents[1]
 # the backend, and what runs beside it on a device: the pytest fixture, TT's own decode as the perf test's baseline
 SOURCES = sorted((REPO / "models/tt_transformers/ttnn_backend").glob("*.py")) + [REPO / "conftest.py",
                                                                                  REPO / "tests/tt_baseline.py"]
-# Calls the backend makes through a variable holding a ttnn op (attention.py's ordered_update wraps the op).
-INDIRECT_CALLS = {"experimental.paged_update_cache": {"update_idxs_tensor"}}
+# Calls the backend makes through a variable holding a ttnn op (attention.py's ordered_update and grouped_attention
+# wrap the ops).
+INDIRECT_CALLS = {"experimental.paged_update_cache": {"update_idxs_tensor"},
+                  "transformer.paged_scaled_dot_product_attention_decode": {
+                      "page_table_tensor", "cur_pos_tensor", "sliding_window_size", "memory_config",
+                      "spec_multi_pos_tiles"}}
 # Methods the backend calls on ttnn objects it holds (taps.py dram_copy: x.memory_config().is_sharded();
 # traces.py program_cache_entries: mesh.num_program_cache_entries(), looked up with getattr).
 METHOD_CALLS = {"Tensor.memory_config": set(), "MemoryConfig.is_sharded": set(),

@@ -106,7 +106,8 @@ def run_case(mesh, name: str, max_seq_len: int, users: int, folder: Path, k: Opt
     else:
         with dummy_weights():
             tt = build_tt_model(mesh, folder, name, users, max_seq_len, True, n_layers=N_LAYERS)
-    lm = TtnnCausalLM(tt, users, max_seq_len, mesh_traces=MeshTraces(mesh), trace=False)
+    # the grouped verify attention (--grouped_verify 1) through TT's real attention; the double's cases run per row
+    lm = TtnnCausalLM(tt, users, max_seq_len, mesh_traces=MeshTraces(mesh), trace=False, grouped_attention=True)
     args, shape = tt.args, tt.config
     taps = tuple(range(min(3, tt.n_layers))) if k else ()  # EAGLE-3 reads three layers; these models run one or two
     try:

@@ -994,12 +994,14 @@ def copy(input_a: Tensor, input_b: Tensor) -> Tensor:
 def mul(input_tensor_a: Tensor, input_tensor_b: Tensor, *, dtype=None, memory_config=None, output_tensor=None,
         fast_and_approximate_mode=False, activations=None, input_tensor_a_activations=None,
         input_tensor_b_activations=None) -> Tensor:
-    """As stand-in add: the result takes input_tensor_a's dtype unless `dtype` says otherwise (its docstring)."""
+    """As stand-in add: the result takes input_tensor_a's dtype unless `dtype` says otherwise (its docstring), and
+    its data input_tensor_a's torch dtype (bfloat16 data stays bfloat16, as a device's bfloat16 output)."""
     if input_tensor_a.shape != input_tensor_b.shape or input_tensor_a.shards != input_tensor_b.shards:
         raise RuntimeError("stand-in: mul of tensors of one shape and placement only")
     if output_tensor is not None or activations or input_tensor_a_activations or input_tensor_b_activations:
         raise NotImplementedError("stand-in: mul without output tensor or activations")
-    return run_op("mul", lambda a, b: (a.data.float() * b.data.float(), dtype or a.dtype, a.layout), input_tensor_a,
+    return run_op("mul", lambda a, b: ((a.data.float() * b.data.float()).to(a.data.dtype), dtype or a.dtype,
+                                       a.layout), input_tensor_a,
                   input_tensor_b, mem=memory_config)
 
 
@@ -1056,12 +1058,22 @@ def repeat(input_tensor: Tensor, repetition_vector, *, memory_config=None, optio
     return run_op("repeat", lambda x: (x.data.repeat(*reps), x.dtype, x.layout), t, mem=memory_config)
 
 
-def reshape(input_tensor: Tensor, shape, *, memory_config=None, pad_value=0, reshape_tile_mode=None,
-            sub_core_grids=None, skip_padding_fill=False) -> Tensor:
+def reshape(input_tensor: Tensor, shape, padded_shape=None, *, memory_config=None, pad_value=0,
+            reshape_tile_mode=None, sub_core_grids=None, skip_padding_fill=False) -> Tensor:
     """The same data viewed in `shape` (-1 inferred); the volume must match (reshape_common.cpp:50 `new_volume ==
     old_volume`, "Invalid arguments to reshape": checked by calling the 0.81.1 wheel). A split tensor keeps its last
-    dim."""
+    dim. With padded_shape (TT's `ttnn.reshape(x, logical, padded)`): the TILE tensor's padded data (the tile's
+    padding rows zero here) viewed in padded_shape, and `shape` the logical part of it."""
     t = input_tensor
+    if padded_shape is not None:
+        if t.layout != TILE_LAYOUT or t.shards > 1 or math.prod(padded_shape) != math.prod(_padded_shape(t)):
+            raise RuntimeError("Invalid arguments to reshape")
+
+        def view(x):
+            padded = F.pad(x.data, [0, _padded_shape(x)[-1] - x.shape[-1], 0, _padded_shape(x)[-2] - x.shape[-2]])
+            part = padded.reshape(list(padded_shape))[tuple(builtins.slice(0, n) for n in shape)]
+            return part.clone(), x.dtype, x.layout
+        return run_op("reshape", view, t, mem=memory_config)
     shape = list(shape)  # each device's, as the tensor's own shape
     volume = t.data.numel() // t.shards
     if shape.count(-1) == 1:
@@ -1198,6 +1210,15 @@ def paged_keys(cache: torch.Tensor, page_row: torch.Tensor, first: int, end: int
     return cache[blocks, :, positions % BLOCK].transpose(0, 1)
 
 
+def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale) -> torch.Tensor:
+    """Attention of query rows [..., rows, head_dim] over keys and values [..., n, head_dim], in float64 and returned
+    in the query's dtype: a row's result does not depend on which other rows share the call (float32 or bfloat16
+    matmuls on a CPU sum in an order that depends on the shapes), so the per-row op and spec_multi_pos_tiles give a
+    row the same values, as the device does when both split the flash reduction alike (tt-metal's
+    test_sdpa_decode_spec_multi_pos.py: bit-identical then)."""
+    return F.scaled_dot_product_attention(query.double(), keys.double(), values.double(), scale=scale).to(query.dtype)
+
+
 def _sdpa_decode(q: Tensor, k: Tensor, v: Tensor, page_table: Tensor, positions: Tensor, scale, window):
     """q [1, 32, heads, head_dim]; row b attends to its own positions 0..positions[b] (a window's worth)."""
     out = torch.zeros_like(q.data)
@@ -1211,13 +1232,65 @@ def _sdpa_decode(q: Tensor, k: Tensor, v: Tensor, page_table: Tensor, positions:
         # allocate_vllm_kv_cache) holds bfloat8_b values in a float32 container, exact in bfloat16
         keys = paged_keys(k.data, page_table.data[b], first, pos + 1).to(query.dtype)
         values = paged_keys(v.data, page_table.data[b], first, pos + 1).to(query.dtype)
-        out[0, b] = F.scaled_dot_product_attention(query, keys, values, scale=scale).reshape(heads, -1)
+        out[0, b] = _attend(query, keys, values, scale).reshape(heads, -1)
     return out, q.dtype, q.layout
+
+
+def _sdpa_decode_groups(q: Tensor, k: Tensor, v: Tensor, page_table: Tensor, positions: Tensor, scale, tiles: int):
+    """spec_multi_pos_tiles: q [1, groups, tiles x 32, head_dim], one KV head; candidate j of group b (row tile j)
+    attends to positions 0..positions[b x tiles + j] of page-table row b (the wheel's dataflow_common.hpp
+    generate_mask_spec_multi_pos masks each row tile at its own bound), over the one scan up to the group's last bound
+    (reader_decode_all.cpp: cur_pos = index_ptr[cur_batch * T + T - 1]); a group whose last bound is -1 is skipped."""
+    out = torch.zeros_like(q.data)
+    bounds = positions.data.view(-1, tiles).tolist()
+    for b, group in enumerate(bounds):
+        if group[-1] == -1:
+            continue
+        keys = paged_keys(k.data, page_table.data[b], 0, group[-1] + 1)[0].to(q.data.dtype)
+        values = paged_keys(v.data, page_table.data[b], 0, group[-1] + 1)[0].to(q.data.dtype)
+        for j, bound in enumerate(group):
+            rows = q.data[0, b, j * 32:(j + 1) * 32]
+            out[0, b, j * 32:(j + 1) * 32] = _attend(rows, keys[:bound + 1], values[:bound + 1], scale)
+    return out, q.dtype, q.layout
+
+
+def _check_groups(q: Tensor, k: Tensor, table: Tensor, pos: Tensor, tiles: int, window, mask) -> None:
+    """sdpa_decode_device_operation.cpp SdpaDecodeDeviceOperation::validate_on_program_cache_miss with
+    spec_multi_pos_tiles (the texts of the 0.81.1 wheel's libraries; the source of that version is not at hand): one
+    KV head; Q BFLOAT16, TILE, interleaved in DRAM, tiles x 32 rows per group; one page-table row per group; cur_pos
+    tiles entries per group, non-decreasing within a group (on a device an out-of-order group silently drops keys:
+    the stand-in refuses it, to catch the caller); no sliding window or mask."""
+    if k.shape[1] != 1:
+        raise RuntimeError(f"spec_multi_pos_tiles requires num_kv_heads == 1, got {k.shape[1]}")
+    if window is not None:
+        raise RuntimeError("spec_multi_pos_tiles is not supported with sliding_window_size")
+    if mask is not None:
+        raise RuntimeError("spec_multi_pos_tiles is not supported with an explicit attn_mask")
+    if q.dtype != bfloat16:
+        raise RuntimeError(f"spec_multi_pos_tiles requires a BFLOAT16 Q tensor, got {_dtype_name(q.dtype)}")
+    if q.layout != TILE_LAYOUT:
+        raise RuntimeError(f"spec_multi_pos_tiles requires a TILE layout Q tensor, got {q.layout}")
+    if q.mem.is_sharded():
+        raise RuntimeError("spec_multi_pos_tiles requires an unsharded (DRAM interleaved) Q tensor")
+    groups = q.shape[1]
+    if q.shape[2] != tiles * 32:
+        raise RuntimeError(f"spec_multi_pos_tiles={tiles}: Q must have {tiles * 32} padded rows per batch (one 32-row "
+                           f"tile per candidate), got {q.shape[2]}")
+    if table.shape[0] != groups:
+        raise RuntimeError(f"spec_multi_pos_tiles: page_table must have one row per Q batch group, got "
+                           f"{table.shape[0]} rows for Q batch {groups}")
+    if pos.shape[-1] != groups * tiles:
+        raise RuntimeError(f"spec_multi_pos_tiles={tiles}: cur_pos must have {groups * tiles} entries (B={groups} "
+                           f"groups of {tiles}), got {pos.shape[-1]}")
+    for b, group in enumerate(pos.data.view(-1, tiles).tolist()):
+        if group != sorted(group):
+            raise RuntimeError(f"spec_multi_pos_tiles={tiles}: cur_pos entries within candidate group {b} must be "
+                               "non-decreasing")
 
 
 def _paged_sdpa_decode(input_tensor_q, input_tensor_k, input_tensor_v, page_table_tensor=None, *, is_causal=True,
                        attn_mask=None, cur_pos_tensor=None, scale=None, sliding_window_size=None, memory_config=None,
-                       **kwargs):
+                       spec_multi_pos_tiles=None, **kwargs):
     """sdpa_decode_device_operation.cpp SdpaDecodeDeviceOperation::validate_on_program_cache_miss (read at 00b0fa3f,
     texts of the 0.81.1 wheel), causal paged decode: q, k, v BFLOAT16/BFLOAT8_B/BFLOAT4_B (no FLOAT32), k and v
     tilized and in DRAM; q height-sharded or interleaved in DRAM (both allowed); cur_pos INT32 ROW_MAJOR, one per page
@@ -1246,7 +1319,9 @@ def _paged_sdpa_decode(input_tensor_q, input_tensor_k, input_tensor_v, page_tabl
         raise RuntimeError(f"Expect cur_pos to be INT32, got {_dtype_name(pos.dtype)}")
     if pos.layout != ROW_MAJOR_LAYOUT:
         raise RuntimeError(f"Expect cur_pos to be ROW_MAJOR, got {pos.layout}")
-    if pos.shape[-1] != table.shape[0]:
+    if spec_multi_pos_tiles:
+        _check_groups(q, k, table, pos, spec_multi_pos_tiles, sliding_window_size, attn_mask)
+    elif pos.shape[-1] != table.shape[0]:
         raise RuntimeError(f"cur_pos must have batch size equal to Q, got {pos.shape[0]} and {table.shape[0]}")
     if table.dtype != int32:
         raise RuntimeError("Error: SDPA currently only supports INT32 datatype")
@@ -1261,6 +1336,10 @@ def _paged_sdpa_decode(input_tensor_q, input_tensor_k, input_tensor_v, page_tabl
             raise RuntimeError(f"GQA expects BFLOAT16 input tensor, but got {_dtype_name(q.dtype)}")
         if q.shape[2] % k.shape[1]:
             raise RuntimeError(f"GQA expects Q to have a multiple of K heads, but got {q.shape[2]} and {k.shape[1]}")
+    if spec_multi_pos_tiles:
+        return run_op(f"paged_sdpa_decode@{spec_multi_pos_tiles}",
+                      lambda q, k, v, t, p: _sdpa_decode_groups(q, k, v, t, p, scale, spec_multi_pos_tiles),
+                      q, k, v, table, pos, mem=out)
     return run_op("paged_sdpa_decode", lambda q, k, v, t, p: _sdpa_decode(q, k, v, t, p, scale, sliding_window_size),
                   q, k, v, table, pos, mem=out)
 

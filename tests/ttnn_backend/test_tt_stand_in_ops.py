@@ -173,3 +173,72 @@ def test_tt_attention_head_ops_refuse_what_tt_metal_refuses(mesh):
         t.experimental.paged_fill_cache(cache, rows, table, batch_idx=0)
     t.experimental.paged_fill_cache(cache, t.typecast(rows, t.bfloat8_b), table, batch_idx=0)
     assert torch.equal(cache.data[3, :, 5], t.stored(rows.data[0, :, 37], t.bfloat8_b))  # row 37: block 1 -> 3
+
+
+@pytest.mark.parametrize("heads, kv_heads, tiles", [(9, 3, 4), (4, 1, 8), (8, 2, 2)])
+def test_grouped_attention_is_the_per_row_attention(mesh, monkeypatch, heads, kv_heads, tiles):
+    """attention.grouped_attention (one spec_multi_pos_tiles call over each user's cache, KV heads folded into
+    groups) gives every row exactly what TT's per-row paged SDPA decode gives it: each row sees the positions up to its
+    own, in its own user's blocks; a group's rows past its user's repeat the last position; idle groups are skipped.
+    The stand-in's op refuses what the wheel refuses for the mode (several KV heads, a sharded Q, an unsorted
+    group)."""
+    from models.tt_transformers.ttnn_backend import attention
+    from ..tt_stand_in import install
+
+    install(monkeypatch)
+    dim, blocks, users = 64, 3, 32 // tiles
+    torch.manual_seed(0)
+    cache_k, cache_v = (torch.randn(users * blocks + 1, kv_heads, 32, dim).bfloat16().float() for _ in range(2))
+    k, v = (dev(c, mesh, t.bfloat8_b) for c in (cache_k, cache_v))
+    owned = torch.arange(users * blocks, dtype=torch.int32).view(users, blocks) + 1
+    positions = torch.full((32,), -1)
+    starts = [40, 63, 5][: users - 1]  # the last user slot idle
+    for g, start in enumerate(starts):
+        n = min(tiles, 3 + g)  # the group's rows, the rest repeating its last position
+        positions[g * tiles: (g + 1) * tiles] = torch.tensor([start + min(j, n - 1) for j in range(tiles)])
+    q_rows = torch.randn(1, 32, heads, dim).bfloat16()
+    sharded = t.MemoryConfig(t.ShardStrategy.HEIGHT, "L1", ((32, dim), 32, t.ShardOrientation.ROW_MAJOR))
+    q = t.to_memory_config(dev(q_rows, mesh), sharded)
+    int_rows = dict(dtype=t.int32, layout=t.ROW_MAJOR_LAYOUT, mem=t.DRAM_MEMORY_CONFIG)
+    table = owned.repeat_interleave(tiles, dim=0)
+    kwargs = dict(scale=dim ** -0.5, memory_config=t.DRAM_MEMORY_CONFIG)
+    per_row = t.transformer.paged_scaled_dot_product_attention_decode(
+        q, k, v, page_table_tensor=dev(table, mesh, **int_rows), cur_pos_tensor=dev(positions, mesh, **int_rows),
+        **kwargs)
+    group_table = torch.cat([owned * kv_heads + h for h in range(kv_heads)])
+    head = torch.arange(tiles * 32).view(1, 1, -1, 1) % 32
+    masks = [dev(((head >= h * heads // kv_heads) & (head < (h + 1) * heads // kv_heads))
+                 .expand(1, users, tiles * 32, dim).float(), mesh) for h in range(kv_heads)] if kv_heads > 1 else []
+    group = attention.GroupedRows(tiles, dev(group_table, mesh, **int_rows),
+                                  dev(positions.repeat(kv_heads), mesh, **int_rows), masks)
+    op = t.transformer.paged_scaled_dot_product_attention_decode
+    grouped = attention.grouped_attention(op, group)(q, k, v, page_table_tensor=None, cur_pos_tensor=None, **kwargs)
+    assert grouped.shape == per_row.shape == q_rows.shape
+    active = positions != -1
+    assert torch.equal(t.to_torch(grouped)[0, active], t.to_torch(per_row)[0, active])
+    assert not t.to_torch(grouped)[0, ~active].any()  # the idle group: skipped
+    one_head = (len(cache_k) * kv_heads, 1, 32, dim)
+    shape = (1, users, tiles * 32, dim)
+    stacked = t.concat([t.reshape(t.to_memory_config(q, t.DRAM_MEMORY_CONFIG), shape, shape)] * kv_heads, dim=1)
+    call = dict(page_table_tensor=group.page_table, cur_pos_tensor=group.positions, spec_multi_pos_tiles=tiles)
+    if kv_heads > 1:
+        with pytest.raises(RuntimeError, match=f"requires num_kv_heads == 1, got {kv_heads}"):
+            op(stacked, k, v, **call)
+    with pytest.raises(RuntimeError, match="requires an unsharded"):
+        op(t.to_memory_config(stacked, t.MemoryConfig(t.ShardStrategy.HEIGHT, "L1", ((32, dim), 32, "R"))),
+           t.reshape(k, one_head), t.reshape(v, one_head), **call)
+    backwards = positions.flip(0).repeat(kv_heads)
+    with pytest.raises(RuntimeError, match="must be non-decreasing"):
+        op(stacked, t.reshape(k, one_head), t.reshape(v, one_head), page_table_tensor=group.page_table,
+           cur_pos_tensor=dev(backwards, mesh, **int_rows), spec_multi_pos_tiles=tiles)
+
+
+def test_group_sizes_follow_the_ops_limits():
+    """attention.group_tiles: the power of two at or above the rows, where the wheel's spec_multi_pos_tiles accepts
+    it on a Wormhole under TT's SDPA decode config (checked on the mock N150): T <= 8 (L1), users x T <= 32 (the tile),
+    KV heads x 32 / T <= 64 (a core per group); per row (1) elsewhere."""
+    from models.tt_transformers.ttnn_backend.attention import group_tiles
+
+    assert [group_tiles(p, 1, 3) for p in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, 1]  # 16 overflows L1
+    assert group_tiles(5, 4, 8) == 8 and group_tiles(5, 5, 8) == 1  # 5 users of 8 rows: past the tile
+    assert group_tiles(2, 4, 8) == 1 and group_tiles(3, 4, 8) == 4  # 8 KV heads x 16 groups: past 64 cores

@@ -141,6 +141,9 @@ def test_speculative_identical_to_plain_through_the_verify_step(tt, prompts, pla
     if mode != "model":  # the copy prompt's suffix drafts pass whole (the 8-layer draft never does here)
         assert any(it.accepted == it.drafted >= 2 for it in steps)
     assert {key.passes for key in lm.traces} <= {1, 2, 4, 8}  # a trace per number of write passes, captured once
+    # issue 47: the verify steps' attention ran grouped (one spec_multi_pos_tiles scan per user), the plain ones per row
+    grouped = {name for name, _ in lm.tt.mesh_device.compiled if name.startswith("paged_sdpa_decode@")}
+    assert grouped and grouped <= {"paged_sdpa_decode@2", "paged_sdpa_decode@4", "paged_sdpa_decode@8"}
 
 
 def test_generation_to_the_end_of_the_cache(tt, prompts):
@@ -359,7 +362,22 @@ def test_step_cost_prices_cached_positions_from_the_models_bytes(tt, embedded_ch
     positions = lm.tt.kv_cache[0][0].data.shape[0] * lm.tt.kv_cache[0][0].data.shape[2]  # blocks x block size
     assert {v.dtype for layer in lm.tt.kv_cache for v in layer} == {"bfloat8_b"}
     kv = sum(v.data.numel() for layer in lm.tt.kv_cache for v in layer) / positions * bfp8
-    assert lm.step_cost(1, 5, 1000) - lm.step_cost(1, 5, 0) == pytest.approx(5 * 1000 * kv / streamed, rel=1e-9)
+    one_scan = 1000 * kv / streamed
+    # issue 47: a step of one user's 5 rows runs attention in one group (attention.group_tiles: 8 candidates) and reads
+    # the cache once; where the groups do not fit the tile (32 users of 8 rows), each row reads it. Without
+    # grouped_attention (--grouped_verify 0, the default) every row reads it, as a plain step's row
+    assert lm.grouped_attention and lm.group_tiles(8) == 8
+    lm.grouped_attention = False
+    assert lm.group_tiles(8) == 1
+    assert lm.step_cost(1, 5, 1000) - lm.step_cost(1, 5, 0) == pytest.approx(5 * one_scan, rel=1e-9)
+    lm.grouped_attention = True
+    assert lm.step_cost(1, 5, 1000) - lm.step_cost(1, 5, 0) == pytest.approx(one_scan, rel=1e-9)
+    lm.max_batch_size = 32
+    assert lm.group_tiles(8) == 1
+    assert lm.step_cost(1, 5, 1000) - lm.step_cost(1, 5, 0) == pytest.approx(5 * one_scan, rel=1e-9)
+    # several users: each holds a scan of its own (one user holding every row beyond the first, as the passes)
+    lm.max_batch_size = 4
+    assert lm.step_cost(3, 7, 1000) - lm.step_cost(3, 7, 0) == pytest.approx(3 * one_scan, rel=1e-9)
 
 
 def test_greedy_traces_slice_no_logits(tt):

@@ -7,7 +7,10 @@
 - step: ONE traced decode forward over the 32-row tile. Row r carries one token of one user at its position with
   the user's page-table row: a verification step is every user's [last token, d1..dK] at consecutive positions,
   attention bounded per row by its own position (paged SDPA decode); unused rows and idle users sit at position
-  -1, which every op skips. Cache writes go in ordered passes (attention.py).
+  -1, which every op skips. Cache writes go in ordered passes (attention.py). Where a program's groups fit
+  (attention.group_tiles: T candidates per group, T x users <= 32), user i's rows sit at T i .. T i + T - 1 (the
+  rows past its own repeat its last position and write nothing) and attention scans each user's cache once for all
+  its rows (attention.GroupedRows); elsewhere the rows are packed and each row scans the cache.
 - argmax on device, per device (vocab.py): only ids, and on a split vocabulary each device's max, come back; the
   logits only when sampling asks for them; the top k (token recycling) per vocabulary slice.
 - taps (taps.py, for an EAGLE-3 draft head on the device): a step asked for layers `taps` also copies the residual
@@ -30,6 +33,7 @@ from ..checkpoints.eagle3_format import HeadConfig, find_draft_head
 from ..checkpoints.safetensors_index import read_embedding
 from ..errors import UserError
 from ..speculative.backend import DeviceRows, StepOutput, UserRows
+from .attention import GroupedRows, group_tiles
 from .model import TILE_ROWS, TTModel, prefill_into_sink, prefill_warm_prompts, supported_kwargs, tt_prefill_warm_up
 from .taps import TapCapture, gather_taps_on_host, prefill_state_to_host, prompt_taps, write_taps
 from .trace_plan import TraceKey, pass_ladder, passes_for, trace_bytes, trace_keys
@@ -40,8 +44,9 @@ from .vocab import VocabShares
 
 # What a step costs, in units of streaming the weights once (a decode step of the tile, which computes all 32 rows
 # whatever is in them): each cache-write pass adds two paged_update_cache ops per layer, and paged SDPA decode reads
-# each active row's cached K and V, so its work grows with rows x context (model.key_cost, from the model's shapes
-# and dtypes). Estimates (no device here): the hardware perf test records the step time of every traced shape
+# the cached K and V once per scan, so its work grows with scans x context (model.key_cost, from the model's shapes
+# and dtypes): a scan per row, or per group of rows where attention runs grouped (step_cost). Estimates (no device
+# here): the hardware perf test records the step time of every traced shape
 # (TtnnCausalLM.step_times) to replace them.
 WRITE_PASS_COST = 0.01
 # Row counts a sampled step reads its logits in: each program a sampled run traces (TraceKey.logits) also slices the
@@ -59,6 +64,7 @@ class TracedStepInputs:
     rope_idxs: Any
     page_table: Any
     pass_positions: list  # TILE_ROWS tensors of positions, -1 outside their pass
+    grouped: dict = field(default_factory=dict)  # candidates per group -> GroupedRows, for the grouped programs
 
 
 @dataclass
@@ -88,9 +94,9 @@ class TtnnCausalLM(TracedModel):
 
     def __init__(self, tt: TTModel, max_batch_size: int, max_seq_len: int, *, mesh_traces: MeshTraces,
                  shares_target_cache: bool = False, inputs: Optional[DeviceInputs] = None, trace: bool = True,
-                 tap_gather: str = "device"):
+                 tap_gather: str = "device", grouped_attention: bool = False):
         """mesh_traces: the traces of every model on tt's mesh (one object for the mesh, shared by every model
-        built on it)."""
+        built on it). grouped_attention: a verify step's attention as one cache scan per user (group_tiles)."""
         if not 1 <= max_batch_size <= TILE_ROWS:
             raise UserError(f"max_batch_size {max_batch_size}: a TT decode step holds at most {TILE_ROWS} users "
                             "(one 32-row tile); use 32 or fewer", "max_batch_size")
@@ -134,6 +140,7 @@ class TtnnCausalLM(TracedModel):
         # where a mesh's tapped states are gathered (taps.write_taps): "device", one all-gather inside each tapped
         # trace, or "host", read back and written to the tap tile after each replay (no collective of ours in a trace)
         self.tap_gather = tap_gather
+        self.grouped_attention = grouped_attention
         self.inputs = inputs if inputs is not None else DeviceInputs()
         self.traces: dict[TraceKey, Trace] = {}
         self.step_times: dict[TraceKey, list] = defaultdict(list)  # seconds per replay, per trace
@@ -147,7 +154,8 @@ class TtnnCausalLM(TracedModel):
             raise ValueError(f"a draft view needs 1 to {self.n_layers - 1} layers, got {n_layers}")
         return TtnnCausalLM(self.tt.first_layers(n_layers), self.max_batch_size, self.max_seq_len,
                             mesh_traces=self.mesh_traces, shares_target_cache=True, inputs=self.inputs,
-                            trace=self.trace, tap_gather=self.tap_gather)
+                            trace=self.trace, tap_gather=self.tap_gather,
+                            grouped_attention=self.grouped_attention)
 
     def draft_head(self, draft_head, chain_len: int, required: bool) -> dict:
         """The EAGLE-3 head make_drafter drafts with, on the device beside this model (CausalLM.draft_head)."""
@@ -174,10 +182,22 @@ class TtnnCausalLM(TracedModel):
 
     def step_cost(self, n_users: int, n_rows: int, context_len: float) -> float:
         """A step of n_rows rows: the passes are those of one user holding every row beyond the first (an upper
-        bound for several users). Paged SDPA decode reads each row's K and V on its own, so the users do not count
-        apart from their rows."""
+        bound for several users), and so are the cache scans: one per row, or one per group of rows where the
+        program runs attention grouped (group_tiles)."""
         passes = passes_for(min(n_rows, self.ladder[-1]), self.ladder)
-        return 1 + WRITE_PASS_COST * passes + self.key_cost * n_rows * context_len
+        scans = n_users - 1 + -(-(n_rows - n_users + 1) // self.group_tiles(passes))
+        return 1 + WRITE_PASS_COST * passes + self.key_cost * scans * context_len
+
+    def group_tiles(self, passes: int) -> int:
+        """Candidates per attention group in the program of `passes` write passes (attention.group_tiles), 1: per
+        row, as a plain step. Per row unless grouped_attention: a grouped scan splits its reduction over the cores
+        otherwise than the per-row op a plain step runs, and tt-metal's own test of the mode finds the two bit-equal
+        only when the splits match, so verify rows are not shown bit-identical to plain decoding on silicon (lossless
+        is the contract; docs/ttnn_backend.md). A Galaxy keeps per row: each mesh column computes its own 8 users
+        (max_step_rows)."""
+        if not self.grouped_attention or self.tt.args.is_galaxy:
+            return 1
+        return group_tiles(passes, self.max_batch_size, self._local_kv_heads())
 
     # ---- warm-up, traces and the trace region ----------------------------------------------------------------
 
@@ -241,7 +261,7 @@ class TtnnCausalLM(TracedModel):
         persistent inputs allocated) before anything is captured. Every write pass is -1 first: the run writes
         nothing to the cache (it may come in the middle of a generation)."""
         self._run_inputs([UserRows(0, [0], 0)], write=False, passes=TILE_ROWS)
-        self.tt.passes.positions = self.inputs.step.pass_positions[:key.passes]
+        self._bind(key.passes)
         # a scratch tile: the tap tile may hold a verified step's states the head has not been fed yet
         scratch = ttnn.clone(self.tap_tile(key.taps), memory_config=ttnn.DRAM_MEMORY_CONFIG) if key.taps else None
         self.tt.passes.count_from_zero()
@@ -265,7 +285,7 @@ class TtnnCausalLM(TracedModel):
 
     def capture(self, key: TraceKey) -> None:
         """The program for this key captured as a trace (its outputs are the trace's persistent tensors)."""
-        self.tt.passes.positions = self.inputs.step.pass_positions[:key.passes]
+        self._bind(key.passes)
         trace_id, outputs = captured(self.tt.mesh_device,
                                      lambda: self._forward(key, self.tap_tile(key.taps) if key.taps else None))
         self.traces[key] = Trace(trace_id, *outputs)
@@ -374,7 +394,7 @@ class TtnnCausalLM(TracedModel):
             trace = self.traces[key]
             ttnn.execute_trace(self.tt.mesh_device, trace.trace_id, cq_id=0, blocking=False)
         else:  # eager: the same program, op by op
-            self.tt.passes.positions = self.inputs.step.pass_positions[:passes]
+            self._bind(passes)
             trace = Trace(None, *self._forward(key, self.tap_tile(taps) if taps else None))
         # every output is read right after its own trace's replay: a later trace's capture allocated under this one
         # (MeshTraces.prepare) may overwrite its outputs when that trace replays, never before they are read here
@@ -388,8 +408,8 @@ class TtnnCausalLM(TracedModel):
             for tensor in device_tensors([trace.ids, trace.best, trace.logits, trace.top, trace.first_rows,
                                           trace.tap_parts]):
                 ttnn.deallocate(tensor)
-        out_ids, out_logits, out_top, out_hidden, start = [], [], [], [], 0
-        for user_rows in rows:
+        out_ids, out_logits, out_top, out_hidden = [], [], [], []
+        for start, user_rows in zip(self._first_rows(rows, self.group_tiles(passes)), rows):
             end = start + len(user_rows.tokens)
             out_ids.append(ids[start:end])
             if logits:
@@ -398,30 +418,33 @@ class TtnnCausalLM(TracedModel):
                 out_top.append(top[start:end])
             if taps:  # the user's tapped states stay in the tap tile, rows start..end - 1
                 out_hidden.append(DeviceRows(start, user_rows.start_pos))
-            start = end
         return StepOutput(out_ids, out_logits if logits else None, out_top if top_k else None,
                           out_hidden if taps else None)
 
     def _run_inputs(self, rows: Sequence[UserRows], write: bool, passes: int,
                     table: Optional[torch.Tensor] = None) -> int:
         """The step's inputs on the device (the first call allocates them, with every pass tensor; later calls copy
-        into them, the pass tensors the trace reads only); the number of rows used."""
+        into them, the pass tensors the trace reads only, and the groups' inputs of a grouped program); the number of
+        rows to read back (through the last user's last row)."""
         from models.tt_transformers.tt.common import copy_host_to_device
 
-        n_rows = self._check_rows(sum(len(r.tokens) for r in rows))
+        self._check_rows(sum(len(r.tokens) for r in rows))
+        tiles = self.group_tiles(passes)
         tokens = torch.zeros(TILE_ROWS, dtype=torch.int64)
         positions = torch.full((TILE_ROWS,), -1, dtype=torch.int64)
         table = self.tt.page_table if table is None else table  # user u's blocks: row u
         page_table = table[0].repeat(TILE_ROWS, 1)  # idle rows: any valid row, never read
         pass_positions = torch.full((passes, TILE_ROWS), -1, dtype=torch.int32)
-        r = 0
-        for user_rows in rows:
-            for j, token in enumerate(user_rows.tokens):
-                tokens[r], positions[r] = token, user_rows.start_pos + j
+        end = 0
+        for first, user_rows in zip(self._first_rows(rows, tiles), rows):
+            n = len(user_rows.tokens)
+            for j in range(n if tiles == 1 else tiles):  # a group's rows past the user's repeat its last position
+                r = first + j
+                tokens[r], positions[r] = user_rows.tokens[min(j, n - 1)], user_rows.start_pos + min(j, n - 1)
                 page_table[r] = table[user_rows.user]
-                if write:
+                if write and j < n:
                     pass_positions[j, r] = positions[r]
-                r += 1
+            end = first + n
         decode_inputs = self.tt.model.prepare_decode_inputs_host(tokens, positions, page_table)
         if len(decode_inputs) != 4:
             raise ValueError(f"TT-Transformers' prepare_decode_inputs_host returned {len(decode_inputs)} inputs where "
@@ -437,7 +460,68 @@ class TtnnCausalLM(TracedModel):
         else:
             i = self.inputs.step
             copy_host_to_device(host, [i.tokens, i.current_pos, i.rope_idxs, i.page_table, *i.pass_positions])
-        return r
+        if tiles > 1:
+            self._write_groups(tiles, positions, table, [u.user for u in rows])
+        return end
+
+    @staticmethod
+    def _first_rows(rows: Sequence[UserRows], tiles: int) -> list[int]:
+        """Each user's first row in the tile: packed, or at tiles x its slot when attention runs grouped."""
+        if tiles == 1:
+            return [sum(len(u.tokens) for u in rows[:i]) for i in range(len(rows))]
+        if len(rows) * tiles > TILE_ROWS or any(len(u.tokens) > tiles for u in rows):
+            raise ValueError(f"a step of {len(rows)} users of up to {max(len(u.tokens) for u in rows)} rows does not "
+                             f"fit groups of {tiles} rows in the {TILE_ROWS}-row tile")
+        return [i * tiles for i in range(len(rows))]
+
+    def _grouped_rows(self, tiles: int) -> GroupedRows:
+        """The groups' device inputs for `tiles` candidates per group (allocated on first use, with every group at
+        -1: no cache is read): GroupedRows."""
+        step, shapes = self.inputs.step, self.tt.config
+        if tiles not in step.grouped:
+            kv_heads, heads = self._local_kv_heads(), shapes.n_heads // self.num_devices
+            shape = (1, TILE_ROWS // tiles, tiles * TILE_ROWS, shapes.head_dim)
+            head = torch.arange(tiles * TILE_ROWS).view(1, 1, -1, 1) % TILE_ROWS  # a row's Q head in its row tile
+            masks = [((head >= h * heads // kv_heads) & (head < (h + 1) * heads // kv_heads)).expand(shape).float()
+                     for h in range(kv_heads)] if kv_heads > 1 else []
+            table, positions = self._group_host(tiles, torch.full((TILE_ROWS,), -1), self.tt.page_table, [])
+            step.grouped[tiles] = GroupedRows(tiles, *self._on_device([table, positions]), [
+                ttnn.from_torch(m, dtype=ttnn.bfloat16, layout=ttnn.TILE_LAYOUT, device=self.tt.mesh_device,
+                                memory_config=ttnn.DRAM_MEMORY_CONFIG,
+                                mesh_mapper=ttnn.ReplicateTensorToMesh(self.tt.mesh_device)) for m in masks])
+        return step.grouped[tiles]
+
+    def _group_host(self, tiles: int, positions: torch.Tensor, table: torch.Tensor, users: list) -> tuple:
+        """The groups' page table and positions on the host (GroupedRows): slot g holds user users[g] (its blocks:
+        row users[g] of `table`), the slots past them row 0 (their positions are -1: never read)."""
+        kv_heads, groups = self._local_kv_heads(), TILE_ROWS // tiles
+        rows = table[users + [0] * (groups - len(users))].to(torch.int32)
+        table = torch.cat([rows * kv_heads + h for h in range(kv_heads)])  # block b of head h: b x heads + h
+        return (ttnn.from_torch(table, dtype=ttnn.int32, mesh_mapper=self._replicated()),
+                ttnn.from_torch(positions.to(torch.int32).repeat(kv_heads), dtype=ttnn.int32,
+                                mesh_mapper=self._replicated()))
+
+    def _local_kv_heads(self) -> int:
+        """The KV heads each device's cache holds (TT's n_local_kv_heads off a Galaxy)."""
+        return self.tt.config.n_kv_heads // self.num_devices
+
+    def _write_groups(self, tiles: int, positions: torch.Tensor, table: torch.Tensor, users: list) -> None:
+        from models.tt_transformers.tt.common import copy_host_to_device
+
+        grouped = self._grouped_rows(tiles)
+        copy_host_to_device(list(self._group_host(tiles, positions, table, users)),
+                            [grouped.page_table, grouped.positions])
+
+    def _on_device(self, host: list) -> list:
+        from models.tt_transformers.tt.common import copy_host_to_device
+
+        return copy_host_to_device(host, mesh_device=self.tt.mesh_device)
+
+    def _bind(self, passes: int) -> None:
+        """The program of `passes` write passes: its pass positions, and its groups where attention runs grouped."""
+        tiles = self.group_tiles(passes)
+        self.tt.passes.positions = self.inputs.step.pass_positions[:passes]
+        self.tt.passes.grouped = self._grouped_rows(tiles) if tiles > 1 else None
 
     def _check_rows(self, n_rows: int) -> int:
         """n_rows, or one line when a step of that many rows does not fit (max_step_rows)."""

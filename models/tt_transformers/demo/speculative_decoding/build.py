@@ -82,7 +82,8 @@ def ttnn_loader(config: DemoConfig, mesh_device, mesh_traces):
                             bool(config.instruct), n_layers, weights_dtype=getattr(ttnn, dtype_of(config)),
                             optimizations=config.precision)
         return TtnnCausalLM(tt, config.batch_size, config.max_seq_len, mesh_traces=mesh_traces,
-                            trace=bool(config.enable_trace), tap_gather=config.tap_gather)
+                            trace=bool(config.enable_trace), tap_gather=config.tap_gather,
+                            grouped_attention=bool(config.grouped_verify))
     return load
 
 

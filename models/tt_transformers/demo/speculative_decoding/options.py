@@ -60,6 +60,11 @@ DEMO_OPTIONS = [
     ("tap_gather", str, "device", "ttnn on N300/T3K, a draft head's taps: device (one all-gather in each traced step) "
                                   "or host (read back and written to the tap tile after each step: slower, no "
                                   "collective of ours in a trace; the first thing to rule out when a mesh hangs)"),
+    ("grouped_verify", int, 0, "ttnn: 1 runs a verify step's attention as one cache scan per user (ttnn's "
+                               "spec_multi_pos_tiles, where its limits allow); 0 one scan per row, the op a plain step "
+                               "runs, so verify rows stay bit-identical to plain decoding. 1 is faster at long "
+                               "context but not shown bit-identical on silicon: check it with make tt-smoke "
+                               "ARGS=--grouped_verify"),
     ("trace_region_size", int, None, "ttnn: bytes of trace region to open the mesh with (default: sized for this run's "
                                      "traces, ttnn_backend/trace_plan.py; a run whose traces outgrow the region names the "
                                      "size to pass here)"),
@@ -68,7 +73,8 @@ DEMO_OPTIONS = [
                              "--trace (pytest's own --trace is its debugger)"),
 ]
 
-SWITCHES = ("instruct", "stop_at_eos", "draft_trees", "compare_baseline", "enable_trace")  # 0 or 1, as in TT's demos
+# 0 or 1, as in TT's demos
+SWITCHES = ("instruct", "stop_at_eos", "draft_trees", "compare_baseline", "enable_trace", "grouped_verify")
 
 # The demo's settings, one field per option, with the same defaults.
 DemoConfig = make_dataclass("DemoConfig", [(name, Optional[type_], field(default=default))

@@ -528,7 +528,7 @@ def smoke_settings(config: DemoConfig, draft_head=None, full: bool = False) -> d
     the tapped traces hold our all-gather; --full), so a report says which form hung or passed."""
     return {"tap_gather": config.tap_gather, "max_seq_len": config.max_seq_len, "precision": config.precision,
             "n_draft_tokens": config.n_draft_tokens, "draft_head": draft_head,
-            "trace_region_size": config.trace_region_size, "full": full}
+            "trace_region_size": config.trace_region_size, "grouped_verify": config.grouped_verify, "full": full}
 
 
 def write_report(report: dict, smoke: Smoke, report_path: Path) -> None:
@@ -619,13 +619,16 @@ def main(argv=None) -> int:
                         help="the second run: also the tapped-states stage and taps in the eager stage, every trace "
                              "the stages use (the taps' and the head's target steps too) captured once up front; the "
                              "default (the first run) captures only the target path's traces before its verdict")
+    parser.add_argument("--grouped_verify", action="store_true",
+                        help="verify steps' attention as one cache scan per user (the demo's --grouped_verify 1): "
+                             "the lossless stage then shows whether it stays bit-identical to plain decoding here")
     parser.add_argument("--trace_region_size", type=int, help="bytes of trace region to open the mesh with (default: "
                                                                 "the traces' estimate x 2.5; a run whose traces outgrow "
                                                                 "the region names the size to pass here)")
     args = parser.parse_args(argv)
     config = DemoConfig(backend="ttnn", max_seq_len=args.max_seq_len, precision=args.precision,
                         draft_mode="suffix", max_generated_tokens=SMOKE_TOKENS, tap_gather=args.tap_gather,
-                        trace_region_size=args.trace_region_size)
+                        trace_region_size=args.trace_region_size, grouped_verify=int(args.grouped_verify))
     report = run(config, Path(args.report), draft_head=args.draft_head, watchdog_s=args.watchdog_s, full=args.full)
     return 0 if report["ok"] else 1  # the target path's verdict; the head's is in the report (module docstring)
 
