@@ -206,7 +206,6 @@ class MeshDevice:
         self.corrupted_programs: set = set()  # ops whose binaries a replay overwrote
         self.live = weakref.WeakSet()  # device tensors (not replay outputs), for get_memory_view's DRAM figure
         self.parent, self.submeshes, self.closed = None, weakref.WeakSet(), False  # a dropped submesh closes itself
-        self.quiesced_at = 0  # ops_run when quiesce_devices last drained the command queue
 
     def allocated_under_trace(self, what) -> None:
         """0.81.1 logs a warning (once) and goes on (allocator.cpp verify_safe_allocation); the buffer is corrupted
@@ -230,13 +229,7 @@ class MeshDevice:
     @property
     def cq_in_use(self) -> bool:
         """The command queue's in-use state (FDMeshCommandQueue::in_use): set by running anything on the mesh."""
-        return self.ops_run > self.quiesced_at
-
-    def quiesce_devices(self) -> None:
-        """MeshDevice.quiesce_devices: "Drain all command queues of this MeshDevice and its submeshes and reset their
-        in-use state"."""
-        for mesh in (self, *self.submeshes):
-            mesh.quiesced_at = mesh.ops_run
+        return self.ops_run > 0
 
     def create_submeshes(self, submesh_shape) -> list:
         """MeshDevice.create_submeshes: the mesh tiled by submeshes of that shape, each over its own devices, whose
@@ -284,7 +277,7 @@ def open_mesh_device(mesh_shape=None, l1_small_size=0, trace_region_size=0, num_
 def close_mesh_device(mesh_device) -> None:
     """close_mesh_device; refused as 0.81.1's MeshDeviceImpl::close_impl refuses it (mesh_device.cpp) where the
     command queue a submesh shares with its parent is in use by the other: a parent with an open submesh, a submesh
-    whose parent ran anything, until quiesce_devices."""
+    whose parent ran anything."""
     if any(not submesh.closed and submesh.cq_in_use for submesh in mesh_device.submeshes):
         raise RuntimeError("TT_THROW: MeshDevice cq ID 0 is in use by child submesh ID 1 during close of mesh ID 0")
     if mesh_device.parent is not None and mesh_device.parent.cq_in_use:
