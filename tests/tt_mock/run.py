@@ -205,7 +205,7 @@ def galaxy_refused(mesh, work: Path) -> None:
 
     name = "Llama-3.1-8B-Instruct"
     refused(lambda: build_tt_model(mesh, checkpoint(work, name, LLAMA_8B), name, 32, 1024, True),
-            "mesh_device: a 8 x 4 Galaxy mesh: ")
+            f"mesh_device: a {' x '.join(map(str, tuple(mesh.shape)))} Galaxy mesh: ")  # 4 x 8 once TT's split ran
 
 
 def serving_refused(mesh) -> None:
