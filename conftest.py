@@ -33,19 +33,20 @@ def device_params(request):
 @pytest.fixture
 def mesh_device(request, device_params):
     """The Tenstorrent mesh named by MESH_DEVICE (every device when unset), opened as tt-metal's `mesh_device`
-    fixture opens it (ttnn_backend/device.py: the fabric on meshes of several devices); its trace region is
-    device_params' trace_region_size, else sized for the demo options this run was given. Skipped with the reason
-    on machines without a device (the ttnn backend then cannot run)."""
+    fixture opens it (ttnn_backend/device.py: the fabric on meshes of several devices), and the mesh a model runs on
+    (device.model_mesh: on a Galaxy one of TT's 1 x 8 submeshes); its trace region is device_params'
+    trace_region_size, else sized for the demo options this run was given. Skipped with the reason on machines
+    without a device (the ttnn backend then cannot run)."""
     from models.tt_transformers.demo.speculative_decoding.build import trace_region_size
     from models.tt_transformers.demo.speculative_decoding.options import config_from_pytest
-    from models.tt_transformers.ttnn_backend.device import mesh_shape, open_mesh, tt_device_present
+    from models.tt_transformers.ttnn_backend.device import mesh_shape, model_mesh, open_mesh, tt_device_present
 
     if not tt_device_present():
         pytest.skip("needs a Tenstorrent device: no /dev/tenstorrent* here")
     params = dict(device_params)
     region = params.pop("trace_region_size", None) or trace_region_size(config_from_pytest(request.config), mesh_shape())
     with open_mesh(trace_region_size=region, **params) as mesh:
-        yield mesh
+        yield model_mesh(mesh)
 
 
 def missing_resources(config) -> dict:

@@ -10,13 +10,14 @@ from pathlib import Path
 
 import pytest
 
+from models.tt_transformers.demo.speculative_decoding import build
 from models.tt_transformers.demo.speculative_decoding.options import DemoConfig
 from models.tt_transformers.records import write_json_atomic
 from models.tt_transformers.ttnn_backend import device as tt_device
 
 from models.tt_transformers.demo.speculative_decoding import tt_smoke
 
-from ..conftest import REPO_ROOT
+from ..conftest import REPO_ROOT, save_tiny_hf_checkpoint
 from ..tt_stand_in import install
 from ..tt_stand_in import tt_transformers as stand_in_tt
 from ..tt_stand_in import ttnn as stand_in_ttnn
@@ -301,25 +302,35 @@ def test_a_literal_string_missing_from_tts_source_is_a_warning_not_a_stop(monkey
                                                                         "inputs"]
 
 
-def test_a_galaxy_skips_the_stages_that_need_taps(monkeypatch, tmp_path):
-    """Issue 37 point 1: the backend refuses taps on a Galaxy (its residual is split over the mesh columns and
-    replicated over the rows), so the eager, tapped-states and draft-head stages are reported skipped (Galaxy) there
-    and the rest run. (The stand-in cannot hold a 32-device Llama: the built model's args say Galaxy, as TT's
-    ModelArgs does on a TG.)"""
+def test_a_galaxy_runs_the_model_on_one_of_tts_1x8_submeshes(monkeypatch, tmp_path, embedded_checkpoint):
+    """Issue 46 (Galaxy): on an 8 x 4 Galaxy the smoke stopped at model build (device.check_tensor_parallel refuses
+    tensor parallelism over all 32 devices, which fails TT's own checks). It now opens the Galaxy, builds the model
+    on the first of TT's create_submeshes(mesh, 4) (1 x 8, as TT runs Llama-3.1-8B there), and the taps and the
+    device head run there; the trace region is sized for that submesh's model (a T3K's), not a 32-device one. The
+    model splits over 8 devices as Llama-3.1-8B does (8 KV heads); the stand-in holds no 8B."""
     stand_in_machine(monkeypatch, tmp_path)
-    ran = []
+    monkeypatch.setattr(stand_in_ttnn, "AVAILABLE_DEVICES", 32)
+    monkeypatch.setenv("MESH_DEVICE", "TG")
+    folder = tmp_path / "Tiny-8kv-Instruct"
+    save_tiny_hf_checkpoint(folder, vocab_size=49152, hidden_size=256, num_attention_heads=8, num_key_value_heads=8,
+                            num_hidden_layers=4)
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # the embedded model's tokenizer (its vocabulary)
+        (folder / name).write_bytes((embedded_checkpoint.folder / name).read_bytes())
+    config = DemoConfig(**{**vars(smoke_config(tmp_path)), "model": str(folder)})
+    assert build.model_devices((8, 4)) == (["T3K", "P150x8"], 8)  # the traces are sized for the submesh's model
+    seen = {}
 
-    def on_a_galaxy(s):
-        s.lm.tt.args.is_galaxy = True
-    needs_taps = ["eager prefill and verify step", "tapped states", "draft head on the device"]
-    stages = [("device open", tt_smoke.open_device), ("model build", tt_smoke.build_model), ("Galaxy", on_a_galaxy),
-              *((name, stage) for name, stage in tt_smoke.FULL_STAGES if name in needs_taps),
-              ("after", lambda s: ran.append(1))]
-    report = tt_smoke.run(smoke_config(tmp_path), tmp_path / "report.json", stages)
-    assert report["ok"], report["stages"][-1]
-    assert ran == [1]
-    assert [s["stage"] for s in report["stages"] if "skipped" in s] == needs_taps
-    assert all(s["skipped"].startswith("skipped (Galaxy)") for s in report["stages"] if "skipped" in s)
+    def model_mesh(s):
+        seen.update(mesh=s.lm.tt.mesh_device, region=tt_device.TRACE_REGIONS.get(id(s.mesh)))
+    stages = [("device open", tt_smoke.open_device), ("model build", tt_smoke.build_model),
+              ("the model's mesh", model_mesh), ("eager prefill and verify step", tt_smoke.eager_steps),
+              ("draft head on the device", tt_smoke.device_head)]
+    report = tt_smoke.run(config, tmp_path / "report.json", stages, full=True)
+    assert report["ok"] and report["head"]["verdict"] == "passed", report["stages"]
+    assert report["facts"]["mesh"] == [8, 4] and report["facts"]["model_mesh"] == [1, 8]
+    assert seen["mesh"].shape == (1, 8) and seen["region"] == report["facts"]["trace_region_size"]
+    assert report["facts"]["device"] == "T3K" and len(report["facts"]["eager_verify_ids"]) == 5
+    assert not tt_device.TRACE_REGIONS and not tt_device.SUBMESHES  # released with the Galaxy
 
 
 def test_the_report_names_the_running_stage_and_a_watchdog_dumps_it(monkeypatch, tmp_path):

@@ -5,19 +5,17 @@ nothing compiled while timed, its options beside tt-metal's demo conftest. The b
 tests/ttnn_backend/test_ttnn_tt_metal_rules.py."""
 import pytest
 
-from models.tt_transformers.demo.speculative_decoding.build import ModelPool, check_step_rows, trace_region_size
+from models.tt_transformers.demo.speculative_decoding.build import ModelPool, trace_region_size
 from models.tt_transformers.demo.speculative_decoding.inputs import DemoInputError, backend_of, check_flags, dtype_of
 from models.tt_transformers.demo.speculative_decoding.options import DemoConfig, add_demo_options
 from models.tt_transformers.demo.speculative_decoding.speculative_demo import run_demo
 from models.tt_transformers.speculative.generator import SpeculativeGenerator
-from models.tt_transformers.checkpoints.checkpoint import resolve_checkpoint
 from models.tt_transformers.ttnn_backend import device as tt_device
-from models.tt_transformers.ttnn_backend.causal_lm import TtnnCausalLM
 from models.tt_transformers.ttnn_backend.trace_plan import pass_ladder
 
 from ..conftest import write_json
-from ..stand_in_backend import STAND_IN_TRACE_REGION, mesh_traces
-from ..ttnn_backend.test_ttnn_tt_metal_rules import build, mesh_of, on_a_galaxy, stand_in  # noqa: F401  (stand_in: a fixture)
+from ..stand_in_backend import STAND_IN_TRACE_REGION
+from ..ttnn_backend.test_ttnn_tt_metal_rules import build, mesh_of, stand_in  # noqa: F401  (stand_in: a fixture)
 from ..tt_stand_in import tt_transformers as stand_in_tt
 from ..tt_stand_in import ttnn as stand_in_ttnn
 
@@ -161,24 +159,3 @@ def test_options_beside_tt_metal_demo_conftest(stand_in, tmp_path):
     stand_in.setenv("MESH_DEVICE", "N150")
     report = run_demo(demo_config(tmp_path, draft_mode="suffix"), mesh_of((1, 1)))
     assert report["environment"]["device"] == "N150 (1 x 1 mesh)"
-
-
-def test_the_demo_refuses_a_galaxy_batch_its_mesh_column_cannot_verify(stand_in, tmp_path):
-    """F1: a --batch_size / --n_draft_tokens pair whose verify steps need more than a mesh column's 8 rows is refused
-    in one line naming the flags and what fits, not run with its drafts cut short (at --batch_size 8, to none)."""
-    from models.tt_transformers.ttnn_backend import model as tt_model
-
-    built = tt_model.build_tt_model
-    stand_in.setattr(tt_model, "build_tt_model", lambda *a, **k: on_a_galaxy(built(*a, **k)))
-    mesh = mesh_of((1, 1))
-    with pytest.raises(DemoInputError, match=r"^--n_draft_tokens 4 with --batch_size 2: on a Galaxy a verify step "
-                                             r"holds 8 rows .* 10 do not fit; use --n_draft_tokens 3 or fewer"):
-        run_demo(demo_config(tmp_path, batch_size=2, n_draft_tokens=4, draft_mode="suffix"), mesh)
-    with pytest.raises(DemoInputError, match=r"use --batch_size 4 or fewer to draft"):
-        run_demo(demo_config(tmp_path, batch_size=8, n_draft_tokens=1, draft_mode="suffix"), mesh)
-    ckpt = resolve_checkpoint(None)
-    target = TtnnCausalLM(tt_model.build_tt_model(mesh, ckpt.folder, ckpt.name, 2, 256, True), 2, 256,
-                          mesh_traces=mesh_traces(mesh))
-    for batch, n_draft in ((2, 3), (8, 0), (1, 7)):  # what fits a column's 8 rows runs (the stand-in cannot step a
-        # Galaxy: its positions split over the mesh columns, which a one-device stand-in does not hold)
-        check_step_rows(demo_config(tmp_path, batch_size=batch, n_draft_tokens=n_draft), target)

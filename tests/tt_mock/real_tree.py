@@ -26,14 +26,14 @@ REPO = HERE.parents[1]
 REFERENCE = REPO.parent / "shared" / "reference" / "tt-metal-622c6fb9"
 # (mesh, model, max_seq_len, users, the device head and taps and the serving verify's K, or None): N150's chunk size
 # (4,096 for Llama-3.1-8B, tt/model_config.py get_max_prefill_chunk_size) lets an 8,192 max_seq_len prefill in chunks;
-# N300's and T3K's (64k) do not; on the Galaxy the model runs as TT runs it there, on one of its 1 x 8 submeshes. The
+# N300's and T3K's (64k) do not; on the Galaxy the model runs as TT runs it there, on one of its 1 x 8 submeshes
+# (device.model_mesh, as make tt-smoke and the demo). The
 # head, taps and serving verify run on N150 (the double runs them on every mesh; here they would add minutes a mesh)
 CASES = [("N150", "Llama-3.1-8B-Instruct", 8192, 4, 7), ("N150", "SmolLM2-135M-Instruct", 1024, 4, 3),
          ("N300", "Llama-3.1-8B-Instruct", 1024, 4, None), ("T3K", "Llama-3.1-8B-Instruct", 1024, 4, None),
          ("Galaxy", "Llama-3.1-8B-Instruct", 1024, 4, None)]
 # the random head's draft vocabulary (run.SHAPES'); the target's where not named
 HEAD_DRAFT_VOCAB = {"Llama-3.1-8B-Instruct": 32000}
-GALAXY_DATA_PARALLEL = 4  # TT's data_parallel on a Galaxy for an 8-device model: four 1 x 8 submeshes
 N_LAYERS = 1  # dummy 8B layers cost ~1 GB of host memory each (an fp32 HF model)
 EMBEDDED = "SmolLM2-135M-Instruct.Q4_1"  # checkpoints/checkpoint.py EMBEDDED_GGUF's stem
 
@@ -93,14 +93,12 @@ def run_case(mesh, name: str, max_seq_len: int, users: int, folder: Path, k: Opt
     from models.tt_transformers.speculative.backend import UserRows
     from models.tt_transformers.ttnn_backend.causal_lm import TtnnCausalLM
     from models.tt_transformers.ttnn_backend.eagle3_head import TtnnDraftHead
+    from models.tt_transformers.ttnn_backend.device import model_mesh
     from models.tt_transformers.ttnn_backend.model import build_tt_model
     from models.tt_transformers.ttnn_backend.traces import MeshTraces
     from tests.tt_mock.run import N_DRAFT, exercise, paged_verify
 
-    if mesh.get_num_devices() == 32:  # a Galaxy: TT's own data-parallel split (tt/generator.py create_submeshes)
-        from models.tt_transformers.tt.generator import create_submeshes
-
-        mesh = create_submeshes(mesh, GALAXY_DATA_PARALLEL)[0]
+    mesh = model_mesh(mesh)  # as the smoke and the demo run it: on a Galaxy TT's first 1 x 8 submesh
     if folder.name == "hf":  # real weights
         tt = build_tt_model(mesh, folder, name, users, max_seq_len, True, n_layers=2)
     else:

@@ -39,16 +39,8 @@ Mirrored from tt-metal's sources (the pinned v0.81.1 is not in the searchable in
   get_max_prefill_chunk_size rows past max_prefill_chunk_size (tt/model_config.py's table: 4k on N150 for Llama-3.1-8B), the page table padded with zeros
   and each chunk's slice of it paging the fill, as the stand-in's mirror; the layers run on x [1, 1, S, dim /
   devices] in DRAM (the taps' prefill reads), the last token's logits to the host.
-- On a Galaxy (32 devices, 8 x 4; the paths the backend takes there, each rule commented where it is made): the
-  decode residual L1 interleaved (model_config.py DECODE_RESIDUAL_MEMCFG) and not moved before each layer
-  (tt/model.py forward); the attention's KV heads one a device over the mesh rows and each mesh column's 8 users
-  (tt/attention.py@5cd1b56c __init__: num_devices_per_group, batch_size_per_device_group), the SDPA output over 8
-  cores (SCORES_BATCHED_MM_OUTPUT_MEMCFG); the positions and page-table rows split over the mesh columns
-  (tt/model.py@5cd1b56c prepare_decode_inputs_host); the logits gathered along cluster axis 0 and untilized in place
-  (tt/model.py@5cd1b56c ttnn_decode_forward; the LM head's output split over the mesh rows in L1, tt/lm_head.py);
-  every column's cache filled by a paged prefill (the 2026 attention.py); ccl.py get_num_links' TG (4, 3) and
-  model_config.py ccl_topology (Ring). Its weights' CCLs (the QKV all-reduce, the user-selection matmul, the output
-  all-reduce) are not modelled, as nowhere here.
+- tt/generator.py create_submeshes (622c6fb9): a Galaxy's 1 x 8 submeshes, on which the backend builds its model
+  there (device.model_mesh); no model is built over all 32 devices (device.check_tensor_parallel refuses it first).
 One KV-cache pair is shared by every layer (the shapes and configs are what is checked; 32 layers of an 8B cache at
 8,192 positions would not fit the mock device's DRAM). Every layer runs its decode attention (the backend counts each
 layer's ordered cache writes when it compiles a step); in prefill only the first and last layers run attention
@@ -84,6 +76,7 @@ from tests.tt_stand_in.tt_transformers import (  # noqa: F401: the names TT-Tran
 
 
 copy_host_to_device = partial(stand_in.copy_host_to_device, ttnn=ttnn)  # tt/common.py, on the real ttnn
+create_submeshes = partial(stand_in.create_submeshes, ttnn=ttnn)  # tt/generator.py, on the real ttnn
 
 
 class ModelArgs:
@@ -120,30 +113,13 @@ class ModelArgs:
         return ttnn.CoreGrid(x=cols, y=rows)
 
     def get_residual_mem_config(self, mode, prefetcher=None):
-        """The decode residual: WIDTH-sharded in L1 over dram_shard_core_grid_for_k(dim / devices), on a Galaxy L1
-        interleaved (model_config.py DECODE_RESIDUAL_MEMCFG: `ttnn.L1_MEMORY_CONFIG  # FIXME: when residual add
-        support typecasting for sharded tensors` if self.is_galaxy); prefill: DRAM."""
+        """The decode residual: WIDTH-sharded in L1 over dram_shard_core_grid_for_k(dim / devices); prefill: DRAM."""
         if mode != Mode.DECODE:
             return ttnn.DRAM_MEMORY_CONFIG
-        if self.is_galaxy:
-            return ttnn.L1_MEMORY_CONFIG
         grid = self.dram_shard_core_grid_for_k(self.dim // self.num_devices)
         return ttnn.create_sharded_memory_config(
             (self.tile_padded_batch_rows, self.dim // grid.num_cores // self.num_devices), grid,
             ttnn.ShardStrategy.WIDTH, ttnn.ShardOrientation.ROW_MAJOR, use_height_and_width_as_shard_shape=True)
-
-    def ccl_topology(self):
-        """tt/model_config.py ModelArgs.ccl_topology (622c6fb9): keyed on ttnn.cluster.get_cluster_type(): on a T3K or
-        a Galaxy (GALAXY, TG, BLACKHOLE_GALAXY) Ring with 8 devices or more (a smaller submesh Linear), Ring on
-        P300_X2 and P150_X4/X8, Linear on every other mesh of several devices, None on one device (observed on the
-        mock: N150 None, N300 Linear, T3K Ring)."""
-        cluster = ttnn.cluster.get_cluster_type()
-        kinds = ttnn.cluster.ClusterType
-        if cluster in (kinds.P300_X2, kinds.P150_X4, kinds.P150_X8):
-            return ttnn.Topology.Ring
-        if cluster in (kinds.T3K, kinds.GALAXY, kinds.TG, kinds.BLACKHOLE_GALAXY):
-            return ttnn.Topology.Ring if self.num_devices >= 8 else ttnn.Topology.Linear
-        return ttnn.Topology.Linear if self.num_devices > 1 else None
 
     def get_state_dict_prefix(self, module_name, layer_num, is_vision=False):
         module_map = {"MLP": "feed_forward", "Attention": "attention", "TransformerBlock": "", "": ""}
@@ -171,9 +147,9 @@ class TT_CCL(stand_in.TT_CCL):
                    for _ in range(3)]
 
     def get_num_links(self, cluster_axis=None):
-        """ccl.py get_num_links: links per (axis 0, axis 1), N150 (0, 0), N300 and T3K (1, 1), TG (4, 3); the
-        smaller of the two without an axis."""
-        links = {"N150": (0, 0), "N300": (1, 1), "T3K": (1, 1), "TG": (4, 3)}[determine_device_name(self.mesh_device)]
+        """ccl.py get_num_links: links per (axis 0, axis 1), N150 (0, 0), N300 and T3K (1, 1); the smaller of the
+        two without an axis."""
+        links = {"N150": (0, 0), "N300": (1, 1), "T3K": (1, 1)}[determine_device_name(self.mesh_device)]
         return links[cluster_axis] if cluster_axis in (0, 1) else min(links)
 
 
@@ -229,18 +205,11 @@ class Attention(LightweightModule):
                  prefetcher=None):
         configuration.get_state_dict_prefix(self.__class__.__name__, layer_num)  # KeyError for an unknown class name
         self.mesh_device, self.args, self.use_qk_fused = mesh_device, args, configuration.use_qk_fused
-        # tt/attention.py@5cd1b56c Attention.__init__: on a TG (32 devices) each mesh row holds one group of the KV
-        # heads (num_devices_per_group = n_kv_heads: one KV head a device for 8) and each of the num_devices //
-        # n_kv_heads groups (a mesh column) computes its own batch_size_per_device_group users of the 32-row tile;
-        # elsewhere every device holds n_kv_heads / devices heads of every user
+        # tt/attention.py Attention.__init__ off a TG: every device holds n_kv_heads / devices heads of every user
         self.num_devices = args.num_devices
-        self.TG = self.num_devices == 32
-        self.num_device_groups = self.num_devices // args.n_kv_heads
-        self.num_devices_per_group = args.n_kv_heads if self.TG else self.num_devices
-        self.batch_size_per_device_group = (max(args.max_batch_size // self.num_device_groups, 1) if self.TG
-                                            else args.max_batch_size)
-        self.n_local_heads = args.n_heads // self.num_devices_per_group
-        self.n_local_kv_heads = args.n_kv_heads // self.num_devices_per_group
+        self.batch_size_per_device_group = args.max_batch_size
+        self.n_local_heads = args.n_heads // self.num_devices
+        self.n_local_kv_heads = args.n_kv_heads // self.num_devices
         self.scale = args.head_dim ** -0.5
         shape = (paged_attention_config.max_num_blocks, self.n_local_kv_heads, paged_attention_config.block_size,
                  args.head_dim)
@@ -261,9 +230,7 @@ class Attention(LightweightModule):
 
     def forward_decode(self, x, current_pos, rot_mats=None, page_table=None, kv_cache=None):
         # the fused qkv reshaped to (1, 1, batch_size_per_device_group, qkv) padded to 32 rows (tt/attention.py
-        # forward_decode): the tile on one device or a 1 x N mesh; on a TG the 8 rows of the device's mesh column
-        # (its slice_mat matmul keeps column c's users c * 8 .. c * 8 + 7), whose positions and page-table rows
-        # prepare_decode_inputs_host sent to that column
+        # forward_decode): the tile on one device or a 1 x N mesh
         q, k, v = ttnn.experimental.nlp_create_qkv_heads_decode(
             self._qkv(self.batch_size_per_device_group, ttnn.L1_MEMORY_CONFIG), num_heads=self.n_local_heads,
             num_kv_heads=self.n_local_kv_heads, memory_config=ttnn.L1_HEIGHT_SHARDED_MEMORY_CONFIG)
@@ -279,7 +246,7 @@ class Attention(LightweightModule):
             program_config=self.sdpa_decode_program, compute_kernel_config=self.sdpa_compute,
             memory_config=ttnn.DRAM_MEMORY_CONFIG)
         # tt/model_config.py SCORES_BATCHED_MM_OUTPUT_MEMCFG(batch_size_per_device_group): a user's heads (padded to
-        # a tile) per core, height-sharded over num_to_corerange(users): 32 cores, or 8 on a TG
+        # a tile) per core, height-sharded over num_to_corerange(users)
         users = ttnn.create_sharded_memory_config(
             (math.ceil(self.n_local_heads / 32) * 32, self.args.head_dim),
             ttnn.CoreRangeSet({num_to_corerange(self.batch_size_per_device_group)}), ttnn.ShardStrategy.HEIGHT,
@@ -296,8 +263,6 @@ class Attention(LightweightModule):
             num_kv_heads=self.n_local_kv_heads, transpose_k_heads=False, memory_config=ttnn.DRAM_MEMORY_CONFIG)
         keys, values = kv_cache if kv_cache else self.layer_past
         k, v = (ttnn.typecast(t, dtype=ttnn.bfloat8_b) for t in (k, v))  # "paged_fill_cache ... requires matching"
-        # on a TG with a page table, every mesh column's cache is filled (the 2026 form: `if self.TG and not
-        # page_table:` before prefill_prepare_tensor_for_kv_cache, which only the unpaged fill takes)
         fill_page_table = chunk_page_table if chunk_page_table is not None else page_table
         page_len = fill_page_table.shape[1] * keys.shape[2]
         for cache, t in ((keys, k), (values, v)):
@@ -367,14 +332,12 @@ class Transformer(LightweightModule):
         rot = torch.maximum(current_pos, torch.tensor(0, dtype=torch.int64))
         rope_idxs = ttnn.from_torch(torch.nn.functional.pad(rot.view(1, -1), (0, 32 - len(rot))), device=None,
                                     dtype=ttnn.uint32, mesh_mapper=ttnn.ReplicateTensorToMesh(self.mesh_device))
-        # tt/model.py@5cd1b56c: on a Galaxy the positions and the page table's rows are split over the mesh columns
-        # (`dims=(None, 0) if (self.args.is_galaxy and B > 1)`, `(None, -2)` for the page table), replicated elsewhere
-        galaxy = self.args.is_galaxy and B > 1
-        current_pos_tt = ttnn.from_torch(current_pos, device=None, dtype=ttnn.int32, mesh_mapper=self._mapper(
-            (None, 0) if galaxy else (None, None)))
+        # tt/model.py@5cd1b56c: the positions and the page table replicated (split over the columns only on a TG)
+        current_pos_tt = ttnn.from_torch(current_pos, device=None, dtype=ttnn.int32,
+                                         mesh_mapper=self._mapper((None, None)))
         if page_table is not None:
-            page_table = ttnn.from_torch(page_table, device=None, dtype=ttnn.int32, mesh_mapper=self._mapper(
-                (None, -2) if galaxy else (None, None)))
+            page_table = ttnn.from_torch(page_table, device=None, dtype=ttnn.int32,
+                                         mesh_mapper=self._mapper((None, None)))
         return tokens, current_pos_tt, rope_idxs, page_table
 
     def _residual(self, rows: int, mode):
@@ -388,7 +351,7 @@ class Transformer(LightweightModule):
                 page_table=None, chunk_page_table=None, chunk_start_idx=None, get_last_token=-1, kv_cache=None,
                 batch_size=1, page_tables_per_layer=None):
         for i, layer in enumerate(self.layers):
-            if mode == Mode.DECODE and not self.args.is_galaxy:
+            if mode == Mode.DECODE:
                 x = ttnn.to_memory_config(x, self.args.get_residual_mem_config(mode, None), None)
             x = layer(x, current_pos, rot_mats_global=rot_mats_global, rot_mats_local=rot_mats_local,
                       user_id=user_id, mode=mode, page_table=page_table, chunk_page_table=chunk_page_table,
@@ -409,14 +372,6 @@ class Transformer(LightweightModule):
         TILE)."""
         self.forward(self._residual(32, Mode.DECODE), current_pos, rot_mats_global=rot_mat_idxs, mode=Mode.DECODE,
                      page_table=page_table, kv_cache=kv_cache)
-        if self.args.is_galaxy:
-            # a Galaxy's LM head output in L1 (tt/lm_head.py LMHead.forward concatenates into L1_MEMORY_CONFIG, its
-            # tt_all_reduce along cluster axis 1 keeps output.memory_config()), its columns split over the 8 mesh
-            # rows and alike along a row: inferred, as tt/model.py@5cd1b56c gathers them along cluster axis 0 only
-            # (ttnn_decode_forward) and process_output_decode reads device 0's copy as the whole vocabulary
-            return ttnn.from_torch(torch.zeros(1, 1, 32, self.lm_head_width), dtype=ttnn.bfloat8_b,
-                                   layout=ttnn.TILE_LAYOUT, device=self.mesh_device,
-                                   memory_config=ttnn.L1_MEMORY_CONFIG, mesh_mapper=self._mapper((3, None)))
         # tt/lm_head.py LMHead.forward (622c6fb9): the splits' outputs concatenated into L1_MEMORY_CONFIG (observed
         # [1, 1, 32, 128256 / devices] bfloat8_b TILE, L1 interleaved, on the mock N150, N300 and T3K)
         return ttnn.from_torch(torch.zeros(1, 1, 32, self.lm_head_width), dtype=ttnn.bfloat8_b,
@@ -430,17 +385,6 @@ class Transformer(LightweightModule):
         return logits
 
     def _gathered(self, logits):
-        if self.args.is_galaxy:
-            # tt/model.py@5cd1b56c ttnn_decode_forward on a Galaxy: all_gather_async along cluster axis 0 (num_links
-            # 2, the logits' own memory config, ModelArgs.ccl_topology()), then untilize, left where it is (`if not
-            # self.args.is_galaxy:` guards the move to DRAM)
-            logits = ttnn.experimental.all_gather_async(
-                logits, persistent_output_buffer=None, dim=3,
-                multi_device_global_semaphore=self.tt_ccl.get_and_cycle_ag_semaphore_handles(0), num_links=2,
-                memory_config=logits.memory_config(), cluster_axis=0, topology=self.args.ccl_topology(),
-                barrier_semaphore=self.tt_ccl.get_and_cycle_barrier_semaphore_handle(0), chunks_per_sync=10,
-                num_workers_per_link=2, num_buffers_per_channel=2)
-            return ttnn.untilize(logits, use_multicore=True)
         if self.args.num_devices > 1:
             logits = tt_all_gather(logits, self.mesh_device, self.tt_ccl, None, 3)
         return ttnn.untilize(logits, use_multicore=True, memory_config=ttnn.DRAM_MEMORY_CONFIG)

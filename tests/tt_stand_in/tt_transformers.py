@@ -783,11 +783,22 @@ def create_tt_model(mesh_device, instruct, max_batch_size, optimizations, max_se
     return args, model, [layer.attention.layer_past for layer in model.layers], state_dict
 
 
-def create_submeshes(mesh_device, data_parallel):
-    """tt/generator.py create_submeshes: the mesh itself for one data-parallel model (the stand-in has no submeshes)."""
-    if data_parallel != 1:
-        raise NotImplementedError("stand-in: one data-parallel model")
-    return [mesh_device]
+def create_submeshes(mesh_device, data_parallel, ttnn=ttnn):
+    """tt/generator.py create_submeshes (622c6fb9): the mesh itself for one data-parallel model; a Galaxy's 32
+    devices reshaped to 4 x 8 and split into _galaxy_data_parallel_submesh_shape's submeshes (rows of 8 for groups of
+    8 or more), any other mesh into 1 x (devices / data_parallel). (ttnn: which one; the mock-device double passes
+    the real one.)"""
+    if data_parallel == 1:
+        return [mesh_device]
+    num_devices = mesh_device.get_num_devices()
+    assert num_devices % data_parallel == 0, f"Unsupported device split: {num_devices} devices, {data_parallel} groups"
+    per_group = num_devices // data_parallel
+    if num_devices == 32:
+        if tuple(mesh_device.shape) != (4, 8):
+            mesh_device.reshape(ttnn.MeshShape(4, 8))
+        shape = (per_group // 8, 8) if per_group >= 8 and per_group % 8 == 0 else (1, per_group)
+        return mesh_device.create_submeshes(ttnn.MeshShape(*shape))
+    return mesh_device.create_submeshes(ttnn.MeshShape(1, per_group))
 
 
 class WarmupForwardMixin:

@@ -205,6 +205,7 @@ class MeshDevice:
         self.warnings: list = []
         self.corrupted_programs: set = set()  # ops whose binaries a replay overwrote
         self.live = weakref.WeakSet()  # device tensors (not replay outputs), for get_memory_view's DRAM figure
+        self.parent, self.submeshes, self.closed = None, weakref.WeakSet(), False  # a dropped submesh closes itself
 
     def allocated_under_trace(self, what) -> None:
         """0.81.1 logs a warning (once) and goes on (allocator.cpp verify_safe_allocation); the buffer is corrupted
@@ -217,6 +218,30 @@ class MeshDevice:
 
     def get_num_devices(self) -> int:
         return self.shape[0] * self.shape[1]
+
+    def reshape(self, new_shape) -> None:
+        """MeshDevice.reshape: the same devices in another logical shape ("The old_shape volume must equal the
+        new_shape volume")."""
+        if new_shape[0] * new_shape[1] != self.get_num_devices():
+            raise RuntimeError(f"stand-in: cannot reshape a {self.shape} mesh to {tuple(new_shape)}")
+        self.shape = tuple(new_shape)
+
+    @property
+    def cq_in_use(self) -> bool:
+        """The command queue's in-use state (FDMeshCommandQueue::in_use): set by running anything on the mesh."""
+        return self.ops_run > 0
+
+    def create_submeshes(self, submesh_shape) -> list:
+        """MeshDevice.create_submeshes: the mesh tiled by submeshes of that shape, each over its own devices, whose
+        trace region is the parent's (each chip's own)."""
+        if self.shape[0] % submesh_shape[0] or self.shape[1] % submesh_shape[1]:
+            raise RuntimeError(f"stand-in: a {self.shape} mesh is not tiled by {tuple(submesh_shape)} submeshes")
+        count = self.get_num_devices() // (submesh_shape[0] * submesh_shape[1])
+        made = [MeshDevice(submesh_shape, self.trace_region_size) for _ in range(count)]
+        for submesh in made:
+            submesh.parent = self
+            self.submeshes.add(submesh)
+        return made
 
     def num_program_cache_entries(self) -> int:
         """MeshDevice.num_program_cache_entries (ttnn/cpp/ttnn/distributed/distributed_pybind.cpp: "Number of entries
@@ -250,8 +275,17 @@ def open_mesh_device(mesh_shape=None, l1_small_size=0, trace_region_size=0, num_
 
 
 def close_mesh_device(mesh_device) -> None:
+    """close_mesh_device; refused as 0.81.1's MeshDeviceImpl::close_impl refuses it (mesh_device.cpp) where the
+    command queue a submesh shares with its parent is in use by the other: a parent with an open submesh, a submesh
+    whose parent ran anything."""
+    if any(not submesh.closed and submesh.cq_in_use for submesh in mesh_device.submeshes):
+        raise RuntimeError("TT_THROW: MeshDevice cq ID 0 is in use by child submesh ID 1 during close of mesh ID 0")
+    if mesh_device.parent is not None and mesh_device.parent.cq_in_use:
+        raise RuntimeError("TT_THROW: MeshDevice cq ID 0 is in use by parent mesh ID 0 during close of mesh ID 1")
     mesh_device.traces.clear()
-    FABRIC["open_meshes"] -= 1
+    mesh_device.closed = True
+    if mesh_device.parent is None:  # a submesh is not an open mesh of its own
+        FABRIC["open_meshes"] -= 1
 
 
 class MathFidelity:  # ttnn.MathFidelity members (ttnn 0.81.1)

@@ -550,3 +550,21 @@ def test_a_model_over_a_whole_galaxy_is_refused_before_anything_is_built(stand_i
         build_tt_model(mesh_of((8, 4)), tiny.folder, tiny.name, 8, 1024, True)
     assert refused.value.parameter == "mesh_device" and "\n" not in str(refused.value)
     assert "submesh of 8 devices" in str(refused.value) and not made
+
+
+def test_a_galaxys_model_mesh_is_tts_first_1x8_submesh_closed_before_the_galaxy(stand_in):
+    """Issue 46 (Galaxy): the mesh a model runs on there is TT's first create_submeshes(mesh, 4) (the Galaxy reshaped
+    to 4 x 8, rows of 8), made once, with the Galaxy's trace region. Both share a command queue, and ttnn 0.81.1
+    refuses to close the Galaxy while the submesh has used it: the submesh closes first (make tt-mock's Galaxy died
+    at the close)."""
+    stand_in.setattr(stand_in_ttnn, "AVAILABLE_DEVICES", 32)
+    stand_in.setenv("MESH_DEVICE", "TG")
+    with tt_device.open_mesh(trace_region_size=STAND_IN_TRACE_REGION) as galaxy:
+        submesh = tt_device.model_mesh(galaxy)
+        assert submesh.shape == (1, 8) and galaxy.shape == (4, 8) and tt_device.model_mesh(galaxy) is submesh
+        assert tt_device.TRACE_REGIONS[id(submesh)] == STAND_IN_TRACE_REGION
+        assert tt_device.model_mesh(mesh_of((1, 8))).shape == (1, 8)  # any other mesh is its own
+        ones = stand_in_ttnn.from_torch(torch.ones(32, 32), device=submesh, layout=stand_in_ttnn.TILE_LAYOUT)
+        stand_in_ttnn.add(ones, ones)  # the model's mesh uses the shared command queue
+        assert submesh.cq_in_use and not galaxy.cq_in_use
+    assert submesh.closed and galaxy.closed and not tt_device.SUBMESHES and not tt_device.TRACE_REGIONS

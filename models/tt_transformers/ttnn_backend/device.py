@@ -27,6 +27,11 @@ def tt_device_present() -> bool:
 
 # A Galaxy's devices (8 x 4): TT-Transformers' ModelArgs.is_galaxy (tt/model_config.py: num_devices == 32)
 GALAXY_DEVICES = 32
+# TT's data_parallel for a model of 8 devices on a Galaxy: four 1 x 8 submeshes (tt/generator.py
+# _galaxy_data_parallel_submesh_shape: "DP=4 maps to four routeable 1x8 T3K-like submeshes")
+GALAXY_DATA_PARALLEL = 4
+# Submeshes made of a mesh open_mesh opened, by the mesh's id: kept (and their trace regions known) until it closes
+SUBMESHES: dict[int, object] = {}
 
 
 def check_tensor_parallel(mesh_device) -> None:
@@ -36,14 +41,39 @@ def check_tensor_parallel(mesh_device) -> None:
     rotary_embedding_llama_device_operation.cpp "All input tensors must have dtype = bfloat16") and in decode (its
     QKV linear gets a DRAM-sharded program config over DRAM-interleaved wqkv: matmul_device_operation.cpp "Input B
     memory layout must be WIDTH_SHARDED"). TT runs such models on a Galaxy data-parallel, tensor-parallel within a
-    submesh (tt/generator.py create_submeshes, simple_text_demo.py's data_parallel). One line, before anything is
-    built."""
+    submesh (model_mesh). One line, before anything is built."""
     if mesh_device.get_num_devices() == GALAXY_DEVICES:
         raise UserError(f"mesh_device: a {' x '.join(map(str, tuple(mesh_device.shape)))} Galaxy mesh: "
                         "TT-Transformers' tensor parallelism over all 32 devices fails TT's own checks (prefill's "
                         "rotary embedding, decode's QKV matmul); build the model on a submesh of 8 devices, as TT runs "
-                        "models on a Galaxy (data parallel: tt/generator.py create_submeshes(mesh_device, 4))",
+                        "models on a Galaxy (device.model_mesh: tt/generator.py create_submeshes(mesh_device, 4)[0])",
                         "mesh_device")
+
+
+def model_mesh_shape(shape: tuple[int, int]) -> tuple[int, int]:
+    """The shape of the mesh model_mesh builds a model on, for a mesh of this shape: a Galaxy's 1 x 8 submesh."""
+    return (1, GALAXY_DEVICES // GALAXY_DATA_PARALLEL) if shape[0] * shape[1] == GALAXY_DEVICES else tuple(shape)
+
+
+def model_mesh(mesh_device):
+    """The mesh a model is built on, as TT runs a model of 8 devices on this machine: on a Galaxy, the first of TT's
+    data-parallel submeshes (tt/generator.py create_submeshes(mesh_device, 4): the mesh reshaped to 4 x 8, four
+    1 x 8 rows, as simple_text_demo.py's prepare_generator_args makes them for its data_parallel 4 cases and
+    models/demos/qwen25_vl/conftest.py's qwen25_vl_mesh_device takes the first), tensor-parallel within it; any
+    other mesh, itself. One model runs, not four: the speculative loop steps one model (docs/ttnn_backend.md,
+    "Galaxy"). Made once per mesh open_mesh opened, whose trace region (each chip's) it shares and which closes it
+    before itself."""
+    if mesh_device.get_num_devices() != GALAXY_DEVICES:
+        return mesh_device
+    if id(mesh_device) in SUBMESHES:
+        return SUBMESHES[id(mesh_device)]
+    from models.tt_transformers.tt.generator import create_submeshes
+
+    submesh = create_submeshes(mesh_device, GALAXY_DATA_PARALLEL)[0]
+    if id(mesh_device) in TRACE_REGIONS:
+        SUBMESHES[id(mesh_device)] = submesh
+        TRACE_REGIONS[id(submesh)] = TRACE_REGIONS[id(mesh_device)]
+    return submesh
 
 
 def mesh_shape(name: Optional[str] = None) -> tuple[int, int]:
@@ -119,6 +149,14 @@ def open_mesh(name: Optional[str] = None, trace_region_size: int = 0, fabric_con
             yield mesh
         finally:
             TRACE_REGIONS.pop(id(mesh), None)
+            if id(mesh) in SUBMESHES:  # a submesh shares its parent's command queue, and ttnn 0.81.1 refuses to
+                # close a mesh while its submesh's is in use ("cq ID 0 is in use by child submesh", mesh_device.cpp
+                # close_impl): the submesh closes first, as tt/generator.py Generator.__del__ closes its submeshes
+                # ("Workaround for issue #19052"). Nothing runs on the Galaxy itself, whose queue would then refuse
+                # the submesh's close ("in use by parent mesh"); quiesce_devices, which resets both, crashes the mock
+                submesh = SUBMESHES.pop(id(mesh))
+                TRACE_REGIONS.pop(id(submesh), None)
+                ttnn.close_mesh_device(submesh)
             ttnn.close_mesh_device(mesh)
     finally:
         if fabric is not None:

@@ -87,26 +87,32 @@ def ttnn_loader(config: DemoConfig, mesh_device, mesh_traces):
     return load
 
 
+def model_devices(shape: tuple[int, int]) -> tuple[list[str], int]:
+    """TT's device names and the device count of the mesh a model runs on when a mesh of this shape is open
+    (device.model_mesh: a Galaxy's 1 x 8 submesh, named as TT names 8 devices, not by MESH_DEVICE)."""
+    from models.tt_transformers.ttnn_backend.device import model_mesh_shape
+    from models.tt_transformers.ttnn_backend.trace_plan import device_names_for
+
+    model_shape = model_mesh_shape(shape)
+    named = os.environ.get("MESH_DEVICE") if model_shape == tuple(shape) else None
+    return device_names_for(model_shape, named), model_shape[0] * model_shape[1]
+
+
 def trace_region_size(config: DemoConfig, shape: tuple[int, int], margin: float = None) -> int:
-    """The trace region a ttnn run on a mesh of this shape needs: --trace_region_size where given, else every decode
-    trace of the target, of the draft model and of a draft head (ttnn_backend/trace_plan.py), for the draft mode's
-    most demanding choice (hybrid: recycling's top k, a head's taps and traces and a draft model's traces all
-    counted), with trace_plan's margin (or `margin`)."""
+    """The trace region a ttnn run on a mesh of this shape needs (on its model's mesh, model_devices):
+    --trace_region_size where given, else every decode trace of the target, of the draft model and of a draft head
+    (ttnn_backend/trace_plan.py), for the draft mode's most demanding choice (hybrid: recycling's top k, a head's taps
+    and traces and a draft model's traces all counted), with trace_plan's margin (or `margin`)."""
     if config.trace_region_size is not None:
         return config.trace_region_size
     from models.tt_transformers.checkpoints.checkpoint import resolve_checkpoint
     from models.tt_transformers.checkpoints.model_shape import ModelShape
     from models.tt_transformers.ttnn_backend.model import TILE_ROWS
-    from models.tt_transformers.ttnn_backend.trace_plan import (
-        device_names_for,
-        head_region_bytes,
-        model_trace_bytes,
-        region_bytes,
-    )
+    from models.tt_transformers.ttnn_backend.trace_plan import head_region_bytes, model_trace_bytes, region_bytes
 
     ckpt = resolve_checkpoint(config.model, model_flag(config))
     args = ModelShape.from_hf_config(ckpt.config)
-    device, n_devices = device_names_for(shape, os.environ.get("MESH_DEVICE")), shape[0] * shape[1]
+    device, n_devices = model_devices(shape)
     drafting = config.n_draft_tokens > 0
     top_k = config.recycle_top_k if drafting and config.draft_mode in ("suffix", "hybrid") else 0
     head = draft_head_folder(config, ckpt.name)
@@ -190,7 +196,6 @@ def build(config: DemoConfig, checked: CheckedInputs, mesh_device=None, pool: Op
         return pool.get(("model", str(ckpt.folder), n_layers, built_with), lambda: loader(ckpt, n_layers))
 
     target = load(ckpt, target_layers)
-    check_step_rows(config, target)
     draft_lm, draft_cost, heads = None, None, {}
     if head_weights is not None:  # the backend's head (CausalLM.draft_head's); on a TT device pooled, traces and all
         def make_head():
@@ -223,22 +228,6 @@ def build(config: DemoConfig, checked: CheckedInputs, mesh_device=None, pool: Op
                        f"answers that reach it stop there (--max_seq_len {longest + config.max_generated_tokens} "
                        "holds them all)")
     return tokenizer, target, drafter, draft_lm, tokens, eos_token_ids(ckpt, tokenizer)
-
-
-def check_step_rows(config: DemoConfig, target) -> None:
-    """On a Galaxy a step holds one mesh column's users (TtnnCausalLM.max_step_rows: 8 rows, not the tile's 32): a
-    batch whose verify steps would need more rows is refused in one line naming the flags, rather than run with its
-    drafts cut to what fits (at --batch_size 8, none)."""
-    args = getattr(getattr(target, "tt", None), "args", None)
-    rows, wanted = target.max_step_rows, config.batch_size * (config.n_draft_tokens + 1)
-    if not getattr(args, "is_galaxy", False) or config.n_draft_tokens == 0 or wanted <= rows:
-        return
-    most = rows // config.batch_size - 1
-    fix = (f"use --n_draft_tokens {most} or fewer, or a smaller --batch_size" if most >= 1 else
-           f"use --batch_size {rows // 2} or fewer to draft (or --n_draft_tokens 0)")
-    raise DemoInputError(f"--n_draft_tokens {config.n_draft_tokens} with --batch_size {config.batch_size}: on a Galaxy "
-                         f"a verify step holds {rows} rows (one mesh column's users), and {config.batch_size} x "
-                         f"({config.n_draft_tokens} + 1) = {wanted} do not fit; {fix}")
 
 
 def describe_drafter(config: DemoConfig, checked: CheckedInputs) -> str:

@@ -188,7 +188,7 @@ def main(argv=None) -> int:
     config = DemoConfig(**vars(argument_parser(__doc__).parse_args(argv)))
     try:
         if backend_of(config) == "ttnn":
-            from models.tt_transformers.ttnn_backend.device import mesh_shape, open_mesh
+            from models.tt_transformers.ttnn_backend.device import mesh_shape, model_mesh, open_mesh
 
             check_flags(config, "ttnn")
             try:
@@ -196,7 +196,7 @@ def main(argv=None) -> int:
             except ValueError as e:  # MESH_DEVICE names no mesh tt-metal knows
                 raise DemoInputError(str(e)) from None
             with open_mesh(trace_region_size=trace_region_size(config, shape)) as mesh_device:
-                report = run_demo(config, mesh_device)
+                report = run_demo(config, model_mesh(mesh_device))  # a Galaxy's: one of TT's 1 x 8 submeshes
         else:
             report = run_demo(config)
     except UserError as e:  # bad input (a flag, a file, a checkpoint): its one line, no traceback; a bug keeps its own

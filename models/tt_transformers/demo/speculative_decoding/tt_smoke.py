@@ -21,9 +21,10 @@ the path that serves (the target's), and the head's verdict is the last line pri
 
 The second run, --full, adds the tapped hidden states an EAGLE-3 head reads (layers 0, 2, N/2 and N-3: the prompt's
 read back from the prefill, a step's left in the tap tile; a head stage), taps in the eager stage, and captures every
-trace the stages use (the target's, the taps', the head's target steps) once, up front. On a Galaxy (8 x 4 mesh), whose
-decode residual the backend does not gather for taps, the stages that need taps are reported `skipped (Galaxy)` and
-the rest run.
+trace the stages use (the target's, the taps', the head's target steps) once, up front.
+
+On a Galaxy (8 x 4 mesh) every stage runs on one of TT's data-parallel 1 x 8 submeshes (device.model_mesh), as TT runs
+Llama-3.1-8B there; the report's facts give the opened mesh and the model's.
 
 The report (every stage, its seconds, the failure with its traceback, the versions) is written to --report as JSON
 before and after every stage, with `"running": <stage>` while one runs, so a hang or a hard crash still leaves it
@@ -55,6 +56,7 @@ from loguru import logger  # noqa: E402
 from models.tt_transformers.demo.speculative_decoding.build import (  # noqa: E402
     ModelPool,
     build,
+    model_devices,
     trace_region_size,
 )
 from models.tt_transformers.demo.speculative_decoding.inputs import (  # noqa: E402
@@ -87,13 +89,9 @@ class Smoke:
     def __init__(self, config: DemoConfig, exits: ExitStack, draft_head=None, full: bool = False):
         self.config, self.exits, self.draft_head = config, exits, draft_head  # draft_head: --draft_head (else None)
         self.full = full  # --full: the second run (taps, every trace captured up front)
-        self.mesh = self.lm = self.drafter = self.tokens = None
+        self.mesh = self.lm = self.drafter = self.tokens = None  # mesh: the model's (device.model_mesh)
         self.pool = ModelPool()  # the perf stage's demo run and the head stage reuse the model built here
         self.facts: dict = {}
-
-    def galaxy(self) -> bool:
-        """Whether the model runs on a Galaxy, where the backend refuses taps (TtnnCausalLM._check_taps)."""
-        return self.lm is not None and bool(self.lm.tt.args.is_galaxy)
 
 
 def tt_transformers_surface(s: Smoke) -> None:
@@ -216,16 +214,11 @@ def stages_region(config: DemoConfig, shape, draft_head=None, margin: float = SM
     taps and the head's own traces), and with `full` the taps stage's (1 write pass, smoke_taps), with the margin."""
     from models.tt_transformers.checkpoints.checkpoint import resolve_checkpoint
     from models.tt_transformers.checkpoints.model_shape import ModelShape
-    from models.tt_transformers.ttnn_backend.trace_plan import (
-        device_names_for,
-        head_region_bytes,
-        model_trace_bytes,
-        region_bytes,
-    )
+    from models.tt_transformers.ttnn_backend.trace_plan import head_region_bytes, model_trace_bytes, region_bytes
 
     ckpt = resolve_checkpoint(config.model, "--model" if config.model else "HF_MODEL")
     args = ModelShape.from_hf_config(ckpt.config)
-    devices, n = device_names_for(shape, os.environ.get("MESH_DEVICE")), shape[0] * shape[1]
+    devices, n = model_devices(shape)
     k = max(1, config.n_draft_tokens)
     head_taps = smoke_head_taps(config, draft_head)
     traces = model_trace_bytes(ckpt.name, devices, n, args.n_layers, args.n_layers, args.vocab_size, k + 1, 0,
@@ -238,15 +231,17 @@ def stages_region(config: DemoConfig, shape, draft_head=None, margin: float = SM
 
 def open_device(s: Smoke) -> None:
     """The mesh, its trace region --trace_region_size where given, else the run's and the stages' traces x
-    SMOKE_REGION_MARGIN."""
-    from models.tt_transformers.ttnn_backend.device import fabric_config_for, mesh_shape, open_mesh
+    SMOKE_REGION_MARGIN; the stages run on the model's mesh (device.model_mesh: on a Galaxy one of TT's 1 x 8
+    submeshes)."""
+    from models.tt_transformers.ttnn_backend.device import fabric_config_for, mesh_shape, model_mesh, open_mesh
 
     shape = mesh_shape()
     region = s.config.trace_region_size or (trace_region_size(s.config, shape, SMOKE_REGION_MARGIN)
                                             + stages_region(s.config, shape, s.draft_head, full=s.full))
-    s.mesh = s.exits.enter_context(open_mesh(trace_region_size=region))
+    s.mesh = model_mesh(s.exits.enter_context(open_mesh(trace_region_size=region)))
     s.exits.callback(s.pool.close)  # traces released before the mesh closes
-    s.facts.update(mesh=list(shape), fabric=str(fabric_config_for(shape)), trace_region_size=region)
+    s.facts.update(mesh=list(shape), model_mesh=list(s.mesh.shape), fabric=str(fabric_config_for(shape)),
+                   trace_region_size=region)
 
 
 def build_model(s: Smoke) -> None:
@@ -288,7 +283,7 @@ def compile_and_capture(s: Smoke) -> None:
     traces live. The trace region is sized for all of them (stages_region)."""
     k = max(1, s.config.n_draft_tokens)
     s.lm.keep_planned(k + 1, s.drafter.top_k, ())
-    if s.full and not s.galaxy():
+    if s.full:
         s.lm.keep_planned(1, 0, smoke_taps(s.lm.n_layers))
         s.lm.keep_planned(k + 1, 0, smoke_head_taps(s.config, s.draft_head))
     s.facts.update(SpeculativeGenerator(s.lm, s.drafter, s.config.n_draft_tokens).warm_up())
@@ -460,10 +455,6 @@ TARGET_STAGES: list[tuple[str, Callable[[Smoke], None]]] = [
 HEAD_STAGES = (tapped_states, device_head)
 STAGES = [*TARGET_STAGES, ("draft head on the device", device_head)]  # the first run (the default)
 FULL_STAGES = [*TARGET_STAGES, ("tapped states", tapped_states), ("draft head on the device", device_head)]  # --full
-# The stages that ask for taps: a Galaxy's residual is split over its mesh columns and replicated over its rows, which
-# the backend does not gather (TtnnCausalLM._check_taps refuses), so there they are skipped and the rest run.
-NEEDS_TAPS = (eager_steps, tapped_states, device_head)
-GALAXY_SKIP = "skipped (Galaxy): taps are not gathered on an 8 x 4 mesh"
 
 
 def side_files(report_path: Path) -> dict[str, Path]:
@@ -480,14 +471,10 @@ def run_stages(smoke: Smoke, stages, report: dict, report_path: Path, tracebacks
     `tracebacks` every watchdog_s seconds."""
     head = report["head"]
     for i, (name, stage) in enumerate(stages, 1):
-        skip = (GALAXY_SKIP if stage in NEEDS_TAPS and smoke.galaxy() else
-                "not run: the draft head failed at an earlier stage" if stage in HEAD_STAGES and
-                head["verdict"] == "failed" else None)
-        if skip:
+        if stage in HEAD_STAGES and head["verdict"] == "failed":
+            skip = "not run: the draft head failed at an earlier stage"
             report["stages"].append({"stage": name, "skipped": skip})
             logger.warning(f"stage {i} ({name}) {skip}")
-            if stage in HEAD_STAGES and head["verdict"] == "not run":
-                head["verdict"] = skip
             continue
         report["running"] = name
         write_report(report, smoke, report_path)
