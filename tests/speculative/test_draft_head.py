@@ -258,23 +258,33 @@ def test_hybrid_takes_the_draft_expected_to_bring_more():
 
 # ---- the head's own cache and what a run costs --------------------------------------------------------------------
 
+def small_model_and_head(cpu_path):
+    """A small random target (bf16 on a CPU kernel path, float32 on torch ops) and a random head beside it."""
+    dtype = torch.bfloat16 if cpu_path else torch.float32
+    model = random_model(dtype, max_seq_len=96, dim=64, head_dim=32, hidden_dim=96, vocab_size=50)
+    if cpu_path:
+        model.use_cpu_kernels(kernels_of(cpu_path))
+    return dtype, model, random_head(model)
+
+
+def same_on(cpu_path):
+    """Bit for bit on the kernels (row-invariant); to rounding on float32 torch ops (oneDNN's results depend on M)."""
+    return torch.equal if cpu_path else (lambda a, b: torch.allclose(a, b, atol=1e-4, rtol=1e-4))
+
+
 @every_cpu_path_and_torch_ops
 def test_head_cache_after_rejected_drafts_equals_an_uncached_run(cpu_path):
     """The head reads its own KV cache, fed once per verified row: fed in steps with a rejected drafted chain
     written past the fed rows after each (the next feed rewrites those slots before any row reads them), every fed
     row's state and logits are those of one uncached run over the whole text from a fresh cache: bit for bit on the
     kernels (a row's result does not depend on what shares its run), to rounding on float32 torch ops."""
-    dtype = torch.bfloat16 if cpu_path else torch.float32
-    model = random_model(dtype, max_seq_len=96, dim=64, head_dim=32, hidden_dim=96, vocab_size=50)
-    if cpu_path:
-        model.use_cpu_kernels(kernels_of(cpu_path))
-    head = random_head(model)
+    dtype, model, head = small_model_and_head(cpu_path)
     gen = torch.Generator().manual_seed(0)
     n = 80
     taps = torch.randn(n, 3 * model.args.dim, generator=gen).to(dtype)
     tokens = torch.randint(0, 50, (n + 1,), generator=gen).tolist()
     want_out, want_logits = HeadRunner(head, 1, 96, model.args).run([0], [0], [taps], [tokens[1:]], every_row=True)[0]
-    same = torch.equal if cpu_path else (lambda a, b: torch.allclose(a, b, atol=1e-4, rtol=1e-4))
+    same = same_on(cpu_path)
     runner, fed = HeadRunner(head, 1, 96, model.args), 0
     for rows in (37, 1, 3, 2, 5, 1, 4, 8, 19):
         out, logits = runner.run([0], [fed], [taps[fed : fed + rows]], [tokens[fed + 1 : fed + rows + 1]],
@@ -295,11 +305,7 @@ def test_head_feed_attends_only_each_users_last_row(cpu_path, monkeypatch):
     and the cache the same."""
     from models.tt_transformers.torch_backend import attention
 
-    dtype = torch.bfloat16 if cpu_path else torch.float32
-    model = random_model(dtype, max_seq_len=96, dim=64, head_dim=32, hidden_dim=96, vocab_size=50)
-    if cpu_path:
-        model.use_cpu_kernels(kernels_of(cpu_path))
-    head = random_head(model)
+    dtype, model, head = small_model_and_head(cpu_path)
     gen = torch.Generator().manual_seed(1)
     taps = [torch.randn(n, 3 * model.args.dim, generator=gen).to(dtype) for n in (40, 7)]
     tokens = [torch.randint(0, 50, (len(t),), generator=gen).tolist() for t in taps]
@@ -311,7 +317,7 @@ def test_head_feed_attends_only_each_users_last_row(cpu_path, monkeypatch):
     last = HeadRunner(head, 2, 96, model.args)
     got = last.run([0, 1], [0, 0], taps, tokens)
     assert len(calls) == 2
-    same = torch.equal if cpu_path else (lambda a, b: torch.allclose(a, b, atol=1e-4, rtol=1e-4))  # oneDNN: M
+    same = same_on(cpu_path)
     for (out, logits), (want_out, want_logits) in zip(got, want):
         assert out.shape[0] == 1 and same(out, want_out[-1:]) and same(logits, want_logits[-1])
     assert all(torch.equal(a, b) for a, b in zip(last.cache.k + last.cache.v, every.cache.k + every.cache.v))
@@ -325,11 +331,7 @@ def test_head_tree_nodes_read_the_cache_in_place_as_their_chains(cpu_path, monke
     for bit. Two users, a second depth whose nodes share the first's."""
     import torch.nn.functional as F
 
-    dtype = torch.bfloat16 if cpu_path else torch.float32
-    model = random_model(dtype, max_seq_len=96, dim=64, head_dim=32, hidden_dim=96, vocab_size=50)
-    if cpu_path:
-        model.use_cpu_kernels(kernels_of(cpu_path))
-    head = random_head(model)
+    dtype, model, head = small_model_and_head(cpu_path)
     gen = torch.Generator().manual_seed(2)
     fed = {0: 41, 1: 23}
     taps = {u: torch.randn(n, 3 * model.args.dim, generator=gen).to(dtype) for u, n in fed.items()}
