@@ -28,12 +28,13 @@ class StepCost(NamedTuple):
 
 # Step costs by CPU path (cpu_isa.PATHS; torch ops and CUDA take avx512bf16's). `make bench-verify-cost`
 # (TT_CPU_ISA=<path>) fits all three from steps of 1 user x 1-17 rows and 4 users x 1-4 rows over 128-8,000 cached
-# positions. The numbers below are an older fit (steps of 1 user x 1-17 tokens and 8 users x 1-3 tokens over 100-1,000
-# cached tokens, on the 2-core AMD Zen 4 of docs/results.md, when each row read the cache itself): its per-row key
-# cost holds the cache read too, and read is 0 until the bench is rerun on the one-pass kernels, which prices extra
-# rows at long context high (drafts err short). neon takes avx2's (no aarch64 machine measured).
-STEP_COSTS = {"avx512bf16": StepCost(0.078, 1.1e-4, 0.0), "avx512": StepCost(0.178, 1.5e-4, 0.0),
-              "avx2": StepCost(0.231, 2.0e-4, 0.0), "neon": StepCost(0.231, 2.0e-4, 0.0),
+# positions; one quiet run per path on the 2-core AMD Zen 4 (2026-11-29, docs/results.md) gave weights 7.8 / 7.0 /
+# 4.9 ms (avx512bf16 / avx512 / avx2), a row 0.28 / 0.69 / 1.00 ms plus 0.86 / 0.95 / 1.13 ms per 1,000 cached
+# positions, and a per-user read within noise of 0 (fits of -0.17 to -0.21 ms per 1,000, kept at 0): on the one-pass
+# kernels a row's attention arithmetic, not the cache read, is what grows with the context. neon takes avx2's (no
+# aarch64 machine measured); portable keeps an older fit (steps over 100-1,000 cached tokens), not rerun.
+STEP_COSTS = {"avx512bf16": StepCost(0.036, 1.1e-4, 0.0), "avx512": StepCost(0.098, 1.3e-4, 0.0),
+              "avx2": StepCost(0.202, 2.3e-4, 0.0), "neon": StepCost(0.202, 2.3e-4, 0.0),
               "portable": StepCost(2.17, 7.1e-4, 0.0)}
 
 # Steps of up to this many tokens per user (decode, verification of the longest draft, draft catch-up) are packed
