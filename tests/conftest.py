@@ -45,6 +45,18 @@ def embedded_checkpoint():
     return resolve_checkpoint(None)
 
 
+def cache_holding_the_embedded_conversion(monkeypatch, cache: Path) -> None:
+    """TT_CACHE_PATH set to a test's own `cache`, holding links to the embedded GGUF's conversion in this run's cache:
+    converting it again took about half of each stand-in demo test's time (test_inputs_and_cache.py tests the
+    conversion itself)."""
+    converted = resolve_checkpoint(None).folder  # cache_root() / <gguf stem> / "hf", converted once
+    monkeypatch.setenv("TT_CACHE_PATH", str(cache))
+    folder = cache / converted.relative_to(converted.parents[1])
+    folder.mkdir(parents=True)
+    for file in converted.iterdir():
+        (folder / file.name).symlink_to(file)
+
+
 @pytest.fixture(scope="session")
 def embedded_tokenizer(embedded_checkpoint):
     return load_tokenizer(embedded_checkpoint)

@@ -17,7 +17,7 @@ from models.tt_transformers.ttnn_backend import device as tt_device
 
 from models.tt_transformers.demo.speculative_decoding import tt_smoke
 
-from ..conftest import REPO_ROOT, save_tiny_hf_checkpoint
+from ..conftest import REPO_ROOT, cache_holding_the_embedded_conversion, save_tiny_hf_checkpoint
 from ..tt_stand_in import install
 from ..tt_stand_in import tt_transformers as stand_in_tt
 from ..tt_stand_in import ttnn as stand_in_ttnn
@@ -34,7 +34,7 @@ def stand_in_machine(monkeypatch, tmp_path):
     monkeypatch.setattr(stand_in_ttnn, "FABRIC", {"config": stand_in_ttnn.FabricConfig.DISABLED, "open_meshes": 0})
     monkeypatch.setattr(tt_device, "tt_device_present", lambda: True)
     monkeypatch.setenv("MESH_DEVICE", "N150")
-    monkeypatch.setenv("TT_CACHE_PATH", str(tmp_path / "cache"))
+    cache_holding_the_embedded_conversion(monkeypatch, tmp_path / "cache")
 
 
 def test_every_stage_runs_and_reports(monkeypatch, tmp_path):

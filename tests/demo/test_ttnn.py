@@ -50,9 +50,11 @@ def test_tt_text_demo_configuration_by_default(stand_in, embedded_checkpoint):
 
 
 def demo_config(tmp_path, **overrides):
+    """A run of the embedded model's first 6 layers (what these tests check needs no more; test_demo_on_the_ttnn_backend
+    runs all 30)."""
     prompts = write_json(tmp_path / "p.json", [{"prompt": "Repeat: a b c d e f g a b c d e f g"}])
-    return DemoConfig(**{**dict(input_prompts=str(prompts), max_generated_tokens=10, max_seq_len=256,
-                                     draft_layers=4, backend="ttnn", compare_baseline=1), **overrides})
+    return DemoConfig(**{**dict(input_prompts=str(prompts), max_generated_tokens=10, max_seq_len=256, target_layers=6,
+                                draft_layers=4, backend="ttnn", compare_baseline=1), **overrides})
 
 
 def test_runs_in_sequence_fit_the_region_sized_for_the_most_demanding(stand_in, tmp_path):

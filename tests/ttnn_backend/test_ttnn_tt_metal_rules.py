@@ -19,7 +19,7 @@ from models.tt_transformers.ttnn_backend.causal_lm import TtnnCausalLM
 from models.tt_transformers.ttnn_backend.model import build_tt_model, weight_cache_root
 from models.tt_transformers.ttnn_backend.trace_plan import TraceKey, model_trace_bytes, trace_keys, trace_ops
 
-from ..conftest import save_tiny_hf_checkpoint
+from ..conftest import cache_holding_the_embedded_conversion, save_tiny_hf_checkpoint
 from ..stand_in_backend import STAND_IN_TRACE_REGION, mesh_traces
 from ..tt_stand_in import install
 from ..tt_stand_in import tt_transformers as stand_in_tt
@@ -32,7 +32,7 @@ def stand_in(monkeypatch, tmp_path):
     install(monkeypatch)
     monkeypatch.setattr(stand_in_ttnn, "FABRIC", {"config": stand_in_ttnn.FabricConfig.DISABLED, "open_meshes": 0})
     monkeypatch.setattr(tt_device, "tt_device_present", lambda: True)
-    monkeypatch.setenv("TT_CACHE_PATH", str(tmp_path / "cache"))
+    cache_holding_the_embedded_conversion(monkeypatch, tmp_path / "cache")
     return monkeypatch
 
 
