@@ -22,15 +22,15 @@ def backend_builder(monkeypatch, checkpoint, shape=(1, 1)):
     install(monkeypatch)
     mesh = stand_in_ttnn.open_mesh_device(stand_in_ttnn.MeshShape(*shape), trace_region_size=STAND_IN_TRACE_REGION)
 
-    def build(max_users, max_seq_len=MAX_SEQ_LEN, float32=False):
+    def build(max_users, max_seq_len=MAX_SEQ_LEN, float32=False, grouped=False):
         """The demo's default bfloat8_b weights, which the stand-in computes in torch bfloat16; float32: the
         stand-in computes them in float32 instead (TT has no float32 weights: a way to compare with the torch
         backend's float32 numerics, not a device setting)."""
         if float32:
             monkeypatch.setitem(stand_in_tt.COMPUTE_DTYPES, stand_in_ttnn.bfloat8_b, torch.float32)
         model = build_tt_model(mesh, checkpoint.folder, checkpoint.name, max_users, max_seq_len, True)
-        # grouped verify attention (--grouped_verify 1): bit-identical to per row in the stand-in's float64 attention
-        return TtnnCausalLM(model, max_users, max_seq_len, mesh_traces=mesh_traces(mesh), grouped_attention=True)
+        # grouped: the verify attention of --grouped_verify 1 (bit-identical to per row in the stand-in's float64)
+        return TtnnCausalLM(model, max_users, max_seq_len, mesh_traces=mesh_traces(mesh), grouped_attention=grouped)
     return build
 
 

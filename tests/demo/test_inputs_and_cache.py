@@ -684,3 +684,17 @@ def test_pytest_form_load_error_is_one_line(tmp_path):
     assert out.returncode == pytest.ExitCode.TESTS_FAILED, out.stdout[-2000:] + out.stderr[-2000:]
     assert f"--model '{tmp_path / 'tiny'}' has no tokenizer files" in out.stdout
     assert "def test_speculative_demo" not in out.stdout and "Traceback" not in out.stdout
+
+
+@pytest.mark.parametrize("flags,refused", [(dict(draft_mode="suffix"), False), (dict(draft_mode="model"), False),
+                                           (dict(draft_mode="hybrid"), True), (dict(draft_mode="head"), True),
+                                           (dict(draft_mode="suffix", temperature=0.7), True)])
+def test_grouped_verify_only_where_its_programs_serve_the_run(flags, refused):
+    """--grouped_verify 1: its grouped verify programs return greedy ids only (no sampling logits, no taps), so a
+    sampled run or one whose drafts read taps is refused before anything loads, in one line naming the flags."""
+    config = DemoConfig(grouped_verify=1, **flags)
+    if refused:
+        with pytest.raises(DemoInputError, match=r"^--grouped_verify 1 runs greedy verify steps without taps"):
+            check_flags(config, "torch")
+    else:
+        check_flags(config, "torch")

@@ -61,7 +61,7 @@ def test_served_output_is_plain_greedy(embedded_bf16, embedded_tokenizer, prompt
     always); finished requests' blocks are taken by later ones. narrow: draftless steps are one-column verifies as
     model_runner.py@02f45e5f sends them ("verify"), ordinary [B, 1] decodes as SPEC_DECODE_CONTRACT.md@00d62588
     states them ("ordinary"), or full-width verifies (None: no supports_narrow_decode). At 8 the last requests to
-    finish leave holes below running ones: rows are compacted (at 3, waiting requests fill them)."""
+    finish leave holes below running ones: rows are compacted (at 3, waiting requests mostly fill them)."""
     plan = plan_speculation(None, concurrency, k)
     plan = dataclasses.replace(plan, supports_narrow_decode=narrow is not None)
     arrivals = {0: [(f"r{i}", prompts[i], MAX_TOKENS) for i in range(5)],
@@ -81,7 +81,9 @@ def test_served_output_is_plain_greedy(embedded_bf16, embedded_tokenizer, prompt
     assert s.eos_in_multi_token_commits >= 1 and s.dropped_after_stop >= 1 and s.multi_token_commits >= 1
     assert s.verify_steps > s.narrow_verifies and (s.plain_steps > 0) == (narrow == "ordinary")
     assert (s.narrow_verifies > 0) == (narrow == "verify")
-    assert (s.padding_rows > 0) == (concurrency > 1) and (s.slot_moves > 0) == (concurrency == 8)
+    # at 8 rows are compacted; at 3 a hole stays unless no request waits when one finishes, which depends on the
+    # draft lengths the policy picks (its step costs), so only the 8's moves are asserted
+    assert (s.padding_rows > 0) == (concurrency > 1) and (s.slot_moves > 0 or concurrency != 8)
     counters = model.spec_decode_metrics()
     assert counters == runner.counters.as_dict() and counters["vllm:spec_decode_num_accepted_tokens_total"] > 0
     assert counters["vllm:spec_decode_num_drafts_total"] == s.drafted_rows

@@ -489,7 +489,9 @@ def test_shipped_head_identical_to_plain_and_accepted(embedded_bf16, embedded_to
                                                       shipped_head):
     """The shipped head on the sample prompts, batched, with the length policy as the demo runs it: outputs equal
     plain greedy decoding, and its drafts are accepted (it agrees with the target far more than chance). 64 tokens a
-    prompt: over fewer, the share accepted moved by 5 points between CPU paths (their sums round differently)."""
+    prompt: over fewer, the share accepted moved by 5 points between CPU paths (their sums round differently). The
+    share depends on the draft lengths the policy picks from the step costs (longer drafts accept a smaller share),
+    so the bound says far more than chance (1 in 49,152), not a rate."""
     eos = [embedded_tokenizer.eos_token_id]
     prompts = sample_prompt_tokens
     plain = [run(embedded_bf16, [p], 0, 0, 64, eos=eos)[0] for p in prompts]
@@ -501,7 +503,7 @@ def test_shipped_head_identical_to_plain_and_accepted(embedded_bf16, embedded_to
     assert [r.output_tokens for r in results] == plain
     steps = [it for r in results for it in r.iterations if it.draft_source == "head"]
     drafted, accepted = sum(it.drafted for it in steps), sum(it.accepted for it in steps)
-    assert drafted > 0 and accepted / drafted > 0.3, (accepted, drafted)
+    assert drafted > 0 and accepted / drafted > 0.2, (accepted, drafted)
 
 
 @every_cpu_path_and_torch_ops

@@ -131,8 +131,9 @@ def test_tap_capture_restores_the_layers_when_a_layer_fails(monkeypatch):
 @pytest.mark.parametrize("mode,batch", [(m, b) for m in ("suffix", "model", "hybrid") for b in (1, 4) if (m, b) != ("model", 1)]
                          + [pytest.param("model", 1, marks=pytest.mark.slow)])
 def test_speculative_identical_to_plain_through_the_verify_step(tt, prompts, plain_outputs, mode, batch):
-    """The four prompts (a copy task and three chat prompts) in batches of `batch` users."""
-    lm = tt(batch)
+    """The four prompts (a copy task and three chat prompts) in batches of `batch` users, verify attention grouped
+    (--grouped_verify 1; the other tests run it per row, the default)."""
+    lm = tt(batch, grouped=True)
     groups = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
     results = [SpeculativeGenerator(lm, drafter_for(lm, mode), 6).generate(g, 32) for g in groups]
     assert [output for group in results for output in outputs(group)] == plain_outputs
@@ -352,7 +353,7 @@ def test_step_cost_prices_cached_positions_from_the_models_bytes(tt, embedded_ch
     weight bytes a step streams, as TT stores them (bfloat8_b, FF1/FF3 bfloat4_b under the performance preset; the
     cache's own dtype), not a fixed 2e-6 (5.7x too low for Llama-3.1-8B, 52x for this model). Counted here from the
     stand-in's cache tensors and the checkpoint's weight tensors."""
-    lm = tt(1)
+    lm = tt(1, grouped=True)
     weights = load_model(embedded_checkpoint, torch.float32, 16, cpu_kernels=False)  # nn.Linear layers (float32)
     bfp4, bfp8 = 576 / 1024, 1088 / 1024  # bytes a value: a 32 x 32 tile's mantissas and its 64 shared exponents
     streamed = weights.output.weight.numel() * bfp8 + sum(

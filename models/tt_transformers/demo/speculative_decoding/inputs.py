@@ -136,6 +136,10 @@ def check_flags(config: DemoConfig, backend: str) -> None:
     for name in SWITCHES:
         if getattr(config, name) not in (0, 1):
             raise DemoInputError(f"--{name} must be 0 or 1, got {getattr(config, name)}")
+    if config.grouped_verify and (config.temperature or config.draft_mode not in ("suffix", "model")):
+        raise DemoInputError("--grouped_verify 1 runs greedy verify steps without taps (--temperature 0, --draft_mode "
+                             "suffix or model): its grouped programs return no sampling logits and no tapped states; "
+                             f"got --temperature {config.temperature} --draft_mode {config.draft_mode}")
     if config.precision not in PRECISIONS:
         raise DemoInputError(f"--precision {config.precision!r} is not one of {', '.join(PRECISIONS)}")
     if config.tap_gather not in TAP_GATHERS:
