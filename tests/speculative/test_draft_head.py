@@ -301,8 +301,9 @@ def test_head_cache_after_rejected_drafts_equals_an_uncached_run(cpu_path):
 def test_head_feed_attends_only_each_users_last_row(cpu_path, monkeypatch):
     """A feed (a prompt's catch-up, a verified step's rows) attends only each user's last row, whose state and
     logits the drafter reads: one attention call per user and run instead of one per row (over the whole cache: a
-    cost quadratic in the prompt), its results those of a run where every row attends (bit for bit on the kernels),
-    and the cache the same."""
+    cost quadratic in the prompt), and only those rows go through the output projection and the MLP (the others
+    write their K/V alone); its results those of a run where every row attends (bit for bit on the kernels), and the
+    cache the same."""
     from models.tt_transformers.torch_backend import attention
 
     dtype, model, head = small_model_and_head(cpu_path)
@@ -314,9 +315,11 @@ def test_head_feed_attends_only_each_users_last_row(cpu_path, monkeypatch):
     calls = []
     sdpa = attention.F.scaled_dot_product_attention
     monkeypatch.setattr(attention.F, "scaled_dot_product_attention", lambda *a, **k: calls.append(1) or sdpa(*a, **k))
+    mlp_rows, mlp = [], head.layer.feed_forward.forward
+    monkeypatch.setattr(head.layer.feed_forward, "forward", lambda x: mlp_rows.append(x.shape[1]) or mlp(x))
     last = HeadRunner(head, 2, 96, model.args)
     got = last.run([0, 1], [0, 0], taps, tokens)
-    assert len(calls) == 2
+    assert len(calls) == 2 and mlp_rows == [2]
     same = same_on(cpu_path)
     for (out, logits), (want_out, want_logits) in zip(got, want):
         assert out.shape[0] == 1 and same(out, want_out[-1:]) and same(logits, want_logits[-1])

@@ -70,7 +70,10 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(in_dim or args.dim, qkv_dim, bias=False, dtype=dtype)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False, dtype=dtype)
 
-    def forward(self, x: torch.Tensor, step: StepInputs, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: StepInputs, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                keep: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """keep (exact steps): the tokens whose outputs are wanted, [B, len(keep), dim]; every token still writes its
+        K/V (a draft head's catch-up rows feed only its cache)."""
         B, T, _ = x.shape
         H, Hk, D = self.n_heads, self.n_kv_heads, self.head_dim
         qkv = self.wqkv(x).view(B, T, H + 2 * Hk, D)
@@ -87,7 +90,8 @@ class Attention(nn.Module):
                 # reshape, not view: on CUDA the query rows and SDPA's output need not be contiguous there
                 out[0, tok.index] = F.scaled_dot_product_attention(
                     q[0, tok.index].reshape(1, Hk, G, D), keys.unsqueeze(0), values.unsqueeze(0)).reshape(H, D)
-            return self.wo(out.view(B, T, H * D))
+            out = out.view(B, T, H * D)
+            return self.wo(out if keep is None else out[:, keep])
         keys, values = k_cache[step.read_rows, :, : step.kv_len], v_cache[step.read_rows, :, : step.kv_len]
         q = q.transpose(1, 2)
         out = torch.empty(B, H, T, D, dtype=x.dtype, device=x.device)

@@ -54,10 +54,12 @@ class Eagle3Layer(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps, dtype)
         self.feed_forward = MLP(args, dtype)
 
-    def forward(self, embeds, state, step: StepInputs, k_cache, v_cache):
+    def forward(self, embeds, state, step: StepInputs, k_cache, v_cache, keep: Optional[torch.Tensor] = None):
+        """keep: the rows whose outputs are wanted (default all); the others only write their K/V."""
         normed = self.hidden_norm(state)
         residual = normed if self.norm_before_residual else state
-        h = residual + self.attention(torch.cat([self.input_layernorm(embeds), normed], dim=-1), step, k_cache, v_cache)
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
+        h = (residual if keep is None else residual[:, keep]) + self.attention(x, step, k_cache, v_cache, keep)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -83,11 +85,13 @@ class Eagle3Head(nn.Module):
         self.register_buffer("vocab", ids + d2t.long() if d2t is not None else ids, persistent=False)
         self.kernels = None
 
-    def features(self, states: torch.Tensor, next_tokens: torch.Tensor, step: StepInputs, k_cache, v_cache):
+    def features(self, states: torch.Tensor, next_tokens: torch.Tensor, step: StepInputs, k_cache, v_cache,
+                 keep: Optional[torch.Tensor] = None):
         """[B, T, 3 * target hidden] taps (or [B, T, h], the head's own earlier outputs) and [B, T] next tokens ->
-        the layer's outputs [B, T, h] (before the norm: what the next draft step reads)."""
+        the layer's outputs [B, T, h] (before the norm: what the next draft step reads); only the `keep` rows' with
+        keep, [B, len(keep), h], the others writing their K/V alone."""
         state = self.project(states) if states.shape[-1] != self.args.dim else states
-        out = self.layer(self.embedding(next_tokens).to(state.dtype), state, step, k_cache, v_cache)
+        out = self.layer(self.embedding(next_tokens).to(state.dtype), state, step, k_cache, v_cache, keep)
         return self.norm(out) if self.config.norm_output else out
 
     def project(self, taps: torch.Tensor) -> torch.Tensor:
@@ -181,12 +185,13 @@ class HeadRunner:
     @torch.inference_mode()
     def _forward(self, exact: list[ExactToken], states: torch.Tensor, tokens: list[int], every_row: bool,
                  ends: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The head over packed rows: the layer's outputs [n, h] and the logits after each row or each user's last.
-        Without every_row only each user's last row attends: the others write their K/V (which depend on the row
-        alone) and their outputs, unread, are not those of the head. A catch-up over a long prompt then costs a
-        projection per row, not an attention over the whole cache per row (quadratic in the prompt)."""
+        """The head over packed rows: the layer's outputs and logits after each row [n, ...], or without every_row
+        after each user's last [len(ends), ...]. Without every_row the others write their K/V (which depend on the row
+        alone) and nothing else: a catch-up over a long prompt then costs fc and the K/V projection per row, not an
+        attention over the whole cache (quadratic in the prompt), the output projection and the MLP."""
         dev, n = self.cos.device, len(exact)
         attending = exact if every_row else [exact[end - 1] for end in ends]
+        keep = None if every_row else torch.tensor([end - 1 for end in ends], device=dev)
         rows, slots, pos = [t.row for t in exact], [t.slot for t in exact], [t.pos for t in exact]
         if n == 1 and self.head.kernels is None:
             # a padding partner writing the scratch slot, as TorchCausalLM._packed_step (oneDNN's M == 1 kernel)
@@ -197,8 +202,8 @@ class HeadRunner:
                           torch.tensor([rows], device=dev), torch.tensor([slots], device=dev), None, 0, None,
                           attending, [t.key_slots() for t in attending])
         out = self.head.features(states.unsqueeze(0).to(dev, self.head.dtype), torch.tensor([tokens], device=dev),
-                                 step, self.cache.k[0], self.cache.v[0])[0, :n]
-        return out, self.head.logits(out if every_row else out[[end - 1 for end in ends]])
+                                 step, self.cache.k[0], self.cache.v[0], keep)[0, : n if every_row else len(ends)]
+        return out, self.head.logits(out)
 
     def run(self, users: Sequence[int], start_pos: Sequence[int], hidden: Sequence[torch.Tensor],
             next_tokens: Sequence[Sequence[int]], every_row: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -215,7 +220,7 @@ class HeadRunner:
                                     every_row, ends)
         if every_row:
             return [(out[end - len(toks) : end], logits[end - len(toks) : end]) for toks, end in zip(next_tokens, ends)]
-        return [(out[end - 1 : end], logits[i]) for i, end in enumerate(ends)]
+        return [(out[i : i + 1], logits[i]) for i in range(len(ends))]
 
     def run_tree(self, nodes: Sequence[tuple[int, int, int, tuple[int, ...]]], states: torch.Tensor,
                  tokens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
