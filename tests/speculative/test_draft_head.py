@@ -404,6 +404,7 @@ def test_head_run_cost_leaves_out_the_feed(trees, monkeypatch):
     clock = [0.0]
     monkeypatch.setattr(eagle3_base.time, "perf_counter", lambda: clock[0])  # the `time` module eagle3.py reads too
     drafter = HeadDrafter(TimedHead(clock))
+    monkeypatch.setattr(drafter, "catch_up_pays", lambda *args: True)  # when a catch-up pays: tested below
     context = list(range(1000))
     drafter.start([0], [context], KeyedSampler(SamplingParams()), [torch.zeros(1000, 4)])
     for _ in range(6):
@@ -422,6 +423,38 @@ def test_head_run_cost_leaves_out_the_feed(trees, monkeypatch):
         drafter.known[0].append(torch.zeros(len(gap), 4))
         context += accepted + gap
     assert drafter.draft_cost == pytest.approx(0.1)
+
+
+def test_a_long_prompt_is_fed_to_the_head_once_the_request_has_made_enough_tokens_to_pay_for_it(monkeypatch):
+    """The head's catch-up over a long prompt (rows x a catch-up row's measured cost, in plain steps) waits until
+    the tokens the request has made, at the head's expected gain per token, cover it: a 5-token answer after a
+    1,000-token prompt never pays for the head's prefill, a long answer pays it after a few tokens. The steps before
+    run nothing on the head; the catch-up then feeds every row once, and the head drafts."""
+    from models.tt_transformers.speculative.drafters import eagle3_base
+
+    clock = [0.0]
+    monkeypatch.setattr(eagle3_base.time, "perf_counter", lambda: clock[0])
+    head = TimedHead(clock)
+    runs = []
+    monkeypatch.setattr(head, "run", lambda users, start, hidden, tokens, run=head.run: runs.append(
+        sum(map(len, tokens))) or run(users, start, hidden, tokens))
+    drafter = HeadDrafter(head)
+    drafter.cost.feed_row_s, drafter.cost.step_s = 2e-4, 1e-2  # a catch-up row at 0.02 of a plain step
+    prompt = list(range(1000))
+    drafter.start([0], [prompt], KeyedSampler(SamplingParams()), [torch.zeros(1000, 4)])
+    context, extra_cost, made = prompt + [7], linear_cost(0.25), []
+    while not runs:
+        assert len(context) - len(prompt) < 100, "the head never started"
+        value = drafter.draft_value(0, 4, extra_cost)
+        pays = (len(context) - len(prompt)) * (1 - 1 / value) >= (len(context) - 1) * drafter.cost.feed_row_value
+        draft = drafter.propose([0], [context], [4], extra_cost)[0]
+        assert bool(draft.tokens) == pays == bool(runs)
+        if not runs:  # the target's plain step: its row's state waits for the head
+            drafter.accept(0, Verified([5], [], [context[-1]], None, torch.zeros(1, 4)))
+            context.append(5)
+            made.append(len(context) - len(prompt))
+    assert len(made) > 10 and drafter.fed_len[0] == len(context) - 1  # every row fed, once: in runs of up to 256
+    assert sum(r for r in runs if r > 1) == len(context) - 1 and max(runs) == 256
 
 
 def test_head_feeds_each_verified_row_once_and_drafts_one_row_a_run(monkeypatch):

@@ -15,7 +15,7 @@ from typing import Optional, Protocol, Sequence
 import torch
 
 from ..config import MAX_TREE_NODES
-from ..draft_length import ExtraCost, MatchAcceptance
+from ..draft_length import PROBE_BUDGET, ExtraCost, MatchAcceptance
 from ..sampling import probabilities
 from .base import Draft, Verified
 from .eagle3_base import HeadChain, HeadDraft, HeadDrafterBase
@@ -55,11 +55,27 @@ class HeadDrafter(HeadDrafterBase):
         super().__init__(head)
         self.known: dict[int, list[torch.Tensor]] = {}  # chunks, joined only when the head is fed
         self.fed_len: dict[int, int] = {}
+        self.prompt_len: dict[int, int] = {}
 
     def start(self, users, prompts, sampler, hidden=None):
         self._reset(users, sampler, hidden)
         self.known = {u: [h] for u, h in zip(users, hidden)}
         self.fed_len = {u: 0 for u in users}
+        self.prompt_len = {u: len(p) for u, p in zip(users, prompts)}
+
+    def catch_up_pays(self, user: int, context: Sequence[int], n: int, extra_cost: ExtraCost) -> bool:
+        """Whether the user's head may be fed the rows it is behind now. A gap longer than one run's rows (a whole
+        prompt's at the first proposal, a long pause's) is a one-time cost of rows x RunCost.feed_row_value plain
+        steps, paid once the request has made as many tokens as the head's drafts, at their expected value, need to win
+        it back (the tokens made so far standing for those to come): a short answer after a long prompt does not
+        pay for the head's prefill, a long one pays it after a few tokens. A head whose drafts do not pay is probed
+        across such a gap only when those tokens cover it at the probe budget."""
+        behind = len(context) - 1 - self.fed_len[user]
+        if behind <= self.head.max_rows:
+            return True
+        value = self.draft_value(user, n, extra_cost)
+        gain = 1 - 1 / value if value > 1 else PROBE_BUDGET
+        return (len(context) - self.prompt_len[user]) * gain >= behind * self.cost.feed_row_value
 
     def warm_up(self, logits: bool = False) -> dict[str, float]:
         return {}  # a head beside the target runs eagerly
@@ -80,14 +96,17 @@ class HeadDrafter(HeadDrafterBase):
 
     def _catch_up(self, live: list[tuple[int, Sequence[int]]], last_rows: int) -> None:
         """Feed the known states of each user's positions before len(context) - 1, in chunks of the head's row budget,
-        except its last `last_rows`..max_rows rows when last_rows > 0 (the caller's first drafting run takes them)."""
+        except its last `last_rows`..max_rows rows when last_rows > 0 (the caller's first drafting run takes them).
+        Timed per row (RunCost.fed: catch_up_pays prices the next gap with it)."""
         while True:
             behind = [(u, ctx) for u, ctx in live
                       if len(ctx) - 1 - self.fed_len[u] > (self.head.max_rows if last_rows else 0)]
             if not behind:
                 return
             ends = [min(len(ctx) - 1, self.fed_len[u] + self.head.max_rows) for u, ctx in behind]
+            rows, start = sum(end - self.fed_len[u] for (u, _), end in zip(behind, ends)), time.perf_counter()
             self._feed([u for u, _ in behind], [self._rows(u, ctx, end) for (u, ctx), end in zip(behind, ends)])
+            self.cost.fed(time.perf_counter() - start, rows)
 
     def _choose(self, logits: torch.Tensor, user: int, position: int) -> tuple[int, float]:
         """The draft token at `position` after these logits over the draft vocabulary, and the head's probability of
@@ -107,8 +126,8 @@ class HeadDrafter(HeadDrafterBase):
         # a one-token context has no row yet (the head's first row predicts the token at position 2); a user whose
         # head drafts do not pay is not run, but for a probe now and then
         probes = set()
-        live = [(u, ctx) for u, ctx, n in zip(users, contexts, max_tokens)
-                if n > 0 and len(ctx) > 1 and self._gated(u, n, extra_cost, probes)]
+        live = [(u, ctx) for u, ctx, n in zip(users, contexts, max_tokens) if n > 0 and len(ctx) > 1
+                and self.catch_up_pays(u, ctx, n, extra_cost) and self._gated(u, n, extra_cost, probes)]
         self._catch_up(live, 1)
         outs = self._feed([u for u, _ in live], [self._rows(u, ctx, len(ctx) - 1) for u, ctx in live]) if live else []
         roots = {u: (len(ctx) - 1, out[0][-1:], out[1]) for (u, ctx), out in zip(live, outs)}  # position, h, logits

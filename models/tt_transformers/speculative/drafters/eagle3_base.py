@@ -138,6 +138,7 @@ class RunCost:
     def __init__(self, estimate: float, measure: bool = True):
         self.estimate, self.measure, self.run_s, self.step_s = estimate, measure, None, None
         self.verifications = 0
+        self.feed_row_s: Optional[float] = None  # a catch-up row's seconds (HeadDrafter.catch_up_pays)
         self.proposed_at: Optional[float] = None
         self.extra_cost: ExtraCost = lambda k: 0.0  # the last proposal's
         self.step_seconds: Optional[float] = None  # the step being verified, until every user's rows are in
@@ -152,6 +153,21 @@ class RunCost:
 
     def ran(self, seconds: float) -> None:
         self.run_s = seconds if self.run_s is None else self.decay * self.run_s + (1 - self.decay) * seconds
+
+    def fed(self, seconds: float, rows: int) -> None:
+        """A catch-up feed of `rows` rows (a prompt's, a long gap's) took `seconds`."""
+        row_s = seconds / rows
+        self.feed_row_s = row_s if self.feed_row_s is None else self.decay * self.feed_row_s + (1 - self.decay) * row_s
+
+    @property
+    def feed_row_value(self) -> float:
+        """One catch-up row in plain target steps: measured, else a 32nd of a run (a catch-up's rows share each
+        weight's read and pay only fc's and the K/V projection's arithmetic: a 16th to a 90th of a run on this
+        project's CPUs)."""
+        self._settle()
+        if not self.measure or self.feed_row_s is None or self.step_s is None:
+            return self.value / 32
+        return self.feed_row_s / self.step_s
 
     def proposed(self, extra_cost: ExtraCost) -> None:
         """A proposal ends now; its verification step will be priced with extra_cost."""
