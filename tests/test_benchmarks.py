@@ -178,6 +178,23 @@ def test_bench_long_measures_every_row_against_plain_decoding_and_skips_lengths_
     assert (tmp_path / "long.png").stat().st_size > 0
 
 
+def test_bench_long_goals_compare_the_longest_length_with_the_shortest_per_token_per_forward():
+    import bench_long
+
+    def row(length, task, speedup, per_forward, head_run=None, hf=None, ttft=1.0):
+        return {"length": length, "task": task, "draft_mode": "hybrid", "speedup": speedup,
+                "tokens_per_forward": per_forward, "head_run_step": head_run, "hf_ttft_s": hf, "plain_ttft_s": ttft}
+
+    report = {"rows": [row(1000, "copy", 2.0, 2.5, 0.1), row(1000, "qa", 1.2, 1.5), row(8000, "copy", 1.5, 2.4, 0.25, 2.0),
+                       row(8000, "qa", 0.98, 1.9, None, 0.5), {"length": 16000, "skipped": "beyond"}]}
+    goals = bench_long.goals(report)
+    assert goals["never_slower"]["met"] is False and goals["never_slower"]["8000 qa hybrid"] == 0.98
+    held = goals["speedup_per_token_per_forward_vs_shortest"]  # qa at 8k makes < 2 tokens per forward: not compared
+    assert held == {"8000 copy hybrid": pytest.approx((1.5 / 2.4) / (2.0 / 2.5)), "met": False}
+    assert goals["head_run_at_most_0.2_step"] == {"1000 copy hybrid": 0.1, "8000 copy hybrid": 0.25, "met": False}
+    assert goals["ttft_at_most_hf_at_longest"] == {"copy": [1.0, 2.0], "qa": [1.0, 0.5], "met": False}
+
+
 def test_bench_long_fails_a_run_whose_speculative_outputs_differ(monkeypatch, tmp_path):
     """Its table, JSON and chart are written first; then it exits with the rows named."""
     import pytest
