@@ -425,6 +425,35 @@ def test_head_run_cost_leaves_out_the_feed(trees, monkeypatch):
     assert drafter.draft_cost == pytest.approx(0.1)
 
 
+@pytest.mark.parametrize("trees", [False, True], ids=["chains", "trees"])
+def test_a_head_whose_runs_find_no_token_worth_drafting_stops_running(trees, monkeypatch):
+    """A head that is run (its gate says its drafts pay) but whose first token is never likely enough to pay for
+    its row drafts nothing; each such proposal costs a feed and a run. The gate learns it as a rejection, so the head
+    stops running but for its probes, instead of running every step at a loss. (A fake clock: a head run 1 ms, the
+    target's step 10 ms.)"""
+    from models.tt_transformers.speculative.drafters import eagle3_base
+
+    clock = [0.0]
+    monkeypatch.setattr(eagle3_base.time, "perf_counter", lambda: clock[0])
+    head = TimedHead(clock)
+    monkeypatch.setattr(TimedHead, "_outputs", staticmethod(lambda rows: (torch.zeros(rows, 4), torch.zeros(rows, 8))))
+    runs = []
+    monkeypatch.setattr(head, "run", lambda users, *a, run=head.run: runs.append(len(users)) or run(users, *a))
+    monkeypatch.setattr(head, "run_tree", lambda *a, run=head.run_tree: runs.append(1) or run(*a))
+    drafter = HeadDrafter(head)
+    context = list(range(20))
+    drafter.start([0], [context], KeyedSampler(SamplingParams()), [torch.zeros(20, 4)])
+    steps_run = []
+    for step in range(40):
+        before = len(runs)
+        draft = drafter.propose([0], [context], [4], linear_cost(0.25), trees)[0]
+        steps_run.append(len(runs) > before)
+        clock[0] += 1e-2 * (1 + 0.25 * len(draft.tokens))  # the target's verification step
+        drafter.accept(0, Verified([5], [], [context[-1], *draft.tokens], None, torch.zeros(1 + len(draft.tokens), 4)))
+        context.append(5)
+    assert steps_run[0] and sum(steps_run[10:]) <= 4, steps_run
+
+
 def test_a_long_prompt_is_fed_to_the_head_once_the_request_has_made_enough_tokens_to_pay_for_it(monkeypatch):
     """The head's catch-up over a long prompt (rows x a catch-up row's measured cost, in plain steps) waits until
     the tokens the request has made, at the head's expected gain per token, cover it: a 5-token answer after a
