@@ -454,6 +454,38 @@ def test_a_head_whose_runs_find_no_token_worth_drafting_stops_running(trees, mon
     assert steps_run[0] and sum(steps_run[10:]) <= 4, steps_run
 
 
+def test_a_traced_head_whose_chains_find_no_token_worth_drafting_stops_drafting():
+    """The same for a head that drafts a whole chain in one replay where its target keeps the taps (a TT device's,
+    here a stand-in on the host): chains of unlikely tokens draft nothing, and the gate stops asking for them (the
+    rows are still fed every step: the device's tap tile is rewritten by the next step)."""
+    from models.tt_transformers.speculative.backend import DeviceRows
+    from models.tt_transformers.speculative.drafters.eagle3_device import TracedHeadDrafter
+
+    class UnlikelyChains:  # a stand-in for ttnn_backend/eagle3_head.py's head: chains of tokens at probability 0.05
+        vocab, vocab_size, taps, draft_cost, chain_len, last_draft_s = torch.arange(8), 8, (0,), 0.05, 4, 1e-3
+
+        def __init__(self):
+            self.chains = 0
+
+        def draft(self, feeds, chain_users, k):
+            self.chains += bool(chain_users)
+            return {u: ([3] * k, [0.05] * k) for u in chain_users}
+
+    head = UnlikelyChains()
+    drafter = TracedHeadDrafter(head)
+    drafter.cost.measure = False
+    context = list(range(20))
+    drafter.start([0], [context], KeyedSampler(SamplingParams()), [torch.zeros(20, 4)])
+    chains = []
+    for step in range(40):
+        before = head.chains
+        draft = drafter.propose([0], [context], [4], linear_cost(0.25))[0]
+        chains.append(head.chains > before)
+        drafter.accept(0, Verified([5], [], [context[-1], *draft.tokens], None, DeviceRows(0, len(context) - 1)))
+        context.append(5)
+    assert chains[0] and sum(chains[10:]) <= 4, chains
+
+
 def test_a_long_prompt_is_fed_to_the_head_once_the_request_has_made_enough_tokens_to_pay_for_it(monkeypatch):
     """The head's catch-up over a long prompt (rows x a catch-up row's measured cost, in plain steps) waits until
     the tokens the request has made, at the head's expected gain per token, cover it: a 5-token answer after a

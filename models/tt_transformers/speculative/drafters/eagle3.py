@@ -144,9 +144,7 @@ class HeadDrafter(HeadDrafterBase):
             self.cost.ran((time.perf_counter() - drafting) / runs)
         if live:
             self.cost.proposed(extra_cost)
-        for u, _ in live:
-            if u not in drafts:  # ran, and no token was likely enough to pay: its policy learns of it as a rejection,
-                self.policies[u].update(1, 0)  # else the gate, which learns only from verified drafts, runs it each step
+        self._learn_declines([u for u, _ in live], drafts)
         return [drafts.get(u, Draft([], "none")) for u in users]
 
     def _chains(self, roots: dict, wanted: dict, extra_cost: ExtraCost, probes: set) -> tuple[dict, int]:

@@ -62,6 +62,14 @@ class HeadDrafterBase:
             probes.add(user)
         return True
 
+    def _learn_declines(self, ran, drafts: dict) -> None:
+        """The users the head ran for whose runs found no token likely enough to pay for its row (no draft): a
+        rejection for their gate, which otherwise learns only from verified drafts and would run such a head every
+        step at a loss."""
+        for user in ran:
+            if user not in drafts:
+                self.policies[user].update(1, 0)
+
     def _chain_draft(self, user: int, chain: "HeadChain", k: int) -> Optional[Draft]:
         """The chain's first k tokens as the user's draft (none for k = 0), kept to learn from its verification."""
         if not k:

@@ -84,6 +84,7 @@ class TracedHeadDrafter(HeadDrafterBase):
             draft = self._chain_draft(u, chain, chain.paying or int(u in probes))
             if draft is not None:
                 drafts[u] = draft
+        self._learn_declines(wanted, drafts)
         return [drafts.get(u, Draft([], "none")) for u in users]
 
     def warm_up(self, logits: bool = False) -> dict[str, float]:
