@@ -42,6 +42,19 @@ def linear(x_bits: np.ndarray, w_bits: np.ndarray, odd_first: bool) -> np.ndarra
     return acc
 
 
+def fma(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """a * b + c rounded once to float32 (v_fma), for a product exact in float64 (a float32 times a bf16): the sum is
+    rounded to float64 by round-to-odd (TwoSum's error says whether it was exact and from which side), which float32's
+    round-to-nearest-even then rounds as if from the exact sum (53 bits >= 24 + 2)."""
+    product, c = np.float64(a) * np.float64(b), np.asarray(c, dtype=np.float64)
+    s = product + c
+    rest = s - product
+    error = (product - (s - rest)) + (c - rest)  # TwoSum: s + error is the exact sum
+    toward_zero = np.where((error != 0) & ((error < 0) != (s < 0)), np.nextafter(s, 0.0), s)
+    odd = toward_zero.view(np.uint64) | np.where(error != 0, np.uint64(1), np.uint64(0))
+    return odd.view(np.float64).astype(np.float32)
+
+
 def tree_sum16(lanes: np.ndarray) -> np.ndarray:
     """v_reduce_add over the last axis of 16 lanes: halves added (i and i + 8, i + 4, i + 2, the last two)."""
     s = lanes
@@ -104,7 +117,8 @@ def key_dots(q: np.ndarray, keys: np.ndarray, odd_first: bool) -> np.ndarray:
 def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, first: int, odd_first: bool) -> np.ndarray:
     """One query head over its keys and values (bf16 as float32) -> float32 [D] (attend_rows): key j sits at
     position first + j, and the positions go in blocks of 16 aligned at multiples of 16, each taken by an online
-    softmax (running maximum m, 16 lanes of sums, the weighted values acc), the keys outside the token's own masked."""
+    softmax (running maximum m, 16 lanes of sums, the weighted values acc, each value added by a fused multiply-add),
+    the keys outside the token's own masked."""
     D, end = q.shape[0], first + len(keys)
     scale = F32(1.0) / np.sqrt(F32(D))
     m, sums, acc = F32(-np.inf), np.zeros(16, dtype=F32), np.zeros(D, dtype=F32)
@@ -119,7 +133,7 @@ def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, first: int, odd_
         sums = sums * alpha + p
         acc = acc * alpha
         for j in range(a, z):
-            acc = acc + p[j] * values[b0 + j - first]
+            acc = fma(p[j], values[b0 + j - first], acc)
         m = new_max
     return acc * (F32(1.0) / tree_sum16(sums))
 

@@ -48,6 +48,7 @@ static inline bf16 f32_to_bf16(float f) {  // round to nearest even, as torch do
 // ---- v16: 16 float lanes ---------------------------------------------------------------------------------------
 // v_load_pairs splits 32 bf16 stored as 16 pairs (lane i: elements 2i, 2i + 1) into the even and odd elements.
 // v_madd_exact(a, b, c) = a * b + c where a * b is exact in float (a product of two bf16): fused or not, one rounding.
+// v_fma(a, b, c) = a * b + c fused (rounded once) for any a and b.
 // v_reduce_add adds halves: lanes i and i + 8, then i and i + 4, i and i + 2, and the last two.
 #if defined(TT_ISA_AVX512BF16) || defined(TT_ISA_AVX512)
 #include <immintrin.h>
@@ -69,6 +70,7 @@ static inline v16 v_div(v16 a, v16 b) { return _mm512_div_ps(a, b); }
 static inline v16 v_min(v16 a, v16 b) { return _mm512_min_ps(a, b); }
 static inline v16 v_max(v16 a, v16 b) { return _mm512_max_ps(a, b); }
 static inline v16 v_madd_exact(v16 a, v16 b, v16 c) { return _mm512_fmadd_ps(a, b, c); }
+static inline v16 v_fma(v16 a, v16 b, v16 c) { return _mm512_fmadd_ps(a, b, c); }
 static inline v16 v_rint(v16 a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 static inline v16 v_load_bf16(const bf16 *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)p)), 16));
@@ -145,6 +147,9 @@ static inline v16 v_set1(float a) { return v_of(_mm256_set1_ps(a), _mm256_set1_p
 static inline v16 v_load(const float *p) { return v_of(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)); }
 static inline void v_store(float *p, v16 a) { _mm256_storeu_ps(p, a.lo); _mm256_storeu_ps(p + 8, a.hi); }
 static inline v16 v_madd_exact(v16 a, v16 b, v16 c) {
+    return v_of(_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi));
+}
+static inline v16 v_fma(v16 a, v16 b, v16 c) {
     return v_of(_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi));
 }
 static inline v16 v_rint(v16 a) {
@@ -240,6 +245,11 @@ static inline void v_store(float *p, v16 a) {
     for (int i = 0; i < 4; i++) vst1q_f32(p + 4 * i, a.q[i]);
 }
 static inline v16 v_madd_exact(v16 a, v16 b, v16 c) {
+    v16 r;
+    for (int i = 0; i < 4; i++) r.q[i] = vfmaq_f32(c.q[i], a.q[i], b.q[i]);
+    return r;
+}
+static inline v16 v_fma(v16 a, v16 b, v16 c) {
     v16 r;
     for (int i = 0; i < 4; i++) r.q[i] = vfmaq_f32(c.q[i], a.q[i], b.q[i]);
     return r;
@@ -348,6 +358,10 @@ static inline v16 v_load(const float *p) {
 }
 static inline void v_store(float *p, v16 a) { memcpy(p, &a, sizeof a); }
 static inline v16 v_madd_exact(v16 a, v16 b, v16 c) { return a * b + c; }
+static inline v16 v_fma(v16 a, v16 b, v16 c) {
+    for (int i = 0; i < 16; i++) c[i] = fmaf(a[i], b[i], c[i]);
+    return c;
+}
 static inline v16 v_rint(v16 a) {
     for (int i = 0; i < 16; i++) a[i] = rintf(a[i]);
     return a;
@@ -655,24 +669,28 @@ static void rotate(const bf16 *x, const bf16 *cos, const bf16 *sin, int64_t D, b
     }
 }
 
-// q . k for 16 keys (a NULL key: 0): each key's 16 lanes summed pairwise over D, a pair of elements per lane for
-// every 32 (as the linear layer sums), then the lanes added by v_sum_lanes16.
+static const bf16 NO_KEY[256];  // what a key outside a token's own reads as in key_dots (zeros; its lane is masked)
+
+// q . k for 16 keys: each key's 16 lanes summed pairwise over D, a pair of elements per lane for every 32 (as the
+// linear layer sums), then the lanes added by v_sum_lanes16. The 32 elements of q go against all 16 keys before the
+// next 32, so the 16 sums stay in registers (AVX-512) and their chains overlap.
 static inline v16 key_dots(const bf16 *const *keys, const bf16 *q, int64_t D) {
     v16 dots[16];
-    for (int64_t j = 0; j < 16; j++) {
-        dots[j] = v_zero();
-        if (!keys[j]) continue;
-        for (int64_t i = 0; i < D; i += 32) {
+    for (int j = 0; j < 16; j++) dots[j] = v_zero();
+    for (int64_t i = 0; i < D; i += 32) {
 #ifdef TT_ISA_AVX512BF16
-            dots[j] = _mm512_dpbf16_ps(dots[j], (__m512bh)_mm512_loadu_si512((const void *)(keys[j] + i)),
-                                       (__m512bh)_mm512_loadu_si512((const void *)(q + i)));
+        const __m512bh qi = (__m512bh)_mm512_loadu_si512((const void *)(q + i));
+        for (int j = 0; j < 16; j++)
+            dots[j] = _mm512_dpbf16_ps(dots[j], (__m512bh)_mm512_loadu_si512((const void *)(keys[j] + i)), qi);
 #else
-            v16 k_even, k_odd, q_even, q_odd;
+        v16 q_even, q_odd;
+        v_load_pairs(q + i, &q_even, &q_odd);
+        for (int j = 0; j < 16; j++) {
+            v16 k_even, k_odd;
             v_load_pairs(keys[j] + i, &k_even, &k_odd);
-            v_load_pairs(q + i, &q_even, &q_odd);
             dots[j] = v_madd_exact(k_odd, q_odd, v_madd_exact(k_even, q_even, dots[j]));
-#endif
         }
+#endif
     }
     return v_sum_lanes16(dots);
 }
@@ -684,7 +702,7 @@ static inline v16 key_dots(const bf16 *const *keys, const bf16 *q, int64_t D) {
 #define STATE_MAX(D) ((D) + 16)
 
 // acc[g] = acc[g] * alpha[g] + p[g][j] * v_j over keys j = 0 .. len - 1 of a block, in key order (each product
-// rounded, then added), for up to 4 query heads g < NG and chunks c0 .. c0 + NC - 1 of 16 lanes: each value is loaded
+// added by a fused multiply-add, rounded once), for up to 4 query heads g < NG and chunks c0 .. c0 + NC - 1 of 16 lanes: each value is loaded
 // and widened once for all heads. NG and NC are compile-time constants at every call site (see weigh_values), so the
 // NG x NC accumulators live in registers.
 static inline __attribute__((always_inline)) void weigh_values_tile(const int NG, const int NC, const bf16 *const *vals,
@@ -698,7 +716,7 @@ static inline __attribute__((always_inline)) void weigh_values_tile(const int NG
         for (int c = 0; c < NC; c++) v[c] = v_load_bf16(vals[j] + 16 * (c0 + c));
         for (int g = 0; g < NG; g++) {
             const v16 pj = v_set1(p[16 * g + j]);
-            for (int c = 0; c < NC; c++) a[g][c] = v_add(a[g][c], v_mul(pj, v[c]));
+            for (int c = 0; c < NC; c++) a[g][c] = v_fma(pj, v[c], a[g][c]);
         }
     }
     for (int g = 0; g < NG; g++)
@@ -763,7 +781,8 @@ static void attend_rows(const bf16 *q_rot, int64_t t0, int64_t t1, int64_t H, in
             const int64_t *e = table + TABLE_COLUMNS * t, first = e[FIRST], end = first + key_count(e);
             const int64_t a = (first > b0 ? first : b0) - b0, z = (end < b0 + 16 ? end : b0 + 16) - b0;
             if (a >= z) continue;  // this token sees no key of the block
-            const bf16 *kp[16] = {0}, *vp[16];
+            const bf16 *kp[16], *vp[16];
+            for (int64_t j = 0; j < 16; j++) kp[j] = NO_KEY;
             for (int64_t j = a; j < z; j++) {
                 const int64_t at = key_slot(e, ancestors, b0 + j - first) * D;
                 kp[j] = keys + at;
@@ -771,18 +790,30 @@ static void attend_rows(const bf16 *q_rot, int64_t t0, int64_t t1, int64_t H, in
             }
             float p[4][16], alpha[4];
             float *s0 = state + (t - t0) * ng * stride;
+            const int whole = a == 0 && z == 16;  // most blocks: no lane masked, the maximum taken in vector
             for (int g = 0; g < ng; g++) {
                 float *s = s0 + g * stride, scores[16];
-                v_store(scores, v_mul(key_dots(kp, q_rot + (t * H + h0 + g) * D, D), v_set1(scale)));
-                float m = s[STATE_MAX(D)];
-                for (int64_t j = a; j < z; j++) m = scores[j] > m ? scores[j] : m;
-                alpha[g] = m == s[STATE_MAX(D)] ? 1.0f : exp1(s[STATE_MAX(D)] - m);
+                const v16 dots = v_mul(key_dots(kp, q_rot + (t * H + h0 + g) * D, D), v_set1(scale));
+                const float old = s[STATE_MAX(D)];
+                float m = old;
+                if (whole) {
+                    const float top = v_reduce_max(dots);
+                    m = top > m ? top : m;
+                } else {
+                    v_store(scores, dots);
+                    for (int64_t j = a; j < z; j++) m = scores[j] > m ? scores[j] : m;
+                }
+                alpha[g] = m == old ? 1.0f : exp1(old - m);
                 s[STATE_MAX(D)] = m;
-                v_store(p[g], v_exp(v_sub(v_load(scores), v_set1(m))));
-                for (int64_t j = 0; j < 16; j++)
-                    if (j < a || j >= z) p[g][j] = 0.0f;
+                v16 pg = v_exp(v_sub(dots, v_set1(m)));
+                v_store(p[g], pg);
+                if (!whole) {
+                    for (int64_t j = 0; j < 16; j++)
+                        if (j < a || j >= z) p[g][j] = 0.0f;
+                    pg = v_load(p[g]);
+                }
                 float *sums = s + STATE_SUMS(D);
-                v_store(sums, v_add(v_mul(v_load(sums), v_set1(alpha[g])), v_load(p[g])));
+                v_store(sums, v_add(v_mul(v_load(sums), v_set1(alpha[g])), pg));
             }
             weigh_values(ng, D / 16, vp + a, &p[0][a], alpha, z - a, s0, stride);
         }
