@@ -791,9 +791,11 @@ static void attend_rows(const bf16 *q_rot, int64_t t0, int64_t t1, int64_t H, in
             float p[4][16], alpha[4];
             float *s0 = state + (t - t0) * ng * stride;
             const int whole = a == 0 && z == 16;  // most blocks: no lane masked, the maximum taken in vector
+            v16 scaled[4];  // every head's scores first, so the heads' exponentials below overlap
+            for (int g = 0; g < ng; g++) scaled[g] = v_mul(key_dots(kp, q_rot + (t * H + h0 + g) * D, D), v_set1(scale));
             for (int g = 0; g < ng; g++) {
                 float *s = s0 + g * stride, scores[16];
-                const v16 dots = v_mul(key_dots(kp, q_rot + (t * H + h0 + g) * D, D), v_set1(scale));
+                const v16 dots = scaled[g];
                 const float old = s[STATE_MAX(D)];
                 float m = old;
                 if (whole) {
