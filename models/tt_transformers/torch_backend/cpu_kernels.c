@@ -782,9 +782,10 @@ static void attend_rows(const bf16 *q_rot, int64_t t0, int64_t t1, int64_t H, in
             const int64_t a = (first > b0 ? first : b0) - b0, z = (end < b0 + 16 ? end : b0 + 16) - b0;
             if (a >= z) continue;  // this token sees no key of the block
             const bf16 *kp[16], *vp[16];
+            const int in_run = b0 + z <= e[RUN_END];  // most blocks: the keys are at their positions' slots
             for (int64_t j = 0; j < 16; j++) kp[j] = NO_KEY;
             for (int64_t j = a; j < z; j++) {
-                const int64_t at = key_slot(e, ancestors, b0 + j - first) * D;
+                const int64_t at = (in_run ? b0 + j : key_slot(e, ancestors, b0 + j - first)) * D;
                 kp[j] = keys + at;
                 vp[j] = values + at;
             }
