@@ -824,7 +824,7 @@ static void attend_rows(const bf16 *q_rot, int64_t t0, int64_t t1, int64_t H, in
                     v_store(scores, dots);
                     for (int64_t j = a; j < z; j++) m = scores[j] > m ? scores[j] : m;
                 }
-                alpha[g] = m == old || old == -INFINITY ? 1.0f : exp1(old - m);  // (acc and sums are 0 at first)
+                alpha[g] = m == old ? 1.0f : exp1(old - m);
                 s[STATE_MAX(D)] = m;
                 v16 pg = v_exp(v_sub(dots, v_set1(m)));
                 v_store(p[g], pg);
