@@ -847,7 +847,8 @@ static void attend_rows(const bf16 *q_rot, int64_t t0, int64_t t1, int64_t H, in
 static void merge_splits(float *states, int64_t n, const int64_t *table, int64_t t, int64_t H, int64_t h, int64_t D,
                          float *out) {
     const int64_t *e = table + TABLE_COLUMNS * t;
-    const int64_t s0 = split_of(e[FIRST]), splits = split_of(e[FIRST] + key_count(e) - 1) - s0 + 1;
+    const int64_t s0 = split_of(e[FIRST]), keys = key_count(e);
+    const int64_t splits = keys ? split_of(e[FIRST] + keys - 1) - s0 + 1 : 0;  // no keys: 0 / 0, as the softmax gives
     float top = -INFINITY, f[MAX_SPLITS] = {0};
     for (int64_t i = 0; i < splits; i++) {
         f[i] = state_of(states, n, t, H, h, s0 + i, D)[STATE_MAX(D)];
