@@ -42,19 +42,6 @@ def linear(x_bits: np.ndarray, w_bits: np.ndarray, odd_first: bool) -> np.ndarra
     return acc
 
 
-def fma(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
-    """a * b + c rounded once to float32 (v_fma), for a product exact in float64 (a float32 times a bf16): the sum is
-    rounded to float64 by round-to-odd (TwoSum's error says whether it was exact and from which side), which float32's
-    round-to-nearest-even then rounds as if from the exact sum (53 bits >= 24 + 2)."""
-    product, c = np.float64(a) * np.float64(b), np.asarray(c, dtype=np.float64)
-    s = product + c
-    rest = s - product
-    error = (product - (s - rest)) + (c - rest)  # TwoSum: s + error is the exact sum
-    toward_zero = np.where((error != 0) & ((error < 0) != (s < 0)), np.nextafter(s, 0.0), s)
-    odd = toward_zero.view(np.uint64) | np.where(error != 0, np.uint64(1), np.uint64(0))
-    return odd.view(np.float64).astype(np.float32)
-
-
 def tree_sum16(lanes: np.ndarray) -> np.ndarray:
     """v_reduce_add over the last axis of 16 lanes: halves added (i and i + 8, i + 4, i + 2, the last two)."""
     s = lanes
@@ -128,8 +115,7 @@ def split_end(split: int) -> float:
 def attend_split(q: np.ndarray, keys: np.ndarray, values: np.ndarray, first: int, lo: int, hi: int, odd_first: bool):
     """The online softmax of one query head over its keys at positions [lo, hi) (one split; key j sits at position
     first + j) -> (running maximum m, 16 lanes of sums, the weighted values acc) (attend_rows): the positions go in
-    blocks of 16 aligned at multiples of 16, the keys outside [lo, hi) masked, each value added by a fused
-    multiply-add."""
+    blocks of 16 aligned at multiples of 16, the keys outside [lo, hi) masked."""
     D = q.shape[0]
     scale = F32(1.0) / np.sqrt(F32(D))
     m, sums, acc = F32(-np.inf), np.zeros(16, dtype=F32), np.zeros(D, dtype=F32)
@@ -144,7 +130,7 @@ def attend_split(q: np.ndarray, keys: np.ndarray, values: np.ndarray, first: int
         sums = sums * alpha + p
         acc = acc * alpha
         for j in range(a, z):
-            acc = fma(p[j], values[b0 + j - first], acc)
+            acc = acc + p[j] * values[b0 + j - first]
         m = new_max
     return m, sums, acc
 
@@ -152,7 +138,7 @@ def attend_split(q: np.ndarray, keys: np.ndarray, values: np.ndarray, first: int
 def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, first: int, odd_first: bool) -> np.ndarray:
     """One query head over its keys and values (bf16 as float32) -> float32 [D] (attend_rows, merge_splits): key j
     sits at position first + j; each split of the positions is its own online softmax (attend_split), and the
-    splits' states are merged in order: f = exp(m - the largest m), acc and sums summed by fused multiply-adds."""
+    splits' states are merged in order: f = exp(m - the largest m), acc = acc + acc_s f and sums = sums + sums_s f."""
     end = first + len(keys)
     splits = [attend_split(q, keys, values, first, max(first, s * SPLIT), int(min(end, split_end(s))), odd_first)
               for s in range(split_of(first), split_of(end - 1) + 1)]
@@ -160,7 +146,7 @@ def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, first: int, odd_
     sums, acc = np.zeros(16, dtype=F32), np.zeros(q.shape[0], dtype=F32)
     for m, split_sums, split_acc in splits:
         f = exp_cephes(np.array([m - top], dtype=F32))[0]  # exactly 1 when m is the top
-        acc, sums = fma(split_acc, f, acc), fma(split_sums, f, sums)
+        acc, sums = acc + split_acc * f, sums + split_sums * f
     return acc * (F32(1.0) / tree_sum16(sums))
 
 

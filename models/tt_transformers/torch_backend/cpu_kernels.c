@@ -48,7 +48,6 @@ static inline bf16 f32_to_bf16(float f) {  // round to nearest even, as torch do
 // ---- v16: 16 float lanes ---------------------------------------------------------------------------------------
 // v_load_pairs splits 32 bf16 stored as 16 pairs (lane i: elements 2i, 2i + 1) into the even and odd elements.
 // v_madd_exact(a, b, c) = a * b + c where a * b is exact in float (a product of two bf16): fused or not, one rounding.
-// v_fma(a, b, c) = a * b + c fused (rounded once) for any a and b.
 // v_reduce_add adds halves: lanes i and i + 8, then i and i + 4, i and i + 2, and the last two.
 #if defined(TT_ISA_AVX512BF16) || defined(TT_ISA_AVX512)
 #include <immintrin.h>
@@ -70,7 +69,6 @@ static inline v16 v_div(v16 a, v16 b) { return _mm512_div_ps(a, b); }
 static inline v16 v_min(v16 a, v16 b) { return _mm512_min_ps(a, b); }
 static inline v16 v_max(v16 a, v16 b) { return _mm512_max_ps(a, b); }
 static inline v16 v_madd_exact(v16 a, v16 b, v16 c) { return _mm512_fmadd_ps(a, b, c); }
-static inline v16 v_fma(v16 a, v16 b, v16 c) { return _mm512_fmadd_ps(a, b, c); }
 static inline v16 v_rint(v16 a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 static inline v16 v_load_bf16(const bf16 *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)p)), 16));
@@ -147,9 +145,6 @@ static inline v16 v_set1(float a) { return v_of(_mm256_set1_ps(a), _mm256_set1_p
 static inline v16 v_load(const float *p) { return v_of(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)); }
 static inline void v_store(float *p, v16 a) { _mm256_storeu_ps(p, a.lo); _mm256_storeu_ps(p + 8, a.hi); }
 static inline v16 v_madd_exact(v16 a, v16 b, v16 c) {
-    return v_of(_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi));
-}
-static inline v16 v_fma(v16 a, v16 b, v16 c) {
     return v_of(_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi));
 }
 static inline v16 v_rint(v16 a) {
@@ -245,11 +240,6 @@ static inline void v_store(float *p, v16 a) {
     for (int i = 0; i < 4; i++) vst1q_f32(p + 4 * i, a.q[i]);
 }
 static inline v16 v_madd_exact(v16 a, v16 b, v16 c) {
-    v16 r;
-    for (int i = 0; i < 4; i++) r.q[i] = vfmaq_f32(c.q[i], a.q[i], b.q[i]);
-    return r;
-}
-static inline v16 v_fma(v16 a, v16 b, v16 c) {
     v16 r;
     for (int i = 0; i < 4; i++) r.q[i] = vfmaq_f32(c.q[i], a.q[i], b.q[i]);
     return r;
@@ -358,10 +348,6 @@ static inline v16 v_load(const float *p) {
 }
 static inline void v_store(float *p, v16 a) { memcpy(p, &a, sizeof a); }
 static inline v16 v_madd_exact(v16 a, v16 b, v16 c) { return a * b + c; }
-static inline v16 v_fma(v16 a, v16 b, v16 c) {
-    for (int i = 0; i < 16; i++) c[i] = fmaf(a[i], b[i], c[i]);
-    return c;
-}
 static inline v16 v_rint(v16 a) {
     for (int i = 0; i < 16; i++) a[i] = rintf(a[i]);
     return a;
@@ -718,7 +704,8 @@ static inline float *state_of(float *states, int64_t n, int64_t t, int64_t H, in
 }
 
 // acc[g] = acc[g] * alpha[g] + p[g][j] * v_j over keys j = 0 .. len - 1 of a block, in key order (each product
-// added by a fused multiply-add, rounded once), for up to 4 query heads g < NG and chunks c0 .. c0 + NC - 1 of 16
+// rounded, then added: a fused multiply-add would be ~15 % faster on avx512bf16, but the portable path has none on
+// x86-64 and libm's would make its attention ~5x slower), for up to 4 query heads g < NG and chunks c0 .. c0 + NC - 1 of 16
 // lanes: each value is loaded and widened once for all heads. NG and NC are compile-time constants at every call site
 // (see weigh_values), so the NG x NC accumulators live in registers.
 static inline __attribute__((always_inline)) void weigh_values_tile(const int NG, const int NC, const bf16 *const *vals,
@@ -732,7 +719,7 @@ static inline __attribute__((always_inline)) void weigh_values_tile(const int NG
         for (int c = 0; c < NC; c++) v[c] = v_load_bf16(vals[j] + 16 * (c0 + c));
         for (int g = 0; g < NG; g++) {
             const v16 pj = v_set1(p[16 * g + j]);
-            for (int c = 0; c < NC; c++) a[g][c] = v_fma(pj, v[c], a[g][c]);
+            for (int c = 0; c < NC; c++) a[g][c] = v_add(a[g][c], v_mul(pj, v[c]));
         }
     }
     for (int g = 0; g < NG; g++)
@@ -842,8 +829,8 @@ static void attend_rows(const bf16 *q_rot, int64_t t0, int64_t t1, int64_t H, in
 }
 
 // Token t's query head h from its splits' states, in split order: M = the largest maximum, f = exp(m - M) (exactly 1
-// when m = M: v_exp(0) is 1), acc = fma(acc_s, f, acc) and sums = fma(sums_s, f, sums) from zeros, out = acc * (1 /
-// sum of the sums' lanes). A token within one split keeps that split's acc and sums as they are.
+// when m = M: v_exp(0) is 1), acc = acc + acc_s * f and sums = sums + sums_s * f from zeros, out = acc * (1 / sum
+// of the sums' lanes). A token within one split keeps that split's acc and sums as they are.
 static void merge_splits(float *states, int64_t n, const int64_t *table, int64_t t, int64_t H, int64_t h, int64_t D,
                          float *out) {
     const int64_t *e = table + TABLE_COLUMNS * t;
@@ -859,8 +846,8 @@ static void merge_splits(float *states, int64_t n, const int64_t *table, int64_t
     for (int64_t c = 0; c < D / 16; c++) acc[c] = v_zero();
     for (int64_t i = 0; i < splits; i++) {
         const float *s = state_of(states, n, t, H, h, s0 + i, D);
-        for (int64_t c = 0; c < D / 16; c++) acc[c] = v_fma(v_load(s + 16 * c), v_set1(f[i]), acc[c]);
-        sums = v_fma(v_load(s + STATE_SUMS(D)), v_set1(f[i]), sums);
+        for (int64_t c = 0; c < D / 16; c++) acc[c] = v_add(acc[c], v_mul(v_load(s + 16 * c), v_set1(f[i])));
+        sums = v_add(sums, v_mul(v_load(s + STATE_SUMS(D)), v_set1(f[i])));
     }
     const v16 inv = v_set1(1.0f / v_reduce_add(sums));
     for (int64_t c = 0; c < D / 16; c++) v_store(out + (t * H + h) * D + 16 * c, v_mul(acc[c], inv));
