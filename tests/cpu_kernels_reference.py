@@ -115,7 +115,7 @@ def split_end(split: int) -> float:
 def attend_split(q: np.ndarray, keys: np.ndarray, values: np.ndarray, first: int, lo: int, hi: int, odd_first: bool):
     """The online softmax of one query head over its keys at positions [lo, hi) (one split; key j sits at position
     first + j) -> (running maximum m, 16 lanes of sums, the weighted values acc) (attend_rows): the positions go in
-    blocks of 16 aligned at multiples of 16, the keys outside [lo, hi) masked."""
+    blocks of 16 aligned at multiples of 16, the keys outside [lo, hi) masked, the weights p rounded to 16 bits."""
     D = q.shape[0]
     scale = F32(1.0) / np.sqrt(F32(D))
     m, sums, acc = F32(-np.inf), np.zeros(16, dtype=F32), np.zeros(D, dtype=F32)
@@ -127,6 +127,8 @@ def attend_split(q: np.ndarray, keys: np.ndarray, values: np.ndarray, first: int
         alpha = exp_cephes(np.array([m - new_max], dtype=F32))[0]  # exactly 1 when the maximum stays
         p = exp_cephes(scores - new_max)
         p[:a], p[z:] = 0, 0
+        big = p * F32(257.0)
+        p = big - (big - p)  # v_weight16: 16 significant bits, so that p_j v_j is exact
         sums = sums * alpha + p
         acc = acc * alpha
         for j in range(a, z):

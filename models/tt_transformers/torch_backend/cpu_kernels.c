@@ -703,9 +703,16 @@ static inline float *state_of(float *states, int64_t n, int64_t t, int64_t H, in
     return states + ((split * n + t) * H + h) * STATE_FLOATS(D);
 }
 
-// acc[g] = acc[g] * alpha[g] + p[g][j] * v_j over keys j = 0 .. len - 1 of a block, in key order (each product
-// rounded, then added: a fused multiply-add would be ~15 % faster on avx512bf16, but the portable path has none on
-// x86-64 and libm's would make its attention ~5x slower), for up to 4 query heads g < NG and chunks c0 .. c0 + NC - 1 of 16
+// p rounded to 16 significant bits (Veltkamp's split: p * 257 - (p * 257 - p)), so that p times a bf16 value (8 bits)
+// is exact in float and v_madd_exact weighs a value with one multiply-add on every path (the portable path has no FMA
+// unit on x86-64 to round a float's product once). 2^-17 of p is far below the bf16 output's 2^-9.
+static inline v16 v_weight16(v16 p) {
+    const v16 big = v_mul(p, v_set1(257.0f));
+    return v_sub(big, v_sub(big, p));
+}
+
+// acc[g] = acc[g] * alpha[g] + p[g][j] * v_j over keys j = 0 .. len - 1 of a block, in key order (each product exact:
+// p has 16 significant bits, v_weight16), for up to 4 query heads g < NG and chunks c0 .. c0 + NC - 1 of 16
 // lanes: each value is loaded and widened once for all heads. NG and NC are compile-time constants at every call site
 // (see weigh_values), so the NG x NC accumulators live in registers.
 static inline __attribute__((always_inline)) void weigh_values_tile(const int NG, const int NC, const bf16 *const *vals,
@@ -719,7 +726,7 @@ static inline __attribute__((always_inline)) void weigh_values_tile(const int NG
         for (int c = 0; c < NC; c++) v[c] = v_load_bf16(vals[j] + 16 * (c0 + c));
         for (int g = 0; g < NG; g++) {
             const v16 pj = v_set1(p[16 * g + j]);
-            for (int c = 0; c < NC; c++) a[g][c] = v_add(a[g][c], v_mul(pj, v[c]));
+            for (int c = 0; c < NC; c++) a[g][c] = v_madd_exact(pj, v[c], a[g][c]);
         }
     }
     for (int g = 0; g < NG; g++)
@@ -814,12 +821,14 @@ static void attend_rows(const bf16 *q_rot, int64_t t0, int64_t t1, int64_t H, in
                 alpha[g] = m == old ? 1.0f : exp1(old - m);
                 s[STATE_MAX(D)] = m;
                 v16 pg = v_exp(v_sub(dots, v_set1(m)));
-                v_store(p[g], pg);
                 if (!whole) {
+                    v_store(p[g], pg);
                     for (int64_t j = 0; j < 16; j++)
                         if (j < a || j >= z) p[g][j] = 0.0f;
                     pg = v_load(p[g]);
                 }
+                pg = v_weight16(pg);
+                v_store(p[g], pg);
                 float *sums = s + STATE_SUMS(D);
                 v_store(sums, v_add(v_mul(v_load(sums), v_set1(alpha[g])), pg));
             }
