@@ -47,7 +47,8 @@ static inline bf16 f32_to_bf16(float f) {  // round to nearest even, as torch do
 
 // ---- v16: 16 float lanes ---------------------------------------------------------------------------------------
 // v_load_pairs splits 32 bf16 stored as 16 pairs (lane i: elements 2i, 2i + 1) into the even and odd elements.
-// v_madd_exact(a, b, c) = a * b + c where a * b is exact in float (a product of two bf16): fused or not, one rounding.
+// v_madd_exact(a, b, c) = a * b + c where a * b is exact in float (a product of two bf16, or of a bf16 and a float of
+// 16 significant bits): fused or not, one rounding.
 // v_reduce_add adds halves: lanes i and i + 8, then i and i + 4, i and i + 2, and the last two.
 #if defined(TT_ISA_AVX512BF16) || defined(TT_ISA_AVX512)
 #include <immintrin.h>
@@ -767,9 +768,10 @@ static inline float exp1(float x) {  // v_exp of one number
 // layers and 3 key/value heads of 64, about 133 MB a step instead of 133 MB a row), and each token-head's state for the
 // split (state_of) takes the block as an online softmax does: the scores of its visible keys there (the others
 // masked), the new maximum m' = max(m, scores), alpha = exp(m - m') (exactly 1 when m' = m), p = exp(score - m') (0
-// where masked), sums = sums * alpha + p, acc = acc * alpha + sum of p_j v_j. Which blocks a token takes and what it
-// does in each depend on its own keys alone, never on the other tokens or heads in the pass or on the threads, so a
-// row's result is the same alone (a one-token decode step) or beside any others: the lossless contract.
+// where masked; then v_weight16), sums = sums * alpha + p, acc = acc * alpha + sum of p_j v_j. Which blocks a token
+// takes and what it does in each depend on its own keys alone, never on the other tokens or heads in the pass or on
+// the threads, so a row's result is the same alone (a one-token decode step) or beside any others: the lossless
+// contract.
 static void attend_rows(const bf16 *q_rot, int64_t t0, int64_t t1, int64_t H, int64_t h0, int ng, int64_t D,
                         const int64_t *table, const int64_t *ancestors, const bf16 *keys, const bf16 *values,
                         float scale, int64_t split, float *states, int64_t n) {
