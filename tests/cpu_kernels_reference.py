@@ -101,26 +101,54 @@ def key_dots(q: np.ndarray, keys: np.ndarray, odd_first: bool) -> np.ndarray:
     return tree_sum16(lanes)
 
 
-def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, first: int, odd_first: bool) -> np.ndarray:
-    """One query head over its keys and values (bf16 as float32) -> float32 [D] (attend_rows): key j sits at
-    position first + j, and the positions go in blocks of 16 aligned at multiples of 16, each taken by an online
-    softmax (running maximum m, 16 lanes of sums, the weighted values acc), the keys outside the token's own masked."""
-    D, end = q.shape[0], first + len(keys)
+SPLIT, MAX_SPLITS = 1024, 32  # cpu_kernels.c's splits of the cache: positions [SPLIT s, SPLIT (s + 1)), the last open
+
+
+def split_of(pos: int) -> int:
+    return min(pos // SPLIT, MAX_SPLITS - 1)
+
+
+def split_end(split: int) -> float:
+    return (split + 1) * SPLIT if split < MAX_SPLITS - 1 else np.inf
+
+
+def attend_split(q: np.ndarray, keys: np.ndarray, values: np.ndarray, first: int, lo: int, hi: int, odd_first: bool):
+    """The online softmax of one query head over its keys at positions [lo, hi) (one split; key j sits at position
+    first + j) -> (running maximum m, 16 lanes of sums, the weighted values acc) (attend_rows): the positions go in
+    blocks of 16 aligned at multiples of 16, the keys outside [lo, hi) masked, the weights p rounded to 16 bits."""
+    D = q.shape[0]
     scale = F32(1.0) / np.sqrt(F32(D))
     m, sums, acc = F32(-np.inf), np.zeros(16, dtype=F32), np.zeros(D, dtype=F32)
-    for b0 in range(first // 16 * 16, end, 16):
-        a, z = max(first, b0) - b0, min(end, b0 + 16) - b0
+    for b0 in range(lo // 16 * 16, hi, 16):
+        a, z = max(lo, b0) - b0, min(hi, b0 + 16) - b0
         scores = np.zeros(16, dtype=F32)
         scores[a:z] = key_dots(q, keys[b0 + a - first : b0 + z - first], odd_first) * scale
         new_max = max(m, scores[a:z].max())
         alpha = exp_cephes(np.array([m - new_max], dtype=F32))[0]  # exactly 1 when the maximum stays
         p = exp_cephes(scores - new_max)
         p[:a], p[z:] = 0, 0
+        big = p * F32(257.0)
+        p = big - (big - p)  # v_weight16: 16 significant bits, so that p_j v_j is exact
         sums = sums * alpha + p
         acc = acc * alpha
         for j in range(a, z):
             acc = acc + p[j] * values[b0 + j - first]
         m = new_max
+    return m, sums, acc
+
+
+def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, first: int, odd_first: bool) -> np.ndarray:
+    """One query head over its keys and values (bf16 as float32) -> float32 [D] (attend_rows, merge_splits): key j
+    sits at position first + j; each split of the positions is its own online softmax (attend_split), and the
+    splits' states are merged in order: f = exp(m - the largest m), acc = acc + acc_s f and sums = sums + sums_s f."""
+    end = first + len(keys)
+    splits = [attend_split(q, keys, values, first, max(first, s * SPLIT), int(min(end, split_end(s))), odd_first)
+              for s in range(split_of(first), split_of(end - 1) + 1)]
+    top = max(m for m, _, _ in splits)
+    sums, acc = np.zeros(16, dtype=F32), np.zeros(q.shape[0], dtype=F32)
+    for m, split_sums, split_acc in splits:
+        f = exp_cephes(np.array([m - top], dtype=F32))[0]  # exactly 1 when m is the top
+        acc, sums = acc + split_acc * f, sums + split_sums * f
     return acc * (F32(1.0) / tree_sum16(sums))
 
 

@@ -74,13 +74,15 @@ def layer_case(head_dim, n_heads, n_kv_heads, tokens, seed=0):
 
     def normal(*shape, std):
         return torch.from_numpy(rng.normal(0.0, std, shape).astype(np.float32)).bfloat16()
-    model = random_model(torch.bfloat16, max_seq_len=96, dim=256, n_layers=1, head_dim=head_dim, n_heads=n_heads,
+    table = StepTable.of(tokens)
+    slots = max(96, table.slots_needed)
+    model = random_model(torch.bfloat16, max_seq_len=slots, dim=256, n_layers=1, head_dim=head_dim, n_heads=n_heads,
                          n_kv_heads=n_kv_heads, hidden_dim=512, vocab_size=100)
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(normal(*p.shape, std=0.3))
-    caches = [normal(2, n_kv_heads, 97, head_dim, std=0.5) for _ in range(2)]
-    return model, StepTable.of(tokens), normal(1, len(tokens), 256, std=1.0), caches
+    caches = [normal(2, n_kv_heads, slots + 1, head_dim, std=0.5) for _ in range(2)]
+    return model, table, normal(1, len(tokens), 256, std=1.0), caches
 
 
 # 32 chain tokens of two users, and a token tree rooted at slot 5 (as TorchCausalLM._exact_tokens makes it): two
@@ -95,6 +97,11 @@ WINDOWED = [ExactToken(i, 1, 60 + i, 60 + i, 60 + i - 7, 61 + i) for i in range(
 VERIFY = [ExactToken(i, 0, 75 + i, 75 + i, 0, 76 + i) for i in range(9)] + [
     ExactToken(9, 1, 60, 60, 3, 60, (60,)), ExactToken(10, 1, 61, 61, 4, 60, (60, 61)),
     ExactToken(11, 1, 62, 61, 4, 60, (60, 62)), ExactToken(12, 1, 63, 62, 5, 60, (60, 62, 63))]
+# Keys in both of the kernel's first splits of the cache (1,024 positions each): a verification step of 1 + 4 rows over
+# 1,021-1,025 keys (the last reaching the second split), beside another user's window of 31 keys across the split
+# boundary and a tree node whose ancestors cross it (positions 1,022-1,024: slots 1,022, 1,024, 1,025)
+LONG = [ExactToken(i, 0, 1020 + i, 1020 + i, 0, 1021 + i) for i in range(5)] + [
+    ExactToken(5, 1, 1030, 1030, 1000, 1031), ExactToken(6, 1, 1025, 1024, 0, 1022, (1022, 1024, 1025))]
 
 
 @every_cpu_path
@@ -145,8 +152,8 @@ def kernel_attention(kernels, model, qkv, tokens, k_cache, v_cache) -> torch.Ten
 
 
 ATTENTION_CASES = pytest.mark.parametrize("head_dim,n_heads,n_kv_heads,tokens", [
-    (64, 3, 1, CHAINS), (96, 6, 1, TREE), (128, 2, 1, WINDOWED), (64, 6, 2, VERIFY), (32, 16, 2, VERIFY)],
-    ids=["chains-d64", "tree-d96", "window-d128", "verify-d64", "verify-d32-g8"])
+    (64, 3, 1, CHAINS), (96, 6, 1, TREE), (128, 2, 1, WINDOWED), (64, 6, 2, VERIFY), (32, 16, 2, VERIFY),
+    (64, 6, 2, LONG)], ids=["chains-d64", "tree-d96", "window-d128", "verify-d64", "verify-d32-g8", "splits-d64"])
 
 
 @every_cpu_path
@@ -183,25 +190,27 @@ def test_the_attention_reference_tells_block_alignments_apart(monkeypatch):
 
 
 @every_cpu_path
-def test_rows_in_one_pass_equal_each_row_alone(cpu_path):
+@pytest.mark.parametrize("steps,rows", [(VERIFY, 9), (LONG, 5)], ids=["verify", "splits"])
+def test_rows_in_one_pass_equal_each_row_alone(cpu_path, steps, rows):
     """The rows of a user that attend in one pass over its cache (a verification step's 1 + K rows, a token tree's
-    nodes) each get, bit for bit in float32, what they get alone (a one-token step) and beside any number of others,
-    on any number of threads: the lossless contract of the shared pass."""
+    nodes), over one split of it or several, each get, bit for bit in float32, what they get alone (a one-token step)
+    and beside any number of others, on any number of threads: the lossless contract of the shared pass."""
     kernels = kernels_of(cpu_path)
-    model, _, _, caches = layer_case(64, 6, 2, VERIFY)
-    qkv = step_qkv(model, len(VERIFY))
+    model, _, _, caches = layer_case(64, 6, 2, steps)
+    qkv = step_qkv(model, len(steps))
 
-    def step(picked, caches):  # the tokens VERIFY[picked] as one step on copies of `caches`
-        tokens = [dataclasses.replace(VERIFY[i], index=n) for n, i in enumerate(picked)]
+    def step(picked, caches):  # the tokens steps[picked] as one step on copies of `caches`
+        tokens = [dataclasses.replace(steps[i], index=n) for n, i in enumerate(picked)]
         k, v = (c.clone() for c in caches)
         return kernel_attention(kernels, model, qkv[picked].contiguous(), tokens, k, v), (k, v)
 
-    full, written = step(list(range(len(VERIFY))), caches)  # every row's keys in the cache, as a row alone finds them
-    subsets = [[i] for i in range(len(VERIFY))]  # alone
-    subsets += [list(range(9 - m, 9)) for m in range(2, 9)]  # the last verification row with 1 .. 7 earlier rows
-    subsets += [[0, 8], [9, 12], [10, 11, 12], [3, 10], list(range(len(VERIFY)))]  # tree nodes, two users
+    full, written = step(list(range(len(steps))), caches)  # every row's keys in the cache, as a row alone finds them
+    subsets = [[i] for i in range(len(steps))]  # alone
+    subsets += [list(range(rows - m, rows)) for m in range(2, rows)]  # the last verification row with earlier rows
+    others = list(range(rows, len(steps)))  # the other user's tokens
+    subsets += [[0, rows - 1], [others[0], others[-1]], others[1:], [3, others[0]], list(range(len(steps)))]
     threads = torch.get_num_threads()
-    try:  # 1 thread: every head of a key/value head in one pass; 8: single heads (more threads than head groups)
+    try:  # 1 thread: every head of a key/value head in one pass; 8: single heads where there are fewer work items
         for n_threads in (threads, 1, 8):
             torch.set_num_threads(n_threads)
             for picked in subsets:

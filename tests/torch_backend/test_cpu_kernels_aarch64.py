@@ -16,7 +16,7 @@ from models.tt_transformers.torch_backend.cpu_kernels import SOURCE, CpuKernels,
 
 from .. import cpu_kernels_reference as reference
 from ..conftest import CPU_PATHS, REPO_ROOT, kernels_of
-from .test_cpu_kernels import CHAINS, TREE, VERIFY, WINDOWED, bits, layer_case, step_qkv
+from .test_cpu_kernels import CHAINS, LONG, TREE, VERIFY, WINDOWED, bits, layer_case, step_qkv
 
 CC, QEMU = "aarch64-linux-gnu-gcc", "qemu-aarch64"
 pytestmark = pytest.mark.skipif(not (shutil.which(CC) and shutil.which(QEMU)), reason=(
@@ -88,10 +88,11 @@ def test_neon_decoder_layer_is_the_reference(driver, head_dim, n_heads, n_kv_hea
     assert np.array_equal(got_k, want_k) and np.array_equal(got_v, want_v)
 
 
-@pytest.mark.parametrize("head_dim,n_heads,n_kv_heads,tokens", [(96, 6, 1, TREE), (64, 6, 2, VERIFY)],
-                         ids=["tree-d96", "verify-d64"])
+@pytest.mark.parametrize("head_dim,n_heads,n_kv_heads,tokens", [(96, 6, 1, TREE), (64, 6, 2, VERIFY), (64, 6, 2, LONG)],
+                         ids=["tree-d96", "verify-d64", "splits-d64"])
 def test_neon_attention_is_the_reference(driver, head_dim, n_heads, n_kv_heads, tokens):
-    """The attention in float32 (each user's rows in one pass over its cache) equals the reference bit for bit."""
+    """The attention in float32 (each user's rows in one pass over each split of its cache, the splits merged) equals
+    the reference bit for bit."""
     model, table, _, (k_cache, v_cache) = layer_case(head_dim, n_heads, n_kv_heads, tokens)
     qkv, n = step_qkv(model, len(tokens)), len(tokens)
     *_, got_k, got_v, got = run(driver, ATTENTION, [n, n_heads, n_kv_heads, head_dim, k_cache.shape[2], 2], [

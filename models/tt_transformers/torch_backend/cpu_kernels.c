@@ -47,7 +47,8 @@ static inline bf16 f32_to_bf16(float f) {  // round to nearest even, as torch do
 
 // ---- v16: 16 float lanes ---------------------------------------------------------------------------------------
 // v_load_pairs splits 32 bf16 stored as 16 pairs (lane i: elements 2i, 2i + 1) into the even and odd elements.
-// v_madd_exact(a, b, c) = a * b + c where a * b is exact in float (a product of two bf16): fused or not, one rounding.
+// v_madd_exact(a, b, c) = a * b + c where a * b is exact in float (a product of two bf16, or of a bf16 and a float of
+// 16 significant bits): fused or not, one rounding.
 // v_reduce_add adds halves: lanes i and i + 8, then i and i + 4, i and i + 2, and the last two.
 #if defined(TT_ISA_AVX512BF16) || defined(TT_ISA_AVX512)
 #include <immintrin.h>
@@ -655,38 +656,66 @@ static void rotate(const bf16 *x, const bf16 *cos, const bf16 *sin, int64_t D, b
     }
 }
 
-// q . k for 16 keys (a NULL key: 0): each key's 16 lanes summed pairwise over D, a pair of elements per lane for
-// every 32 (as the linear layer sums), then the lanes added by v_sum_lanes16.
+static const bf16 NO_KEY[256];  // what a key outside a token's own reads as in key_dots (zeros; its lane is masked)
+
+// q . k for 16 keys: each key's 16 lanes summed pairwise over D, a pair of elements per lane for every 32 (as the
+// linear layer sums), then the lanes added by v_sum_lanes16. The 32 elements of q go against all 16 keys before the
+// next 32, so the 16 sums stay in registers (AVX-512) and their chains overlap.
 static inline v16 key_dots(const bf16 *const *keys, const bf16 *q, int64_t D) {
     v16 dots[16];
-    for (int64_t j = 0; j < 16; j++) {
-        dots[j] = v_zero();
-        if (!keys[j]) continue;
-        for (int64_t i = 0; i < D; i += 32) {
+    for (int j = 0; j < 16; j++) dots[j] = v_zero();
+    for (int64_t i = 0; i < D; i += 32) {
 #ifdef TT_ISA_AVX512BF16
-            dots[j] = _mm512_dpbf16_ps(dots[j], (__m512bh)_mm512_loadu_si512((const void *)(keys[j] + i)),
-                                       (__m512bh)_mm512_loadu_si512((const void *)(q + i)));
+        const __m512bh qi = (__m512bh)_mm512_loadu_si512((const void *)(q + i));
+        for (int j = 0; j < 16; j++)
+            dots[j] = _mm512_dpbf16_ps(dots[j], (__m512bh)_mm512_loadu_si512((const void *)(keys[j] + i)), qi);
 #else
-            v16 k_even, k_odd, q_even, q_odd;
+        v16 q_even, q_odd;
+        v_load_pairs(q + i, &q_even, &q_odd);
+        for (int j = 0; j < 16; j++) {
+            v16 k_even, k_odd;
             v_load_pairs(keys[j] + i, &k_even, &k_odd);
-            v_load_pairs(q + i, &q_even, &q_odd);
             dots[j] = v_madd_exact(k_odd, q_odd, v_madd_exact(k_even, q_even, dots[j]));
-#endif
         }
+#endif
     }
     return v_sum_lanes16(dots);
 }
 
-// The online-softmax state of one query head of one token (STATE_FLOATS(D) floats in scratch): the weighted sum of
-// values acc [D], 16 lanes of the sum of exp(score - max), and the running maximum score.
+// The online-softmax state of one query head of one token over one split of the cache (STATE_FLOATS(D) floats): the
+// weighted sum of values acc [D], 16 lanes of the sum of exp(score - max), and the running maximum score.
 #define STATE_FLOATS(D) ((D) + 32)
 #define STATE_SUMS(D) (D)
 #define STATE_MAX(D) ((D) + 16)
 
-// acc[g] = acc[g] * alpha[g] + p[g][j] * v_j over keys j = 0 .. len - 1 of a block, in key order (each product
-// rounded, then added), for up to 4 query heads g < NG and chunks c0 .. c0 + NC - 1 of 16 lanes: each value is loaded
-// and widened once for all heads. NG and NC are compile-time constants at every call site (see weigh_values), so the
-// NG x NC accumulators live in registers.
+// The cache splits (flash-decoding's split-K): positions [SPLIT s, SPLIT (s + 1)) for s < MAX_SPLITS - 1, and every
+// position from SPLIT (MAX_SPLITS - 1) on in the last. Each split of a token's keys is its own online softmax, and
+// the splits' states are merged in split order (merge_splits), so the work items of a long context are many and
+// alike for any number of threads, while where a split starts depends on positions alone.
+#define SPLIT 1024
+#define MAX_SPLITS 32
+_Static_assert(MAX_SPLITS % 16 == 0, "merge_splits takes the splits' maxima 16 at a time");
+static inline int64_t split_of(int64_t pos) { return pos / SPLIT < MAX_SPLITS - 1 ? pos / SPLIT : MAX_SPLITS - 1; }
+static inline int64_t split_end(int64_t split) { return split < MAX_SPLITS - 1 ? (split + 1) * SPLIT : INT64_MAX; }
+
+// Token t's state for query head h and split `split` in `states` (MAX_SPLITS x n x H of them: a split's states of a
+// token's heads side by side, not at a power-of-two stride that would put them in the same cache set).
+static inline float *state_of(float *states, int64_t n, int64_t t, int64_t H, int64_t h, int64_t split, int64_t D) {
+    return states + ((split * n + t) * H + h) * STATE_FLOATS(D);
+}
+
+// p rounded to 16 significant bits (Veltkamp's split: p * 257 - (p * 257 - p)), so that p times a bf16 value (8 bits)
+// is exact in float and v_madd_exact weighs a value with one multiply-add on every path (the portable path has no FMA
+// unit on x86-64 to round a float's product once). 2^-17 of p is far below the bf16 output's 2^-9.
+static inline v16 v_weight16(v16 p) {
+    const v16 big = v_mul(p, v_set1(257.0f));
+    return v_sub(big, v_sub(big, p));
+}
+
+// acc[g] = acc[g] * alpha[g] + p[g][j] * v_j over keys j = 0 .. len - 1 of a block, in key order (each product exact:
+// p has 16 significant bits, v_weight16), for up to 4 query heads g < NG and chunks c0 .. c0 + NC - 1 of 16
+// lanes: each value is loaded and widened once for all heads. NG and NC are compile-time constants at every call site
+// (see weigh_values), so the NG x NC accumulators live in registers.
 static inline __attribute__((always_inline)) void weigh_values_tile(const int NG, const int NC, const bf16 *const *vals,
                                                                     const float *p, const float *alpha, int64_t len,
                                                                     int64_t c0, float *acc, int64_t stride) {
@@ -698,7 +727,7 @@ static inline __attribute__((always_inline)) void weigh_values_tile(const int NG
         for (int c = 0; c < NC; c++) v[c] = v_load_bf16(vals[j] + 16 * (c0 + c));
         for (int g = 0; g < NG; g++) {
             const v16 pj = v_set1(p[16 * g + j]);
-            for (int c = 0; c < NC; c++) a[g][c] = v_add(a[g][c], v_mul(pj, v[c]));
+            for (int c = 0; c < NC; c++) a[g][c] = v_madd_exact(pj, v[c], a[g][c]);
         }
     }
     for (int g = 0; g < NG; g++)
@@ -732,105 +761,179 @@ static inline float exp1(float x) {  // v_exp of one number
 }
 
 // Tokens t0 .. t1 - 1 of one cache row and up to 4 of their query heads h0 .. h0 + ng - 1 sharing key/value head
-// `keys` / `values`, in one pass over the cache: key j of a token sits at position first + j (a tree node's ancestors
-// continue its run as the chain of its path would), and positions go in blocks of 16 aligned at multiples of 16. Each
-// block's keys and values are read from memory once for every token and head that sees any of them (a verification
-// step of 1 + K rows reads the cache once, not 1 + K times: at 5.8k cached keys, 30 layers and 3 key/value heads of 64,
-// about 133 MB a step instead of 133 MB a row), and each token-head's state takes the block as an online softmax does:
-// the scores of its visible keys there (the others masked), the new maximum m' = max(m, scores), alpha = exp(m - m')
-// (exactly 1 when m' = m), p = exp(score - m') (0 where masked), sums = sums * alpha + p, acc = acc * alpha + sum of
-// p_j v_j; at the end out = acc * (1 / sum of the sums' lanes). Which blocks a token takes and what it does in each
-// depend on its own keys alone, never on the other tokens or heads in the pass or on the threads, so a row's result
-// is the same alone (a one-token decode step) or beside any others: the lossless contract.
-// state: scratch of (t1 - t0) x ng x STATE_FLOATS(D) floats.
+// `keys` / `values`, over the positions of one split of the cache in one pass: key j of a token sits at position
+// first + j (a tree node's ancestors continue its run as the chain of its path would), and positions go in blocks of
+// 16 aligned at multiples of 16. Each block's keys and values are read from memory once for every token and head that
+// sees any of them (a verification step of 1 + K rows reads the cache once, not 1 + K times: at 5.8k cached keys, 30
+// layers and 3 key/value heads of 64, about 133 MB a step instead of 133 MB a row), and each token-head's state for the
+// split (state_of) takes the block as an online softmax does: the scores of its visible keys there (the others
+// masked), the new maximum m' = max(m, scores), alpha = exp(m - m') (exactly 1 when m' = m), p = exp(score - m') (0
+// where masked; then v_weight16), sums = sums * alpha + p, acc = acc * alpha + sum of p_j v_j. Which blocks a token
+// takes and what it does in each depend on its own keys alone, never on the other tokens or heads in the pass or on
+// the threads, so a row's result is the same alone (a one-token decode step) or beside any others: the lossless
+// contract.
 static void attend_rows(const bf16 *q_rot, int64_t t0, int64_t t1, int64_t H, int64_t h0, int ng, int64_t D,
                         const int64_t *table, const int64_t *ancestors, const bf16 *keys, const bf16 *values,
-                        float scale, float *state, float *out) {
-    const int64_t stride = STATE_FLOATS(D);
+                        float scale, int64_t split, float *states, int64_t n) {
+    const int64_t stride = STATE_FLOATS(D);  // from one head's state to the next's
     int64_t lo = INT64_MAX, hi = 0;
     for (int64_t t = t0; t < t1; t++) {
         const int64_t *e = table + TABLE_COLUMNS * t, first = e[FIRST], end = first + key_count(e);
         lo = first < lo ? first : lo;
         hi = end > hi ? end : hi;
         for (int g = 0; g < ng; g++) {
-            float *s = state + ((t - t0) * ng + g) * stride;
+            float *s = state_of(states, n, t, H, h0 + g, split, D);
             memset(s, 0, STATE_MAX(D) * sizeof(float));
             s[STATE_MAX(D)] = -INFINITY;
         }
     }
+    lo = lo > split * SPLIT ? lo : split * SPLIT;
+    hi = hi < split_end(split) ? hi : split_end(split);
     for (int64_t b0 = lo / 16 * 16; b0 < hi; b0 += 16) {
         for (int64_t t = t0; t < t1; t++) {
             const int64_t *e = table + TABLE_COLUMNS * t, first = e[FIRST], end = first + key_count(e);
             const int64_t a = (first > b0 ? first : b0) - b0, z = (end < b0 + 16 ? end : b0 + 16) - b0;
             if (a >= z) continue;  // this token sees no key of the block
-            const bf16 *kp[16] = {0}, *vp[16];
+            const bf16 *kp[16], *vp[16];
+            const int in_run = b0 + z <= e[RUN_END];  // most blocks: the keys are at their positions' slots
+            for (int64_t j = 0; j < 16; j++) kp[j] = NO_KEY;
             for (int64_t j = a; j < z; j++) {
-                const int64_t at = key_slot(e, ancestors, b0 + j - first) * D;
+                const int64_t at = (in_run ? b0 + j : key_slot(e, ancestors, b0 + j - first)) * D;
                 kp[j] = keys + at;
                 vp[j] = values + at;
             }
             float p[4][16], alpha[4];
-            float *s0 = state + (t - t0) * ng * stride;
+            float *s0 = state_of(states, n, t, H, h0, split, D);
+            const int whole = a == 0 && z == 16;  // most blocks: no lane masked, the maximum taken in vector
+            v16 scaled[4];  // every head's scores first, so the heads' exponentials below overlap
+            for (int g = 0; g < ng; g++)
+                scaled[g] = v_mul(key_dots(kp, q_rot + (t * H + h0 + g) * D, D), v_set1(scale));
             for (int g = 0; g < ng; g++) {
                 float *s = s0 + g * stride, scores[16];
-                v_store(scores, v_mul(key_dots(kp, q_rot + (t * H + h0 + g) * D, D), v_set1(scale)));
-                float m = s[STATE_MAX(D)];
-                for (int64_t j = a; j < z; j++) m = scores[j] > m ? scores[j] : m;
-                alpha[g] = m == s[STATE_MAX(D)] ? 1.0f : exp1(s[STATE_MAX(D)] - m);
+                const v16 dots = scaled[g];
+                const float old = s[STATE_MAX(D)];
+                float m = old;
+                if (whole) {
+                    const float top = v_reduce_max(dots);
+                    m = top > m ? top : m;
+                } else {
+                    v_store(scores, dots);
+                    for (int64_t j = a; j < z; j++) m = scores[j] > m ? scores[j] : m;
+                }
+                alpha[g] = m == old ? 1.0f : exp1(old - m);
                 s[STATE_MAX(D)] = m;
-                v_store(p[g], v_exp(v_sub(v_load(scores), v_set1(m))));
-                for (int64_t j = 0; j < 16; j++)
-                    if (j < a || j >= z) p[g][j] = 0.0f;
+                v16 pg = v_exp(v_sub(dots, v_set1(m)));
+                if (!whole) {
+                    v_store(p[g], pg);
+                    for (int64_t j = 0; j < 16; j++)
+                        if (j < a || j >= z) p[g][j] = 0.0f;
+                    pg = v_load(p[g]);
+                }
+                pg = v_weight16(pg);
+                v_store(p[g], pg);
                 float *sums = s + STATE_SUMS(D);
-                v_store(sums, v_add(v_mul(v_load(sums), v_set1(alpha[g])), v_load(p[g])));
+                v_store(sums, v_add(v_mul(v_load(sums), v_set1(alpha[g])), pg));
             }
             weigh_values(ng, D / 16, vp + a, &p[0][a], alpha, z - a, s0, stride);
         }
     }
-    for (int64_t t = t0; t < t1; t++)
-        for (int g = 0; g < ng; g++) {
-            const float *s = state + ((t - t0) * ng + g) * stride;
-            const v16 inv = v_set1(1.0f / v_reduce_add(v_load(s + STATE_SUMS(D))));
-            for (int64_t c = 0; c < D / 16; c++)
-                v_store(out + (t * H + h0 + g) * D + 16 * c, v_mul(v_load(s + 16 * c), inv));
-        }
+}
+
+// Token t's query head h from its splits' states, in split order: M = the largest maximum, f = exp(m - M) (exactly 1
+// when m = M: v_exp(0) is 1), acc = acc + acc_s * f and sums = sums + sums_s * f from zeros, out = acc * (1 / sum
+// of the sums' lanes). A token within one split keeps that split's acc and sums as they are.
+static void merge_splits(float *states, int64_t n, const int64_t *table, int64_t t, int64_t H, int64_t h, int64_t D,
+                         float *out) {
+    const int64_t *e = table + TABLE_COLUMNS * t;
+    const int64_t s0 = split_of(e[FIRST]), keys = key_count(e);
+    const int64_t splits = keys ? split_of(e[FIRST] + keys - 1) - s0 + 1 : 0;  // no keys: 0 / 0, as the softmax gives
+    float top = -INFINITY, f[MAX_SPLITS] = {0};
+    for (int64_t i = 0; i < splits; i++) {
+        f[i] = state_of(states, n, t, H, h, s0 + i, D)[STATE_MAX(D)];
+        top = f[i] > top ? f[i] : top;
+    }
+    for (int64_t i = 0; i < splits; i += 16) v_store(f + i, v_exp(v_sub(v_load(f + i), v_set1(top))));
+    v16 acc[256 / 16], sums = v_zero();
+    for (int64_t c = 0; c < D / 16; c++) acc[c] = v_zero();
+    for (int64_t i = 0; i < splits; i++) {
+        const float *s = state_of(states, n, t, H, h, s0 + i, D);
+        for (int64_t c = 0; c < D / 16; c++) acc[c] = v_add(acc[c], v_mul(v_load(s + 16 * c), v_set1(f[i])));
+        sums = v_add(sums, v_mul(v_load(s + STATE_SUMS(D)), v_set1(f[i])));
+    }
+    const v16 inv = v_set1(1.0f / v_reduce_add(sums));
+    for (int64_t c = 0; c < D / 16; c++) v_store(out + (t * H + h) * D + 16 * c, v_mul(acc[c], inv));
 }
 
 // Query heads per work item: the heads of one key/value head in groups of up to 4, each group's cache blocks read
-// once for all of them, unless there are fewer work items of that size than threads (then single heads).
-static int64_t heads_per_item(int64_t row_groups, int64_t H, int64_t Hk, int threads) {
+// once for all of them, unless there are fewer work items of that size than threads (then single heads). row_splits:
+// the splits of all the step's runs of tokens on one cache row.
+static int64_t heads_per_item(int64_t row_splits, int64_t H, int64_t Hk, int threads) {
     const int64_t G = H / Hk, group = G < 4 ? G : 4;
-    return row_groups * Hk * ((G + group - 1) / group) >= threads ? group : 1;
+    return row_splits * Hk * ((G + group - 1) / group) >= threads ? group : 1;
 }
-
-// Per thread: the online-softmax states of up to n tokens x 4 heads.
-static int64_t scratch_floats(int64_t n, int64_t D) { return n * 4 * STATE_FLOATS(D); }
 
 static int64_t round64(int64_t bytes) { return (bytes + 63) / 64 * 64; }
 
-// The scratch attention_f32 needs, in bytes: the rotated queries (bf16 [n, H, D]), then each thread's states.
-int64_t attention_workspace_bytes(int64_t n, int64_t H, int64_t D, int threads) {
-    return round64(n * H * D * (int64_t)sizeof(bf16)) + threads * scratch_floats(n, D) * (int64_t)sizeof(float);
+// The work items of a step, at most one per token, query head and split (ITEM_FIELDS int64 each).
+enum { ITEM_T0, ITEM_T1, ITEM_H0, ITEM_HEADS, ITEM_SPLIT, ITEM_FIELDS };
+
+static int64_t states_bytes(int64_t n, int64_t H, int64_t D) {
+    return n * H * MAX_SPLITS * STATE_FLOATS(D) * (int64_t)sizeof(float);
 }
 
-// Whether token t starts a run of the step's tokens on one cache row (a work item of attention_f32).
+// The scratch attention_f32 needs, in bytes: the rotated queries (bf16 [n, H, D]), every token-head's split states,
+// then the work items. (The thread count no longer matters: kept for the callers' signature.)
+int64_t attention_workspace_bytes(int64_t n, int64_t H, int64_t D, int threads) {
+    (void)threads;
+    return round64(n * H * D * (int64_t)sizeof(bf16)) + states_bytes(n, H, D) +
+           n * H * MAX_SPLITS * ITEM_FIELDS * (int64_t)sizeof(int64_t);
+}
+
+// Whether token t starts a run of the step's tokens on one cache row (whose splits are work items of attention_f32).
 static inline int starts_row_group(const int64_t *table, int64_t t) {
     return t == 0 || table[TABLE_COLUMNS * t + ROW] != table[TABLE_COLUMNS * (t - 1) + ROW];
 }
 
+// The run of tokens on one cache row that starts at t0: returns its end, and the first and last splits its keys reach.
+static int64_t row_run(const int64_t *table, int64_t n, int64_t t0, int64_t *s0, int64_t *s1) {
+    int64_t lo = INT64_MAX, hi = 0, t1 = t0;
+    do {
+        const int64_t *e = table + TABLE_COLUMNS * t1, end = e[FIRST] + key_count(e);
+        lo = e[FIRST] < lo ? e[FIRST] : lo;
+        hi = end > hi ? end : hi;
+    } while (++t1 < n && !starts_row_group(table, t1));
+    *s0 = split_of(lo), *s1 = split_of(hi - 1);
+    return t1;
+}
+
 // The attention of a packed step: out [n, H, D] in float32, which decoder_layer rounds to bf16 (exported so the tests
 // see its arithmetic bit for bit: a bf16 result hides almost every change of order). workspace: as
-// attention_workspace_bytes says.
+// attention_workspace_bytes says. Work items: each run of tokens on one cache row x key/value head x group of its
+// query heads x split of the cache the run's keys reach; then each token-head merges its splits.
 void attention_f32(const bf16 *qkv, int64_t n, int64_t H, int64_t Hk, int64_t D, const int64_t *table,
                    const int64_t *ancestors, const bf16 *cos, const bf16 *sin, bf16 *k_cache, bf16 *v_cache,
                    int64_t slots, float *out, void *workspace, int threads) {
     const int64_t width = (H + 2 * Hk) * D, G = H / Hk;
     bf16 *q_rot = workspace;
-    float *scratch = (float *)((char *)workspace + round64(n * H * D * (int64_t)sizeof(bf16)));
+    float *states = (float *)((char *)workspace + round64(n * H * D * (int64_t)sizeof(bf16)));
+    int64_t *items = (int64_t *)((char *)states + states_bytes(n, H, D)), count = 0, row_splits = 0, s0, s1;
     const float scale = 1.0f / sqrtf((float)D);
-    int64_t row_groups = 0;
-    for (int64_t t = 0; t < n; t++) row_groups += starts_row_group(table, t);
-    const int64_t hp = heads_per_item(row_groups, H, Hk, threads), groups = (G + hp - 1) / hp;
+    for (int64_t t0 = 0, t1; t0 < n; t0 = t1) {
+        t1 = row_run(table, n, t0, &s0, &s1);
+        row_splits += s1 - s0 + 1;
+    }
+    const int64_t hp = heads_per_item(row_splits, H, Hk, threads), groups = (G + hp - 1) / hp;
+    for (int64_t t0 = 0, t1; t0 < n; t0 = t1) {
+        t1 = row_run(table, n, t0, &s0, &s1);
+        for (int64_t kv = 0; kv < Hk; kv++)  // a thread alone streams each key/value head's splits in order
+            for (int64_t group = 0; group < groups; group++)
+                for (int64_t split = s0; split <= s1; split++, count++) {
+                    int64_t *item = items + ITEM_FIELDS * count;
+                    item[ITEM_T0] = t0, item[ITEM_T1] = t1, item[ITEM_SPLIT] = split;
+                    item[ITEM_H0] = kv * G + group * hp;
+                    item[ITEM_HEADS] = G - group * hp < hp ? G - group * hp : hp;
+                }
+    }
 #pragma omp parallel for num_threads(threads) if (n > 1)
     for (int64_t t = 0; t < n; t++) {
         const int64_t *e = table + TABLE_COLUMNS * t;
@@ -844,23 +947,16 @@ void attention_f32(const bf16 *qkv, int64_t n, int64_t H, int64_t Hk, int64_t D,
     }
 #pragma omp parallel num_threads(threads)
     {
-        int thread = 0;
-#ifdef _OPENMP
-        thread = omp_get_thread_num();
-#endif
-        float *state = scratch + thread * scratch_floats(n, D);
-#pragma omp for collapse(3) schedule(dynamic, 1)
-        for (int64_t t0 = 0; t0 < n; t0++)  // an item per run of tokens on one cache row (the others do nothing)
-            for (int64_t kv = 0; kv < Hk; kv++)
-                for (int64_t group = 0; group < groups; group++) {
-                    if (!starts_row_group(table, t0)) continue;
-                    int64_t t1 = t0 + 1;
-                    while (t1 < n && !starts_row_group(table, t1)) t1++;
-                    const int ng = (int)(G - group * hp < hp ? G - group * hp : hp);
-                    const int64_t at = (table[TABLE_COLUMNS * t0 + ROW] * Hk + kv) * slots * D;
-                    attend_rows(q_rot, t0, t1, H, kv * G + group * hp, ng, D, table, ancestors, k_cache + at,
-                                v_cache + at, scale, state, out);
-                }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < count; i++) {
+            const int64_t *item = items + ITEM_FIELDS * i, t0 = item[ITEM_T0], h0 = item[ITEM_H0];
+            const int64_t at = (table[TABLE_COLUMNS * t0 + ROW] * Hk + h0 / G) * slots * D;
+            attend_rows(q_rot, t0, item[ITEM_T1], H, h0, (int)item[ITEM_HEADS], D, table, ancestors, k_cache + at,
+                        v_cache + at, scale, item[ITEM_SPLIT], states, n);
+        }
+#pragma omp for collapse(2)
+        for (int64_t t = 0; t < n; t++)
+            for (int64_t h = 0; h < H; h++) merge_splits(states, n, table, t, H, h, D, out);
     }
 }
 
