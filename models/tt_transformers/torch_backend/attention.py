@@ -60,6 +60,8 @@ class StepInputs:
     exact_keys: Optional[list[Optional[torch.Tensor]]] = None  # ExactToken.key_slots of each, computed once a step
     # The same for the CPU kernels (Transformer.use_cpu_kernels): the whole layer then runs in one kernel call.
     exact_table: Optional["StepTable"] = None
+    # The masked step on the CPU kernels: every query in one prefill_attention call (no chunks, no mask).
+    prefill_table: Optional["PrefillTable"] = None
 
 
 class Attention(nn.Module):
@@ -69,6 +71,7 @@ class Attention(nn.Module):
         qkv_dim = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
         self.wqkv = nn.Linear(in_dim or args.dim, qkv_dim, bias=False, dtype=dtype)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False, dtype=dtype)
+        self.kernels = None  # the CPU kernels (TransformerBlock.use_cpu_kernels): a prefill's attention runs on them
 
     def forward(self, x: torch.Tensor, step: StepInputs, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 keep: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -92,6 +95,9 @@ class Attention(nn.Module):
                     q[0, tok.index].reshape(1, Hk, G, D), keys.unsqueeze(0), values.unsqueeze(0)).reshape(H, D)
             out = out.view(B, T, H * D)
             return self.wo(out if keep is None else out[:, keep])
+        if step.prefill_table is not None:
+            out = self.kernels.prefill_attention(q, k_cache, v_cache, step.prefill_table)
+            return self.wo(out.view(B, T, H * D))
         keys, values = k_cache[step.read_rows, :, : step.kv_len], v_cache[step.read_rows, :, : step.kv_len]
         q = q.transpose(1, 2)
         out = torch.empty(B, H, T, D, dtype=x.dtype, device=x.device)

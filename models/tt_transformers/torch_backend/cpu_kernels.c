@@ -917,3 +917,278 @@ void decoder_layer(bf16 *x, int64_t n, int64_t dim, int64_t hidden, int64_t H, i
     linear_bf16(act, w_down, delta, n, hidden, dim, 0, xf);
     add_bf16(x, delta, n * dim);
 }
+
+// ---- prefill attention: a prompt's many queries per user, flash-style ------------------------------------------
+// The masked (prefill) path's attention: queries [B, T, H, D] (rotated, their K and V already in the caches), query b, t
+// at position pos[b, t] sees the keys of cache row rows[b] at positions [max(0, pos + 1 - window), pos] (window 0: no
+// window): causal, after a cached prefix (its keys all visible), and a ragged batch's padding (it attends like the
+// last real token; nobody reads its result). Each work item takes up to PREFILL_ROWS query rows (a row: one query and
+// one head of a key/value head's group, so the group's heads share every K/V block) and walks key positions in blocks
+// of KEY_BLOCK aligned at multiples of it, as an online softmax: s = (q . k) * scale over the block's 32 keys (the
+// invisible ones -inf), m' = max(m, s), alpha = exp(m - m') (exactly 1 when m' = m), p = exp(s - m') rounded to bf16
+// (0 where s - m' <= -87: never a subnormal, which vdpbf16ps would flush), sums = sums * alpha + p (16 lanes: the first
+// 16 keys', then the last 16's), acc = acc * alpha + p . v; at the end out = acc * (1 / sum of the sums' lanes). The dot
+// products take a pair of elements at a time in order, as the linear layer's (vdpbf16ps on AVX512-BF16, two float
+// multiply-adds of exact products on the widened paths), and p is rounded to bf16 so that p . v is such a dot product
+// too. Blocks where a row sees no key leave its state as it was (alpha 1, p 0), so its result depends on its own
+// keys alone: not on the other rows of its item, the items or the threads (deterministic at any thread count). K and V
+// are first packed per user and key/value head into the layouts the two products read: K block i, pair d/2, key j
+// (the linear layer's weight layout, keys as outputs), V block i, key pair j/2, element d.
+#define KEY_BLOCK 32
+#define PREFILL_ROWS 48  // query rows per work item (16 queries of a group of 3 heads): its state stays in L1/L2
+#if defined(TT_ISA_AVX512BF16)
+#define QK_ROWS 12  // rows x 2 vectors of 16 keys in registers
+#define PV_ROWS 6  // rows x WEIGH_CHUNKS chunks of 16 outputs in registers
+#elif defined(TT_ISA_AVX512)
+#define QK_ROWS 10
+#define PV_ROWS 5
+#else
+#define QK_ROWS 2
+#define PV_ROWS 4
+#endif
+#define NOT_SUBNORMAL -87.0f  // exp(x) for x above this is a normal float (2^-126 = exp(-87.34))
+
+// Scores of RT rows (q: bf16 [RT, D], qf: the same widened on the widened paths) against a packed block of 32 keys.
+static inline __attribute__((always_inline)) void qk_tile(const int RT, const bf16 *q, const float *qf, int64_t D,
+                                                          const bf16 *kp, float scale, float *s) {
+    v16 acc[QK_ROWS][2];
+    for (int r = 0; r < RT; r++) acc[r][0] = acc[r][1] = v_zero();
+    for (int64_t p = 0; p < D / 2; p++) {
+        const bf16 *k = kp + p * 2 * KEY_BLOCK;
+#ifdef TT_ISA_AVX512BF16
+        (void)qf;
+        const __m512bh k0 = (__m512bh)_mm512_loadu_si512((const void *)k);
+        const __m512bh k1 = (__m512bh)_mm512_loadu_si512((const void *)(k + 32));
+        for (int r = 0; r < RT; r++) {
+            int32_t pair;
+            memcpy(&pair, q + r * D + 2 * p, 4);
+            const __m512bh qv = (__m512bh)_mm512_set1_epi32(pair);
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], k0, qv);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], k1, qv);
+        }
+#else
+        (void)q;
+        v16 e0, o0, e1, o1;
+        v_load_pairs(k, &e0, &o0);
+        v_load_pairs(k + 32, &e1, &o1);
+        for (int r = 0; r < RT; r++) {
+            const v16 qe = v_set1(qf[r * D + 2 * p]), qo = v_set1(qf[r * D + 2 * p + 1]);
+            acc[r][0] = v_madd_exact(o0, qo, v_madd_exact(e0, qe, acc[r][0]));
+            acc[r][1] = v_madd_exact(o1, qo, v_madd_exact(e1, qe, acc[r][1]));
+        }
+#endif
+    }
+    for (int r = 0; r < RT; r++) {
+        v_store(s + r * KEY_BLOCK, v_mul(acc[r][0], v_set1(scale)));
+        v_store(s + r * KEY_BLOCK + 16, v_mul(acc[r][1], v_set1(scale)));
+    }
+}
+
+#define QK_CASE(RT)                                                   \
+    case RT:                                                          \
+        if (RT <= QK_ROWS) qk_tile(RT, q, qf, D, kp, scale, s);       \
+        return;
+static void qk_rows(int rt, const bf16 *q, const float *qf, int64_t D, const bf16 *kp, float scale, float *s) {
+    switch (rt) { QK_CASE(1) QK_CASE(2) QK_CASE(3) QK_CASE(4) QK_CASE(5) QK_CASE(6) QK_CASE(7) QK_CASE(8) QK_CASE(9)
+                  QK_CASE(10) QK_CASE(11) QK_CASE(12) }
+    __builtin_trap();
+}
+
+// acc = acc * alpha + p . v for RT rows (p: bf16 [RT, KEY_BLOCK]) and chunks c0 .. c0 + NC - 1 of 16 outputs, over a
+// packed block of 32 values, a key pair at a time.
+static inline __attribute__((always_inline)) void pv_tile(const int RT, const int NC, const bf16 *p, const bf16 *vp,
+                                                          const float *alpha, int64_t D, int64_t c0, float *acc) {
+    v16 a[PV_ROWS][WEIGH_CHUNKS];
+    for (int r = 0; r < RT; r++)
+        for (int c = 0; c < NC; c++) a[r][c] = v_mul(v_load(acc + r * D + 16 * (c0 + c)), v_set1(alpha[r]));
+    for (int64_t j = 0; j < KEY_BLOCK / 2; j++) {
+        const bf16 *v = vp + (j * D + 16 * c0) * 2;
+#ifdef TT_ISA_AVX512BF16
+        __m512bh vv[WEIGH_CHUNKS];
+        for (int c = 0; c < NC; c++) vv[c] = (__m512bh)_mm512_loadu_si512((const void *)(v + 32 * c));
+        for (int r = 0; r < RT; r++) {
+            int32_t pair;
+            memcpy(&pair, p + r * KEY_BLOCK + 2 * j, 4);
+            const __m512bh pv = (__m512bh)_mm512_set1_epi32(pair);
+            for (int c = 0; c < NC; c++) a[r][c] = _mm512_dpbf16_ps(a[r][c], vv[c], pv);
+        }
+#else
+        v16 e[WEIGH_CHUNKS], o[WEIGH_CHUNKS];
+        for (int c = 0; c < NC; c++) v_load_pairs(v + 32 * c, &e[c], &o[c]);
+        for (int r = 0; r < RT; r++) {
+            const v16 pe = v_set1(bf16_to_f32(p[r * KEY_BLOCK + 2 * j])), po = v_set1(bf16_to_f32(p[r * KEY_BLOCK + 2 * j + 1]));
+            for (int c = 0; c < NC; c++) a[r][c] = v_madd_exact(o[c], po, v_madd_exact(e[c], pe, a[r][c]));
+        }
+#endif
+    }
+    for (int r = 0; r < RT; r++)
+        for (int c = 0; c < NC; c++) v_store(acc + r * D + 16 * (c0 + c), a[r][c]);
+}
+
+#define PV_CASE(RT, NC)                                                          \
+    case (RT - 1) * WEIGH_CHUNKS + NC - 1:                                       \
+        if (RT <= PV_ROWS && NC <= WEIGH_CHUNKS) pv_tile(RT, NC, p, vp, alpha, D, c0, acc); \
+        return;
+#if WEIGH_CHUNKS == 4
+#define PV_ROW(RT) PV_CASE(RT, 1) PV_CASE(RT, 2) PV_CASE(RT, 3) PV_CASE(RT, 4)
+#else
+#define PV_ROW(RT) PV_CASE(RT, 1)
+#endif
+static void pv_rows(int rt, int nc, const bf16 *p, const bf16 *vp, const float *alpha, int64_t D, int64_t c0,
+                    float *acc) {
+    switch ((rt - 1) * WEIGH_CHUNKS + nc - 1) { PV_ROW(1) PV_ROW(2) PV_ROW(3) PV_ROW(4) PV_ROW(5) PV_ROW(6) }
+    __builtin_trap();
+}
+
+// Queries per work item, so that an item has about PREFILL_ROWS rows (at least one query's G heads).
+static int64_t prefill_queries(int64_t G) { return G < PREFILL_ROWS ? PREFILL_ROWS / G : 1; }
+
+// Per thread: bf16 rows' q [rows, D] and p [rows, 32], then floats: q widened [rows, D], scores [rows, 32], acc
+// [rows, D], sums [rows, 16], the running maximum and alpha [rows].
+static int64_t prefill_scratch_bytes(int64_t G, int64_t D) {
+    const int64_t rows = prefill_queries(G) * G;
+    return round64(rows * (D + KEY_BLOCK) * (int64_t)sizeof(bf16)) +
+           round64(rows * (2 * D + KEY_BLOCK + 16 + 2) * (int64_t)sizeof(float));
+}
+
+// Key blocks packed per user and key/value head: enough for kv_len positions (every query's position is below it).
+static int64_t prefill_blocks(int64_t kv_len) { return (kv_len + KEY_BLOCK - 1) / KEY_BLOCK; }
+
+// The scratch prefill_attention needs, in bytes: the packed K and V, then each thread's rows.
+int64_t prefill_attention_workspace_bytes(int64_t B, int64_t H, int64_t Hk, int64_t D, int64_t kv_len, int threads) {
+    return round64(2 * B * Hk * prefill_blocks(kv_len) * KEY_BLOCK * D * (int64_t)sizeof(bf16)) +
+           threads * prefill_scratch_bytes(H / Hk, D);
+}
+
+static inline int64_t first_visible(int64_t pos, int64_t window) {
+    return window && pos + 1 - window > 0 ? pos + 1 - window : 0;
+}
+
+// Queries t0 .. t1 - 1 of batch entry b with the G query heads of key/value head kv: kp / vp are that user's and
+// head's packed blocks from position `packed_from`.
+static void prefill_item(const bf16 *q, int64_t token_stride, int64_t T, int64_t b, int64_t t0, int64_t t1, int64_t H,
+                         int64_t G, int64_t kv, int64_t D, const int64_t *pos, int64_t window, const bf16 *kp,
+                         const bf16 *vp, int64_t packed_from, float scale, char *scratch, void *out, int out_f32) {
+    const int64_t rows = (t1 - t0) * G, most = prefill_queries(G) * G;
+    bf16 *qb = (bf16 *)scratch, *pb = qb + most * D;
+    float *qf = (float *)(scratch + round64(most * (D + KEY_BLOCK) * (int64_t)sizeof(bf16)));
+    float *s = qf + most * D, *acc = s + most * KEY_BLOCK, *sums = acc + most * D, *m = sums + most * 16;
+    float *alpha = m + most;
+    int64_t lo = INT64_MAX, hi = 0;
+    for (int64_t t = t0; t < t1; t++) {
+        const int64_t p = pos[b * T + t], first = first_visible(p, window);
+        lo = first < lo ? first : lo;
+        hi = p + 1 > hi ? p + 1 : hi;
+        memcpy(qb + (t - t0) * G * D, q + (b * T + t) * token_stride + kv * G * D, G * D * sizeof(bf16));
+    }
+    for (int64_t i = 0; i < rows * D; i++) qf[i] = bf16_to_f32(qb[i]);
+    memset(acc, 0, rows * D * sizeof(float));
+    memset(sums, 0, rows * 16 * sizeof(float));
+    for (int64_t r = 0; r < rows; r++) m[r] = -INFINITY;
+    for (int64_t k0 = lo / KEY_BLOCK * KEY_BLOCK; k0 < hi; k0 += KEY_BLOCK) {
+        const int64_t block = (k0 - packed_from) / KEY_BLOCK;
+        const bf16 *kblock = kp + block * KEY_BLOCK * D, *vblock = vp + block * KEY_BLOCK * D;
+        for (int64_t r0 = 0; r0 < rows; r0 += QK_ROWS)
+            qk_rows(rows - r0 < QK_ROWS ? (int)(rows - r0) : QK_ROWS, qb + r0 * D, qf + r0 * D, D, kblock, scale,
+                    s + r0 * KEY_BLOCK);
+        for (int64_t r = 0; r < rows; r++) {
+            float *sr = s + r * KEY_BLOCK;
+            const int64_t p = pos[b * T + t0 + r / G], a = first_visible(p, window) - k0, z = p + 1 - k0;
+            for (int64_t j = 0; j < a && j < KEY_BLOCK; j++) sr[j] = -INFINITY;
+            for (int64_t j = z > 0 ? z : 0; j < KEY_BLOCK; j++) sr[j] = -INFINITY;
+            const v16 s0 = v_load(sr), s1 = v_load(sr + 16);
+            const float top = v_reduce_max(v_max(s0, s1)), old = m[r], now = top > old ? top : old;
+            alpha[r] = now == old ? 1.0f : exp1(old - now);
+            m[r] = now;
+            const v16 x0 = v_sub(s0, v_set1(now)), x1 = v_sub(s1, v_set1(now));
+            v_store(sr, v_bf16_round(v_exp(x0)));
+            v_store(sr + 16, v_bf16_round(v_exp(x1)));
+            const lanes16 keep = v_greater(x0, NOT_SUBNORMAL) | v_greater(x1, NOT_SUBNORMAL) << 16;
+            if (keep != 0xffffffffu)
+                for (int j = 0; j < KEY_BLOCK; j++)
+                    if (!(keep >> j & 1)) sr[j] = 0.0f;
+            v_store(sums + r * 16, v_add(v_add(v_mul(v_load(sums + r * 16), v_set1(alpha[r])), v_load(sr)),
+                                         v_load(sr + 16)));
+            v_store_bf16(pb + r * KEY_BLOCK, v_load(sr));  // already bf16 values: the same bits
+            v_store_bf16(pb + r * KEY_BLOCK + 16, v_load(sr + 16));
+        }
+        for (int64_t r0 = 0; r0 < rows; r0 += PV_ROWS)
+            for (int64_t c0 = 0; c0 < D / 16; c0 += WEIGH_CHUNKS)
+                pv_rows(rows - r0 < PV_ROWS ? (int)(rows - r0) : PV_ROWS,
+                        D / 16 - c0 < WEIGH_CHUNKS ? (int)(D / 16 - c0) : WEIGH_CHUNKS, pb + r0 * KEY_BLOCK, vblock,
+                        alpha + r0, D, c0, acc + r0 * D);
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t t = t0 + r / G, at = ((b * T + t) * H + kv * G + r % G) * D;
+        const v16 inv = v_set1(1.0f / v_reduce_add(v_load(sums + r * 16)));
+        for (int64_t c = 0; c < D; c += 16) {
+            const v16 o = v_mul(v_load(acc + r * D + c), inv);
+            if (out_f32) v_store((float *)out + at + c, o);
+            else v_store_bf16((bf16 *)out + at + c, o);
+        }
+    }
+}
+
+// K and V of positions [k0, k0 + 32) of one cache row's key/value head (keys, values: [slots, D] of it) in the
+// layouts qk_tile and pv_tile read; positions from kv_len on are zeros (no query sees them, and a zero value weighed
+// by p = 0 stays 0 where a stale slot's could be anything).
+static void pack_key_block(const bf16 *keys, const bf16 *values, int64_t kv_len, int64_t D, int64_t k0, bf16 *kp,
+                           bf16 *vp) {
+    for (int64_t j = 0; j < KEY_BLOCK; j++) {
+        const int64_t at = k0 + j;
+        for (int64_t d = 0; d < D; d++) {
+            const bf16 k = at < kv_len ? keys[at * D + d] : 0, v = at < kv_len ? values[at * D + d] : 0;
+            kp[((d / 2) * KEY_BLOCK + j) * 2 + d % 2] = k;
+            vp[((j / 2) * D + d) * 2 + j % 2] = v;
+        }
+    }
+}
+
+// The attention of a prefill (see above): q [B, T, H, D] bf16 with `token_stride` elements between tokens (T of them
+// between batch entries: a view of the projections), rows [B] the cache row of each batch entry, pos [B, T] each
+// query's position (below kv_len), window 0 or the sliding window; caches [users, Hk, slots, D]; out [B, T, H, D]
+// in float32 (out_f32, for the tests) or bf16. workspace: prefill_attention_workspace_bytes.
+void prefill_attention(const bf16 *q, int64_t token_stride, int64_t B, int64_t T, int64_t H, int64_t Hk, int64_t D,
+                       const int64_t *rows, const int64_t *pos, int64_t window, int64_t kv_len, const bf16 *k_cache,
+                       const bf16 *v_cache, int64_t slots, void *out, int out_f32, void *workspace, int threads) {
+    const int64_t G = H / Hk, per_item = prefill_queries(G), items_per_b = (T + per_item - 1) / per_item;
+    const int64_t blocks = prefill_blocks(kv_len), head_elems = blocks * KEY_BLOCK * D;
+    bf16 *kpack = workspace, *vpack = kpack + B * Hk * head_elems;
+    char *scratch = (char *)workspace + round64(2 * B * Hk * head_elems * (int64_t)sizeof(bf16));
+    const float scale = 1.0f / sqrtf((float)D);
+    int64_t from[B > 0 ? B : 1];  // each batch entry's first packed position: its earliest query's first key's block
+    for (int64_t b = 0; b < B; b++) {
+        from[b] = INT64_MAX;
+        for (int64_t t = 0; t < T; t++) {
+            const int64_t first = first_visible(pos[b * T + t], window);
+            from[b] = first < from[b] ? first : from[b];
+        }
+        from[b] = from[b] / KEY_BLOCK * KEY_BLOCK;
+    }
+#pragma omp parallel num_threads(threads)
+    {
+        int thread = 0;
+#ifdef _OPENMP
+        thread = omp_get_thread_num();
+#endif
+#pragma omp for collapse(3) schedule(static)
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t kv = 0; kv < Hk; kv++)
+                for (int64_t i = 0; i < blocks; i++) {
+                    const int64_t k0 = from[b] + i * KEY_BLOCK, cache = (rows[b] * Hk + kv) * slots * D;
+                    if (k0 < kv_len)
+                        pack_key_block(k_cache + cache, v_cache + cache, kv_len, D, k0,
+                                       kpack + (b * Hk + kv) * head_elems + i * KEY_BLOCK * D,
+                                       vpack + (b * Hk + kv) * head_elems + i * KEY_BLOCK * D);
+                }
+        // the latest queries (the most keys) first, so that the threads finish together
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < items_per_b * B * Hk; item++) {
+            const int64_t chunk = items_per_b - 1 - item / (B * Hk), b = item % (B * Hk) / Hk, kv = item % Hk;
+            const int64_t t0 = chunk * per_item, t1 = t0 + per_item < T ? t0 + per_item : T;
+            prefill_item(q, token_stride, T, b, t0, t1, H, G, kv, D, pos, window,
+                         kpack + (b * Hk + kv) * head_elems, vpack + (b * Hk + kv) * head_elems, from[b], scale,
+                         scratch + thread * prefill_scratch_bytes(G, D), out, out_f32);
+        }
+    }
+}

@@ -66,6 +66,27 @@ class StepTable:
                    1 + max(t.row for t in tokens), max(slots, 1 + max(t.pos for t in tokens)))
 
 
+@dataclass(frozen=True)
+class PrefillTable:
+    """A prefill's queries as prefill_attention reads them: each batch entry's cache row [B] and each query's position
+    [B, T] (int64), the sliding window (0: none) and kv_len (the largest position + 1), checked once a step: the
+    kernel indexes the cache with them directly."""
+
+    rows: torch.Tensor
+    positions: torch.Tensor
+    window: int
+    kv_len: int
+
+    @classmethod
+    def of(cls, rows: torch.Tensor, positions: torch.Tensor, window: Optional[int]) -> "PrefillTable":
+        rows = rows.to(device="cpu", dtype=torch.int64).contiguous().view(-1)
+        positions = positions.to(device="cpu", dtype=torch.int64).contiguous()
+        if positions.dim() != 2 or rows.shape[0] != positions.shape[0] or min(rows.min(), positions.min()) < 0:
+            raise IndexError(f"bad kernel prefill: rows {tuple(rows.shape)} and positions {tuple(positions.shape)} "
+                             "must be [B] and [B, T], all >= 0")
+        return cls(rows, positions, window or 0, int(positions.max()) + 1)
+
+
 class CpuKernels:
     """The loaded library. Every call checks what the C code would otherwise trust (shapes, dtypes, devices,
     contiguity, cache bounds) and raises one clear error; tensor addresses are taken at the call, never stored, and
@@ -81,6 +102,10 @@ class CpuKernels:
         lib.decoder_layer_workspace_bytes.argtypes = [i64] * 6 + [ctypes.c_int]
         lib.decoder_layer_workspace_bytes.restype = i64
         lib.argmax_topk_f32.argtypes = [ptr, i64, i64, ctypes.c_int, ptr, ptr]
+        lib.prefill_attention.argtypes = [ptr] + [i64] * 6 + [ptr, ptr] + [i64] * 2 + [ptr, ptr, i64, ptr,
+                                                                                   ctypes.c_int, ptr, ctypes.c_int]
+        lib.prefill_attention_workspace_bytes.argtypes = [i64] * 5 + [ctypes.c_int]
+        lib.prefill_attention_workspace_bytes.restype = i64
         self.lib, self.path = lib, path
         self.workspace = torch.empty(0, dtype=torch.uint8)
 
@@ -163,6 +188,35 @@ class CpuKernels:
             if top is not None:
                 top[r] = logits[r].topk(k).indices.tolist()
         return ids, top
+
+    def prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: PrefillTable,
+                          out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """The attention of a prefill (cpu_kernels.c prefill_attention): q [B, T, H, D] bf16, rotated (a view of the
+        projections: tokens may be strided), the step's K and V already in the caches [users, Hk, slots, D] ->
+        [B, T, H, D] in out_dtype (bf16, or float32 for the tests)."""
+        B, T = table.positions.shape
+        H, D = q.shape[2], q.shape[3]
+        users, Hk, slots = k_cache.shape[:3]
+        if not (q.dtype == k_cache.dtype == v_cache.dtype == torch.bfloat16 and q.shape[:2] == (B, T)
+                and q.device.type == "cpu" and q.stride(3) == 1 and q.stride(2) == D and q.stride(0) == T * q.stride(1)
+                and k_cache.shape == v_cache.shape == (users, Hk, slots, D) and k_cache.is_contiguous()
+                and v_cache.is_contiguous() and k_cache.device.type == "cpu" and H % Hk == 0
+                and out_dtype in (torch.bfloat16, torch.float32)):
+            raise ValueError(f"CPU kernels: a prefill's attention needs bf16 CPU queries [{B}, {T}, H, D] (heads "
+                             f"contiguous) and caches [users, Hk, slots, D] with Hk dividing H, got q "
+                             f"{tuple(q.shape)} {q.dtype} strides {q.stride()}, caches {tuple(k_cache.shape)} "
+                             f"{k_cache.dtype}, out {out_dtype}")
+        if int(table.rows.max()) >= users or table.kv_len > slots:
+            raise IndexError(f"kernel prefill reaches cache row {int(table.rows.max())} / slot {table.kv_len - 1}, but "
+                             f"the cache has {users} rows x {slots} slots")
+        threads = torch.get_num_threads()
+        workspace = self._workspace(self.lib.prefill_attention_workspace_bytes(B, H, Hk, D, table.kv_len, threads))
+        out = torch.empty(B, T, H, D, dtype=out_dtype)
+        self.lib.prefill_attention(q.data_ptr(), q.stride(1), B, T, H, Hk, D, table.rows.data_ptr(),
+                                   table.positions.data_ptr(), table.window, table.kv_len, k_cache.data_ptr(),
+                                   v_cache.data_ptr(), slots, out.data_ptr(), int(out_dtype == torch.float32),
+                                   workspace.data_ptr(), threads)
+        return out
 
     def check_layer_weights(self, args, weights: tuple) -> None:
         """Once, when a block moves onto the kernels (its modules then refuse .to() and casts): the weights

@@ -16,7 +16,7 @@ from ..checkpoints.model_shape import ModelShape
 from ..checkpoints.rope import rope_tables
 from .attention import Attention, ExactToken, StepInputs
 from .cpu_isa import onednn_bf16_prepacking
-from .cpu_kernels import CpuKernels, StepTable, kernels_fit
+from .cpu_kernels import CpuKernels, PrefillTable, StepTable, kernels_fit
 from .mlp import MLP
 
 
@@ -137,7 +137,7 @@ class TransformerBlock(nn.Module):
         self.kernel_weights = (self.attention_norm.weight, self.attention.wqkv.packed, self.attention.wo.packed,
                                self.ffn_norm.weight, self.feed_forward.w_gate_up.packed, self.feed_forward.w_down.packed)
         kernels.check_layer_weights(self.args, self.kernel_weights)
-        self.kernels = kernels
+        self.kernels = self.attention.kernels = kernels
 
     def _apply(self, fn, recurse=True):
         if self.kernels is not None:
@@ -254,6 +254,9 @@ class Transformer(nn.Module):
             return StepInputs(cos, sin, rows, positions, None, kv_len, None, exact_tokens,
                               [tok.key_slots() for tok in exact_tokens])
         read_rows = slice(None) if all_rows else rows.view(-1)
+        if self.kernels is not None:  # the kernels' prefill attention takes every query at once, without a mask
+            return StepInputs(cos, sin, rows, positions, read_rows, kv_len, None,
+                              prefill_table=PrefillTable.of(rows, query_pos, self.args.sliding_window))
         return StepInputs(cos, sin, rows, positions, read_rows, kv_len, self.prefill_chunks(query_pos))
 
     def prefill_chunks(self, query_pos: torch.Tensor) -> list[tuple[int, int, int, int, torch.Tensor]]:
