@@ -61,6 +61,23 @@ def exp_cephes(x: np.ndarray) -> np.ndarray:
     for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
         y = y * r + F32(c)
     y = y * (r * r) + (r + F32(1.0))
+    return ldexp(y, k)
+
+
+def exp_short(x: np.ndarray) -> np.ndarray:
+    """v_exp_short (prefill's p): v_exp's reduction, a degree-4 polynomial, no upper clamp (x <= 0 there)."""
+    x = np.maximum(x, F32(-88.0))
+    k = np.rint(x * F32(1.44269504088896341))
+    r = x - k * F32(0.693359375)
+    r = r - k * F32(-2.12194440e-4)
+    y = np.full_like(x, F32(4.1666666667e-2))
+    for c in (1.6666666667e-1, 0.5, 1.0, 1.0):
+        y = y * r + F32(c)
+    return ldexp(y, k)
+
+
+def ldexp(y: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """v_ldexp: y * 2^(k/2) * 2^(k - k/2), each factor exact, for whole k in [-127, 127]."""
     ki = k.astype(np.int32)
     k1 = ki >> 1
 
@@ -190,7 +207,7 @@ def prefill_attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, first: i
         alpha = F32(1.0) if new_max == m else exp_cephes(np.array([m - new_max], dtype=F32))[0]
         with np.errstate(invalid="ignore"):
             x = s - new_max
-            p = round_bf16(exp_cephes(x))
+            p = round_bf16(exp_short(x))
             p[~(x > NOT_SUBNORMAL)] = 0
         sums = ((sums * alpha) + p[:16]) + p[16:]
         acc = acc * alpha

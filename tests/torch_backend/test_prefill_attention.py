@@ -140,3 +140,13 @@ def test_prefill_on_the_kernels_is_close_to_torch_ops_and_deterministic(cpu_path
     for got, other, ref in zip(runs[0], runs[2], want):
         assert torch.corrcoef(torch.stack([got.flatten(), ref.flatten()]).double())[0, 1] > 0.999
         assert torch.corrcoef(torch.stack([got.flatten(), other.flatten()]).double())[0, 1] > 0.9999
+
+
+@pytest.mark.parametrize("n_out,n_in", [(960, 576), (50, 64)])
+def test_unpacked_weight_is_the_weight(n_out, n_in):
+    """KernelLinear's prefill rows go through torch's matmul on the weight unpacked by one strided copy
+    (CpuKernels.unpack_weight, no second copy kept): it is the original matrix, a last block of fewer than 16 rows too."""
+    from models.tt_transformers.torch_backend.cpu_kernels import CpuKernels
+
+    w = torch.randn(n_out, n_in, generator=torch.Generator().manual_seed(0)).bfloat16()
+    assert torch.equal(CpuKernels.unpack_weight(CpuKernels.pack_weight(w), n_out), w)

@@ -135,6 +135,12 @@ class CpuKernels:
         packed[b0 : b0 + rows.shape[0] // BLOCK] = rows.view(-1, BLOCK, k // 2, 2).permute(0, 2, 1, 3)
 
     @staticmethod
+    def unpack_weight(packed: torch.Tensor, n_out: int) -> torch.Tensor:
+        """The [n_out, K] matrix of a packed weight, as one strided copy (a gather of its rows, packed_rows, took
+        about 5 times as long: 1.9 ms for the embedded model's wqkv on one core)."""
+        return packed.permute(0, 2, 1, 3).reshape(-1, packed.shape[1] * 2)[:n_out]
+
+    @staticmethod
     def packed_rows(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Rows of the unpacked [N, K] matrix (an embedding lookup in a tied LM head's packed weight)."""
         picked = packed[rows // BLOCK, :, rows % BLOCK, :]  # [*rows.shape, K / 2, 2]

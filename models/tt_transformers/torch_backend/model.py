@@ -84,8 +84,7 @@ class KernelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.onednn:  # the weight unpacked for the call: one copy of it against a prompt's many rows
-            weight = self.kernels.packed_rows(self.packed, torch.arange(self.out_features))
-            return F.linear(x, weight).to(self.out_dtype)
+            return F.linear(x, self.kernels.unpack_weight(self.packed, self.out_features)).to(self.out_dtype)
         return self.kernels.linear(x, self.packed, self.out_features, self.out_dtype)
 
     def _apply(self, fn, recurse=True):
