@@ -150,3 +150,17 @@ def test_unpacked_weight_is_the_weight(n_out, n_in):
 
     w = torch.randn(n_out, n_in, generator=torch.Generator().manual_seed(0)).bfloat16()
     assert torch.equal(CpuKernels.unpack_weight(CpuKernels.pack_weight(w), n_out), w)
+
+
+@pytest.mark.skipif("avx512" not in CPU_PATHS or "avx512bf16" not in CPU_PATHS, reason="needs an AVX512-BF16 CPU")
+def test_prefill_linears_leave_onednn_where_it_widens_bf16(monkeypatch):
+    """A prompt's linear layers go through torch's oneDNN only where it multiplies bf16 with dot products: under the
+    avx512bf16 path, not under avx512 (oneDNN capped to AVX512_CORE widens bf16 to float, 3 times slower than the
+    kernels there)."""
+    flags = {}
+    for path in ("avx512bf16", "avx512"):
+        monkeypatch.setenv("TT_CPU_ISA", path)
+        model = random_model(torch.bfloat16, dim=64, head_dim=32, hidden_dim=96)
+        model.use_cpu_kernels(kernels_of(path))
+        flags[path] = model.layers[0].feed_forward.w_down.onednn
+    assert flags == {"avx512bf16": True, "avx512": False}

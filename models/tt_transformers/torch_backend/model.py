@@ -15,7 +15,7 @@ from ..checkpoints.checkpoint import Checkpoint
 from ..checkpoints.model_shape import ModelShape
 from ..checkpoints.rope import rope_tables
 from .attention import Attention, ExactToken, StepInputs
-from .cpu_isa import onednn_bf16_prepacking
+from .cpu_isa import onednn_bf16_dot_products, onednn_bf16_prepacking
 from .cpu_kernels import CpuKernels, PrefillTable, StepTable, kernels_fit
 from .mlp import MLP
 
@@ -125,10 +125,11 @@ class TransformerBlock(nn.Module):
         """Every linear layer on the kernels, and the whole block of a packed step in one kernel call. `packed`: the
         weights already packed (by name in LINEARS), as load_model reads them; otherwise packed from the layers.
 
-        The linear modules then serve only the masked path, a prefill's many rows: where torch's oneDNN runs bf16
-        (onednn_bf16_prepacking) they go through its matmul, whose blocked kernels (AMX tiles on the Xeons that have
-        them) the kernels' row tiles, built to stream the weights for a few rows, do not match in arithmetic."""
-        onednn = onednn_bf16_prepacking()
+        The linear modules then serve only the masked path, a prefill's many rows: where torch's oneDNN runs bf16 dot
+        products (onednn_bf16_dot_products) they go through its matmul, whose blocked kernels (AMX tiles on the Xeons
+        that have them) the kernels' row tiles, built to stream the weights for a few rows, do not match in arithmetic;
+        elsewhere the kernels' linear layer is the faster."""
+        onednn = onednn_bf16_dot_products()
         for parent, attr, name in self._linears():
             weight = packed[name] if packed else kernels.pack_weight(getattr(parent, attr).weight)
             setattr(parent, attr, KernelLinear(weight, getattr(parent, attr).out_features, kernels, onednn=onednn))
