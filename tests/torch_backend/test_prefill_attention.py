@@ -164,3 +164,15 @@ def test_prefill_linears_leave_onednn_where_it_widens_bf16(monkeypatch):
         model.use_cpu_kernels(kernels_of(path))
         flags[path] = model.layers[0].feed_forward.w_down.onednn
     assert flags == {"avx512bf16": True, "avx512": False}
+
+
+@every_cpu_path
+def test_prefill_norms_and_swiglu_are_the_decode_steps_arithmetic(cpu_path):
+    """A prefill on the kernels takes its RMSNorms and SwiGLU from the C functions decoder_layer uses: bit for bit the
+    reference's, for a prompt's many rows."""
+    kernels = kernels_of(cpu_path)
+    rng = np.random.default_rng(3)
+    x, w = (torch.from_numpy(rng.normal(0, 1, shape).astype(np.float32)).bfloat16() for shape in ((2, 40, 96), (96,)))
+    assert np.array_equal(bits(kernels.rms_norm(x, w, 1e-5)).reshape(80, 96),
+                          reference.rms_norm(bits(x).reshape(80, 96), bits(w), 1e-5))
+    assert np.array_equal(bits(kernels.silu_mul(x)).reshape(80, 48), reference.silu_mul(bits(x).reshape(80, 96)))
