@@ -110,15 +110,22 @@ def test_bad_prefill_inputs_are_refused_before_the_kernel():
         kernels.prefill_attention(q, k_cache.float(), v_cache, table)
 
 
+def pcc(a: torch.Tensor, b: torch.Tensor) -> float:
+    return torch.corrcoef(torch.stack([a.flatten(), b.flatten()]).double())[0, 1].item()
+
+
 @every_cpu_path
 @pytest.mark.parametrize("sliding_window", [None, 24], ids=["causal", "window-24"])
-def test_prefill_on_the_kernels_is_close_to_torch_ops_and_deterministic(cpu_path, sliding_window):
-    """A model's prefill with the kernels' attention: two users of a ragged batch, then one continuing after its cached
-    prefix; the logits are the torch-ops model's (chunked, masked SDPA) to bf16 rounding, and the same run to run and
-    at another thread count (the attention's result does not depend on the threads)."""
+def test_prefill_on_the_kernels_is_as_close_as_torch_ops_and_deterministic(cpu_path, sliding_window):
+    """A model's prefill on the kernels (rotary, cache writes, attention, norms and SwiGLU in C): two users of a ragged
+    batch, then one continuing after its cached prefix. Its logits are as close to the float32 model's as the bf16
+    torch-ops model's (chunked, masked SDPA), the same run to run, and close at another thread count (oneDNN's matmuls
+    promise the same bits only at one count; the kernels' attention gives them at any)."""
     kw = dict(max_seq_len=256, dim=64, head_dim=32, hidden_dim=96, n_heads=6, n_kv_heads=2, sliding_window=sliding_window,
               model_type="mistral" if sliding_window else "llama")
     torch_ops = random_model(torch.bfloat16, **kw)
+    exact = random_model(torch.float32, **kw)
+    exact.load_state_dict({name: t.float() for name, t in torch_ops.state_dict().items()})
     on_kernels = copy.deepcopy(torch_ops)
     on_kernels.use_cpu_kernels(kernels_of(cpu_path))
     tokens = torch.randint(0, 64, (200,), generator=torch.Generator().manual_seed(3)).tolist()
@@ -126,8 +133,8 @@ def test_prefill_on_the_kernels_is_close_to_torch_ops_and_deterministic(cpu_path
     def prefill(model):
         lm = TorchCausalLM(model, model.args.n_layers, 2)
         first = lm.forward_logits([tokens[:150], tokens[:90]], [0, 0], [1, 0])
-        return [*first, lm.forward_logits([tokens[150:]], [150], [1])[0]]
-    want = prefill(torch_ops)
+        return [t.float() for t in [*first, lm.forward_logits([tokens[150:]], [150], [1])[0]]]
+    truth, bf16_torch = prefill(exact), prefill(torch_ops)
     threads = torch.get_num_threads()
     try:
         runs = []
@@ -137,9 +144,9 @@ def test_prefill_on_the_kernels_is_close_to_torch_ops_and_deterministic(cpu_path
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(a, b) for a, b in zip(runs[0], runs[1]))
-    for got, other, ref in zip(runs[0], runs[2], want):
-        assert torch.corrcoef(torch.stack([got.flatten(), ref.flatten()]).double())[0, 1] > 0.999
-        assert torch.corrcoef(torch.stack([got.flatten(), other.flatten()]).double())[0, 1] > 0.9999
+    for got, other, want, theirs in zip(runs[0], runs[2], truth, bf16_torch):
+        assert pcc(got, want) > min(0.998, pcc(theirs, want) - 5e-4)
+        assert pcc(got, other) > 0.9999
 
 
 @pytest.mark.parametrize("n_out,n_in", [(960, 576), (50, 64)])
@@ -176,3 +183,27 @@ def test_prefill_norms_and_swiglu_are_the_decode_steps_arithmetic(cpu_path):
     assert np.array_equal(bits(kernels.rms_norm(x, w, 1e-5)).reshape(80, 96),
                           reference.rms_norm(bits(x).reshape(80, 96), bits(w), 1e-5))
     assert np.array_equal(bits(kernels.silu_mul(x)).reshape(80, 48), reference.silu_mul(bits(x).reshape(80, 96)))
+
+
+@every_cpu_path
+def test_prefill_rotary_and_cache_writes_are_the_decode_steps_arithmetic(cpu_path):
+    """A prefill's queries and keys are rotated at each token's slot as a decode step's are (bit for bit the
+    reference's rotate), its keys and values written to its cache row there (a padding token's: the scratch slot), and
+    nothing else in the caches changes."""
+    kernels = kernels_of(cpu_path)
+    model = random_model(torch.bfloat16, max_seq_len=96, dim=64, head_dim=32, hidden_dim=96, n_heads=6, n_kv_heads=2)
+    rng = np.random.default_rng(4)
+    qkv = torch.from_numpy(rng.normal(0, 1, (2, 7, 10 * 32)).astype(np.float32)).bfloat16()
+    slots = torch.tensor([[3, 4, 5, 6, 7, 8, 9], [20, 21, 22, 96, 96, 96, 96]])  # the second user padded
+    table = PrefillTable.of(torch.tensor([2, 0]), slots.clamp(max=22), 0, slots=slots)
+    k_cache, v_cache = (torch.from_numpy(rng.normal(0, 1, (3, 2, 97, 32)).astype(np.float32)).bfloat16() for _ in "kv")
+    want_k, want_v = bits(k_cache).copy(), bits(v_cache).copy()
+    q = kernels.prefill_rotate(qkv, 6, table, model.rope_cos, model.rope_sin, k_cache, v_cache)
+    cos, sin = reference.widen(bits(model.rope_cos)), reference.widen(bits(model.rope_sin))
+    for b, row in enumerate((2, 0)):
+        for t, slot in enumerate(slots[b].tolist()):
+            heads = reference.widen(bits(qkv[b, t])).reshape(10, 32)
+            assert np.array_equal(bits(q[b, t]), reference.rotate(heads[:6], cos[slot], sin[slot]))
+            want_k[row, :, slot] = reference.rotate(heads[6:8], cos[slot], sin[slot])
+            want_v[row, :, slot] = bits(qkv[b, t]).reshape(10, 32)[8:]
+    assert np.array_equal(bits(k_cache), want_k) and np.array_equal(bits(v_cache), want_v)

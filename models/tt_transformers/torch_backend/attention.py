@@ -43,7 +43,7 @@ class ExactToken:
 class StepInputs:
     """Everything a forward step shares across layers, computed once per step (not per layer)."""
 
-    cos: torch.Tensor  # [B, T, 1, D] rotary tables at each token's position (whole tables [slots, D] with exact_table)
+    cos: torch.Tensor  # [B, T, 1, D] rotary tables at each token's position (whole tables [slots, D] on the kernels)
     sin: torch.Tensor
     rows: torch.Tensor  # [B, 1] cache row (user) of each batch entry, or [B, T] per token in a packed step
     positions: torch.Tensor  # [B, T] cache slot each token writes
@@ -79,6 +79,10 @@ class Attention(nn.Module):
         K/V (a draft head's catch-up rows feed only its cache)."""
         B, T, _ = x.shape
         H, Hk, D = self.n_heads, self.n_kv_heads, self.head_dim
+        if step.prefill_table is not None:  # on the CPU kernels: rotary, cache writes and attention in C
+            table = step.prefill_table
+            q = self.kernels.prefill_rotate(self.wqkv(x), H, table, step.cos, step.sin, k_cache, v_cache)
+            return self.wo(self.kernels.prefill_attention(q, k_cache, v_cache, table).view(B, T, H * D))
         qkv = self.wqkv(x).view(B, T, H + 2 * Hk, D)
         qk = apply_rope(qkv[:, :, : H + Hk], step.cos, step.sin)  # one rotary pass for q and k heads
         q, k, v = qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + Hk :]
@@ -95,9 +99,6 @@ class Attention(nn.Module):
                     q[0, tok.index].reshape(1, Hk, G, D), keys.unsqueeze(0), values.unsqueeze(0)).reshape(H, D)
             out = out.view(B, T, H * D)
             return self.wo(out if keep is None else out[:, keep])
-        if step.prefill_table is not None:
-            out = self.kernels.prefill_attention(q, k_cache, v_cache, step.prefill_table)
-            return self.wo(out.view(B, T, H * D))
         keys, values = k_cache[step.read_rows, :, : step.kv_len], v_cache[step.read_rows, :, : step.kv_len]
         q = q.transpose(1, 2)
         out = torch.empty(B, H, T, D, dtype=x.dtype, device=x.device)

@@ -1246,3 +1246,22 @@ void prefill_attention(const bf16 *q, int64_t token_stride, int64_t B, int64_t T
         }
     }
 }
+
+// A prefill's rotary embedding and cache writes, as attention_f32 does a packed step's (rotate): qkv [B, T, (H + 2 Hk)
+// D], token b, t rotated at slot[b, t] (its position; a padding token's is the scratch slot) and its K and V written
+// there in cache row rows[b]; the rotated queries go to q_rot [B, T, H, D].
+void prefill_rotate(const bf16 *qkv, int64_t B, int64_t T, int64_t H, int64_t Hk, int64_t D, const int64_t *rows,
+                    const int64_t *slot, const bf16 *cos, const bf16 *sin, bf16 *k_cache, bf16 *v_cache, int64_t slots,
+                    bf16 *q_rot, int threads) {
+    const int64_t width = (H + 2 * Hk) * D;
+#pragma omp parallel for num_threads(threads)
+    for (int64_t bt = 0; bt < B * T; bt++) {
+        const bf16 *x = qkv + bt * width, *c = cos + slot[bt] * D, *s = sin + slot[bt] * D;
+        for (int64_t h = 0; h < H; h++) rotate(x + h * D, c, s, D, q_rot + (bt * H + h) * D);
+        for (int64_t h = 0; h < Hk; h++) {
+            const int64_t at = ((rows[bt / T] * Hk + h) * slots + slot[bt]) * D;
+            rotate(x + (H + h) * D, c, s, D, k_cache + at);
+            memcpy(v_cache + at, x + (H + Hk + h) * D, D * sizeof(bf16));
+        }
+    }
+}

@@ -68,23 +68,29 @@ class StepTable:
 
 @dataclass(frozen=True)
 class PrefillTable:
-    """A prefill's queries as prefill_attention reads them: each batch entry's cache row [B] and each query's position
-    [B, T] (int64), the sliding window (0: none) and kv_len (the largest position + 1), checked once a step: the
-    kernel indexes the cache with them directly."""
+    """A prefill's tokens as prefill_rotate and prefill_attention read them: each batch entry's cache row [B], each
+    token's cache slot (its rotary position) and the position it attends from [B, T] (int64), the sliding window (0:
+    none), kv_len (the largest position attended from + 1) and slots_needed (the largest slot + 1), checked once a
+    step: the kernels index the cache with them directly."""
 
     rows: torch.Tensor
     positions: torch.Tensor
     window: int
     kv_len: int
+    slots: Optional[torch.Tensor] = None
+    slots_needed: int = 0
 
     @classmethod
-    def of(cls, rows: torch.Tensor, positions: torch.Tensor, window: Optional[int]) -> "PrefillTable":
+    def of(cls, rows: torch.Tensor, positions: torch.Tensor, window: Optional[int],
+           slots: Optional[torch.Tensor] = None) -> "PrefillTable":
         rows = rows.to(device="cpu", dtype=torch.int64).contiguous().view(-1)
         positions = positions.to(device="cpu", dtype=torch.int64).contiguous()
-        if positions.dim() != 2 or rows.shape[0] != positions.shape[0] or min(rows.min(), positions.min()) < 0:
-            raise IndexError(f"bad kernel prefill: rows {tuple(rows.shape)} and positions {tuple(positions.shape)} "
-                             "must be [B] and [B, T], all >= 0")
-        return cls(rows, positions, window or 0, int(positions.max()) + 1)
+        slots = positions if slots is None else slots.to(device="cpu", dtype=torch.int64).contiguous()
+        if (positions.dim() != 2 or rows.shape[0] != positions.shape[0] or slots.shape != positions.shape
+                or min(rows.min(), positions.min(), slots.min()) < 0):
+            raise IndexError(f"bad kernel prefill: rows {tuple(rows.shape)}, positions {tuple(positions.shape)} and "
+                             f"slots {tuple(slots.shape)} must be [B], [B, T] and [B, T], all >= 0")
+        return cls(rows, positions, window or 0, int(positions.max()) + 1, slots, int(slots.max()) + 1)
 
 
 class CpuKernels:
@@ -107,6 +113,7 @@ class CpuKernels:
         lib.prefill_attention_workspace_bytes.argtypes = [i64] * 5 + [ctypes.c_int]
         lib.prefill_attention_workspace_bytes.restype = i64
         lib.rms_norm_bf16.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float]
+        lib.prefill_rotate.argtypes = [ptr] + [i64] * 5 + [ptr] * 6 + [i64, ptr, ctypes.c_int]
         lib.silu_mul_bf16.argtypes = [ptr, ptr, i64, i64]
         self.lib, self.path = lib, path
         self.workspace = torch.empty(0, dtype=torch.uint8)
@@ -225,6 +232,28 @@ class CpuKernels:
                                    v_cache.data_ptr(), slots, out.data_ptr(), int(out_dtype == torch.float32),
                                    workspace.data_ptr(), threads)
         return out
+
+    def prefill_rotate(self, qkv: torch.Tensor, n_heads: int, table: PrefillTable, cos: torch.Tensor,
+                       sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """A prefill's projections qkv [B, T, (H + 2 Hk) D] bf16 -> its rotated queries [B, T, H, D]; the rotated keys
+        and the values go into the caches [users, Hk, slots, D] at each token's slot (cos / sin: the whole rotary
+        tables [slots, D]), as a decode step's are."""
+        B, T = table.positions.shape
+        H, Hk, D = n_heads, k_cache.shape[1], k_cache.shape[3]
+        qkv = qkv.contiguous()
+        users, slots = k_cache.shape[0], k_cache.shape[2]
+        self._check("projections", qkv, (B, T, (H + 2 * Hk) * D))
+        for name, t, shape in (("k cache", k_cache, (users, Hk, slots, D)), ("v cache", v_cache, (users, Hk, slots, D)),
+                               ("rotary cos", cos, (cos.shape[0], D)), ("rotary sin", sin, (cos.shape[0], D))):
+            self._check(name, t, shape)
+        if int(table.rows.max()) >= users or table.slots_needed > min(slots, cos.shape[0]):
+            raise IndexError(f"kernel prefill writes cache row {int(table.rows.max())} / slot {table.slots_needed - 1}, "
+                             f"but the cache has {users} rows x {slots} slots")
+        q_rot = torch.empty(B, T, H, D, dtype=torch.bfloat16)
+        self.lib.prefill_rotate(qkv.data_ptr(), B, T, H, Hk, D, table.rows.data_ptr(), table.slots.data_ptr(),
+                                cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots,
+                                q_rot.data_ptr(), torch.get_num_threads())
+        return q_rot
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm of x [..., dim] bf16 as decoder_layer computes it, each row by one thread: a prefill's norms (a

@@ -252,15 +252,15 @@ class Transformer(nn.Module):
         if exact_tokens is not None and self.kernels is not None:  # the kernel gathers the rotary tables itself
             return StepInputs(self.rope_cos, self.rope_sin, rows, positions, None, kv_len, None, exact_tokens,
                               exact_table=StepTable.of(exact_tokens))
+        if exact_tokens is None and self.kernels is not None:  # the kernels' prefill: every query at once, no mask
+            table = PrefillTable.of(rows, query_pos, self.args.sliding_window, slots=positions)
+            return StepInputs(self.rope_cos, self.rope_sin, rows, positions, None, kv_len, None, prefill_table=table)
         at = rope_positions if rope_positions is not None else positions
         cos, sin = self.rope_cos[at].unsqueeze(2), self.rope_sin[at].unsqueeze(2)
         if exact_tokens is not None:
             return StepInputs(cos, sin, rows, positions, None, kv_len, None, exact_tokens,
                               [tok.key_slots() for tok in exact_tokens])
         read_rows = slice(None) if all_rows else rows.view(-1)
-        if self.kernels is not None:  # the kernels' prefill attention takes every query at once, without a mask
-            return StepInputs(cos, sin, rows, positions, read_rows, kv_len, None,
-                              prefill_table=PrefillTable.of(rows, query_pos, self.args.sliding_window))
         return StepInputs(cos, sin, rows, positions, read_rows, kv_len, self.prefill_chunks(query_pos))
 
     def prefill_chunks(self, query_pos: torch.Tensor) -> list[tuple[int, int, int, int, torch.Tensor]]:
