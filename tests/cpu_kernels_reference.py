@@ -10,6 +10,7 @@ code's does (numpy computes float32 arithmetic in float32).
 import numpy as np
 
 F32 = np.float32
+NOT_SUBNORMAL = F32(-87.0)  # prefill's p: zero where s - m' is at most this (exp of it is still a normal float)
 
 
 def widen(bits: np.ndarray) -> np.ndarray:
@@ -65,8 +66,9 @@ def exp_cephes(x: np.ndarray) -> np.ndarray:
 
 
 def exp_short(x: np.ndarray) -> np.ndarray:
-    """v_exp_short (prefill's p): v_exp's reduction, a degree-4 polynomial, no upper clamp (x <= 0 there)."""
-    x = np.maximum(x, F32(-88.0))
+    """v_exp_short (prefill's p): v_exp's reduction, a degree-4 polynomial, clamped below at NOT_SUBNORMAL (what it
+    gives there is zeroed) and not above (x <= 0 there)."""
+    x = np.maximum(x, NOT_SUBNORMAL)
     k = np.rint(x * F32(1.44269504088896341))
     r = x - k * F32(0.693359375)
     r = r - k * F32(-2.12194440e-4)
@@ -180,7 +182,6 @@ def decoder_layer(x_bits, args, weights, table, ancestors, cos_bits, sin_bits, k
 
 
 KEY_BLOCK = 32  # prefill_attention's blocks of key positions
-NOT_SUBNORMAL = F32(-87.0)
 
 
 def prefill_attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, first: int, pos: int,

@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// bf16 CPU kernels for decode and verification steps, built once per machine and path by cpu_kernels.py.
+// bf16 CPU kernels for decode and verification steps, and a prefill's attention (the section "prefill attention"),
+// built once per machine and path by cpu_kernels.py.
 //
 // Every output element is accumulated in one fixed order that does not depend on how many tokens share a call, so
 // verifying n draft tokens reproduces n one-token decodes bit for bit (the lossless contract), and the weights
@@ -967,9 +968,10 @@ void decoder_layer(bf16 *x, int64_t n, int64_t dim, int64_t hidden, int64_t H, i
 
 // exp(x) for p = bf16(exp(s - m')), x <= 0: v_exp's reduction with a degree-4 polynomial (relative error about 4e-5,
 // 50 times below the bf16 rounding that follows), a fifth less work than v_exp's (the exponentials were most of a
-// prefill's softmax).
+// prefill's softmax). x is clamped at NOT_SUBNORMAL, whose results are zeroed after: no step makes a subnormal (which
+// can cost a microcode assist each).
 static inline v16 v_exp_short(v16 x) {
-    x = v_max(x, v_set1(-88.0f));
+    x = v_max(x, v_set1(NOT_SUBNORMAL));
     const v16 k = v_rint(v_mul(x, v_set1(1.44269504088896341f)));
     v16 r = v_sub(x, v_mul(k, v_set1(0.693359375f)));
     r = v_sub(r, v_mul(k, v_set1(-2.12194440e-4f)));

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """bf16 CPU kernels (cpu_kernels.c) for the steps that decide decode speed: linear layers and the attention of
-packed decode/verification steps.
+packed decode/verification steps; and for a prompt's prefill, its attention (flash-style: torch's CPU flash attention
+converts bf16 to float32 on CPUs without AMX), rotary, cache writes, norms and SwiGLU.
 
 They run where torch's own ops fall short on a small CPU: oneDNN streams bf16 weights at about half the
 memory bandwidth for a few rows (and needs AVX-512; without it torch's bf16 matmul of several rows converts to
