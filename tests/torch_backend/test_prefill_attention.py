@@ -121,8 +121,8 @@ def test_prefill_on_the_kernels_is_as_close_as_torch_ops_and_deterministic(cpu_p
     batch, then one continuing after its cached prefix. Its logits are as close to the float32 model's as the bf16
     torch-ops model's (chunked, masked SDPA), the same run to run, and close at another thread count (oneDNN's matmuls
     promise the same bits only at one count; the kernels' attention gives them at any)."""
-    kw = dict(max_seq_len=256, dim=64, head_dim=32, hidden_dim=96, n_heads=6, n_kv_heads=2, sliding_window=sliding_window,
-              model_type="mistral" if sliding_window else "llama")
+    kw = dict(max_seq_len=256, dim=64, head_dim=32, hidden_dim=96, n_heads=6, n_kv_heads=2,
+              sliding_window=sliding_window, model_type="mistral" if sliding_window else "llama")
     torch_ops = random_model(torch.bfloat16, **kw)
     exact = random_model(torch.float32, **kw)
     exact.load_state_dict({name: t.float() for name, t in torch_ops.state_dict().items()})
@@ -152,7 +152,7 @@ def test_prefill_on_the_kernels_is_as_close_as_torch_ops_and_deterministic(cpu_p
 @pytest.mark.parametrize("n_out,n_in", [(960, 576), (50, 64)])
 def test_unpacked_weight_is_the_weight(n_out, n_in):
     """KernelLinear's prefill rows go through torch's matmul on the weight unpacked by one strided copy
-    (CpuKernels.unpack_weight, no second copy kept): it is the original matrix, a last block of fewer than 16 rows too."""
+    (CpuKernels.unpack_weight, no second copy kept): it is the original matrix, a last block of under 16 rows too."""
     from models.tt_transformers.torch_backend.cpu_kernels import CpuKernels
 
     w = torch.randn(n_out, n_in, generator=torch.Generator().manual_seed(0)).bfloat16()

@@ -936,20 +936,20 @@ void decoder_layer(bf16 *x, int64_t n, int64_t dim, int64_t hidden, int64_t H, i
 }
 
 // ---- prefill attention: a prompt's many queries per user, flash-style ------------------------------------------
-// The masked (prefill) path's attention: queries [B, T, H, D] (rotated, their K and V already in the caches), query b, t
-// at position pos[b, t] sees the keys of cache row rows[b] at positions [max(0, pos + 1 - window), pos] (window 0: no
-// window): causal, after a cached prefix (its keys all visible), and a ragged batch's padding (it attends like the
-// last real token; nobody reads its result). Each work item takes up to PREFILL_ROWS query rows (a row: one query and
-// one head of a key/value head's group, so the group's heads share every K/V block) and walks key positions in blocks
-// of KEY_BLOCK aligned at multiples of it, as an online softmax: s = (q . k) * scale over the block's 32 keys (the
+// The masked (prefill) path's attention: queries [B, T, H, D] (rotated, their K and V already in the caches), query b,
+// t at position pos[b, t] sees the keys of cache row rows[b] at positions [max(0, pos + 1 - window), pos] (window 0: no
+// window): causal, after a cached prefix (its keys all visible), and a ragged batch's padding (it attends like the last
+// real token; nobody reads its result). Each work item takes up to PREFILL_ROWS query rows (a row: one query and one
+// head of a key/value head's group, so the group's heads share every K/V block) and walks key positions in blocks of
+// KEY_BLOCK aligned at multiples of it, as an online softmax: s = (q . k) * scale over the block's 32 keys (the
 // invisible ones -inf), m' = max(m, s), alpha = v_exp(m - m') (exactly 1 when m' = m), p = v_exp_short(s - m') rounded
 // to bf16 (0 where s - m' <= -87: never a subnormal, which vdpbf16ps would flush), sums = sums * alpha + p (16 lanes:
 // the first 16 keys', then the last 16's), acc = acc * alpha + p . v; at the end out = acc * (1 / sum of the sums'
-// lanes). The dot products take a pair of elements at a time in order, as the linear layer's (vdpbf16ps on
-// AVX512-BF16, two float multiply-adds of exact products on the widened paths), and p is rounded to bf16 so that p . v
-// is such a dot product too. Blocks where a row sees no key leave its state as it was (alpha 1, p 0), so its result depends on its own
-// keys alone: not on the other rows of its item, the items or the threads (deterministic at any thread count). K and V
-// are first packed per user and key/value head into the layouts the two products read: K block i, pair d/2, key j
+// lanes). The dot products take a pair of elements at a time in order, as the linear layer's (vdpbf16ps on AVX512-BF16,
+// two float multiply-adds of exact products on the widened paths), and p is rounded to bf16 so that p . v is such a dot
+// product too. Blocks where a row sees no key leave its state as it was (alpha 1, p 0), so its result depends on its
+// own keys alone: not on the other rows of its item, the items or the threads (deterministic at any thread count). K
+// and V are first packed per user and key/value head into the layouts the two products read: K block i, pair d/2, key j
 // (the linear layer's weight layout, keys as outputs), V block i, key pair j/2, element d.
 #define KEY_BLOCK 32  // (64 was no faster: the exponentials, not each block's bookkeeping, are the softmax's cost)
 #define KEY_VECTORS (KEY_BLOCK / 16)
@@ -989,7 +989,8 @@ static inline v16 v_exp_short(v16 x) {
 static inline v16 softmax_weight(v16 x) {
 #ifdef TT_ISA_AVX512BF16
     const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(v_exp_short(x));
-    return v_where_greater(x, NOT_SUBNORMAL, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16)));
+    const v16 p = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16));
+    return v_where_greater(x, NOT_SUBNORMAL, p);
 #else
     return v_where_greater(x, NOT_SUBNORMAL, v_bf16_round(v_exp_short(x)));
 #endif
@@ -1067,7 +1068,8 @@ static inline __attribute__((always_inline)) void pv_tile(const int RT, const in
         v16 e[WEIGH_CHUNKS], o[WEIGH_CHUNKS];
         for (int c = 0; c < NC; c++) v_load_pairs(v + 32 * c, &e[c], &o[c]);
         for (int r = 0; r < RT; r++) {
-            const v16 pe = v_set1(bf16_to_f32(p[r * KEY_BLOCK + 2 * j])), po = v_set1(bf16_to_f32(p[r * KEY_BLOCK + 2 * j + 1]));
+            const bf16 *pr = p + r * KEY_BLOCK + 2 * j;
+            const v16 pe = v_set1(bf16_to_f32(pr[0])), po = v_set1(bf16_to_f32(pr[1]));
             for (int c = 0; c < NC; c++) a[r][c] = v_madd_exact(o[c], po, v_madd_exact(e[c], pe, a[r][c]));
         }
 #endif

@@ -248,8 +248,8 @@ class CpuKernels:
                                ("rotary cos", cos, (cos.shape[0], D)), ("rotary sin", sin, (cos.shape[0], D))):
             self._check(name, t, shape)
         if int(table.rows.max()) >= users or table.slots_needed > min(slots, cos.shape[0]):
-            raise IndexError(f"kernel prefill writes cache row {int(table.rows.max())} / slot {table.slots_needed - 1}, "
-                             f"but the cache has {users} rows x {slots} slots")
+            raise IndexError(f"kernel prefill writes cache row {int(table.rows.max())} / slot "
+                             f"{table.slots_needed - 1}, but the cache has {users} rows x {slots} slots")
         q_rot = torch.empty(B, T, H, D, dtype=torch.bfloat16)
         self.lib.prefill_rotate(qkv.data_ptr(), B, T, H, Hk, D, table.rows.data_ptr(), table.slots.data_ptr(),
                                 cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots,
