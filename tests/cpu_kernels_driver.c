@@ -3,7 +3,8 @@
 // after it: how tests/test_cpu_kernels_aarch64.py runs the NEON build under qemu-user, where no Python with torch can.
 //
 // Input, all little-endian int64 unless said: the call (0 linear_bf16, 1 decoder_layer, 2 argmax_topk_f32,
-// 3 attention_f32), the number of scalars and the scalars, the number of buffers and each buffer as its byte count
+// 3 attention_f32, 4 prefill_attention), the number of scalars and the scalars, the number of buffers and each buffer
+// as its byte count
 // and its bytes. Output: the buffers' bytes, in order. The scratch memory a call needs is allocated here, as
 // cpu_kernels.py does.
 #include <stdint.h>
@@ -26,6 +27,10 @@ int64_t attention_workspace_bytes(int64_t n, int64_t H, int64_t D, int threads);
 void attention_f32(const bf16 *qkv, int64_t n, int64_t H, int64_t Hk, int64_t D, const int64_t *table,
                    const int64_t *ancestors, const bf16 *cos, const bf16 *sin, bf16 *k_cache, bf16 *v_cache,
                    int64_t slots, float *out, void *workspace, int threads);
+int64_t prefill_attention_workspace_bytes(int64_t B, int64_t H, int64_t Hk, int64_t D, int64_t kv_len, int threads);
+void prefill_attention(const bf16 *q, int64_t token_stride, int64_t B, int64_t T, int64_t H, int64_t Hk, int64_t D,
+                       const int64_t *rows, const int64_t *pos, int64_t window, int64_t kv_len, const bf16 *k_cache,
+                       const bf16 *v_cache, int64_t slots, void *out, int out_f32, void *workspace, int threads);
 
 static void read_exact(void *p, size_t n) {
     if (fread(p, 1, n, stdin) != n) {
@@ -72,6 +77,11 @@ int main(void) {
         void *workspace = malloc(attention_workspace_bytes(s[0], s[1], s[3], (int)s[5]));
         attention_f32(b[0], s[0], s[1], s[2], s[3], b[1], b[2], b[3], b[4], b[5], b[6], s[4], b[7], workspace,
                       (int)s[5]);
+    } else if (call == 4) {  // scalars token_stride, B, T, H, Hk, D, window, kv_len, slots, threads;
+                             // buffers q, rows, pos, k_cache, v_cache, out (float32)
+        void *workspace = malloc(prefill_attention_workspace_bytes(s[1], s[3], s[4], s[5], s[7], (int)s[9]));
+        prefill_attention(b[0], s[0], s[1], s[2], s[3], s[4], s[5], b[1], b[2], s[6], s[7], b[3], b[4], s[8], b[5], 1,
+                          workspace, (int)s[9]);
     } else {
         return 2;
     }

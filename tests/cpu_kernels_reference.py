@@ -10,6 +10,7 @@ code's does (numpy computes float32 arithmetic in float32).
 import numpy as np
 
 F32 = np.float32
+NOT_SUBNORMAL = F32(-87.0)  # prefill's p: zero where s - m' is at most this (exp of it is still a normal float)
 
 
 def widen(bits: np.ndarray) -> np.ndarray:
@@ -61,6 +62,24 @@ def exp_cephes(x: np.ndarray) -> np.ndarray:
     for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
         y = y * r + F32(c)
     y = y * (r * r) + (r + F32(1.0))
+    return ldexp(y, k)
+
+
+def exp_short(x: np.ndarray) -> np.ndarray:
+    """v_exp_short (prefill's p): v_exp's reduction, a degree-4 polynomial, clamped below at NOT_SUBNORMAL (what it
+    gives there is zeroed) and not above (x <= 0 there)."""
+    x = np.maximum(x, NOT_SUBNORMAL)
+    k = np.rint(x * F32(1.44269504088896341))
+    r = x - k * F32(0.693359375)
+    r = r - k * F32(-2.12194440e-4)
+    y = np.full_like(x, F32(4.1666666667e-2))
+    for c in (1.6666666667e-1, 0.5, 1.0, 1.0):
+        y = y * r + F32(c)
+    return ldexp(y, k)
+
+
+def ldexp(y: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """v_ldexp: y * 2^(k/2) * 2^(k - k/2), each factor exact, for whole k in [-127, 127]."""
     ki = k.astype(np.int32)
     k1 = ki >> 1
 
@@ -188,3 +207,57 @@ def decoder_layer(x_bits, args, weights, table, ancestors, cos_bits, sin_bits, k
     gate_up = to_bf16(linear(rms_norm(x, ffn_norm, args.norm_eps), w_gate_up, odd_first))
     down = to_bf16(linear(silu_mul(gate_up), w_down, odd_first))
     return to_bf16(widen(x) + widen(down))
+
+
+KEY_BLOCK = 32  # prefill_attention's blocks of key positions
+
+
+def prefill_attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, first: int, pos: int,
+                   odd_first: bool) -> np.ndarray:
+    """One query row of a prefill (cpu_kernels.c prefill_attention): q [D] and the user's keys / values [positions, D]
+    (bf16 as float32) -> float32 [D]. Blocks of 32 positions aligned at multiples of 32 from the one holding `first`
+    to the one holding `pos`, each taken by an online softmax over its visible keys [first, pos]: the scores as pairwise
+    dot products in order, p = bf16(exp(s - m')) (0 where s - m' <= -87), the 16 lanes of sums the first 16 keys' p
+    then the last 16's, and acc + p . v a key pair at a time."""
+    D = q.shape[0]
+    scale = F32(1.0) / np.sqrt(F32(D))
+    m, sums, acc = F32(-np.inf), np.zeros(16, dtype=F32), np.zeros(D, dtype=F32)
+    for k0 in range(first // KEY_BLOCK * KEY_BLOCK, pos + 1, KEY_BLOCK):
+        k, v = np.zeros((KEY_BLOCK, D), dtype=F32), np.zeros((KEY_BLOCK, D), dtype=F32)
+        n = min(KEY_BLOCK, pos + 1 - k0)  # keys past pos are masked (the kernel's zeros or another query's)
+        k[:n], v[:n] = keys[k0 : k0 + n], values[k0 : k0 + n]
+        dots = np.zeros(KEY_BLOCK, dtype=F32)
+        for c in range(0, D, 2):
+            dots = add_pairs(dots, k[:, c] * q[c], k[:, c + 1] * q[c + 1], odd_first)
+        s = dots * scale
+        visible = (np.arange(k0, k0 + KEY_BLOCK) >= first) & (np.arange(k0, k0 + KEY_BLOCK) <= pos)
+        s[~visible] = -np.inf
+        new_max = max(m, s.max())
+        alpha = F32(1.0) if new_max == m else exp_cephes(np.array([m - new_max], dtype=F32))[0]
+        with np.errstate(invalid="ignore"):
+            x = s - new_max
+            p = round_bf16(exp_short(x))
+            p[~(x > NOT_SUBNORMAL)] = 0
+        sums = ((sums * alpha) + p[:16]) + p[16:]
+        acc = acc * alpha
+        for j in range(0, KEY_BLOCK, 2):
+            acc = add_pairs(acc, p[j] * v[j], p[j + 1] * v[j + 1], odd_first)
+        m = new_max
+    return acc * (F32(1.0) / tree_sum16(sums))
+
+
+def prefill_attention(q_bits: np.ndarray, rows, positions, window: int, k_cache: np.ndarray, v_cache: np.ndarray,
+                      odd_first: bool) -> np.ndarray:
+    """A prefill's attention: q [B, T, H, D] bf16 bits, rows [B] cache rows, positions [B, T], window (0: none),
+    caches [users, Hk, slots, D] bf16 bits -> float32 [B, T, H, D]."""
+    B, T, H, D = q_bits.shape
+    G = H // k_cache.shape[1]
+    out = np.zeros((B, T, H, D), dtype=F32)
+    for b in range(B):
+        for t in range(T):
+            pos = int(positions[b, t])
+            first = max(0, pos + 1 - window) if window else 0
+            for h in range(H):
+                out[b, t, h] = prefill_attend(widen(q_bits[b, t, h]), widen(k_cache[rows[b], h // G]),
+                                              widen(v_cache[rows[b], h // G]), first, pos, odd_first)
+    return out

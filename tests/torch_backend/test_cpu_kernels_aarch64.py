@@ -17,11 +17,12 @@ from models.tt_transformers.torch_backend.cpu_kernels import SOURCE, CpuKernels,
 from .. import cpu_kernels_reference as reference
 from ..conftest import CPU_PATHS, REPO_ROOT, kernels_of
 from .test_cpu_kernels import CHAINS, LONG, TREE, VERIFY, WINDOWED, bits, layer_case, step_qkv
+from .test_prefill_attention import prefill_inputs, prefill_reference
 
 CC, QEMU = "aarch64-linux-gnu-gcc", "qemu-aarch64"
 pytestmark = pytest.mark.skipif(not (shutil.which(CC) and shutil.which(QEMU)), reason=(
     f"needs {CC} and {QEMU} (Debian: apt-get install gcc-aarch64-linux-gnu qemu-user; make test does this where it can)"))
-LINEAR, LAYER, ARGMAX, ATTENTION = 0, 1, 2, 3
+LINEAR, LAYER, ARGMAX, ATTENTION, PREFILL = 0, 1, 2, 3, 4
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +104,18 @@ def test_neon_attention_is_the_reference(driver, head_dim, n_heads, n_kv_heads, 
                                bits(model.rope_cos), bits(model.rope_sin), want_k, want_v, odd_first=False)
     assert np.array_equal(got, want)
     assert np.array_equal(got_k, want_k) and np.array_equal(got_v, want_v)
+
+
+@pytest.mark.parametrize("case", ["causal", "ragged", "window"])
+def test_neon_prefill_attention_is_the_reference(driver, case):
+    """A prefill's attention in float32 (test_prefill_attention.py's cases, a group of 3 heads, the queries
+    contiguous) equals the reference bit for bit."""
+    q, (k_cache, v_cache), table = prefill_inputs(case, 64, 6, 2)
+    (B, T), (H, D), (Hk, slots) = table.positions.shape, q.shape[2:], k_cache.shape[1:3]
+    got = run(driver, PREFILL, [H * D, B, T, H, Hk, D, table.window, table.kv_len, slots, 2], [
+        bits(q), table.rows.numpy(), table.positions.numpy(), bits(k_cache), bits(v_cache),
+        np.zeros((B, T, H, D), dtype=np.float32)])[-1]
+    assert np.array_equal(got, prefill_reference(case, 64, 6, 2, False))
 
 
 def test_neon_argmax_topk_as_torch(driver):

@@ -88,16 +88,17 @@ def test_prefill_attends_in_causal_chunks(monkeypatch):
 
 @needs_cpu_kernels
 def test_long_prefill_on_the_kernels_is_deterministic_and_close_to_torch_ops():
-    """On the CPU kernels a long prompt's prefill runs the layers' matmuls through torch's oneDNN where it runs bf16
-    (the kernels' row tiles serve decode and verification): its logits are the torch-ops model's to bf16 rounding,
+    """On the CPU kernels a long prompt's prefill runs the layers' matmuls through torch's oneDNN where it has bf16 dot
+    products (else on the kernels) and its attention on the kernels (prefill_attention): its logits are the torch-ops
+    model's to bf16 rounding,
     and the same run to run at one thread count (what plain and speculative runs both start from)."""
-    from models.tt_transformers.torch_backend.cpu_isa import onednn_bf16_prepacking
+    from models.tt_transformers.torch_backend.cpu_isa import onednn_bf16_dot_products
 
     tokens = torch.randint(0, 64, (200,), generator=torch.Generator().manual_seed(3)).tolist()
     torch_ops = random_model(torch.bfloat16, max_seq_len=256, dim=64, head_dim=32, hidden_dim=96)
     kernels = random_model(torch.bfloat16, max_seq_len=256, dim=64, head_dim=32, hidden_dim=96)
     kernels.use_cpu_kernels(CPU_KERNELS)
-    assert kernels.layers[0].feed_forward.w_down.onednn == onednn_bf16_prepacking()
+    assert kernels.layers[0].feed_forward.w_down.onednn == onednn_bf16_dot_products()
     want = TorchCausalLM(torch_ops, 3, 1).forward_logits([tokens], [0], [0])[0].float()
     threads = torch.get_num_threads()
     try:

@@ -43,7 +43,7 @@ class ExactToken:
 class StepInputs:
     """Everything a forward step shares across layers, computed once per step (not per layer)."""
 
-    cos: torch.Tensor  # [B, T, 1, D] rotary tables at each token's position (whole tables [slots, D] with exact_table)
+    cos: torch.Tensor  # [B, T, 1, D] rotary tables at each token's position (whole tables [slots, D] on the kernels)
     sin: torch.Tensor
     rows: torch.Tensor  # [B, 1] cache row (user) of each batch entry, or [B, T] per token in a packed step
     positions: torch.Tensor  # [B, T] cache slot each token writes
@@ -60,6 +60,8 @@ class StepInputs:
     exact_keys: Optional[list[Optional[torch.Tensor]]] = None  # ExactToken.key_slots of each, computed once a step
     # The same for the CPU kernels (Transformer.use_cpu_kernels): the whole layer then runs in one kernel call.
     exact_table: Optional["StepTable"] = None
+    # The masked step on the CPU kernels: every query in one prefill_attention call (no chunks, no mask).
+    prefill_table: Optional["PrefillTable"] = None
 
 
 class Attention(nn.Module):
@@ -69,6 +71,7 @@ class Attention(nn.Module):
         qkv_dim = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
         self.wqkv = nn.Linear(in_dim or args.dim, qkv_dim, bias=False, dtype=dtype)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False, dtype=dtype)
+        self.kernels = None  # the CPU kernels (TransformerBlock.use_cpu_kernels): a prefill's attention runs on them
 
     def forward(self, x: torch.Tensor, step: StepInputs, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 keep: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -76,6 +79,10 @@ class Attention(nn.Module):
         K/V (a draft head's catch-up rows feed only its cache)."""
         B, T, _ = x.shape
         H, Hk, D = self.n_heads, self.n_kv_heads, self.head_dim
+        if step.prefill_table is not None:  # on the CPU kernels: rotary, cache writes and attention in C
+            table = step.prefill_table
+            q = self.kernels.prefill_rotate(self.wqkv(x), H, table, step.cos, step.sin, k_cache, v_cache)
+            return self.wo(self.kernels.prefill_attention(q, k_cache, v_cache, table).view(B, T, H * D))
         qkv = self.wqkv(x).view(B, T, H + 2 * Hk, D)
         qk = apply_rope(qkv[:, :, : H + Hk], step.cos, step.sin)  # one rotary pass for q and k heads
         q, k, v = qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + Hk :]

@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// bf16 CPU kernels for decode and verification steps, built once per machine and path by cpu_kernels.py.
+// bf16 CPU kernels for decode and verification steps, and a prefill's attention (the section "prefill attention"),
+// built once per machine and path by cpu_kernels.py.
 //
 // Every output element is accumulated in one fixed order that does not depend on how many tokens share a call, so
 // verifying n draft tokens reproduces n one-token decodes bit for bit (the lossless contract), and the weights
@@ -50,6 +51,7 @@ static inline bf16 f32_to_bf16(float f) {  // round to nearest even, as torch do
 // v_madd_exact(a, b, c) = a * b + c where a * b is exact in float (a product of two bf16, or of a bf16 and a float of
 // 16 significant bits): fused or not, one rounding.
 // v_reduce_add adds halves: lanes i and i + 8, then i and i + 4, i and i + 2, and the last two.
+// v_where_greater(x, bar, a): a where x > bar, else 0 (NaN: 0).
 #if defined(TT_ISA_AVX512BF16) || defined(TT_ISA_AVX512)
 #include <immintrin.h>
 #define TILE_M 4  // linear: rows per register tile (see linear_bf16)
@@ -105,6 +107,9 @@ static inline float v_reduce_add(v16 a) {
 static inline float v_reduce_max(v16 a) { return _mm512_reduce_max_ps(a); }
 static inline lanes16 v_greater(v16 a, float b) { return _mm512_cmp_ps_mask(a, _mm512_set1_ps(b), _CMP_GT_OQ); }
 static inline lanes16 v_nan(v16 a) { return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q); }
+static inline v16 v_where_greater(v16 x, float bar, v16 a) {
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(bar), _CMP_GT_OQ), a);
+}
 // Lane j = v_reduce_add(v[j]) for 16 vectors at once: the same additions, transposed (3 shuffle levels instead of a
 // horizontal sum for each).
 static inline v16 v_sum_lanes16(const v16 *v) {
@@ -203,6 +208,11 @@ static inline lanes16 v_greater(v16 a, float b) {
 static inline lanes16 v_nan(v16 a) {
     return (lanes16)_mm256_movemask_ps(_mm256_cmp_ps(a.lo, a.lo, _CMP_UNORD_Q)) |
            (lanes16)_mm256_movemask_ps(_mm256_cmp_ps(a.hi, a.hi, _CMP_UNORD_Q)) << 8;
+}
+static inline v16 v_where_greater(v16 x, float bar, v16 a) {
+    const __m256 b = _mm256_set1_ps(bar);
+    return v_of(_mm256_and_ps(_mm256_cmp_ps(x.lo, b, _CMP_GT_OQ), a.lo),
+                _mm256_and_ps(_mm256_cmp_ps(x.hi, b, _CMP_GT_OQ), a.hi));
 }
 
 #elif defined(TT_ISA_NEON)
@@ -317,6 +327,12 @@ static inline lanes16 v_nan(v16 a) {
     for (int i = 0; i < 4; i++) m[i] = vmvnq_u32(vceqq_f32(a.q[i], a.q[i]));
     return lane_bits(m);
 }
+static inline v16 v_where_greater(v16 x, float bar, v16 a) {
+    v16 r;
+    for (int i = 0; i < 4; i++)
+        r.q[i] = vreinterpretq_f32_u32(vandq_u32(vcgtq_f32(x.q[i], vdupq_n_f32(bar)), vreinterpretq_u32_f32(a.q[i])));
+    return r;
+}
 
 #else  // portable: GNU C vector extensions (gcc, clang), which the compiler maps onto whatever vector unit it targets
 #define TILE_M 4
@@ -401,6 +417,7 @@ static inline lanes16 v_nan(v16 a) {
     for (int i = 0; i < 16; i++) bits |= (lanes16)(nan[i] & 1) << i;
     return bits;
 }
+static inline v16 v_where_greater(v16 x, float bar, v16 a) { return v_select(x > v_set1(bar), a, v_zero()); }
 #endif
 
 #if !(defined(TT_ISA_AVX512BF16) || defined(TT_ISA_AVX512))
@@ -1012,4 +1029,343 @@ void decoder_layer(bf16 *x, int64_t n, int64_t dim, int64_t hidden, int64_t H, i
     silu_mul_bf16(gate_up, act, n, hidden);
     linear_bf16(act, w_down, delta, n, hidden, dim, 0, xf);
     add_bf16(x, delta, n * dim);
+}
+
+// ---- prefill attention: a prompt's many queries per user, flash-style ------------------------------------------
+// The masked (prefill) path's attention: queries [B, T, H, D] (rotated, their K and V already in the caches), query b,
+// t at position pos[b, t] sees the keys of cache row rows[b] at positions [max(0, pos + 1 - window), pos] (window 0: no
+// window): causal, after a cached prefix (its keys all visible), and a ragged batch's padding (it attends like the last
+// real token; nobody reads its result). Each work item takes up to PREFILL_ROWS query rows (a row: one query and one
+// head of a key/value head's group, so the group's heads share every K/V block) and walks key positions in blocks of
+// KEY_BLOCK aligned at multiples of it, as an online softmax: s = (q . k) * scale over the block's 32 keys (the
+// invisible ones -inf), m' = max(m, s), alpha = v_exp(m - m') (exactly 1 when m' = m), p = v_exp_short(s - m') rounded
+// to bf16 (0 where s - m' <= -87: never a subnormal, which vdpbf16ps would flush), sums = sums * alpha + p (16 lanes:
+// the first 16 keys', then the last 16's), acc = acc * alpha + p . v; at the end out = acc * (1 / sum of the sums'
+// lanes). The dot products take a pair of elements at a time in order, as the linear layer's (vdpbf16ps on AVX512-BF16,
+// two float multiply-adds of exact products on the widened paths), and p is rounded to bf16 so that p . v is such a dot
+// product too. Blocks where a row sees no key leave its state as it was (alpha 1, p 0), so its result depends on its
+// own keys alone: not on the other rows of its item, the items or the threads (deterministic at any thread count). K
+// and V are first packed per user and key/value head into the layouts the two products read: K block i, pair d/2, key j
+// (the linear layer's weight layout, keys as outputs), V block i, key pair j/2, element d.
+#define KEY_BLOCK 32  // (64 was no faster: the exponentials, not each block's bookkeeping, are the softmax's cost)
+#define KEY_VECTORS (KEY_BLOCK / 16)
+#define PREFILL_ROWS 48  // query rows per work item (16 queries of a group of 3 heads): its state stays in L1/L2
+#if defined(TT_ISA_AVX512BF16)
+#define QK_ROWS 12  // rows x 2 vectors of 16 keys in registers
+#define PV_ROWS 6  // rows x WEIGH_CHUNKS chunks of 16 outputs in registers
+#elif defined(TT_ISA_AVX512)
+#define QK_ROWS 10
+#define PV_ROWS 5
+#else
+#define QK_ROWS 2
+#define PV_ROWS 4
+#endif
+#define NOT_SUBNORMAL -87.0f  // exp(x) for x above this is a normal float (2^-126 = exp(-87.34))
+
+// exp(x) for p = bf16(exp(s - m')), x <= 0: v_exp's reduction with a degree-4 polynomial (relative error about 4e-5,
+// 50 times below the bf16 rounding that follows), a fifth less work than v_exp's (the exponentials were most of a
+// prefill's softmax). x is clamped at NOT_SUBNORMAL, whose results are zeroed after: no step makes a subnormal (which
+// can cost a microcode assist each).
+static inline v16 v_exp_short(v16 x) {
+    x = v_max(x, v_set1(NOT_SUBNORMAL));
+    const v16 k = v_rint(v_mul(x, v_set1(1.44269504088896341f)));
+    v16 r = v_sub(x, v_mul(k, v_set1(0.693359375f)));
+    r = v_sub(r, v_mul(k, v_set1(-2.12194440e-4f)));
+    v16 y = v_set1(4.1666666667e-2f);
+    y = v_add(v_mul(y, r), v_set1(1.6666666667e-1f));
+    y = v_add(v_mul(y, r), v_set1(0.5f));
+    y = v_add(v_mul(y, r), v_set1(1.0f));
+    y = v_add(v_mul(y, r), v_set1(1.0f));
+#if defined(TT_ISA_AVX512BF16) || defined(TT_ISA_AVX512)
+    return _mm512_scalef_ps(y, k);  // v_ldexp's number (y * 2^k, rounded once) in one instruction: 5 % off the kernel
+#else
+    return v_ldexp(y, k);
+#endif
+}
+
+// p rounded to bf16 and zeroed where x <= NOT_SUBNORMAL (or NaN), as bf16 values in floats; then stored as bf16 (its
+// bits, no rounding left to do). AVX512-BF16 rounds with one instruction (vcvtneps2bf16, round to nearest even as
+// f32_to_bf16 for the normal numbers kept).
+static inline v16 softmax_weight(v16 x) {
+#ifdef TT_ISA_AVX512BF16
+    const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(v_exp_short(x));
+    const v16 p = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16));
+    return v_where_greater(x, NOT_SUBNORMAL, p);
+#else
+    return v_where_greater(x, NOT_SUBNORMAL, v_bf16_round(v_exp_short(x)));
+#endif
+}
+
+static inline void store_bf16_exact(bf16 *p, v16 a) {
+#if defined(TT_ISA_AVX512BF16) || defined(TT_ISA_AVX512)
+    _mm256_storeu_si256((void *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(a), 16)));
+#else
+    v_store_bf16(p, a);
+#endif
+}
+
+// Scores of RT rows (q: bf16 [RT, D], qf: the same widened on the widened paths) against a packed block of keys.
+static inline __attribute__((always_inline)) void qk_tile(const int RT, const bf16 *q, const float *qf, int64_t D,
+                                                          const bf16 *kp, float scale, float *s) {
+    v16 acc[QK_ROWS][KEY_VECTORS];
+    for (int r = 0; r < RT; r++)
+        for (int i = 0; i < KEY_VECTORS; i++) acc[r][i] = v_zero();
+    for (int64_t p = 0; p < D / 2; p++) {
+        const bf16 *k = kp + p * 2 * KEY_BLOCK;
+#ifdef TT_ISA_AVX512BF16
+        (void)qf;
+        __m512bh kv[KEY_VECTORS];
+        for (int i = 0; i < KEY_VECTORS; i++) kv[i] = (__m512bh)_mm512_loadu_si512((const void *)(k + 32 * i));
+        for (int r = 0; r < RT; r++) {
+            int32_t pair;
+            memcpy(&pair, q + r * D + 2 * p, 4);
+            const __m512bh qv = (__m512bh)_mm512_set1_epi32(pair);
+            for (int i = 0; i < KEY_VECTORS; i++) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], kv[i], qv);
+        }
+#else
+        (void)q;
+        v16 e[KEY_VECTORS], o[KEY_VECTORS];
+        for (int i = 0; i < KEY_VECTORS; i++) v_load_pairs(k + 32 * i, &e[i], &o[i]);
+        for (int r = 0; r < RT; r++) {
+            const v16 qe = v_set1(qf[r * D + 2 * p]), qo = v_set1(qf[r * D + 2 * p + 1]);
+            for (int i = 0; i < KEY_VECTORS; i++) acc[r][i] = v_madd_exact(o[i], qo, v_madd_exact(e[i], qe, acc[r][i]));
+        }
+#endif
+    }
+    for (int r = 0; r < RT; r++)
+        for (int i = 0; i < KEY_VECTORS; i++) v_store(s + r * KEY_BLOCK + 16 * i, v_mul(acc[r][i], v_set1(scale)));
+}
+
+#define QK_CASE(RT)                                                   \
+    case RT:                                                          \
+        if (RT <= QK_ROWS) qk_tile(RT, q, qf, D, kp, scale, s);       \
+        return;
+static void qk_rows(int rt, const bf16 *q, const float *qf, int64_t D, const bf16 *kp, float scale, float *s) {
+    switch (rt) { QK_CASE(1) QK_CASE(2) QK_CASE(3) QK_CASE(4) QK_CASE(5) QK_CASE(6) QK_CASE(7) QK_CASE(8) QK_CASE(9)
+                  QK_CASE(10) QK_CASE(11) QK_CASE(12) }
+    __builtin_trap();
+}
+
+// acc = acc * alpha + p . v for RT rows (p: bf16 [RT, KEY_BLOCK]) and chunks c0 .. c0 + NC - 1 of 16 outputs, over a
+// packed block of 32 values, a key pair at a time.
+static inline __attribute__((always_inline)) void pv_tile(const int RT, const int NC, const bf16 *p, const bf16 *vp,
+                                                          const float *alpha, int64_t D, int64_t c0, float *acc) {
+    v16 a[PV_ROWS][WEIGH_CHUNKS];
+    for (int r = 0; r < RT; r++)
+        for (int c = 0; c < NC; c++) a[r][c] = v_mul(v_load(acc + r * D + 16 * (c0 + c)), v_set1(alpha[r]));
+    for (int64_t j = 0; j < KEY_BLOCK / 2; j++) {
+        const bf16 *v = vp + (j * D + 16 * c0) * 2;
+#ifdef TT_ISA_AVX512BF16
+        __m512bh vv[WEIGH_CHUNKS];
+        for (int c = 0; c < NC; c++) vv[c] = (__m512bh)_mm512_loadu_si512((const void *)(v + 32 * c));
+        for (int r = 0; r < RT; r++) {
+            int32_t pair;
+            memcpy(&pair, p + r * KEY_BLOCK + 2 * j, 4);
+            const __m512bh pv = (__m512bh)_mm512_set1_epi32(pair);
+            for (int c = 0; c < NC; c++) a[r][c] = _mm512_dpbf16_ps(a[r][c], vv[c], pv);
+        }
+#else
+        v16 e[WEIGH_CHUNKS], o[WEIGH_CHUNKS];
+        for (int c = 0; c < NC; c++) v_load_pairs(v + 32 * c, &e[c], &o[c]);
+        for (int r = 0; r < RT; r++) {
+            const bf16 *pr = p + r * KEY_BLOCK + 2 * j;
+            const v16 pe = v_set1(bf16_to_f32(pr[0])), po = v_set1(bf16_to_f32(pr[1]));
+            for (int c = 0; c < NC; c++) a[r][c] = v_madd_exact(o[c], po, v_madd_exact(e[c], pe, a[r][c]));
+        }
+#endif
+    }
+    for (int r = 0; r < RT; r++)
+        for (int c = 0; c < NC; c++) v_store(acc + r * D + 16 * (c0 + c), a[r][c]);
+}
+
+#define PV_CASE(RT, NC)                                                          \
+    case (RT - 1) * WEIGH_CHUNKS + NC - 1:                                       \
+        if (RT <= PV_ROWS && NC <= WEIGH_CHUNKS) pv_tile(RT, NC, p, vp, alpha, D, c0, acc); \
+        return;
+#if WEIGH_CHUNKS == 4
+#define PV_ROW(RT) PV_CASE(RT, 1) PV_CASE(RT, 2) PV_CASE(RT, 3) PV_CASE(RT, 4)
+#else
+#define PV_ROW(RT) PV_CASE(RT, 1)
+#endif
+static void pv_rows(int rt, int nc, const bf16 *p, const bf16 *vp, const float *alpha, int64_t D, int64_t c0,
+                    float *acc) {
+    switch ((rt - 1) * WEIGH_CHUNKS + nc - 1) { PV_ROW(1) PV_ROW(2) PV_ROW(3) PV_ROW(4) PV_ROW(5) PV_ROW(6) }
+    __builtin_trap();
+}
+
+// Queries per work item, so that an item has about PREFILL_ROWS rows (at least one query's G heads).
+static int64_t prefill_queries(int64_t G) { return G < PREFILL_ROWS ? PREFILL_ROWS / G : 1; }
+
+// Per thread: bf16 rows' q [rows, D] and p [rows, 32], then floats: q widened [rows, D], scores [rows, 32], acc
+// [rows, D], sums [rows, 16], the running maximum and alpha [rows, padded to whole vectors].
+static int64_t round16(int64_t n) { return (n + 15) / 16 * 16; }
+
+static int64_t prefill_scratch_bytes(int64_t G, int64_t D) {
+    const int64_t rows = prefill_queries(G) * G;
+    return round64(rows * (D + KEY_BLOCK) * (int64_t)sizeof(bf16)) +
+           round64((rows * (2 * D + KEY_BLOCK + 16) + 2 * round16(rows)) * (int64_t)sizeof(float));
+}
+
+// Key blocks packed per user and key/value head: enough for kv_len positions (every query's position is below it).
+static int64_t prefill_blocks(int64_t kv_len) { return (kv_len + KEY_BLOCK - 1) / KEY_BLOCK; }
+
+// The scratch prefill_attention needs, in bytes: the packed K and V, then each thread's rows.
+int64_t prefill_attention_workspace_bytes(int64_t B, int64_t H, int64_t Hk, int64_t D, int64_t kv_len, int threads) {
+    return round64(2 * B * Hk * prefill_blocks(kv_len) * KEY_BLOCK * D * (int64_t)sizeof(bf16)) +
+           threads * prefill_scratch_bytes(H / Hk, D);
+}
+
+static inline int64_t first_visible(int64_t pos, int64_t window) {
+    return window && pos + 1 - window > 0 ? pos + 1 - window : 0;
+}
+
+// Queries t0 .. t1 - 1 of batch entry b with the G query heads of key/value head kv: kp / vp are that user's and
+// head's packed blocks from position `packed_from`.
+static void prefill_item(const bf16 *q, int64_t token_stride, int64_t T, int64_t b, int64_t t0, int64_t t1, int64_t H,
+                         int64_t G, int64_t kv, int64_t D, const int64_t *pos, int64_t window, const bf16 *kp,
+                         const bf16 *vp, int64_t packed_from, float scale, char *scratch, void *out, int out_f32) {
+    const int64_t rows = (t1 - t0) * G, most = prefill_queries(G) * G;
+    bf16 *qb = (bf16 *)scratch, *pb = qb + most * D;
+    float *qf = (float *)(scratch + round64(most * (D + KEY_BLOCK) * (int64_t)sizeof(bf16)));
+    float *s = qf + most * D, *acc = s + most * KEY_BLOCK, *sums = acc + most * D, *m = sums + most * 16;
+    float *alpha = m + round16(most);
+    int64_t lo = INT64_MAX, hi = 0;
+    for (int64_t t = t0; t < t1; t++) {
+        const int64_t p = pos[b * T + t], first = first_visible(p, window);
+        lo = first < lo ? first : lo;
+        hi = p + 1 > hi ? p + 1 : hi;
+        memcpy(qb + (t - t0) * G * D, q + (b * T + t) * token_stride + kv * G * D, G * D * sizeof(bf16));
+    }
+    for (int64_t i = 0; i < rows * D; i++) qf[i] = bf16_to_f32(qb[i]);
+    memset(acc, 0, rows * D * sizeof(float));
+    memset(sums, 0, rows * 16 * sizeof(float));
+    for (int64_t r = 0; r < rows; r++) m[r] = -INFINITY;
+    for (int64_t k0 = lo / KEY_BLOCK * KEY_BLOCK; k0 < hi; k0 += KEY_BLOCK) {
+        const int64_t block = (k0 - packed_from) / KEY_BLOCK;
+        const bf16 *kblock = kp + block * KEY_BLOCK * D, *vblock = vp + block * KEY_BLOCK * D;
+        for (int64_t r0 = 0; r0 < rows; r0 += QK_ROWS)
+            qk_rows(rows - r0 < QK_ROWS ? (int)(rows - r0) : QK_ROWS, qb + r0 * D, qf + r0 * D, D, kblock, scale,
+                    s + r0 * KEY_BLOCK);
+        // masks and maxima row by row, then alpha and p in loops of independent vector work
+        for (int64_t r = 0; r < rows; r++) {
+            float *sr = s + r * KEY_BLOCK;
+            const int64_t p = pos[b * T + t0 + r / G], a = first_visible(p, window) - k0, z = p + 1 - k0;
+            for (int64_t j = 0; j < a && j < KEY_BLOCK; j++) sr[j] = -INFINITY;
+            for (int64_t j = z > 0 ? z : 0; j < KEY_BLOCK; j++) sr[j] = -INFINITY;
+            v16 most = v_load(sr);
+            for (int i = 1; i < KEY_VECTORS; i++) most = v_max(most, v_load(sr + 16 * i));
+            const float top = v_reduce_max(most), old = m[r];
+            m[r] = top > old ? top : old;
+            alpha[r] = m[r] == old ? 0.0f : old - m[r];  // exp(0) = 1 exactly: a maximum that stays keeps the state
+        }
+        for (int64_t r0 = 0; r0 < rows; r0 += 16) v_store(alpha + r0, v_exp(v_load(alpha + r0)));
+        for (int64_t r = 0; r < rows; r++) {
+            const float *sr = s + r * KEY_BLOCK;
+            v16 sum = v_mul(v_load(sums + r * 16), v_set1(alpha[r]));
+            for (int i = 0; i < KEY_VECTORS; i++) {
+                const v16 x = v_sub(v_load(sr + 16 * i), v_set1(m[r]));
+                const v16 p = softmax_weight(x);
+                sum = v_add(sum, p);
+                store_bf16_exact(pb + r * KEY_BLOCK + 16 * i, p);
+            }
+            v_store(sums + r * 16, sum);
+        }
+        for (int64_t r0 = 0; r0 < rows; r0 += PV_ROWS)
+            for (int64_t c0 = 0; c0 < D / 16; c0 += WEIGH_CHUNKS)
+                pv_rows(rows - r0 < PV_ROWS ? (int)(rows - r0) : PV_ROWS,
+                        D / 16 - c0 < WEIGH_CHUNKS ? (int)(D / 16 - c0) : WEIGH_CHUNKS, pb + r0 * KEY_BLOCK, vblock,
+                        alpha + r0, D, c0, acc + r0 * D);
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t t = t0 + r / G, at = ((b * T + t) * H + kv * G + r % G) * D;
+        const v16 inv = v_set1(1.0f / v_reduce_add(v_load(sums + r * 16)));
+        for (int64_t c = 0; c < D; c += 16) {
+            const v16 o = v_mul(v_load(acc + r * D + c), inv);
+            if (out_f32) v_store((float *)out + at + c, o);
+            else v_store_bf16((bf16 *)out + at + c, o);
+        }
+    }
+}
+
+// K and V of positions [k0, k0 + 32) of one cache row's key/value head (keys, values: [slots, D] of it) in the
+// layouts qk_tile and pv_tile read; positions from kv_len on are zeros (no query sees them, and a zero value weighed
+// by p = 0 stays 0 where a stale slot's could be anything).
+static void pack_key_block(const bf16 *keys, const bf16 *values, int64_t kv_len, int64_t D, int64_t k0, bf16 *kp,
+                           bf16 *vp) {
+    for (int64_t j = 0; j < KEY_BLOCK; j++) {
+        const int64_t at = k0 + j;
+        for (int64_t d = 0; d < D; d++) {
+            const bf16 k = at < kv_len ? keys[at * D + d] : 0, v = at < kv_len ? values[at * D + d] : 0;
+            kp[((d / 2) * KEY_BLOCK + j) * 2 + d % 2] = k;
+            vp[((j / 2) * D + d) * 2 + j % 2] = v;
+        }
+    }
+}
+
+// The attention of a prefill (see above): q [B, T, H, D] bf16 with `token_stride` elements between tokens (T of them
+// between batch entries: a view of the projections), rows [B] the cache row of each batch entry, pos [B, T] each
+// query's position (below kv_len), window 0 or the sliding window; caches [users, Hk, slots, D]; out [B, T, H, D]
+// in float32 (out_f32, for the tests) or bf16. workspace: prefill_attention_workspace_bytes.
+void prefill_attention(const bf16 *q, int64_t token_stride, int64_t B, int64_t T, int64_t H, int64_t Hk, int64_t D,
+                       const int64_t *rows, const int64_t *pos, int64_t window, int64_t kv_len, const bf16 *k_cache,
+                       const bf16 *v_cache, int64_t slots, void *out, int out_f32, void *workspace, int threads) {
+    const int64_t G = H / Hk, per_item = prefill_queries(G), items_per_b = (T + per_item - 1) / per_item;
+    const int64_t blocks = prefill_blocks(kv_len), head_elems = blocks * KEY_BLOCK * D;
+    bf16 *kpack = workspace, *vpack = kpack + B * Hk * head_elems;
+    char *scratch = (char *)workspace + round64(2 * B * Hk * head_elems * (int64_t)sizeof(bf16));
+    const float scale = 1.0f / sqrtf((float)D);
+    int64_t from[B > 0 ? B : 1];  // each batch entry's first packed position: its earliest query's first key's block
+    for (int64_t b = 0; b < B; b++) {
+        from[b] = INT64_MAX;
+        for (int64_t t = 0; t < T; t++) {
+            const int64_t first = first_visible(pos[b * T + t], window);
+            from[b] = first < from[b] ? first : from[b];
+        }
+        from[b] = from[b] / KEY_BLOCK * KEY_BLOCK;
+    }
+#pragma omp parallel num_threads(threads)
+    {
+        int thread = 0;
+#ifdef _OPENMP
+        thread = omp_get_thread_num();
+#endif
+#pragma omp for collapse(3) schedule(static)
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t kv = 0; kv < Hk; kv++)
+                for (int64_t i = 0; i < blocks; i++) {
+                    const int64_t k0 = from[b] + i * KEY_BLOCK, cache = (rows[b] * Hk + kv) * slots * D;
+                    if (k0 < kv_len)
+                        pack_key_block(k_cache + cache, v_cache + cache, kv_len, D, k0,
+                                       kpack + (b * Hk + kv) * head_elems + i * KEY_BLOCK * D,
+                                       vpack + (b * Hk + kv) * head_elems + i * KEY_BLOCK * D);
+                }
+        // the latest queries (the most keys) first, so that the threads finish together
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < items_per_b * B * Hk; item++) {
+            const int64_t chunk = items_per_b - 1 - item / (B * Hk), b = item % (B * Hk) / Hk, kv = item % Hk;
+            const int64_t t0 = chunk * per_item, t1 = t0 + per_item < T ? t0 + per_item : T;
+            prefill_item(q, token_stride, T, b, t0, t1, H, G, kv, D, pos, window,
+                         kpack + (b * Hk + kv) * head_elems, vpack + (b * Hk + kv) * head_elems, from[b], scale,
+                         scratch + thread * prefill_scratch_bytes(G, D), out, out_f32);
+        }
+    }
+}
+
+// A prefill's rotary embedding and cache writes, as attention_f32 does a packed step's (rotate): qkv [B, T, (H + 2 Hk)
+// D], token b, t rotated at slot[b, t] (its position; a padding token's is the scratch slot) and its K and V written
+// there in cache row rows[b]; the rotated queries go to q_rot [B, T, H, D].
+void prefill_rotate(const bf16 *qkv, int64_t B, int64_t T, int64_t H, int64_t Hk, int64_t D, const int64_t *rows,
+                    const int64_t *slot, const bf16 *cos, const bf16 *sin, bf16 *k_cache, bf16 *v_cache, int64_t slots,
+                    bf16 *q_rot, int threads) {
+    const int64_t width = (H + 2 * Hk) * D;
+#pragma omp parallel for num_threads(threads)
+    for (int64_t bt = 0; bt < B * T; bt++) {
+        const bf16 *x = qkv + bt * width, *c = cos + slot[bt] * D, *s = sin + slot[bt] * D;
+        for (int64_t h = 0; h < H; h++) rotate(x + h * D, c, s, D, q_rot + (bt * H + h) * D);
+        for (int64_t h = 0; h < Hk; h++) {
+            const int64_t at = ((rows[bt / T] * Hk + h) * slots + slot[bt]) * D;
+            rotate(x + (H + h) * D, c, s, D, k_cache + at);
+            memcpy(v_cache + at, x + (H + Hk + h) * D, D * sizeof(bf16));
+        }
+    }
 }

@@ -15,8 +15,8 @@ from ..checkpoints.checkpoint import Checkpoint
 from ..checkpoints.model_shape import ModelShape
 from ..checkpoints.rope import rope_tables
 from .attention import Attention, ExactToken, StepInputs
-from .cpu_isa import onednn_bf16_prepacking
-from .cpu_kernels import CpuKernels, StepTable, kernels_fit
+from .cpu_isa import onednn_bf16_dot_products, onednn_bf16_prepacking
+from .cpu_kernels import CpuKernels, PrefillTable, StepTable, kernels_fit
 from .mlp import MLP
 
 
@@ -84,8 +84,7 @@ class KernelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.onednn:  # the weight unpacked for the call: one copy of it against a prompt's many rows
-            weight = self.kernels.packed_rows(self.packed, torch.arange(self.out_features))
-            return F.linear(x, weight).to(self.out_dtype)
+            return F.linear(x, self.kernels.unpack_weight(self.packed, self.out_features)).to(self.out_dtype)
         return self.kernels.linear(x, self.packed, self.out_features, self.out_dtype)
 
     def _apply(self, fn, recurse=True):
@@ -126,10 +125,11 @@ class TransformerBlock(nn.Module):
         """Every linear layer on the kernels, and the whole block of a packed step in one kernel call. `packed`: the
         weights already packed (by name in LINEARS), as load_model reads them; otherwise packed from the layers.
 
-        The linear modules then serve only the masked path, a prefill's many rows: where torch's oneDNN runs bf16
-        (onednn_bf16_prepacking) they go through its matmul, whose blocked kernels (AMX tiles on the Xeons that have
-        them) the kernels' row tiles, built to stream the weights for a few rows, do not match in arithmetic."""
-        onednn = onednn_bf16_prepacking()
+        The linear modules then serve only the masked path, a prefill's many rows: where torch's oneDNN runs bf16 dot
+        products (onednn_bf16_dot_products) they go through its matmul, whose blocked kernels (AMX tiles on the Xeons
+        that have them) the kernels' row tiles, built to stream the weights for a few rows, do not match in arithmetic;
+        elsewhere the kernels' linear layer is the faster."""
+        onednn = onednn_bf16_dot_products()
         for parent, attr, name in self._linears():
             weight = packed[name] if packed else kernels.pack_weight(getattr(parent, attr).weight)
             setattr(parent, attr, KernelLinear(weight, getattr(parent, attr).out_features, kernels, onednn=onednn))
@@ -137,7 +137,7 @@ class TransformerBlock(nn.Module):
         self.kernel_weights = (self.attention_norm.weight, self.attention.wqkv.packed, self.attention.wo.packed,
                                self.ffn_norm.weight, self.feed_forward.w_gate_up.packed, self.feed_forward.w_down.packed)
         kernels.check_layer_weights(self.args, self.kernel_weights)
-        self.kernels = kernels
+        self.kernels = self.attention.kernels = kernels
 
     def _apply(self, fn, recurse=True):
         if self.kernels is not None:
@@ -153,6 +153,10 @@ class TransformerBlock(nn.Module):
         if step.exact_table is not None:
             return self.kernels.decoder_layer(x, self.args, self.kernel_weights, step.exact_table, step.cos,
                                               step.sin, k_cache, v_cache)
+        if step.prefill_table is not None:  # a prefill on the kernels: the norms and SwiGLU too (torch's took 1.5-3x)
+            kernels, ffn, eps = self.kernels, self.feed_forward, self.args.norm_eps
+            h = x + self.attention(kernels.rms_norm(x, self.attention_norm.weight, eps), step, k_cache, v_cache)
+            return h + ffn.w_down(kernels.silu_mul(ffn.w_gate_up(kernels.rms_norm(h, self.ffn_norm.weight, eps))))
         h = x + self.attention(self.attention_norm(x), step, k_cache, v_cache)
         return h + self.feed_forward(self.ffn_norm(h))
 
@@ -248,6 +252,9 @@ class Transformer(nn.Module):
         if exact_tokens is not None and self.kernels is not None:  # the kernel gathers the rotary tables itself
             return StepInputs(self.rope_cos, self.rope_sin, rows, positions, None, kv_len, None, exact_tokens,
                               exact_table=StepTable.of(exact_tokens))
+        if exact_tokens is None and self.kernels is not None:  # the kernels' prefill: every query at once, no mask
+            table = PrefillTable.of(rows, query_pos, self.args.sliding_window, slots=positions)
+            return StepInputs(self.rope_cos, self.rope_sin, rows, positions, None, kv_len, None, prefill_table=table)
         at = rope_positions if rope_positions is not None else positions
         cos, sin = self.rope_cos[at].unsqueeze(2), self.rope_sin[at].unsqueeze(2)
         if exact_tokens is not None:
