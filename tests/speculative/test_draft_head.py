@@ -588,7 +588,8 @@ def test_shipped_head_identical_to_plain_and_accepted(embedded_bf16, embedded_to
     plain greedy decoding, and its drafts are accepted (it agrees with the target far more than chance). 64 tokens a
     prompt: over fewer, the share accepted moved by 5 points between CPU paths (their sums round differently). The
     share depends on the draft lengths the policy picks from the step costs (longer drafts accept a smaller share),
-    so the bound says far more than chance (1 in 49,152), not a rate."""
+    so the bound says far more than chance (1 in 49,152), not a rate; the hybrid gives the head only the steps its
+    copies do not win, a few dozen drafted tokens."""
     eos = [embedded_tokenizer.eos_token_id]
     prompts = sample_prompt_tokens
     plain = [run(embedded_bf16, [p], 0, 0, 64, eos=eos)[0] for p in prompts]
@@ -600,18 +601,18 @@ def test_shipped_head_identical_to_plain_and_accepted(embedded_bf16, embedded_to
     assert [r.output_tokens for r in results] == plain
     steps = [it for r in results for it in r.iterations if it.draft_source == "head"]
     drafted, accepted = sum(it.drafted for it in steps), sum(it.accepted for it in steps)
-    assert drafted > 0 and accepted / drafted > 0.2, (accepted, drafted)
+    assert accepted >= 3 and accepted / drafted > 0.1, (accepted, drafted)
 
 
 @every_cpu_path_and_torch_ops
 def test_random_heads_identical_to_plain(cpu_path, monkeypatch):
     """Random heads over part of the vocabulary on random models: greedy output is plain decoding's, batched, at the
-    end of the cache, with every draft length, in chains and in EAGLE-2 trees (priced at avx512bf16's step costs on
-    every path: where rows cost more, as on portable, a random head's probes come too rarely to be accepted)."""
+    end of the cache, with every draft length, in chains and in EAGLE-2 trees, and some drafts are accepted. Rows are
+    priced cheap on every path (a row 0.03 of a step): at the fitted costs a random head's drafts seldom pay, and its
+    probes alone came too rarely to be accepted."""
     from models.tt_transformers.torch_backend import causal_lm
 
-    if cpu_path:
-        monkeypatch.setitem(causal_lm.STEP_COSTS, cpu_path, causal_lm.STEP_COSTS["avx512bf16"])
+    monkeypatch.setitem(causal_lm.STEP_COSTS, cpu_path or "avx512bf16", causal_lm.StepCost(0.03, 1e-4, 0.0))
     steps = []
     for seed in range(3):
         model = random_model(torch.bfloat16, seed=seed, dim=64, head_dim=32, hidden_dim=96, vocab_size=50)

@@ -28,14 +28,13 @@ class StepCost(NamedTuple):
 
 # Step costs by CPU path (cpu_isa.PATHS; torch ops and CUDA take avx512bf16's). `make bench-verify-cost`
 # (TT_CPU_ISA=<path>) fits all three from steps of 1 user x 1-17 rows and 4 users x 1-4 rows over 128-8,000 cached
-# positions; one quiet run per path on the 2-core AMD Zen 4 (2026-11-29, docs/results.md) gave weights 7.8 / 7.0 /
-# 4.9 ms (avx512bf16 / avx512 / avx2), a row 0.28 / 0.69 / 1.00 ms plus 0.86 / 0.95 / 1.13 ms per 1,000 cached
-# positions, and a per-user read within noise of 0 (fits of -0.17 to -0.21 ms per 1,000, kept at 0): on the one-pass
-# kernels a row's attention arithmetic, not the cache read, is what grows with the context. neon takes avx2's (no
-# aarch64 machine measured); portable keeps an older fit (steps over 100-1,000 cached tokens), not rerun.
-STEP_COSTS = {"avx512bf16": StepCost(0.036, 1.1e-4, 0.0), "avx512": StepCost(0.098, 1.3e-4, 0.0),
-              "avx2": StepCost(0.202, 2.3e-4, 0.0), "neon": StepCost(0.202, 2.3e-4, 0.0),
-              "portable": StepCost(2.17, 7.1e-4, 0.0)}
+# positions; one quiet run per path on the 2-core AMD Zen 4 (2026-11-29, after the split-K verify attention;
+# docs/results.md) gave weights 6.5 / 6.9 / 4.8 / 5.7 ms (avx512bf16 / avx512 / avx2 / portable), a row 0.51 / 0.79 /
+# 1.21 / 4.49 ms plus 0.27 / 0.31 / 0.75 / 3.21 ms per 1,000 cached positions, and a user's cache read 0.46 / 0.38 /
+# 0.17 / 0.14 ms per 1,000. neon takes avx2's (no aarch64 machine measured).
+STEP_COSTS = {"avx512bf16": StepCost(0.079, 4.1e-5, 7.1e-5), "avx512": StepCost(0.115, 4.5e-5, 5.5e-5),
+              "avx2": StepCost(0.255, 1.6e-4, 3.7e-5), "neon": StepCost(0.255, 1.6e-4, 3.7e-5),
+              "portable": StepCost(0.795, 5.7e-4, 2.4e-5)}
 
 # Steps of up to this many tokens per user (decode, verification of the longest draft, draft catch-up) are packed
 # and attend token by token, so a token's result is bit-identical whatever else shares the step; longer ones
