@@ -267,6 +267,19 @@ def small_model_and_head(cpu_path):
     return dtype, model, random_head(model)
 
 
+def attended_keys(head, monkeypatch) -> list[list[int]]:
+    """Per call of the kernels' step attention by the head (on the CPU kernels), the number of keys each row sees."""
+    calls, step_attention = [], head.kernels.step_attention
+
+    def recording(qkv, n_heads, table, *args):
+        t = table.tensor
+        calls.append((t[:, 4] - t[:, 3] + t[:, 6]).tolist())  # run_end - first + the ancestors' count
+        return step_attention(qkv, n_heads, table, *args)
+
+    monkeypatch.setattr(head.kernels, "step_attention", recording)
+    return calls
+
+
 def same_on(cpu_path):
     """Bit for bit on the kernels (row-invariant); to rounding on float32 torch ops (oneDNN's results depend on M)."""
     return torch.equal if cpu_path else (lambda a, b: torch.allclose(a, b, atol=1e-4, rtol=1e-4))
@@ -301,9 +314,9 @@ def test_head_cache_after_rejected_drafts_equals_an_uncached_run(cpu_path):
 def test_head_feed_attends_only_each_users_last_row(cpu_path, monkeypatch):
     """A feed (a prompt's catch-up, a verified step's rows) attends only each user's last row, whose state and
     logits the drafter reads: one attention call per user and run instead of one per row (over the whole cache: a
-    cost quadratic in the prompt), and only those rows go through the output projection and the MLP (the others
-    write their K/V alone); its results those of a run where every row attends (bit for bit on the kernels), and the
-    cache the same."""
+    cost quadratic in the prompt; on the kernels, one call where the other rows see their own key alone), and only
+    those rows go through the output projection and the MLP (the others write their K/V alone); its results those of
+    a run where every row attends (bit for bit on the kernels), and the cache the same."""
     from models.tt_transformers.torch_backend import attention
 
     dtype, model, head = small_model_and_head(cpu_path)
@@ -317,9 +330,11 @@ def test_head_feed_attends_only_each_users_last_row(cpu_path, monkeypatch):
     monkeypatch.setattr(attention.F, "scaled_dot_product_attention", lambda *a, **k: calls.append(1) or sdpa(*a, **k))
     mlp_rows, mlp = [], head.layer.feed_forward.forward
     monkeypatch.setattr(head.layer.feed_forward, "forward", lambda x: mlp_rows.append(x.shape[1]) or mlp(x))
+    kernel_calls = attended_keys(head, monkeypatch) if cpu_path else []
     last = HeadRunner(head, 2, 96, model.args)
     got = last.run([0, 1], [0, 0], taps, tokens)
-    assert len(calls) == 2 and mlp_rows == [2]
+    assert len(calls) == (0 if cpu_path else 2) and mlp_rows == [2]
+    assert kernel_calls == ([[1] * 39 + [40] + [1] * 6 + [7]] if cpu_path else [])
     same = same_on(cpu_path)
     for (out, logits), (want_out, want_logits) in zip(got, want):
         assert out.shape[0] == 1 and same(out, want_out[-1:]) and same(logits, want_logits[-1])
@@ -330,8 +345,9 @@ def test_head_feed_attends_only_each_users_last_row(cpu_path, monkeypatch):
 def test_head_tree_nodes_read_the_cache_in_place_as_their_chains(cpu_path, monkeypatch):
     """A tree node's attention reads the head's cache where it lies, as a chain token's does: each node's keys are a
     view of its user's row (no copy of the context per node: gathered, a run's bytes grew as 3 passes over the cache
-    per node), its position + 1 of them; and each node's state and logits are those of the chain of its path, bit
-    for bit. Two users, a second depth whose nodes share the first's."""
+    per node; on the kernels, the cache before the tree and its ancestors' slots, as the target's tree nodes), its
+    position + 1 of them; and each node's state and logits are those of the chain of its path, bit for bit. Two
+    users, a second depth whose nodes share the first's."""
     import torch.nn.functional as F
 
     dtype, model, head = small_model_and_head(cpu_path)
@@ -352,13 +368,15 @@ def test_head_tree_nodes_read_the_cache_in_place_as_their_chains(cpu_path, monke
         return sdpa(q, k, v, *args, **kwargs)
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", counting_sdpa)
+    kernel_calls = attended_keys(trees.head, monkeypatch) if cpu_path else []
     # depth 1: nodes 0, 1 (user 0) and 2 (user 1) at each user's next position; depth 2: nodes 3, 4 under 1 and 0
     depth1 = [(0, fed[0], 0, ()), (0, fed[0], 1, ()), (1, fed[1], 2, ())]
     states1 = torch.cat([roots[0], roots[0], roots[1]])
     out1, logits1 = trees.run_tree(depth1, states1, [7, 9, 11])
     depth2 = [(0, fed[0] + 1, 3, (1,)), (0, fed[0] + 1, 4, (0,))]
     out2, logits2 = trees.run_tree(depth2, torch.cat([out1[1:2], out1[0:1]]), [5, 6])
-    assert seen == [(True, pos + 1) for _, pos, *_ in depth1 + depth2]
+    keys = [pos + 1 for _, pos, *_ in depth1 + depth2]
+    assert (seen, kernel_calls) == (([], [keys[:3], keys[3:]]) if cpu_path else ([(True, k) for k in keys], []))
     same = torch.equal if cpu_path else (lambda a, b: torch.allclose(a, b, atol=1e-5, rtol=1e-5))
     for u, path, tree_out, tree_logits in ((0, [7], out1[0], logits1[0]), (0, [9], out1[1], logits1[1]),
                                            (1, [11], out1[2], logits1[2]), (0, [9, 5], out2[0], logits2[0]),

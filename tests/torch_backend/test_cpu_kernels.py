@@ -3,7 +3,6 @@
 (tests/cpu_kernels_reference.py), close to torch's results, and bit-exact however a step is packed (the property
 lossless verification rests on); a failed build falls back to torch ops and leaves nothing behind."""
 import copy
-import ctypes
 import dataclasses
 
 import numpy as np
@@ -138,17 +137,8 @@ def step_qkv(model, n, seed=5):
 def kernel_attention(kernels, model, qkv, tokens, k_cache, v_cache) -> torch.Tensor:
     """cpu_kernels.c attention_f32 of a step (its float32 output [n, H, D], before decoder_layer rounds it to bf16,
     which would hide almost any change of order); writes the step's keys and values into the caches."""
-    lib, args, i64, ptr = kernels.lib, model.args, ctypes.c_int64, ctypes.c_void_p
-    lib.attention_workspace_bytes.argtypes, lib.attention_workspace_bytes.restype = [i64, i64, i64, ctypes.c_int], i64
-    lib.attention_f32.argtypes = [ptr, i64, i64, i64, i64] + [ptr] * 6 + [i64, ptr, ptr, ctypes.c_int]
-    table, n, threads = StepTable.of(tokens), len(tokens), torch.get_num_threads()
-    out = torch.empty(n, args.n_heads, args.head_dim)
-    workspace = torch.empty(lib.attention_workspace_bytes(n, args.n_heads, args.head_dim, threads), dtype=torch.uint8)
-    lib.attention_f32(qkv.data_ptr(), n, args.n_heads, args.n_kv_heads, args.head_dim, table.tensor.data_ptr(),
-                      table.ancestors.data_ptr(), model.rope_cos.data_ptr(), model.rope_sin.data_ptr(),
-                      k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[2], out.data_ptr(), workspace.data_ptr(),
-                      threads)
-    return out
+    return kernels.step_attention(qkv, model.args.n_heads, StepTable.of(tokens), model.rope_cos, model.rope_sin,
+                                  k_cache, v_cache)
 
 
 ATTENTION_CASES = pytest.mark.parametrize("head_dim,n_heads,n_kv_heads,tokens", [

@@ -83,6 +83,11 @@ class Attention(nn.Module):
             table = step.prefill_table
             q = self.kernels.prefill_rotate(self.wqkv(x), H, table, step.cos, step.sin, k_cache, v_cache)
             return self.wo(self.kernels.prefill_attention(q, k_cache, v_cache, table).view(B, T, H * D))
+        if step.exact_table is not None:  # a packed step [1, T] on the CPU kernels (a draft head's layer: a
+            # TransformerBlock's runs whole in decoder_layer): rotary, cache writes and attention in C, rounded as there
+            out = self.kernels.step_attention(self.wqkv(x).view(T, -1), H, step.exact_table, step.cos, step.sin,
+                                              k_cache, v_cache).to(x.dtype).view(B, T, H * D)
+            return self.wo(out if keep is None else out[:, keep])
         qkv = self.wqkv(x).view(B, T, H + 2 * Hk, D)
         qk = apply_rope(qkv[:, :, : H + Hk], step.cos, step.sin)  # one rotary pass for q and k heads
         q, k, v = qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + Hk :]

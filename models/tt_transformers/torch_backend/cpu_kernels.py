@@ -116,6 +116,9 @@ class CpuKernels:
         lib.rms_norm_bf16.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float]
         lib.prefill_rotate.argtypes = [ptr] + [i64] * 5 + [ptr] * 6 + [i64, ptr, ctypes.c_int]
         lib.silu_mul_bf16.argtypes = [ptr, ptr, i64, i64]
+        lib.attention_f32.argtypes = [ptr, i64, i64, i64, i64] + [ptr] * 6 + [i64, ptr, ptr, ctypes.c_int]
+        lib.attention_workspace_bytes.argtypes = [i64, i64, i64, ctypes.c_int]
+        lib.attention_workspace_bytes.restype = i64
         self.lib, self.path = lib, path
         self.workspace = torch.empty(0, dtype=torch.uint8)
 
@@ -288,6 +291,32 @@ class CpuKernels:
                   packed_shape(2 * hidden, dim), packed_shape(dim, hidden))
         for name, w, shape in zip(("attention_norm", "wqkv", "wo", "ffn_norm", "w_gate_up", "w_down"), weights, shapes):
             self._check(name, w, shape)
+
+    def step_attention(self, qkv: torch.Tensor, n_heads: int, table: StepTable, cos: torch.Tensor, sin: torch.Tensor,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """A packed step's attention alone (decoder_layer's, attention_f32): its tokens' projections qkv [n, (H + 2 Hk)
+        D] bf16, in the table's order -> float32 [n, H, D]; each token's q and k are rotated at its position (cos /
+        sin: the whole rotary tables [positions, D]) and its k and v written at its slot, then it attends to the keys
+        the table gives it. A draft head's layer, whose attention is not a TransformerBlock's, runs it."""
+        n = len(table.tensor)
+        H, Hk, D = n_heads, k_cache.shape[1], k_cache.shape[3]
+        users, slots = k_cache.shape[0], k_cache.shape[2]
+        qkv = qkv.contiguous()
+        self._check("projections", qkv, (n, (H + 2 * Hk) * D))
+        for name, t, shape in (("k cache", k_cache, (users, Hk, slots, D)), ("v cache", v_cache, (users, Hk, slots, D)),
+                               ("rotary cos", cos, (cos.shape[0], D)), ("rotary sin", sin, (cos.shape[0], D))):
+            self._check(name, t, shape)
+        if table.rows_needed > users or table.slots_needed > slots or int(table.tensor[:, 2].max()) >= cos.shape[0]:
+            raise IndexError(f"kernel step reaches cache row {table.rows_needed - 1} / slot {table.slots_needed - 1} / "
+                             f"position {int(table.tensor[:, 2].max())}, but the cache has {users} rows x {slots} "
+                             f"slots and the rotary tables {cos.shape[0]} positions")
+        threads = torch.get_num_threads()
+        workspace = self._workspace(self.lib.attention_workspace_bytes(n, H, D, threads))
+        out = torch.empty(n, H, D)
+        self.lib.attention_f32(qkv.data_ptr(), n, H, Hk, D, table.tensor.data_ptr(), table.ancestors.data_ptr(),
+                               cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots,
+                               out.data_ptr(), workspace.data_ptr(), threads)
+        return out
 
     def decoder_layer(self, x: torch.Tensor, args, weights: tuple, table: StepTable, cos: torch.Tensor,
                       sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:

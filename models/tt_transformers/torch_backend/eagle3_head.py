@@ -13,6 +13,7 @@ from ..checkpoints.eagle3_format import HeadConfig, estimated_run_cost, paramete
 from ..checkpoints.model_shape import ModelShape
 from ..checkpoints.rope import rope_tables
 from .attention import Attention, ExactToken, StepInputs
+from .cpu_kernels import StepTable
 from .mlp import MLP
 from .model import KernelLinear, KVCache, RMSNorm, Transformer
 
@@ -20,7 +21,9 @@ TREE_SLOTS = 64  # cache slots past max_seq_len for the nodes of a draft tree (e
 
 
 class HeadAttention(Attention):
-    """The head layer's attention. A tree node reads its user's cache in place, as a chain token does: its path's K/V
+    """The head layer's attention: on the CPU kernels the target's packed-step attention (attention_f32: a tree node
+    sees the cache before the tree and its ancestors' slots, one pass over the cache for a user's rows); on torch ops
+    one SDPA call per row, where a tree node reads its user's cache in place, as a chain token does: its path's K/V
     (ancestors' and its own tree slots, a few) are copied into the row's slots right after the cache before the tree,
     which then holds exactly its path's chain, read as one view (bit for bit the chain's keys). Gathering them as the
     target's tree nodes do copies the whole context once per node and run: three passes over the cache instead of
@@ -114,7 +117,7 @@ class Eagle3Head(nn.Module):
         attn.wqkv, attn.wo = KernelLinear.from_linear(attn.wqkv, kernels), KernelLinear.from_linear(attn.wo, kernels)
         ffn.w_gate_up = KernelLinear.from_linear(ffn.w_gate_up, kernels)
         ffn.w_down = KernelLinear.from_linear(ffn.w_down, kernels)
-        self.kernels = kernels
+        attn.kernels = self.kernels = kernels
 
 
 def build_draft_head(config: HeadConfig, weights: dict, target: Transformer, device=None) -> Eagle3Head:
@@ -197,10 +200,17 @@ class HeadRunner:
             # a padding partner writing the scratch slot, as TorchCausalLM._packed_step (oneDNN's M == 1 kernel)
             rows, slots, pos = rows * 2, slots + [self.cache.scratch_slot], pos * 2
             states, tokens = torch.cat([states, states]), tokens * 2
-        at = torch.tensor(pos, device=dev)
-        step = StepInputs(self.cos[at].view(1, len(pos), 1, -1), self.sin[at].view(1, len(pos), 1, -1),
-                          torch.tensor([rows], device=dev), torch.tensor([slots], device=dev), None, 0, None,
-                          attending, [t.key_slots() for t in attending])
+        if self.head.kernels is not None:  # every row rotated and written in C; a row that does not attend sees its
+            # own key alone (its output is dropped), the others their keys
+            kept = {t.index for t in attending}
+            table = StepTable.of([t if t.index in kept else ExactToken(t.index, t.row, t.slot, t.pos, t.slot, t.slot + 1)
+                                  for t in exact])
+            step = StepInputs(self.cos, self.sin, None, None, None, 0, None, attending, exact_table=table)
+        else:
+            at = torch.tensor(pos, device=dev)
+            step = StepInputs(self.cos[at].view(1, len(pos), 1, -1), self.sin[at].view(1, len(pos), 1, -1),
+                              torch.tensor([rows], device=dev), torch.tensor([slots], device=dev), None, 0, None,
+                              attending, [t.key_slots() for t in attending])
         out = self.head.features(states.unsqueeze(0).to(dev, self.head.dtype), torch.tensor([tokens], device=dev),
                                  step, self.cache.k[0], self.cache.v[0], keep)[0, : n if every_row else len(ends)]
         return out, self.head.logits(out)
