@@ -22,6 +22,7 @@ from models.tt_transformers.speculative.drafters.eagle3_base import RunCost
 from models.tt_transformers.speculative.sampling import KeyedSampler, SamplingParams
 from models.tt_transformers.torch_backend import load
 from models.tt_transformers.checkpoints.eagle3_format import DRAFT_HEADS, read_draft_head
+from models.tt_transformers.torch_backend.attention import ExactToken
 from models.tt_transformers.torch_backend.eagle3_head import HeadRunner, load_draft_head
 from models.tt_transformers.torch_backend.causal_lm import TorchCausalLM
 from models.tt_transformers.checkpoints.model_shape import ModelShape
@@ -278,6 +279,26 @@ def attended_keys(head, monkeypatch) -> list[list[int]]:
 
     monkeypatch.setattr(head.kernels, "step_attention", recording)
     return calls
+
+
+@needs_cpu_kernels
+def test_a_head_the_kernels_do_not_fit_runs_on_torch_ops_beside_a_target_on_them():
+    """The kernels' attention takes head_dims that are multiples of 32 up to 256: a head whose layer has another
+    (here 16, beside a target of 32) runs on torch ops, drafting as it should, instead of reading past each row; the
+    kernels' step attention refuses such a shape in one line."""
+    from models.tt_transformers.torch_backend.cpu_kernels import StepTable
+
+    model = random_model(torch.bfloat16, max_seq_len=96, dim=64, head_dim=32, hidden_dim=96, vocab_size=50)
+    model.use_cpu_kernels(kernels_of(None))
+    head = random_head(model, head_dim=16, n_heads=4, n_kv_heads=2)
+    assert head.kernels is None and head.layer.attention.kernels is None
+    out, logits = HeadRunner(head, 1, 96, model.args).run([0], [0], [torch.randn(5, 3 * 64).bfloat16()], [[1] * 5])[0]
+    assert out.shape == (1, 64) and torch.isfinite(logits).all()
+    cache = torch.zeros(1, 2, 8, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="head_dim a multiple of 32 up to 256"):
+        model.kernels.step_attention(torch.zeros(1, 8 * 16, dtype=torch.bfloat16), 4,
+                                     StepTable.of([ExactToken(0, 0, 0, 0, 0, 1)]), model.rope_cos, model.rope_sin,
+                                     cache, cache.clone())
 
 
 def same_on(cpu_path):

@@ -105,7 +105,8 @@ def test_bad_prefill_inputs_are_refused_before_the_kernel():
     with pytest.raises(IndexError, match="all >= 0"):
         PrefillTable.of(table.rows, table.positions - 1, 0)
     with pytest.raises(ValueError, match="heads contiguous"):
-        kernels.prefill_attention(q.transpose(1, 2).transpose(1, 2)[:, :, :, ::2], k_cache, v_cache, table)
+        spread = torch.zeros(*q.shape[:3], 2 * q.shape[3], dtype=q.dtype)[..., : q.shape[3]]  # heads 2 D apart
+        kernels.prefill_attention(spread.copy_(q), k_cache, v_cache, table)
     with pytest.raises(ValueError, match="heads contiguous"):
         kernels.prefill_attention(q, k_cache.float(), v_cache, table)
 

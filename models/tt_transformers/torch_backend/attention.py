@@ -58,7 +58,8 @@ class StepInputs:
     # call (prefill).
     exact_tokens: Optional[list[ExactToken]] = None
     exact_keys: Optional[list[Optional[torch.Tensor]]] = None  # ExactToken.key_slots of each, computed once a step
-    # The same for the CPU kernels (Transformer.use_cpu_kernels): the whole layer then runs in one kernel call.
+    # The same for the CPU kernels (Transformer.use_cpu_kernels): a TransformerBlock's whole layer then runs in one
+    # kernel call, a draft head's attention in one step_attention call.
     exact_table: Optional["StepTable"] = None
     # The masked step on the CPU kernels: every query in one prefill_attention call (no chunks, no mask).
     prefill_table: Optional["PrefillTable"] = None

@@ -942,7 +942,7 @@ void attention_f32(const bf16 *qkv, int64_t n, int64_t H, int64_t Hk, int64_t D,
     const int64_t hp = heads_per_item(row_splits, H, Hk, threads), groups = (G + hp - 1) / hp;
     for (int64_t t0 = 0, t1; t0 < n; t0 = t1) {
         t1 = row_run(table, n, t0, &s0, &s1);
-        for (int64_t kv = 0; kv < Hk; kv++)  // a thread alone streams each key/value head's splits in order
+        for (int64_t kv = 0; kv < Hk; kv++)  // an item per key/value head, head group and split
             for (int64_t group = 0; group < groups; group++)
                 for (int64_t split = s0; split <= s1; split++, count++) {
                     int64_t *item = items + ITEM_FIELDS * count;
@@ -1138,8 +1138,11 @@ static inline __attribute__((always_inline)) void qk_tile(const int RT, const bf
 
 #define QK_CASE(RT)                                                   \
     case RT:                                                          \
-        if (RT <= QK_ROWS) qk_tile(RT, q, qf, D, kp, scale, s);       \
-        return;
+        if (RT <= QK_ROWS) {                                          \
+            qk_tile(RT, q, qf, D, kp, scale, s);                      \
+            return;                                                   \
+        }                                                             \
+        break;
 static void qk_rows(int rt, const bf16 *q, const float *qf, int64_t D, const bf16 *kp, float scale, float *s) {
     switch (rt) { QK_CASE(1) QK_CASE(2) QK_CASE(3) QK_CASE(4) QK_CASE(5) QK_CASE(6) QK_CASE(7) QK_CASE(8) QK_CASE(9)
                   QK_CASE(10) QK_CASE(11) QK_CASE(12) }
@@ -1180,8 +1183,11 @@ static inline __attribute__((always_inline)) void pv_tile(const int RT, const in
 
 #define PV_CASE(RT, NC)                                                          \
     case (RT - 1) * WEIGH_CHUNKS + NC - 1:                                       \
-        if (RT <= PV_ROWS && NC <= WEIGH_CHUNKS) pv_tile(RT, NC, p, vp, alpha, D, c0, acc); \
-        return;
+        if (RT <= PV_ROWS && NC <= WEIGH_CHUNKS) {                               \
+            pv_tile(RT, NC, p, vp, alpha, D, c0, acc);                           \
+            return;                                                              \
+        }                                                                        \
+        break;
 #if WEIGH_CHUNKS == 4
 #define PV_ROW(RT) PV_CASE(RT, 1) PV_CASE(RT, 2) PV_CASE(RT, 3) PV_CASE(RT, 4)
 #else
@@ -1252,9 +1258,9 @@ static void prefill_item(const bf16 *q, int64_t token_stride, int64_t T, int64_t
             const int64_t p = pos[b * T + t0 + r / G], a = first_visible(p, window) - k0, z = p + 1 - k0;
             for (int64_t j = 0; j < a && j < KEY_BLOCK; j++) sr[j] = -INFINITY;
             for (int64_t j = z > 0 ? z : 0; j < KEY_BLOCK; j++) sr[j] = -INFINITY;
-            v16 most = v_load(sr);
-            for (int i = 1; i < KEY_VECTORS; i++) most = v_max(most, v_load(sr + 16 * i));
-            const float top = v_reduce_max(most), old = m[r];
+            v16 highest = v_load(sr);
+            for (int i = 1; i < KEY_VECTORS; i++) highest = v_max(highest, v_load(sr + 16 * i));
+            const float top = v_reduce_max(highest), old = m[r];
             m[r] = top > old ? top : old;
             alpha[r] = m[r] == old ? 0.0f : old - m[r];  // exp(0) = 1 exactly: a maximum that stays keeps the state
         }
@@ -1353,7 +1359,8 @@ void prefill_attention(const bf16 *q, int64_t token_stride, int64_t B, int64_t T
 
 // A prefill's rotary embedding and cache writes, as attention_f32 does a packed step's (rotate): qkv [B, T, (H + 2 Hk)
 // D], token b, t rotated at slot[b, t] (its position; a padding token's is the scratch slot) and its K and V written
-// there in cache row rows[b]; the rotated queries go to q_rot [B, T, H, D].
+// there in cache row rows[b]; the rotated queries go to q_rot [B, T, H, D]. A row's padding tokens may write its
+// scratch slot from several threads at once: nothing reads that slot (model.py KVCache), so no result depends on it.
 void prefill_rotate(const bf16 *qkv, int64_t B, int64_t T, int64_t H, int64_t Hk, int64_t D, const int64_t *rows,
                     const int64_t *slot, const bf16 *cos, const bf16 *sin, bf16 *k_cache, bf16 *v_cache, int64_t slots,
                     bf16 *q_rot, int threads) {

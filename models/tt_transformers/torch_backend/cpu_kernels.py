@@ -301,6 +301,10 @@ class CpuKernels:
         n = len(table.tensor)
         H, Hk, D = n_heads, k_cache.shape[1], k_cache.shape[3]
         users, slots = k_cache.shape[0], k_cache.shape[2]
+        if not (n > 0 and D % 32 == 0 and D <= 256 and Hk > 0 and H % Hk == 0):
+            raise ValueError(f"CPU kernels: a step's attention needs tokens, head_dim a multiple of 32 up to 256 and "
+                             f"query heads a multiple of the key/value heads, got {n} tokens, head_dim {D}, {H} query "
+                             f"and {Hk} key/value heads")
         qkv = qkv.contiguous()
         self._check("projections", qkv, (n, (H + 2 * Hk) * D))
         for name, t, shape in (("k cache", k_cache, (users, Hk, slots, D)), ("v cache", v_cache, (users, Hk, slots, D)),

@@ -13,7 +13,7 @@ from ..checkpoints.eagle3_format import HeadConfig, estimated_run_cost, paramete
 from ..checkpoints.model_shape import ModelShape
 from ..checkpoints.rope import rope_tables
 from .attention import Attention, ExactToken, StepInputs
-from .cpu_kernels import StepTable
+from .cpu_kernels import StepTable, kernels_fit
 from .mlp import MLP
 from .model import KernelLinear, KVCache, RMSNorm, Transformer
 
@@ -110,7 +110,7 @@ class Eagle3Head(nn.Module):
         return self.lm_head(out if self.config.norm_output else self.norm(out)).float()
 
     def use_cpu_kernels(self, kernels) -> None:
-        """Every linear layer on the bf16 CPU kernels (the layer's attention and norms stay torch ops)."""
+        """Every linear layer and the attention on the bf16 CPU kernels (the norms stay torch ops)."""
         self.fc = KernelLinear.from_linear(self.fc, kernels)
         self.lm_head = KernelLinear.from_linear(self.lm_head, kernels, torch.float32)
         attn, ffn = self.layer.attention, self.layer.feed_forward
@@ -122,7 +122,7 @@ class Eagle3Head(nn.Module):
 
 def build_draft_head(config: HeadConfig, weights: dict, target: Transformer, device=None) -> Eagle3Head:
     """An Eagle3Head in the target's dtype beside it (its embedding unless the head ships one); on the CPU kernels
-    when the target runs on them."""
+    when the target runs on them and they fit the head's layer (kernels_fit: its head_dim), else on torch ops."""
     dtype, device = target.dtype, device or target.device
     embed = weights.get("embed_tokens.weight")
     embedding = target.tok_embeddings
@@ -133,7 +133,7 @@ def build_draft_head(config: HeadConfig, weights: dict, target: Transformer, dev
         for name, parts in parameter_names(config).items():
             head.get_parameter(name).copy_(torch.cat([weights[p] for p in parts]).to(dtype))
     head.to(device)
-    if target.kernels is not None and device == target.device:
+    if target.kernels is not None and device == target.device and kernels_fit(config.layer, dtype):
         head.use_cpu_kernels(target.kernels)
     return head.eval().requires_grad_(False)
 
@@ -166,7 +166,8 @@ def save_draft_head(head: Eagle3Head, folder: Path, card: dict) -> None:
 
 class HeadRunner:
     """The head with a KV cache of its own per user (one layer), run in packed steps like the target's: every row
-    attends through its own call, so its results do not depend on what else shares the run. Rows are chains (a
+    attends to exactly its own keys (on the kernels in one call, a user's rows in one pass; on torch ops through a call
+    of its own), so its results do not depend on what else shares the run. Rows are chains (a
     user's consecutive positions) or tree nodes (each in its own slot past max_seq_len, seeing the user's cache
     before the tree and its ancestors). The `DraftHeadModel` of speculative/drafters/eagle3.py.
 

@@ -252,7 +252,8 @@ class Transformer(nn.Module):
         if exact_tokens is not None and self.kernels is not None:  # the kernel gathers the rotary tables itself
             return StepInputs(self.rope_cos, self.rope_sin, rows, positions, None, kv_len, None, exact_tokens,
                               exact_table=StepTable.of(exact_tokens))
-        if exact_tokens is None and self.kernels is not None:  # the kernels' prefill: every query at once, no mask
+        if exact_tokens is None and self.kernels is not None and rope_positions is None:  # the kernels' prefill:
+            # every query at once, no mask, each rotated at its slot (rope_positions elsewhere: the torch path below)
             table = PrefillTable.of(rows, query_pos, self.args.sliding_window, slots=positions)
             return StepInputs(self.rope_cos, self.rope_sin, rows, positions, None, kv_len, None, prefill_table=table)
         at = rope_positions if rope_positions is not None else positions

@@ -74,7 +74,7 @@ class HeadDrafter(HeadDrafterBase):
         if behind <= self.head.max_rows:
             return True
         value = self.draft_value(user, n, extra_cost)
-        gain = 1 - 1 / value if value > 1 else PROBE_BUDGET
+        gain = max(1 - 1 / value, PROBE_BUDGET)
         return (len(context) - self.prompt_len[user]) * gain >= behind * self.cost.feed_row_value
 
     def warm_up(self, logits: bool = False) -> dict[str, float]:

@@ -133,8 +133,8 @@ class HeadChain:
 
 class RunCost:
     """What one head run costs, in plain target decode steps, measured on this machine: decayed means of a drafting
-    run's seconds (feeding the target's verified rows, a prompt's at a first proposal, is the head's prefill and not
-    timed) and of a plain step's: the step that verifies a proposal is timed (from the end of the proposal to the
+    run's seconds (feeding the target's verified rows, a prompt's at a first proposal, is the head's prefill, not a
+    run; a catch-up's rows are timed apart, `fed`, to price the next long gap) and of a plain step's: the step that verifies a proposal is timed (from the end of the proposal to the
     first user's verification) and priced in plain steps by the proposal's extra_cost for each user's verified rows
     (a long verification at a long context costs several plain steps). Until both are measured, the estimate from
     the weights each streams, which is low on a CPU (a run's op launches do not shrink with its weights).
