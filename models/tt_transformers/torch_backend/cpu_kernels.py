@@ -168,6 +168,16 @@ class CpuKernels:
         if shape is not None and tuple(t.shape) != shape:
             raise ValueError(f"CPU kernels: {name} has shape {tuple(t.shape)}, expected {shape}")
 
+    @classmethod
+    def _check_caches_and_rotary(cls, k_cache: torch.Tensor, v_cache: torch.Tensor, cos: torch.Tensor,
+                                 sin: torch.Tensor) -> None:
+        """K and V caches [users, Hk, slots, D] alike and whole rotary tables [positions, D], as the kernels that
+        rotate and write a step's keys read them."""
+        users, Hk, slots, D = k_cache.shape
+        for name, t, shape in (("k cache", k_cache, (users, Hk, slots, D)), ("v cache", v_cache, (users, Hk, slots, D)),
+                               ("rotary cos", cos, (cos.shape[0], D)), ("rotary sin", sin, (cos.shape[0], D))):
+            cls._check(name, t, shape)
+
     def linear(self, x: torch.Tensor, packed: torch.Tensor, n_out: int, out_dtype: torch.dtype) -> torch.Tensor:
         """x [..., K] bf16 -> [..., n_out] in out_dtype (bf16 or float32)."""
         x = x.contiguous()
@@ -247,9 +257,7 @@ class CpuKernels:
         qkv = qkv.contiguous()
         users, slots = k_cache.shape[0], k_cache.shape[2]
         self._check("projections", qkv, (B, T, (H + 2 * Hk) * D))
-        for name, t, shape in (("k cache", k_cache, (users, Hk, slots, D)), ("v cache", v_cache, (users, Hk, slots, D)),
-                               ("rotary cos", cos, (cos.shape[0], D)), ("rotary sin", sin, (cos.shape[0], D))):
-            self._check(name, t, shape)
+        self._check_caches_and_rotary(k_cache, v_cache, cos, sin)
         if int(table.rows.max()) >= users or table.slots_needed > min(slots, cos.shape[0]):
             raise IndexError(f"kernel prefill writes cache row {int(table.rows.max())} / slot "
                              f"{table.slots_needed - 1}, but the cache has {users} rows x {slots} slots")
@@ -307,9 +315,7 @@ class CpuKernels:
                              f"and {Hk} key/value heads")
         qkv = qkv.contiguous()
         self._check("projections", qkv, (n, (H + 2 * Hk) * D))
-        for name, t, shape in (("k cache", k_cache, (users, Hk, slots, D)), ("v cache", v_cache, (users, Hk, slots, D)),
-                               ("rotary cos", cos, (cos.shape[0], D)), ("rotary sin", sin, (cos.shape[0], D))):
-            self._check(name, t, shape)
+        self._check_caches_and_rotary(k_cache, v_cache, cos, sin)
         if table.rows_needed > users or table.slots_needed > slots or int(table.tensor[:, 2].max()) >= cos.shape[0]:
             raise IndexError(f"kernel step reaches cache row {table.rows_needed - 1} / slot {table.slots_needed - 1} / "
                              f"position {int(table.tensor[:, 2].max())}, but the cache has {users} rows x {slots} "
