@@ -307,6 +307,28 @@ def same_on(cpu_path):
 
 
 @every_cpu_path_and_torch_ops
+def test_a_head_row_attends_its_window_alone(cpu_path):
+    """HeadRunner's window: a row sees the `window` positions up to its own. Rows within the first window equal the
+    whole-context head's; a later row's results do not depend on anything before its window (other states and tokens
+    there give the same bits on the kernels), and differ from the whole-context head's."""
+    dtype, model, head = small_model_and_head(cpu_path)
+    gen = torch.Generator().manual_seed(3)
+    n, window = 60, 16
+    taps = torch.randn(n, 3 * model.args.dim, generator=gen).to(dtype)
+    tokens = torch.randint(0, 50, (n + 1,), generator=gen).tolist()
+    whole, _ = HeadRunner(head, 1, 96, model.args, window=None).run([0], [0], [taps], [tokens[1:]], every_row=True)[0]
+    out, _ = HeadRunner(head, 1, 96, model.args, window=window).run([0], [0], [taps], [tokens[1:]], every_row=True)[0]
+    same = same_on(cpu_path)
+    assert same(out[:window], whole[:window]) and not torch.allclose(out[-1], whole[-1], atol=1e-3)
+    cut = n - window  # the last row's window starts here
+    other_taps = torch.cat([torch.randn(cut, 3 * model.args.dim, generator=gen).to(dtype), taps[cut:]])
+    other_tokens = torch.randint(0, 50, (cut,), generator=gen).tolist() + tokens[cut:]
+    again, _ = HeadRunner(head, 1, 96, model.args, window=window).run([0], [0], [other_taps], [other_tokens[1:]],
+                                                                      every_row=True)[0]
+    assert same(again[-1], out[-1])
+
+
+@every_cpu_path_and_torch_ops
 def test_head_cache_after_rejected_drafts_equals_an_uncached_run(cpu_path):
     """The head reads its own KV cache, fed once per verified row: fed in steps with a rejected drafted chain
     written past the fed rows after each (the next feed rewrites those slots before any row reads them), every fed
@@ -412,7 +434,7 @@ class TimedHead:
     """A stand-in head on a fake clock: a chain run takes 1 ms per row it carries (fed or drafted), a tree's run 1 ms,
     and it proposes token 3 with a probability of nearly 1."""
 
-    vocab, vocab_size, taps, draft_cost, max_rows, max_tree_nodes = torch.arange(8), 8, (0,), 0.05, 256, 64
+    vocab, vocab_size, taps, draft_cost, max_rows, max_tree_nodes, window = torch.arange(8), 8, (0,), 0.05, 256, 64, 4096
 
     def __init__(self, clock: list):
         self.clock = clock
@@ -555,6 +577,26 @@ def test_a_long_prompt_is_fed_to_the_head_once_the_request_has_made_enough_token
             made.append(len(context) - len(prompt))
     assert len(made) > 10 and drafter.fed_len[0] == len(context) - 1  # every row fed, once: in runs of up to 256
     assert sum(r for r in runs if r > 1) == len(context) - 1 and max(runs) == 256
+
+
+def test_after_a_long_prompt_the_head_is_fed_its_last_window_rows_alone(monkeypatch):
+    """Rows further back than the head's window are never attended: after a 1,000-token prompt a head with a
+    300-position window is fed the prompt's last 300 rows (in runs of up to max_rows, from the first state in the
+    window), none before, and drafts."""
+    head = TimedHead([0.0])
+    head.window = 300
+    drafter = HeadDrafter(head)
+    monkeypatch.setattr(drafter, "catch_up_pays", lambda *args: True)
+    feeds, feed = [], drafter._feed
+    monkeypatch.setattr(drafter, "_feed", lambda users, rows: feeds.extend(
+        (start, states[0, 0].item(), len(states)) for start, states, _ in rows) or feed(users, rows))
+    prompt = list(range(1000))
+    drafter.start([0], [prompt], KeyedSampler(SamplingParams()), [torch.arange(1000.0).view(-1, 1).expand(-1, 4)])
+    context = prompt + [7]
+    assert drafter.propose([0], [context], [4], linear_cost(0.25))[0].tokens
+    first = len(context) - 1 - 300
+    assert feeds[0][:2] == (first, first) and sum(n for *_, n in feeds) == 300 and max(n for *_, n in feeds) <= 256
+    assert drafter.fed_len[0] == len(context) - 1
 
 
 def test_head_feeds_each_verified_row_once_and_drafts_one_row_a_run(monkeypatch):

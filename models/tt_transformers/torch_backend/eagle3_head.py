@@ -171,13 +171,23 @@ class HeadRunner:
     user's consecutive positions) or tree nodes (each in its own slot past max_seq_len, seeing the user's cache
     before the tree and its ancestors). The `DraftHeadModel` of speculative/drafters/eagle3.py.
 
-    draft_cost: one run relative to a target decode step (estimated_run_cost) until the drafter measures it."""
+    draft_cost: one run relative to a target decode step (estimated_run_cost) until the drafter measures it.
+
+    window: the positions a row attends back (its own included), at most the head layer's own sliding window. A head
+    is trained on short sequences (the shipped one on prompts and responses under a thousand tokens): keys further back
+    than it ever saw are outside its training, and reading them made a run and the catch-up after a long prompt grow
+    with the context. Within the window (WINDOW by default; None: the whole
+    context) a run costs the same at any context and the drafter feeds a long prompt's last `window` rows alone
+    (HeadDrafter._catch_up)."""
 
     max_rows = 256  # catch-up rows per user and run (a prompt goes in chunks)
     max_tree_nodes = TREE_SLOTS
+    WINDOW = 1024
 
-    def __init__(self, head: Eagle3Head, max_batch_size: int, max_seq_len: int, target_args: ModelShape):
+    def __init__(self, head: Eagle3Head, max_batch_size: int, max_seq_len: int, target_args: ModelShape,
+                 window: Optional[int] = WINDOW):
         self.head, self.max_seq_len = head, max_seq_len
+        self.window = min(head.args.sliding_window or max_seq_len, window or max_seq_len)
         a, config, device = head.args, head.config, head.norm.weight.device
         self.cache = KVCache(a, 1, max_batch_size, max_seq_len + 1 + TREE_SLOTS, head.dtype, device)
         self.tree_slot0 = max_seq_len + 1
@@ -220,8 +230,7 @@ class HeadRunner:
             next_tokens: Sequence[Sequence[int]], every_row: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per user, chain rows at start_pos, start_pos + 1, ...: the layer's output after its last row [1, h] and the
         draft-vocabulary logits after it [V'] (after every row, [n, h] and [n, V'], with every_row)."""
-        window = self.head.args.sliding_window or self.max_seq_len
-        exact = []
+        window, exact = self.window, []
         for u, start, toks in zip(users, start_pos, next_tokens):
             for i in range(len(toks)):
                 pos = start + i
@@ -238,8 +247,7 @@ class HeadRunner:
         """Tree nodes (user, position, node number, ancestors' node numbers root first), each fed a state [n, h] and
         a token: it writes tree slot `node number` and sees the user's cache before `position - depth` and its
         ancestors. Returns the layer's outputs [n, h] and logits [n, V']."""
-        window = self.head.args.sliding_window or self.max_seq_len
-        exact = []
+        window, exact = self.window, []
         for i, (u, pos, node, ancestors) in enumerate(nodes):
             if node >= TREE_SLOTS:
                 raise ValueError(f"a head tree holds at most {TREE_SLOTS} nodes")

@@ -27,6 +27,7 @@ class DraftHeadModel(Protocol):
     taps: tuple[int, ...]  # the target layers whose input the head reads
     draft_cost: float  # estimated cost of one head run, in units of a plain decode step of the target (until measured)
     max_rows: int  # rows one run may carry per user (longer catch-ups go in chunks)
+    window: int  # positions a row attends back, its own included: rows further back are never fed
     max_tree_nodes: int  # nodes of one user's draft tree the head can hold (its cache slots past max_seq_len)
 
     def run(self, users: Sequence[int], start_pos: Sequence[int], hidden: Sequence[torch.Tensor],
@@ -70,7 +71,7 @@ class HeadDrafter(HeadDrafterBase):
         it back (the tokens made so far standing for those to come): a short answer after a long prompt does not
         pay for the head's prefill, a long one pays it after a few tokens. A head whose drafts do not pay is probed
         across such a gap only when those tokens cover it at the probe budget."""
-        behind = len(context) - 1 - self.fed_len[user]
+        behind = min(len(context) - 1 - self.fed_len[user], self.head.window)
         if behind <= self.head.max_rows:
             return True
         value = self.draft_value(user, n, extra_cost)
@@ -97,7 +98,13 @@ class HeadDrafter(HeadDrafterBase):
     def _catch_up(self, live: list[tuple[int, Sequence[int]]], last_rows: int) -> None:
         """Feed the known states of each user's positions before len(context) - 1, in chunks of the head's row budget,
         except its last `last_rows`..max_rows rows when last_rows > 0 (the caller's first drafting run takes them).
-        Timed per row (RunCost.fed: catch_up_pays prices the next gap with it)."""
+        Rows that no row from here on attends (further back than the head's window) are dropped unfed. Timed per row
+        (RunCost.fed: catch_up_pays prices the next gap with it)."""
+        for u, ctx in live:
+            skip = len(ctx) - 1 - self.head.window - self.fed_len[u]
+            if skip > 0:
+                self.known[u] = [torch.cat(self.known[u])[skip:]]
+                self.fed_len[u] += skip
         while True:
             behind = [(u, ctx) for u, ctx in live
                       if len(ctx) - 1 - self.fed_len[u] > (self.head.max_rows if last_rows else 0)]
