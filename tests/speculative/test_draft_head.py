@@ -6,6 +6,7 @@ with head chains and EAGLE-2 trees, the hybrid's choice, the shipped head and it
 end: tests/demo/test_draft_modes.py."""
 import hashlib
 import json
+import math
 import shutil
 import sys
 from itertools import accumulate
@@ -13,6 +14,7 @@ from itertools import accumulate
 import pytest
 import torch
 
+from models.tt_transformers.errors import UserError
 from models.tt_transformers.speculative.generator import SpeculativeGenerator
 from models.tt_transformers.speculative.backend import UserRows
 from models.tt_transformers.speculative.draft_length import linear_cost
@@ -326,6 +328,8 @@ def test_a_head_row_attends_its_window_alone(cpu_path):
     again, _ = HeadRunner(head, 1, 96, model.args, window=window).run([0], [0], [other_taps], [other_tokens[1:]],
                                                                       every_row=True)[0]
     assert same(again[-1], out[-1])
+    with pytest.raises(UserError, match="window"):
+        HeadRunner(head, 1, 96, model.args, window=0)
 
 
 @every_cpu_path_and_torch_ops
@@ -384,13 +388,14 @@ def test_head_feed_attends_only_each_users_last_row(cpu_path, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(last.cache.k + last.cache.v, every.cache.k + every.cache.v))
 
 
+@pytest.mark.parametrize("window", [None, 16, 1], ids=["whole-context", "window-16", "window-1"])
 @every_cpu_path_and_torch_ops
-def test_head_tree_nodes_read_the_cache_in_place_as_their_chains(cpu_path, monkeypatch):
+def test_head_tree_nodes_read_the_cache_in_place_as_their_chains(cpu_path, window, monkeypatch):
     """A tree node's attention reads the head's cache where it lies, as a chain token's does: each node's keys are a
     view of its user's row (no copy of the context per node: gathered, a run's bytes grew as 3 passes over the cache
     per node; on the kernels, the cache before the tree and its ancestors' slots, as the target's tree nodes), its
-    position + 1 of them; and each node's state and logits are those of the chain of its path, bit for bit. Two
-    users, a second depth whose nodes share the first's."""
+    position + 1 of them, or the window's; and each node's state and logits are those of the chain of its path, bit
+    for bit (window 1: a path longer than the window). Two users, a second depth whose nodes share the first's."""
     import torch.nn.functional as F
 
     dtype, model, head = small_model_and_head(cpu_path)
@@ -398,7 +403,7 @@ def test_head_tree_nodes_read_the_cache_in_place_as_their_chains(cpu_path, monke
     fed = {0: 41, 1: 23}
     taps = {u: torch.randn(n, 3 * model.args.dim, generator=gen).to(dtype) for u, n in fed.items()}
     tokens = {u: torch.randint(0, 50, (n + 3,), generator=gen).tolist() for u, n in fed.items()}
-    trees, chains = HeadRunner(head, 2, 96, model.args), HeadRunner(head, 2, 96, model.args)
+    trees, chains = (HeadRunner(head, 2, 96, model.args, window=window) for _ in range(2))
     roots = {}
     for runner in (trees, chains):
         for u, n in fed.items():
@@ -418,7 +423,7 @@ def test_head_tree_nodes_read_the_cache_in_place_as_their_chains(cpu_path, monke
     out1, logits1 = trees.run_tree(depth1, states1, [7, 9, 11])
     depth2 = [(0, fed[0] + 1, 3, (1,)), (0, fed[0] + 1, 4, (0,))]
     out2, logits2 = trees.run_tree(depth2, torch.cat([out1[1:2], out1[0:1]]), [5, 6])
-    keys = [pos + 1 for _, pos, *_ in depth1 + depth2]
+    keys = [min(pos + 1, window or 96) for _, pos, *_ in depth1 + depth2]
     assert (seen, kernel_calls) == (([], [keys[:3], keys[3:]]) if cpu_path else ([(True, k) for k in keys], []))
     same = torch.equal if cpu_path else (lambda a, b: torch.allclose(a, b, atol=1e-5, rtol=1e-5))
     for u, path, tree_out, tree_logits in ((0, [7], out1[0], logits1[0]), (0, [9], out1[1], logits1[1]),
@@ -434,7 +439,8 @@ class TimedHead:
     """A stand-in head on a fake clock: a chain run takes 1 ms per row it carries (fed or drafted), a tree's run 1 ms,
     and it proposes token 3 with a probability of nearly 1."""
 
-    vocab, vocab_size, taps, draft_cost, max_rows, max_tree_nodes, window = torch.arange(8), 8, (0,), 0.05, 256, 64, 4096
+    vocab, vocab_size, taps, draft_cost = torch.arange(8), 8, (0,), 0.05
+    max_rows, max_tree_nodes, window = 256, 64, 4096
 
     def __init__(self, clock: list):
         self.clock = clock
@@ -597,6 +603,22 @@ def test_after_a_long_prompt_the_head_is_fed_its_last_window_rows_alone(monkeypa
     first = len(context) - 1 - 300
     assert feeds[0][:2] == (first, first) and sum(n for *_, n in feeds) == 300 and max(n for *_, n in feeds) <= 256
     assert drafter.fed_len[0] == len(context) - 1
+
+
+def test_a_long_gap_is_priced_at_the_head_window_rows_at_most():
+    """catch_up_pays prices a gap at the rows the head will be fed: with a 300-position window, 999 rows behind cost
+    what 300 do, so the catch-up pays once the request's tokens cover 300 rows (at a catch-up row's 0.02 of a step and
+    the head's expected gain), not 999."""
+    head = TimedHead([0.0])
+    head.window = 300
+    drafter = HeadDrafter(head)
+    drafter.cost.feed_row_s, drafter.cost.step_s = 2e-4, 1e-2
+    prompt = list(range(1000))
+    drafter.start([0], [prompt], KeyedSampler(SamplingParams()), [torch.zeros(1000, 4)])
+    extra_cost = linear_cost(0.25)
+    gain = 1 - 1 / drafter.draft_value(0, 4, extra_cost)
+    made = [n for n in range(1, 200) if drafter.catch_up_pays(0, prompt + [5] * n, 4, extra_cost)][0]
+    assert made == math.ceil(300 * 0.02 / gain - 1e-9) < 999 * 0.02 / gain
 
 
 def test_head_feeds_each_verified_row_once_and_drafts_one_row_a_run(monkeypatch):
@@ -848,7 +870,6 @@ def bad_draft_head(case, tmp_path, model):
 def test_a_head_that_does_not_fit_is_refused_in_one_line(tmp_path, case, message):
     """make_drafter refuses a draft_head that cannot draft for the target in one UserError naming draft_head (or
     draft_mode) and the fix, before any head is built."""
-    from models.tt_transformers.errors import UserError
     from models.tt_transformers.speculative import SpeculativeConfig, make_drafter
     from models.tt_transformers.torch_backend import eagle3_head
 
@@ -863,7 +884,6 @@ def test_a_head_that_does_not_fit_is_refused_in_one_line(tmp_path, case, message
 
 
 def test_a_built_head_and_a_named_one_are_refused_together(tmp_path):
-    from models.tt_transformers.errors import UserError
     from models.tt_transformers.speculative import SpeculativeConfig, make_drafter
 
     model = random_model(torch.float32, n_layers=6, max_seq_len=64)

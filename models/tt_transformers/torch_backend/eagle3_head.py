@@ -12,6 +12,7 @@ from torch import nn
 from ..checkpoints.eagle3_format import HeadConfig, estimated_run_cost, parameter_names, read_draft_head, write_head
 from ..checkpoints.model_shape import ModelShape
 from ..checkpoints.rope import rope_tables
+from ..errors import check_int
 from .attention import Attention, ExactToken, StepInputs
 from .cpu_kernels import StepTable, kernels_fit
 from .mlp import MLP
@@ -172,22 +173,21 @@ class HeadRunner:
     before the tree and its ancestors). The `DraftHeadModel` of speculative/drafters/eagle3.py.
 
     draft_cost: one run relative to a target decode step (estimated_run_cost) until the drafter measures it.
-
-    window: the positions a row attends back (its own included), at most the head layer's own sliding window. A head
-    is trained on short sequences (the shipped one on prompts and responses under a thousand tokens): keys further back
-    than it ever saw are outside its training, and reading them made a run and the catch-up after a long prompt grow
-    with the context. Within the window (WINDOW by default; None: the whole
-    context) a run costs the same at any context and the drafter feeds a long prompt's last `window` rows alone
-    (HeadDrafter._catch_up)."""
+    window: the positions a row attends back, its own included (WINDOW by default, None: the whole context; at most
+    the head layer's own sliding window)."""
 
     max_rows = 256  # catch-up rows per user and run (a prompt goes in chunks)
     max_tree_nodes = TREE_SLOTS
+    # A head learns attention over the sequences it was trained on (the shipped head: prompt + response within the
+    # 1,024 positions tools/train_draft_head.py runs the target at). Keys further back made a run and the catch-up
+    # after a long prompt grow with the context, and drafted no better (docs/draft_sources.md, "Draft head").
     WINDOW = 1024
 
     def __init__(self, head: Eagle3Head, max_batch_size: int, max_seq_len: int, target_args: ModelShape,
                  window: Optional[int] = WINDOW):
         self.head, self.max_seq_len = head, max_seq_len
-        self.window = min(head.args.sliding_window or max_seq_len, window or max_seq_len)
+        window = max_seq_len if window is None else check_int("window", window, 1, fix="or None: the whole context")
+        self.window = min(head.args.sliding_window or max_seq_len, window)
         a, config, device = head.args, head.config, head.norm.weight.device
         self.cache = KVCache(a, 1, max_batch_size, max_seq_len + 1 + TREE_SLOTS, head.dtype, device)
         self.tree_slot0 = max_seq_len + 1
@@ -253,6 +253,6 @@ class HeadRunner:
                 raise ValueError(f"a head tree holds at most {TREE_SLOTS} nodes")
             first = max(0, pos + 1 - window)
             prefix_end = max(first, pos - len(ancestors))
-            slots = tuple(self.tree_slot0 + a for a in (*ancestors, node))
+            slots = tuple(self.tree_slot0 + a for a in (*ancestors, node))[-window:]  # a path longer than the window
             exact.append(ExactToken(i, u, self.tree_slot0 + node, pos, first, prefix_end, slots))
         return self._forward(exact, states, list(tokens), True, list(range(1, len(nodes) + 1)))

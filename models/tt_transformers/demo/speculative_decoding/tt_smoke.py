@@ -366,7 +366,7 @@ def device_head(s: Smoke) -> None:
     host = load_model(ckpt, torch.bfloat16, s.config.max_seq_len, "cpu", cpu_kernels=False, n_layers=0)
     weights = stored_weights(*head) if dev.dtype == ttnn.bfloat8_b else head[1]
     runner = HeadRunner(build_draft_head(head[0], weights, host), 1, s.config.max_seq_len, args,
-                        window=None)  # the device head attends the whole context
+                        window=None)  # as the device head: its whole cache (up to its layer's sliding window)
     state, first_ref = runner.run([0], [0], [out.hidden[0]], [context[1:]])[0]
     reference, logits = [], first_ref
     for j in range(k):

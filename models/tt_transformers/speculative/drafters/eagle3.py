@@ -70,7 +70,8 @@ class HeadDrafter(HeadDrafterBase):
         steps, paid once the request has made as many tokens as the head's drafts, at their expected value, need to win
         it back (the tokens made so far standing for those to come): a short answer after a long prompt does not
         pay for the head's prefill, a long one pays it after a few tokens. A head whose drafts do not pay is probed
-        across such a gap only when those tokens cover it at the probe budget."""
+        across such a gap only when those tokens cover it at the probe budget. Rows past the head's window are never
+        fed (_catch_up): a gap costs its last `window` rows at most."""
         behind = min(len(context) - 1 - self.fed_len[user], self.head.window)
         if behind <= self.head.max_rows:
             return True
