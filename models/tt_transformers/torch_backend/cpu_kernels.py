@@ -31,10 +31,15 @@ SOURCE = Path(__file__).with_name("cpu_kernels.c")
 BLOCK = 16  # output rows per packed weight block (cpu_kernels.c)
 
 
+def head_dim_fits(head_dim: int) -> bool:
+    """Whether the kernels' attention takes this head_dim (a multiple of 32 up to 256)."""
+    return head_dim % 32 == 0 and head_dim <= 256
+
+
 def kernels_fit(args, dtype: torch.dtype) -> bool:
-    """Whether the kernels handle a model of this shape and dtype (bf16; head_dim a multiple of 32 up to 256)."""
-    return (dtype == torch.bfloat16 and args.dim % 2 == 0 and args.hidden_dim % 16 == 0 and args.head_dim % 32 == 0
-            and args.head_dim <= 256)
+    """Whether the kernels handle a model of this shape and dtype (bf16; head_dim_fits)."""
+    return (dtype == torch.bfloat16 and args.dim % 2 == 0 and args.hidden_dim % 16 == 0
+            and head_dim_fits(args.head_dim))
 
 
 def packed_shape(n_out: int, k: int) -> tuple[int, int, int, int]:
@@ -309,7 +314,7 @@ class CpuKernels:
         n = len(table.tensor)
         H, Hk, D = n_heads, k_cache.shape[1], k_cache.shape[3]
         users, slots = k_cache.shape[0], k_cache.shape[2]
-        if not (n > 0 and D % 32 == 0 and D <= 256 and Hk > 0 and H % Hk == 0):
+        if not (n > 0 and head_dim_fits(D) and Hk > 0 and H % Hk == 0):
             raise ValueError(f"CPU kernels: a step's attention needs tokens, head_dim a multiple of 32 up to 256 and "
                              f"query heads a multiple of the key/value heads, got {n} tokens, head_dim {D}, {H} query "
                              f"and {Hk} key/value heads")

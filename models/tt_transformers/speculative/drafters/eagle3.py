@@ -82,12 +82,17 @@ class HeadDrafter(HeadDrafterBase):
     def warm_up(self, logits: bool = False) -> dict[str, float]:
         return {}  # a head beside the target runs eagerly
 
+    def _unfed(self, user: int) -> torch.Tensor:
+        """The states of positions fed_len, fed_len + 1, ...: the verified steps' rows since the head last ran, joined
+        once."""
+        if len(self.known[user]) > 1:
+            self.known[user] = [torch.cat(self.known[user])]
+        return self.known[user][0]
+
     def _rows(self, user: int, context: Sequence[int], end: int) -> tuple[int, torch.Tensor, list[int]]:
         """The head's next rows for positions fed_len .. end - 1: (start, hidden states, next tokens)."""
         start = self.fed_len[user]
-        if len(self.known[user]) > 1:  # the verified steps' rows since the head last ran, joined once
-            self.known[user] = [torch.cat(self.known[user])]
-        return start, self.known[user][0][: end - start], list(context[start + 1 : end + 1])
+        return start, self._unfed(user)[: end - start], list(context[start + 1 : end + 1])
 
     def _feed(self, users: list[int], rows: list[tuple[int, torch.Tensor, list[int]]]):
         outs = self.head.run(users, [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
@@ -104,7 +109,7 @@ class HeadDrafter(HeadDrafterBase):
         for u, ctx in live:
             skip = len(ctx) - 1 - self.head.window - self.fed_len[u]
             if skip > 0:
-                self.known[u] = [torch.cat(self.known[u])[skip:]]
+                self.known[u] = [self._unfed(u)[skip:]]
                 self.fed_len[u] += skip
         while True:
             behind = [(u, ctx) for u, ctx in live
