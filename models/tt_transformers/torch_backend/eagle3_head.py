@@ -180,7 +180,7 @@ class HeadRunner:
     max_tree_nodes = TREE_SLOTS
     # A head learns attention over the sequences it was trained on (the shipped head: prompt + response within the
     # 1,024 positions tools/train_draft_head.py runs the target at). Keys further back made a run and the catch-up
-    # after a long prompt grow with the context, and drafted no better (docs/draft_sources.md, "Draft head").
+    # after a long prompt grow with the context (docs/draft_sources.md, "The head's window").
     WINDOW = 1024
 
     def __init__(self, head: Eagle3Head, max_batch_size: int, max_seq_len: int, target_args: ModelShape,
